@@ -1,0 +1,234 @@
+"""One declarative entry per model family: HF config -> Megatron TransformerConfig and layer spec.
+
+A :class:`ModelFamily` says which HF architectures it serves and which features those
+architectures have (biases, q/k norms, ...). From it and an HF config, megarl derives the
+``TransformerConfig``, the ``GPTModel`` arguments and the layer spec; the converter
+(``megarl.convert``) reads the same entry for the tensor mapping. The registry is a plain
+dict keyed by the HF ``architectures`` name.
+
+Legend for shapes in this package: B batch, S sequence, V vocabulary, H hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megarl.parallel.dims import ParallelDims
+
+# Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """What megarl needs to know about one family of HF decoder-only models."""
+
+    name: str
+    """Short name used in recipes and messages (``llama``, ``qwen2``, ``qwen3``)."""
+    architectures: tuple[str, ...]
+    """HF ``architectures`` values served by this entry."""
+    qkv_bias: Callable[[Any], bool]
+    """Whether q/k/v projections carry a bias, given the HF config."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    bias_settings: tuple[str, ...] = ("mlp_bias",)
+    """HF config flags that would add biases Megatron's GPT layers cannot hold; must be false."""
+
+    # ----------------------------------------------------------------------------- config
+    def transformer_config(self, hf_config, dims: ParallelDims, **overrides):
+        """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``.
+
+        ``overrides`` are TransformerConfig fields (e.g. ``params_dtype=torch.bfloat16``,
+        ``recompute_granularity="full"``); they win over the derived values.
+        """
+        from megatron.core.transformer import TransformerConfig
+
+        self._check_supported(hf_config)
+        sizes = self._sizes(hf_config)
+        dims.check_model(
+            num_layers=sizes["num_layers"],
+            num_attention_heads=sizes["num_attention_heads"],
+            num_query_groups=sizes["num_query_groups"],
+        )
+        on_gpu = torch.cuda.is_available()
+        params_dtype = overrides.pop("params_dtype", torch.float32)
+        kwargs = dict(
+            **sizes,
+            layernorm_epsilon=float(hf_config.rms_norm_eps),
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias(hf_config),
+            qk_layernorm=self.qk_norm,
+            init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+            attention_softmax_in_fp32=True,
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp and dims.vpp > 1 else None,
+            context_parallel_size=dims.cp,
+            params_dtype=params_dtype,
+            pipeline_dtype=params_dtype,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            # megarl's losses are already normalised by the global token/sequence count of the
+            # mini-batch (megarl.algo): Megatron must neither divide by the number of
+            # micro-batches nor average over data-parallel ranks.
+            calculate_per_token_loss=True,
+            # Fused kernels exist only on GPU.
+            use_cpu_initialization=not on_gpu,
+            masked_softmax_fusion=on_gpu,
+            bias_activation_fusion=on_gpu,
+            bias_dropout_fusion=on_gpu,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=on_gpu,
+            batch_p2p_sync=on_gpu,
+            # With gloo, batched p2p posts sends and receives in one fixed order on every rank;
+            # with two pipeline ranks under interleaving (prev == next) that pairs an activation
+            # with a gradient of the same shape. The even/odd-ordered path pairs them correctly.
+            batch_p2p_comm=on_gpu,
+            # Megatron's default ("full") is deprecated in favour of an empty list.
+            cuda_graph_scope=[],
+        )
+        kwargs.update(overrides)
+        return TransformerConfig(**kwargs)
+
+    def _sizes(self, hf_config) -> dict[str, int]:
+        heads = int(hf_config.num_attention_heads)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return dict(
+            num_layers=int(hf_config.num_hidden_layers),
+            hidden_size=int(hf_config.hidden_size),
+            ffn_hidden_size=int(hf_config.intermediate_size),
+            num_attention_heads=heads,
+            num_query_groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+            kv_channels=int(head_dim),
+        )
+
+    def _check_supported(self, hf_config) -> None:
+        arch = (getattr(hf_config, "architectures", None) or [None])[0]
+        if arch is not None and arch not in self.architectures:
+            raise ValueError(f"the {self.name} family does not serve architecture {arch!r}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} in the HF config is not supported: megarl maps SwiGLU (silu) MLPs")
+        for flag in self.bias_settings:
+            if getattr(hf_config, flag, False):
+                raise ValueError(
+                    f"{flag}=true in the HF config adds biases that Megatron's GPT layers cannot hold; "
+                    "this checkpoint is not supported"
+                )
+        window = getattr(hf_config, "sliding_window", None)
+        uses_window = getattr(hf_config, "use_sliding_window", True)
+        if window and uses_window and window < getattr(hf_config, "max_position_embeddings", 0):
+            warnings.warn(
+                f"sliding_window={window} in the HF config is ignored: megarl attends over the full "
+                f"sequence, which matches the HF model only for sequences of at most {window} tokens",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------------ GPTModel
+    def padded_vocab_size(self, hf_config, tp: int, divisible_by: int = 128) -> int:
+        """Vocabulary padded to a multiple of ``divisible_by × tp`` (Megatron's convention)."""
+        multiple = divisible_by * tp
+        return int(math.ceil(hf_config.vocab_size / multiple) * multiple)
+
+    def rope_kwargs(self, hf_config) -> dict[str, Any]:
+        """GPTModel's RoPE arguments from the HF config (base and scaling)."""
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if not params:  # configs that predate transformers' rope_parameters
+            params = dict(getattr(hf_config, "rope_scaling", None) or {})
+            params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        kwargs: dict[str, Any] = {
+            "position_embedding_type": "rope",
+            "rotary_base": float(params.get("rope_theta", 10000.0)),
+        }
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            kwargs["rotary_percent"] = float(params["partial_rotary_factor"])
+        if rope_type == "default":
+            return kwargs
+        if rope_type == "linear":
+            kwargs["seq_len_interpolation_factor"] = float(params["factor"])
+            return kwargs
+        if rope_type == "llama3":
+            for key, value in _MEGATRON_LLAMA3_ROPE.items():
+                if float(params.get(key, value)) != value:
+                    raise ValueError(
+                        f"rope_scaling.{key}={params[key]} in the HF config: Megatron's Llama 3 RoPE "
+                        f"scaling is fixed at {key}={value}; this checkpoint is not supported"
+                    )
+            kwargs.update(rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+            return kwargs
+        raise ValueError(
+            f"rope_scaling.rope_type={rope_type!r} in the HF config is not supported "
+            "(supported: default, linear, llama3)"
+        )
+
+    def gpt_model_kwargs(self, hf_config, dims: ParallelDims) -> dict[str, Any]:
+        """Arguments of ``GPTModel`` other than config, spec and stage flags."""
+        return dict(
+            vocab_size=self.padded_vocab_size(hf_config, dims.tp),
+            max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+            share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            parallel_output=True,
+            **self.rope_kwargs(hf_config),
+        )
+
+    def layer_spec(self, *, use_te: bool | None = None):
+        """TransformerEngine layer spec when TE is importable and a GPU is present, else local."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te is None:
+            use_te = torch.cuda.is_available() and _te_importable()
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+FAMILIES: dict[str, ModelFamily] = {}
+"""Registry: HF architecture name -> family entry."""
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` to the registry under each of its architectures."""
+    for arch in family.architectures:
+        if arch in FAMILIES:
+            raise ValueError(f"architecture {arch} is already served by the {FAMILIES[arch].name} family")
+        FAMILIES[arch] = family
+    return family
+
+
+def family_for(hf_config) -> ModelFamily:
+    """The family serving ``hf_config.architectures[0]`` (or its ``model_type``)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    model_type = getattr(hf_config, "model_type", None)
+    for family in FAMILIES.values():
+        if family.name == model_type or model_type in {a.removesuffix("ForCausalLM").lower() for a in family.architectures}:
+            return family
+    supported = ", ".join(sorted(FAMILIES))
+    raise ValueError(
+        f"no megarl model family serves architectures={archs} (model_type={model_type!r}); "
+        f"supported architectures: {supported}"
+    )

@@ -1,0 +1,116 @@
+"""The parallel layout of one model: tensor, pipeline, context and data parallel degrees.
+
+``ParallelDims`` is a plain value: it knows nothing about processes. It checks that its
+degrees factor the world size and, when they do not, says which setting to change.
+Everything that needs the layout receives a ``ParallelDims``; nothing reads it from globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class MeshAxis(str, enum.Enum):
+    """Names of the parallel axes, as used in settings and error messages."""
+
+    TP = "tp"
+    PP = "pp"
+    CP = "cp"
+    DP = "dp"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Degrees of parallelism for one model replica set.
+
+    ``dp`` may be left ``None`` and derived from the world size with :meth:`for_world`.
+    ``vpp`` is the number of virtual pipeline chunks per pipeline rank (interleaved 1F1B);
+    ``None`` or 1 means no interleaving.
+    """
+
+    tp: int = 1
+    """Tensor-parallel degree: each weight matrix is split over this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into this many stages."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks (GPU only)."""
+    dp: int | None = None
+    """Data-parallel degree; ``None`` until bound to a world size."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per pipeline rank; needs ``pp > 1``."""
+
+    def __post_init__(self) -> None:
+        for axis in ("tp", "pp", "cp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{axis} must be a positive integer, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"parallel.dp must be a positive integer, got {self.dp!r}")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"parallel.vpp must be a positive integer or null, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp == 1:
+                raise ValueError(
+                    f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp > 1 "
+                    "or parallel.vpp to null"
+                )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tp × pp × cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def world_size(self) -> int:
+        """tp × pp × cp × dp; requires ``dp`` to be set."""
+        if self.dp is None:
+            raise ValueError("ParallelDims.dp is not set; bind it with ParallelDims.for_world(world_size)")
+        return self.model_parallel_size * self.dp
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """Model chunks held by each pipeline rank (1 without interleaving)."""
+        return self.vpp or 1
+
+    def for_world(self, world_size: int) -> "ParallelDims":
+        """Return these dims with ``dp`` derived from (or checked against) ``world_size``."""
+        mp = self.model_parallel_size
+        if world_size % mp != 0:
+            raise ValueError(
+                f"parallel.tp × parallel.pp × parallel.cp = {self.tp} × {self.pp} × {self.cp} = {mp} "
+                f"does not divide the world size {world_size}: change parallel.tp/pp/cp so that their "
+                f"product divides {world_size}, or run on a multiple of {mp} ranks"
+            )
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"parallel.dp={self.dp} but tp × pp × cp = {mp} on {world_size} ranks leaves dp={dp}: "
+                f"set parallel.dp={dp} (or leave it null to derive it)"
+            )
+        return dataclasses.replace(self, dp=dp)
+
+    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int) -> None:
+        """Check that a model with these sizes can be split with these dims."""
+        if num_attention_heads % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} does not divide the model's {num_attention_heads} attention heads: "
+                f"choose parallel.tp among the divisors of {num_attention_heads}"
+            )
+        if num_query_groups % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} does not divide the model's {num_query_groups} key/value heads "
+                "(num_key_value_heads); Megatron does not replicate key/value heads across "
+                f"tensor-parallel ranks: choose parallel.tp among the divisors of {num_query_groups}"
+            )
+        stages = self.pp * self.num_virtual_stages
+        if stages > num_layers:
+            raise ValueError(
+                f"parallel.pp × parallel.vpp = {stages} pipeline chunks exceed the model's {num_layers} "
+                f"layers: use at most {num_layers} chunks"
+            )
+        if num_layers % stages != 0:
+            raise ValueError(
+                f"the model's {num_layers} layers do not split evenly into parallel.pp × parallel.vpp = "
+                f"{stages} pipeline chunks: choose pp × vpp dividing {num_layers}"
+            )

@@ -1,0 +1,156 @@
+"""Bring up and tear down torch.distributed and Megatron's model-parallel groups.
+
+This is the only module of megarl that calls ``parallel_state.initialize_model_parallel``.
+Everything else receives the :class:`ProcessGroups` it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.parallel import cpu_support
+from megarl.parallel.dims import ParallelDims
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's place in the layout, and the process groups along each axis."""
+
+    dims: ParallelDims
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    collection: "object"
+    """Megatron's ``ProcessGroupCollection`` for the same groups (pass it to Megatron APIs)."""
+
+    @property
+    def tp(self) -> dist.ProcessGroup:
+        """Tensor-parallel group."""
+        return self.collection.tp
+
+    @property
+    def pp(self) -> dist.ProcessGroup:
+        """Pipeline-parallel group."""
+        return self.collection.pp
+
+    @property
+    def dp(self) -> dist.ProcessGroup:
+        """Data-parallel group (without context parallelism)."""
+        return self.collection.dp
+
+    @property
+    def cp(self) -> dist.ProcessGroup:
+        """Context-parallel group."""
+        return self.collection.cp
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (it holds the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (it holds the output layer and computes losses)."""
+        return self.pp_rank == self.dims.pp - 1
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is usable, ``gloo`` otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_*).
+
+    A no-op when it is already initialised. On GPU it also selects ``LOCAL_RANK``'s device.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ValueError(
+                f"environment variable {var} is not set: start the process with torchrun, Ray "
+                "(megarl's worker groups set it) or megarl.testing.spawn"
+            )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_parallel(
+    dims: ParallelDims, backend: str | None = None, *, seed: int | None = 1234, timeout_s: float = 600.0
+) -> ProcessGroups:
+    """Initialise torch.distributed (if needed) and Megatron's groups for ``dims``.
+
+    ``dims.dp`` is derived from the world size when unset. When ``seed`` is given, the
+    Python/NumPy/torch generators and Megatron's model-parallel RNG tracker are seeded the
+    way Megatron's training does (``seed + 100 × pp_rank`` for the default streams).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cpu_support.install()
+    init_distributed(backend, timeout_s=timeout_s)
+    dims = dims.for_world(dist.get_world_size())
+    if dims.cp > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            f"parallel.cp={dims.cp}: context parallelism needs TransformerEngine attention on GPU; "
+            "set parallel.cp=1 on CPU"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        destroy_parallel()
+    vpp = dims.vpp if dims.vpp and dims.vpp > 1 else None
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=dims.cp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    groups = ProcessGroups(
+        dims=dims,
+        rank=dist.get_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    if seed is not None:
+        set_seed(seed, groups)
+    return groups
+
+
+def set_seed(seed: int, groups: ProcessGroups) -> None:
+    """Seed every generator as Megatron's training does: per pipeline stage, per TP rank."""
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * groups.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    # On CPU the default generator is also the "data-parallel" stream that Megatron seeds
+    # with torch.cuda.manual_seed (a no-op without CUDA): torch.manual_seed covers it.
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
+
+
+def destroy_parallel(*, process_group: bool = False) -> None:
+    """Tear down Megatron's groups so the process can initialise another layout.
+
+    With ``process_group=True`` the default torch.distributed group is destroyed too.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,175 @@
+"""Forward (and backward) over micro-batches through Megatron's pipeline schedule.
+
+``forward_backward`` runs Megatron's schedule (no pipelining, 1F1B, or interleaved 1F1B,
+as the layout says) over a list of micro-batches and computes, on the last pipeline stage,
+the per-token log-probability of the next token and the entropy from vocabulary-sharded
+logits. A ``loss_fn`` turns them into a scalar loss; without one it returns them.
+
+Positions. RL batches hold left-padded prompts followed by right-padded responses, so each
+row's tokens are contiguous but start at different offsets. Megatron's RoPE numbers
+positions 0..S-1 for every row; the HF models and the rollout engines number each row from
+its first real token. Each row is therefore rotated so that its tokens start at index 0
+(all padding moves to the right), which makes positions exact and lets plain causal
+attention ignore the padding (a real token never attends to a later position). Results are
+rotated back, so callers see their original layout.
+
+Legend: B micro-batch size, S sequence length.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from megarl.parallel.logprob import vocab_parallel_logprobs
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
+"""``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``; loss already normalised."""
+
+
+def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:
+    """Gather indices that move each row's contiguous tokens to the front.
+
+    Raises ``ValueError`` when a row's tokens are not contiguous (padding in the middle).
+    """
+    mask = attention_mask_BS.bool()
+    B, S = mask.shape
+    num_tokens_B = mask.sum(dim=1)
+    first_B = torch.where(num_tokens_B > 0, mask.int().argmax(dim=1), torch.zeros_like(num_tokens_B))
+    positions_S = torch.arange(S, device=mask.device)
+    expected = (positions_S >= first_B[:, None]) & (positions_S < (first_B + num_tokens_B)[:, None])
+    if not torch.equal(expected, mask):
+        bad = (expected != mask).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask rows {bad[:8]} have padding between tokens; each row must be "
+            "[left padding, tokens, right padding]"
+        )
+    return (positions_S[None, :] + first_B[:, None]) % S
+
+
+def _prepare(micro_batch: dict, shape: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model inputs for one micro-batch: left-aligned ids, positions and the alignment index.
+
+    With ``shape`` the inputs are padded (rows and columns of padding) to that [B, S].
+    """
+    input_ids_BS = micro_batch["input_ids"]
+    attention_mask_BS = micro_batch.get("attention_mask")
+    if attention_mask_BS is None:
+        attention_mask_BS = torch.ones_like(input_ids_BS)
+    if shape is not None and shape != tuple(input_ids_BS.shape):
+        pad = (0, shape[1] - input_ids_BS.shape[1], 0, shape[0] - input_ids_BS.shape[0])
+        input_ids_BS = torch.nn.functional.pad(input_ids_BS, pad)
+        attention_mask_BS = torch.nn.functional.pad(attention_mask_BS, pad)
+    index_BS = left_align(attention_mask_BS)
+    aligned_ids_BS = torch.gather(input_ids_BS, 1, index_BS)
+    position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+    return aligned_ids_BS, position_ids_BS, index_BS
+
+
+def _unalign(aligned_BS: torch.Tensor, index_BS: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(aligned_BS).scatter(1, index_BS, aligned_BS)
+
+
+def forward_backward(
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict],
+    *,
+    loss_fn: LossFn | None = None,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_group=None,
+    return_logits: bool = False,
+) -> list[dict[str, Any]]:
+    """Run the pipeline schedule over ``micro_batches``; return per-micro-batch results.
+
+    Each micro-batch is a dict with ``input_ids`` [B, S] and optionally ``attention_mask``
+    [B, S] (1 for tokens), plus whatever ``loss_fn`` reads. Position t's log-prob is that of
+    token t+1 given tokens up to t (the last position's value is meaningless).
+
+    On the last pipeline stage the result list holds, per micro-batch, ``loss_fn``'s metrics
+    (with ``loss``), or ``{"logp": ..., "entropy": ...}`` [B, S] when ``loss_fn`` is None.
+    With ``return_logits`` (forward only) the results also hold ``logits``: this TP rank's
+    vocabulary slice [B, S, V/tp], before temperature. Other stages get an empty list. Gradients accumulate in the chunks' parameters (or
+    ``main_grad`` buffers with Megatron DDP, finalised across DP ranks at the end).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if return_logits and not forward_only:
+        raise ValueError("return_logits=True is for forward_only=True runs")
+    if loss_fn is None and not forward_only:
+        raise ValueError("forward_backward without loss_fn computes nothing to differentiate: pass forward_only=True")
+    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+    config = get_model_config(model_chunks[0])
+    _set_finalize(config, model_chunks, forward_only)
+
+    def loss_func(micro_batch, input_ids_BS, index_BS, logits_BSV):
+        labels_BS = torch.roll(input_ids_BS, shifts=-1, dims=1)
+        logp_BS, entropy_BS = vocab_parallel_logprobs(
+            logits_BSV, labels_BS, temperature, tp_group=tp_group, vocab_size=vocab_size
+        )
+        # Back to the caller's layout (and shape, if the pipeline padded it).
+        B, S = micro_batch["input_ids"].shape
+        logp_BS = _unalign(logp_BS, index_BS)[:B, :S]
+        entropy_BS = _unalign(entropy_BS, index_BS)[:B, :S]
+        if loss_fn is None:
+            outputs = {"logp": logp_BS.detach(), "entropy": entropy_BS.detach()}
+            if return_logits:
+                outputs["logits"] = torch.zeros_like(logits_BSV).scatter(
+                    1, index_BS.unsqueeze(-1).expand_as(logits_BSV), logits_BSV.detach()
+                )[:B, :S]
+            zero = logits_BSV.new_zeros((), dtype=torch.float32)
+            return zero, torch.tensor(0, dtype=torch.int), outputs
+        loss, metrics = loss_fn(logp_BS, entropy_BS, micro_batch)
+        metrics = {"loss": loss.detach(), **metrics}
+        # The count returned here would make Megatron divide the loss; megarl's losses are
+        # already normalised (see finalize in _set_finalize), so it is only informational.
+        return loss, torch.tensor(0, dtype=torch.int), metrics
+
+    def forward_step(data_iterator, model):
+        micro_batch, (input_ids_BS, position_ids_BS, index_BS) = next(data_iterator)
+        output = model(input_ids_BS, position_ids_BS, None)
+        return output, functools.partial(loss_func, micro_batch, input_ids_BS, index_BS)
+
+    max_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    max_batch = max(mb["input_ids"].shape[0] for mb in micro_batches)
+    # Pipeline stages exchange activations of one fixed shape per call (no shape exchange
+    # before every send), so every micro-batch is padded to the largest.
+    shape = (max_batch, max_len) if parallel_state.get_pipeline_model_parallel_world_size() > 1 else None
+    prepared = [(mb, _prepare(mb, shape)) for mb in micro_batches]
+    num_chunks = len(model_chunks)
+    iterators = [iter(prepared) for _ in range(num_chunks)]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if num_chunks > 1 else iterators[0],
+        model=list(model_chunks),
+        num_microbatches=len(micro_batches),
+        seq_length=max_len,
+        micro_batch_size=max_batch,
+        forward_only=forward_only,
+    )
+
+
+def _set_finalize(config, model_chunks, forward_only: bool) -> None:
+    """Finalise gradients (DP all-reduce, tied-embedding sync) without Megatron's rescaling.
+
+    With ``calculate_per_token_loss`` Megatron sums gradients over DP ranks and would divide
+    them by the token count returned by the loss function; megarl passes no count, so the
+    gradient of an already-normalised loss is left as is.
+    """
+    if forward_only or not all(hasattr(chunk, "finish_grad_sync") for chunk in model_chunks):
+        config.finalize_model_grads_func = None
+        return
+    from megatron.core.distributed import finalize_model_grads
+
+    def finalize(model, num_tokens=None, **kwargs):
+        finalize_model_grads(model, num_tokens=None, **kwargs)
+
+    config.finalize_model_grads_func = finalize

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and CLIs that run several local ranks."""

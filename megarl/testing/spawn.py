@@ -1,0 +1,164 @@
+"""Run a function on N local gloo ranks, time-bounded, and bring back results or the failure.
+
+Used by the multi-process tests, the benchmarks in ``tools/`` and the CLIs that spawn
+their own ranks on CPU. Each rank is a fresh ``spawn``-ed process with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, one torch thread,
+and the function's return value shipped back by value.
+
+Failure policy: the first rank that raises (or dies, or exits without reporting) ends the
+job; the others are killed (they would otherwise wait forever in a collective) and
+:class:`RankFailure` carries the failing rank's traceback. On timeout every unfinished rank's
+Python stack is dumped (faulthandler) into the error before the ranks are killed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised, died, or the job ran past its time limit."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, env, results, stack_file):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    with open(stack_file, "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+            value = fn(*args, **kwargs)
+            payload = ("ok", pickle.dumps(value))
+        except BaseException:  # noqa: BLE001 - every failure, SystemExit included, is reported
+            payload = ("error", traceback.format_exc())
+        finally:
+            _destroy_process_group()
+        results.put((rank, *payload))
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return each rank's result.
+
+    ``fn`` must be importable by module path (a module-level function). Raises
+    :class:`RankFailure` with the failing rank's traceback if any rank fails, dies or the
+    job exceeds ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    rank_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="megarl-ranks-") as tmp:
+        stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, args, kwargs, r, world_size, port, rank_env, results, stack_files[r]),
+                name=f"megarl-rank{r}",
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, timeout_s, stack_files, fn)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+
+
+def _next_report(results, wait_s: float):
+    try:
+        return results.get(timeout=wait_s)
+    except queue.Empty:
+        return None
+
+
+def _collect(procs, results, timeout_s, stack_files, fn) -> list[Any]:
+    world_size = len(procs)
+    outcome: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    name = getattr(fn, "__qualname__", repr(fn))
+    while len(outcome) < world_size:
+        report = _next_report(results, 0.2)
+        if report is None:
+            exited = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+            if exited:
+                # A rank that just exited may still be flushing its report.
+                report = _next_report(results, 2.0)
+                if report is None:
+                    code = procs[exited[0]].exitcode
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    raise RankFailure(
+                        f"rank {exited[0]} of {world_size} running {name} died ({how}) without reporting"
+                    )
+            elif time.monotonic() > deadline:
+                raise RankFailure(_timeout_message(procs, outcome, stack_files, timeout_s, name))
+            else:
+                continue
+        rank, status, payload = report
+        if status == "error":
+            raise RankFailure(f"rank {rank} of {world_size} running {name} failed:\n{payload}")
+        outcome[rank] = pickle.loads(payload)
+    return [outcome[r] for r in range(world_size)]
+
+
+def _timeout_message(procs, outcome, stack_files, timeout_s, name) -> str:
+    pending = [r for r in range(len(procs)) if r not in outcome]
+    for r in pending:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = [f"{name} on {len(procs)} ranks ran past {timeout_s:.0f} s; ranks {pending} did not finish."]
+    for r in pending:
+        with open(stack_files[r]) as f:
+            stack = f.read().strip()
+        lines.append(f"--- rank {r} stack ---\n{stack or '(no stack dumped)'}")
+    return "\n".join(lines)
