@@ -99,14 +99,14 @@ def init_parallel(
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    cpu_support.install()
-    init_distributed(backend, timeout_s=timeout_s)
-    dims = dims.for_world(dist.get_world_size())
     if dims.cp > 1 and not torch.cuda.is_available():
         raise ValueError(
             f"parallel.cp={dims.cp}: context parallelism needs TransformerEngine attention on GPU; "
             "set parallel.cp=1 on CPU"
         )
+    cpu_support.install()
+    init_distributed(backend, timeout_s=timeout_s)
+    dims = dims.for_world(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         destroy_parallel()
     vpp = dims.vpp if dims.vpp and dims.vpp > 1 else None

@@ -13,6 +13,7 @@ Python stack is dumped (faulthandler) into the error before the ranks are killed
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -20,6 +21,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -38,8 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, env, results, stack_file):
-    os.environ.update(env)
+def _rank_main(fn, args, kwargs, rank, world_size, port, results, stack_file):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -51,9 +52,8 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, env, results, stack_fil
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
-            import torch
-
-            torch.set_num_threads(1)
+            if "torch" in sys.modules:  # imported while unpickling fn's module
+                sys.modules["torch"].set_num_threads(1)
             value = fn(*args, **kwargs)
             payload = ("ok", pickle.dumps(value))
         except BaseException:  # noqa: BLE001 - every failure, SystemExit included, is reported
@@ -96,14 +96,17 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, r, world_size, port, rank_env, results, stack_files[r]),
+                args=(fn, args, kwargs, r, world_size, port, results, stack_files[r]),
                 name=f"megarl-rank{r}",
                 daemon=True,
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        # Children inherit the environment at start: thread limits must be in place before
+        # they import torch (OpenMP reads OMP_NUM_THREADS once, at load).
+        with _environment(rank_env):
+            for p in procs:
+                p.start()
         try:
             return _collect(procs, results, timeout_s, stack_files, fn)
         finally:
@@ -112,6 +115,20 @@ def run_ranks(
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _next_report(results, wait_s: float):

@@ -1,0 +1,123 @@
+"""HF config -> TransformerConfig mapping per family, and the errors for what cannot map."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from megarl.models import FAMILIES, family_for
+from megarl.parallel import ParallelDims
+
+
+def llama(**kw):
+    base = dict(vocab_size=1000, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(**{**base, **kw})
+
+
+def test_registry_is_keyed_by_architecture():
+    assert {a: f.name for a, f in FAMILIES.items()} == {
+        "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    }
+    assert family_for(Qwen2Config()).name == "qwen2"  # no architectures: model_type decides
+    assert family_for(MistralConfig()).name == "llama"
+
+
+def test_unknown_architecture_lists_supported():
+    cfg = llama(architectures=["GPT2LMHeadModel"])
+    cfg.model_type = "gpt2"
+    with pytest.raises(ValueError, match=r"no megarl model family serves architectures=\['GPT2LMHeadModel'\].*LlamaForCausalLM"):
+        family_for(cfg)
+
+
+def test_llama_gqa_mapping():
+    cfg = llama()
+    tc = family_for(cfg).transformer_config(cfg, ParallelDims(tp=2, pp=2))
+    assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size) == (4, 128, 352)
+    assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (8, 2, 16)
+    assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size) == (2, 2)
+    assert tc.normalization == "RMSNorm" and tc.layernorm_epsilon == 1e-5
+    assert tc.gated_linear_unit and tc.activation_func is torch.nn.functional.silu
+    assert not tc.add_bias_linear and not tc.add_qkv_bias and not tc.qk_layernorm
+    assert tc.calculate_per_token_loss and tc.hidden_dropout == 0.0 and tc.use_cpu_initialization
+
+
+def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm_and_head_dim():
+    q2 = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=96)
+    tc2 = family_for(q2).transformer_config(q2, ParallelDims())
+    assert tc2.add_qkv_bias and not tc2.add_bias_linear and not tc2.qk_layernorm and tc2.kv_channels == 16
+    q3 = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_hidden_layers=2,
+                     intermediate_size=96)
+    tc3 = family_for(q3).transformer_config(q3, ParallelDims())
+    assert tc3.qk_layernorm and not tc3.add_qkv_bias and tc3.kv_channels == 40
+
+
+def test_overrides_win():
+    cfg = llama()
+    tc = family_for(cfg).transformer_config(cfg, ParallelDims(), params_dtype=torch.bfloat16, recompute_granularity="full",
+                                            recompute_method="uniform", recompute_num_layers=1)
+    assert tc.params_dtype == torch.bfloat16 and tc.bf16 and tc.pipeline_dtype == torch.bfloat16
+    assert tc.recompute_granularity == "full"
+
+
+def test_vocab_padded_to_tp_multiple():
+    family = family_for(llama())
+    assert family.padded_vocab_size(llama(vocab_size=1000), tp=1) == 1024
+    assert family.padded_vocab_size(llama(vocab_size=1000), tp=2) == 1024
+    assert family.padded_vocab_size(llama(vocab_size=1000), tp=8) == 1024
+    assert family.padded_vocab_size(llama(vocab_size=151936), tp=8) == 152576
+    assert family.padded_vocab_size(llama(vocab_size=128256), tp=8) == 129024
+
+
+def test_rope_arguments():
+    family = family_for(llama())
+    assert family.rope_kwargs(llama(rope_theta=500000.0)) == {"position_embedding_type": "rope", "rotary_base": 500000.0}
+    scaled = llama(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
+    assert family.rope_kwargs(scaled) == {"position_embedding_type": "rope", "rotary_base": 500000.0,
+                                          "rope_scaling": True, "rope_scaling_factor": 8.0}
+    linear = llama(rope_scaling=dict(rope_type="linear", factor=4.0))
+    assert family.rope_kwargs(linear)["seq_len_interpolation_factor"] == 4.0
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (llama(hidden_act="gelu"), r"hidden_act='gelu' in the HF config is not supported"),
+        (llama(attention_bias=True), r"attention_bias=true in the HF config"),
+        (llama(mlp_bias=True), r"mlp_bias=true in the HF config"),
+        (llama(max_position_embeddings=131072, rope_scaling=dict(rope_type="yarn", factor=4.0,
+               original_max_position_embeddings=8192)), r"rope_scaling.rope_type='yarn' .* not supported"),
+        (llama(max_position_embeddings=131072, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+               high_freq_factor=4.0, original_max_position_embeddings=4096)),
+         r"rope_scaling.original_max_position_embeddings=4096 .* fixed at original_max_position_embeddings=8192"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(cfg, message):
+    family = family_for(llama())
+    with pytest.raises(ValueError, match=message):
+        family.transformer_config(cfg, ParallelDims())
+        family.gpt_model_kwargs(cfg, ParallelDims())
+
+
+def test_layout_errors_name_the_setting():
+    cfg = llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=96)
+    family = family_for(cfg)
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide the model's 6 attention heads"):
+        family.transformer_config(cfg, ParallelDims(tp=4))
+    with pytest.raises(ValueError, match=r"parallel.pp × parallel.vpp = 8 pipeline chunks exceed the model's 4 layers"):
+        family.transformer_config(cfg, ParallelDims(pp=8))
+
+
+def test_sliding_window_is_reported_not_silently_dropped():
+    cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                        intermediate_size=96, sliding_window=16, max_position_embeddings=64)
+    with pytest.warns(UserWarning, match="sliding_window=16 in the HF config is ignored"):
+        family_for(cfg).transformer_config(cfg, ParallelDims())
+    qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       intermediate_size=96, use_sliding_window=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        family_for(qwen).transformer_config(qwen, ParallelDims())

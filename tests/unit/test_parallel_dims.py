@@ -1,0 +1,70 @@
+"""ParallelDims factors the world size and names the setting to change when it cannot."""
+
+import pytest
+
+from megarl.parallel import ParallelDims
+
+
+def test_dp_is_derived_from_world_size():
+    dims = ParallelDims(tp=2, pp=2).for_world(8)
+    assert (dims.tp, dims.pp, dims.cp, dims.dp, dims.world_size) == (2, 2, 1, 2, 8)
+    assert dims.model_parallel_size == 4
+    assert ParallelDims(tp=1, pp=2, vpp=3).num_virtual_stages == 3
+
+
+def test_layout_not_dividing_world_names_the_settings():
+    with pytest.raises(ValueError, match=r"parallel.tp × parallel.pp × parallel.cp = 2 × 3 × 1 = 6 does not divide the world size 8"):
+        ParallelDims(tp=2, pp=3).for_world(8)
+    with pytest.raises(ValueError, match=r"parallel.tp × parallel.pp × parallel.cp = 2 × 1 × 3 = 6"):
+        ParallelDims(tp=2, cp=3).for_world(4)
+
+
+def test_explicit_dp_must_agree():
+    with pytest.raises(ValueError, match=r"parallel.dp=4 but .* leaves dp=2: set parallel.dp=2"):
+        ParallelDims(tp=2, dp=4).for_world(4)
+    assert ParallelDims(tp=2, dp=2).for_world(4).dp == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, setting",
+    [(dict(tp=0), "parallel.tp"), (dict(pp=-1), "parallel.pp"), (dict(cp=0), "parallel.cp"), (dict(dp=0), "parallel.dp"),
+     (dict(vpp=0, pp=2), "parallel.vpp"), (dict(vpp=2), r"parallel.vpp=2 needs pipeline parallelism")],
+)
+def test_bad_degrees(kwargs, setting):
+    with pytest.raises(ValueError, match=setting):
+        ParallelDims(**kwargs)
+
+
+def test_world_size_needs_dp():
+    with pytest.raises(ValueError, match="for_world"):
+        ParallelDims(tp=2).world_size
+
+
+def test_heads_not_divisible_by_tp():
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide the model's 6 attention heads"):
+        ParallelDims(tp=4).check_model(num_layers=4, num_attention_heads=6, num_query_groups=2)
+
+
+def test_kv_heads_not_divisible_by_tp():
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide the model's 2 key/value heads"):
+        ParallelDims(tp=4).check_model(num_layers=4, num_attention_heads=8, num_query_groups=2)
+
+
+def test_more_pipeline_chunks_than_layers():
+    with pytest.raises(ValueError, match=r"parallel.pp × parallel.vpp = 8 pipeline chunks exceed the model's 4 layers"):
+        ParallelDims(pp=8).check_model(num_layers=4, num_attention_heads=4, num_query_groups=4)
+    with pytest.raises(ValueError, match=r"parallel.pp × parallel.vpp = 6 pipeline chunks exceed"):
+        ParallelDims(pp=2, vpp=3).check_model(num_layers=4, num_attention_heads=4, num_query_groups=4)
+
+
+def test_uneven_layer_split():
+    with pytest.raises(ValueError, match=r"6 layers do not split evenly into parallel.pp × parallel.vpp = 4"):
+        ParallelDims(pp=4).check_model(num_layers=6, num_attention_heads=4, num_query_groups=4)
+    ParallelDims(pp=2, vpp=2).check_model(num_layers=8, num_attention_heads=4, num_query_groups=4)
+
+
+def test_context_parallel_refused_on_cpu():
+    from megarl.parallel import init_parallel
+
+    with pytest.raises(ValueError, match=r"parallel.cp=2: context parallelism needs TransformerEngine"):
+        init_parallel(ParallelDims(cp=2))
