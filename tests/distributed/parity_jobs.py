@@ -20,6 +20,11 @@ MICRO_BATCH = 2
 NUM_MICRO_BATCHES = 4  # global, split over DP ranks
 TEMPERATURE = 0.7
 LAYOUTS = [(2, 1, None), (1, 2, None), (2, 2, None), (2, 2, 2)]
+# One optimizer step with clipping active and weight decay, as megarl's actor takes it.
+# Adam's first step is lr × g / (|g| + eps): with a tiny eps, gradient entries near 0 turn
+# 1e-8-level summation-order noise into lr-sized differences; eps = 1e-3 keeps the comparison
+# well-conditioned (sensitivity lr / eps = 10 per unit of gradient difference).
+LR, WEIGHT_DECAY, CLIP_GRAD, BETAS, EPS = 1e-2, 0.1, 0.05, (0.9, 0.95), 1e-3
 
 
 def hf_config(family_name: str):
@@ -80,10 +85,12 @@ def loss_fn(logp, entropy, mb):
     return loss, {"num_valid": valid.sum()}
 
 
-def _wrap_ddp(chunks):
+def _wrap_ddp(chunks, *, distributed_optimizer: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+    )
     return [
         DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
         for i, c in enumerate(chunks)
@@ -130,7 +137,21 @@ def _reference(family, cfg):
     forward_backward([model], mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return weights, grads, fwd
+    return weights, grads, fwd, _reference_step(model)
+
+
+def _reference_step(model) -> dict[str, torch.Tensor]:
+    """Weights after one clipped AdamW step, no decay on biases and norms (Megatron's groups)."""
+    params = list(model.parameters())
+    torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+    decay = [p for p in params if all(p is not q for q in no_decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=EPS,
+    )
+    optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _padding_invariance(family, cfg, weights) -> float:
@@ -151,13 +172,11 @@ def _padding_invariance(family, cfg, weights) -> float:
     return (plain[0, :7] - padded[0, 3:10]).abs().max().item()
 
 
-def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd) -> dict:
+def _load_chunks(family, cfg, groups, ref_weights):
+    """Build this rank's chunks and copy the reference weights into them."""
     from megarl.models import build_model_chunks, layer_offset
-    from megarl.parallel import ParallelDims, forward_backward, init_parallel
 
-    tp, pp, vpp = layout
-    groups = init_parallel(ParallelDims(tp=tp, pp=pp, vpp=vpp), seed=99)
-    tied = bool(cfg.tie_word_embeddings)
+    tp, tied = groups.dims.tp, bool(cfg.tie_word_embeddings)
     chunks = build_model_chunks(family, cfg, groups.dims)
     gated = chunks[0].config.gated_linear_unit
     names = {}
@@ -168,6 +187,15 @@ def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd) -> dict:
                 ref_name = _reference_name(name, offset, tied)
                 names[id(param)] = (name, ref_name)
                 param.copy_(_target_tensor(ref_weights[ref_name], param, name, groups.tp_rank, tp, gated))
+    return chunks, names, gated
+
+
+def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd, ref_stepped) -> dict:
+    from megarl.parallel import ParallelDims, forward_backward, init_parallel
+
+    tp, pp, vpp = layout
+    groups = init_parallel(ParallelDims(tp=tp, pp=pp, vpp=vpp), seed=99)
+    chunks, names, gated = _load_chunks(family, cfg, groups, ref_weights)
     mbs = micro_batches()
     result = {"layout": layout, "rank": groups.rank, "last_stage": groups.is_last_stage}
 
@@ -184,6 +212,17 @@ def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd) -> dict:
     ddp_chunks = _wrap_ddp(chunks)
     my_mbs = mbs[groups.dp_rank :: groups.dims.dp]
     forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB)
+    result.update(_gradient_diff(chunks, names, ref_grads, groups, tp, gated))
+
+    # Again from the same weights, with the distributed optimizer (gradients reduce-scattered).
+    chunks, names, gated = _load_chunks(family, cfg, groups, ref_weights)
+    ddp_chunks = _wrap_ddp(chunks, distributed_optimizer=True)
+    forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB)
+    result.update(_step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated))
+    return result
+
+
+def _gradient_diff(chunks, names, ref_grads, groups, tp, gated) -> dict:
     grad_diff, compared = 0.0, 0
     for chunk in chunks:
         for param in chunk.parameters():
@@ -192,8 +231,34 @@ def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd) -> dict:
             expected = _target_tensor(ref_grads[ref_name], param, name, groups.tp_rank, tp, gated)
             grad_diff = max(grad_diff, (param.main_grad - expected).abs().max().item())
             compared += 1
-    result.update(grad_diff=grad_diff, params_compared=compared, params_total=sum(1 for c in chunks for _ in c.parameters()))
-    return result
+    return dict(grad_diff=grad_diff, params_compared=compared, params_total=sum(1 for c in chunks for _ in c.parameters()))
+
+
+def _step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated) -> dict:
+    """One step of Megatron's distributed optimizer (sharded over DP) equals the reference step."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+        adam_eps=EPS, clip_grad=CLIP_GRAD, use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    # The scheduler applies per-group weight-decay multipliers (none on biases and norms).
+    OptimizerParamScheduler(
+        optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=1,
+        lr_decay_style="constant", start_wd=WEIGHT_DECAY, end_wd=WEIGHT_DECAY, wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    success, grad_norm, _ = optimizer.step()
+    step_diff = 0.0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            name, ref_name = names[id(param)]
+            # Padded vocabulary rows stay 0 (0 weight, 0 gradient), as in the zero-padded reference.
+            expected = _target_tensor(ref_stepped[ref_name], param, name, groups.tp_rank, tp, gated)
+            step_diff = max(step_diff, (param.detach() - expected).abs().max().item())
+    return dict(step_ok=bool(success), grad_norm=float(grad_norm), step_diff=step_diff)
 
 
 def parity_job(family_names: list[str]) -> dict:
@@ -205,10 +270,10 @@ def parity_job(family_names: list[str]) -> dict:
     for family_name in family_names:
         cfg = hf_config(family_name)
         family = FAMILIES[cfg.architectures[0]]
-        ref_weights, ref_grads, ref_fwd = _reference(family, cfg)
+        ref_weights, ref_grads, ref_fwd, ref_stepped = _reference(family, cfg)
         out["padding"][family_name] = _padding_invariance(family, cfg, ref_weights)
         for layout in LAYOUTS:
-            result = _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd)
+            result = _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd, ref_stepped)
             out["layouts"].append({"family": family_name, **result})
     out["seconds"] = time.monotonic() - started
     return out

@@ -1,4 +1,7 @@
-"""Vocab-parallel log-prob and entropy at TP=2 equal the full-softmax computation."""
+"""Vocab-parallel log-prob and entropy at TP=2 equal the full-softmax computation.
+
+The same 2-rank job also checks the CPU model-parallel RNG tracker (dropout streams).
+"""
 
 import pytest
 import torch
@@ -40,7 +43,23 @@ def logprob_job():
     (logp * g_logp + entropy * g_ent).sum().backward()
     grads = [torch.empty_like(shard.grad) for _ in range(2)]
     dist.all_gather(grads, shard.grad, group=groups.tp)
-    return logp.detach(), entropy.detach(), torch.cat(grads, dim=-1)
+    return logp.detach(), entropy.detach(), torch.cat(grads, dim=-1), _rng_streams(groups)
+
+
+def _rng_streams(groups):
+    """Draws from the default stream and from the tensor-parallel stream, twice from one seed."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megarl.parallel import set_seed
+
+    draws = []
+    for _ in range(2):
+        set_seed(5, groups)
+        default = torch.rand(4)
+        with get_cuda_rng_tracker().fork():
+            tp_stream = torch.rand(4)
+        draws.append((default, tp_stream, torch.rand(4)))
+    return draws
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +69,7 @@ def tp2_results():
 
 def test_tp2_logprob_entropy_and_grad_equal_full_softmax(tp2_results):
     ref_logp, ref_entropy, ref_grad = _full_softmax()
-    for logp, entropy, grad in tp2_results:
+    for logp, entropy, grad, _ in tp2_results:
         assert (logp.double() - ref_logp).abs().max() <= 1e-6
         assert (entropy.double() - ref_entropy).abs().max() <= 1e-6
         assert (grad.double() - ref_grad).abs().max() <= 1e-6
@@ -87,3 +106,15 @@ def test_rejects_bad_inputs():
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match="target_ids shape"):
         vocab_parallel_logprobs(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))
+
+
+def test_cpu_rng_tracker_gives_per_tp_rank_streams(tp2_results):
+    (first0, again0), (first1, _) = (r[3] for r in tp2_results)
+    # Same seed, same draws: reproducible.
+    for a, b in zip(first0, again0):
+        assert torch.equal(a, b)
+    # Default stream is shared by the TP ranks; the model-parallel stream differs per rank.
+    assert torch.equal(first0[0], first1[0])
+    assert not torch.equal(first0[1], first1[1])
+    # Forking leaves the default stream where it was.
+    assert torch.equal(first0[2], first1[2]) and not torch.equal(first0[0], first0[2])
