@@ -19,7 +19,9 @@ Conventions shared by all estimators:
   masked tokens inside a response this is exactly the textbook recursion.
 - Grouping by ``uid`` is vectorised (:mod:`megarl.algo.groups`).
 
-Shape legend: ``B`` rows (trajectories), ``T`` response tokens, ``G`` groups (prompts).
+Shape legend: ``B`` rows (trajectories), ``T`` response tokens, ``G`` groups (prompts). The
+estimators' parameters are named after the batch fields they receive (``token_level_rewards``,
+``values``, ``response_mask``: all [B, T]; ``uid``, ``reward_baselines``: [B]).
 """
 
 from __future__ import annotations

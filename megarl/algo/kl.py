@@ -134,8 +134,8 @@ def build_kl_controller(type: str = "fixed", kl_coef: float = 0.001, target_kl: 
     raise ValueError(f"unknown algorithm.kl_ctrl.type {type!r}; use 'fixed' or 'adaptive'")
 
 
-def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl", mask_key: str = "response_mask",
-                     ) -> dict[str, float]:
+def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl",
+                     mask_key: str = "response_mask") -> dict[str, float]:
     """Set ``batch["token_level_rewards"] = token_level_scores - beta * kl * mask`` and step the controller.
 
     ``batch`` is any mapping-like batch (a :class:`megarl.data.Batch`) holding

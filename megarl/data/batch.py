@@ -15,6 +15,8 @@ names the offending key or setting in its error. A batch is plain data (dicts of
 and numpy arrays), so it pickles, and therefore travels through Ray, as is.
 
 Field names follow ``reference/seeds-digest.md`` §1.4.
+
+Shape legend: ``N`` rows of an index (``idx_N``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _index_field(value: Field, idx: torch.Tensor) -> Field:
     return value[idx.numpy()]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Batch:
     """Tensors and per-row arrays sharing a first dimension, plus step-level meta.
 
