@@ -18,9 +18,9 @@ Because the numerator is additive over rows, the gradient of the mini-batch is e
 sum of the gradients of its micro-batches, however the rows are split (fixed micro-batches,
 token-budget packing, DP ranks), as long as every piece is given the same ``global_norm``.
 :func:`agg_norm` computes it from a mask; it is additive over rows too, so DP ranks sum their
-local values with one all-reduce. Megatron averages gradients over DP ranks, so there the loss
-is multiplied by the DP size to keep the sum. "Sequences" counts rows with at least one valid
-token, so all-masked padding rows change nothing.
+local values with one all-reduce. megarl's Megatron models sum gradients over DP ranks
+(``calculate_per_token_loss``; see megarl.parallel.pipeline), so the loss needs no rescaling.
+"Sequences" counts rows with at least one valid token, so all-masked padding rows change nothing.
 
 Shape legend: ``B`` rows (trajectories) of this micro-batch, ``T`` response tokens.
 """

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megarl.models.weights import WeightRule
 from megarl.parallel.dims import ParallelDims
 
 # Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
@@ -34,12 +34,25 @@ class ModelFamily:
     """Short name used in recipes and messages (``llama``, ``qwen2``, ``qwen3``)."""
     architectures: tuple[str, ...]
     """HF ``architectures`` values served by this entry."""
-    qkv_bias: Callable[[Any], bool]
-    """Whether q/k/v projections carry a bias, given the HF config."""
-    qk_norm: bool = False
-    """RMSNorm on queries and keys per head (Qwen3)."""
-    bias_settings: tuple[str, ...] = ("mlp_bias",)
+    bias_settings: tuple[str, ...]
     """HF config flags that would add biases Megatron's GPT layers cannot hold; must be false."""
+    weights: tuple[WeightRule, ...]
+    """How every HF tensor maps to a Megatron tensor (see megarl.models.weights)."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q/k/v projections carry a bias (a rule maps one)."""
+        return any(rule.megatron.endswith("linear_qkv.bias") for rule in self.weights)
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm on queries and keys per head (Qwen3)."""
+        return any(rule.megatron.endswith("q_layernorm.weight") for rule in self.weights)
+
+    def weight_rules(self, hf_config) -> tuple[WeightRule, ...]:
+        """The rules that apply to ``hf_config`` (the output layer only when untied)."""
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        return tuple(rule for rule in self.weights if not (tied and rule.untied_only))
 
     # ----------------------------------------------------------------------------- config
     def transformer_config(self, hf_config, dims: ParallelDims, **overrides):
@@ -66,7 +79,7 @@ class ModelFamily:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=self.qkv_bias(hf_config),
+            add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_norm,
             init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
             hidden_dropout=0.0,
@@ -138,10 +151,14 @@ class ModelFamily:
             )
 
     # ------------------------------------------------------------------------ GPTModel
-    def padded_vocab_size(self, hf_config, tp: int, divisible_by: int = 128) -> int:
-        """Vocabulary padded to a multiple of ``divisible_by × tp`` (Megatron's convention)."""
-        multiple = divisible_by * tp
-        return int(math.ceil(hf_config.vocab_size / multiple) * multiple)
+    def padded_vocab_size(self, hf_config, tp: int) -> int:
+        """Vocabulary padded as SGLang's VocabParallelEmbedding pads it for ``tp`` ranks.
+
+        A multiple of 64, or of 64 × tp when that is not divisible by tp. Padding like the
+        rollout engine makes Megatron's vocabulary shards line up with the engine's, so
+        TP-matched weight sync needs no gather for the embedding and output layer.
+        """
+        return sglang_padded_vocab(int(hf_config.vocab_size), tp)
 
     def rope_kwargs(self, hf_config) -> dict[str, Any]:
         """GPTModel's RoPE arguments from the HF config (base and scaling)."""
@@ -194,6 +211,15 @@ class ModelFamily:
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
         return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+
+
+def sglang_padded_vocab(vocab_size: int, tp: int, padding: int = 64) -> int:
+    """SGLang's padded vocabulary size for ``tp`` ranks (each holds an equal share)."""
+    padded = math.ceil(vocab_size / padding) * padding
+    if padded % tp != 0:
+        padding *= tp
+        padded = math.ceil(vocab_size / padding) * padding
+    return padded
 
 
 def _te_importable() -> bool:

@@ -106,6 +106,12 @@ def forward_backward(
         raise ValueError("return_logits=True is for forward_only=True runs")
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward without loss_fn computes nothing to differentiate: pass forward_only=True")
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(model_chunks) > 1 and len(micro_batches) % pp != 0:
+        raise ValueError(
+            f"interleaved pipelining (parallel.vpp={len(model_chunks)}) needs a multiple of "
+            f"parallel.pp={pp} micro-batches, got {len(micro_batches)}: split the batch into more micro-batches"
+        )
     tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
     config = get_model_config(model_chunks[0])
     _set_finalize(config, model_chunks, forward_only)
@@ -142,7 +148,7 @@ def forward_backward(
     max_batch = max(mb["input_ids"].shape[0] for mb in micro_batches)
     # Pipeline stages exchange activations of one fixed shape per call (no shape exchange
     # before every send), so every micro-batch is padded to the largest.
-    shape = (max_batch, max_len) if parallel_state.get_pipeline_model_parallel_world_size() > 1 else None
+    shape = (max_batch, max_len) if pp > 1 else None
     prepared = [(mb, _prepare(mb, shape)) for mb in micro_batches]
     num_chunks = len(model_chunks)
     iterators = [iter(prepared) for _ in range(num_chunks)]

@@ -41,6 +41,8 @@ def free_port() -> int:
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, results, stack_file):
+    # Own process group: the parent kills the rank and anything it started in one go.
+    os.setpgrp()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -98,7 +100,9 @@ def run_ranks(
                 target=_rank_main,
                 args=(fn, args, kwargs, r, world_size, port, results, stack_files[r]),
                 name=f"megarl-rank{r}",
-                daemon=True,
+                # Not daemonic: ranks may start helper processes (Megatron's checkpoint writer
+                # does). The finally-block below kills whatever is left.
+                daemon=False,
             )
             for r in range(world_size)
         ]
@@ -111,10 +115,19 @@ def run_ranks(
             return _collect(procs, results, timeout_s, stack_files, fn)
         finally:
             for p in procs:
-                if p.is_alive():
-                    p.kill()
+                _kill_group(p)
             for p in procs:
                 p.join(timeout=10)
+
+
+def _kill_group(proc) -> None:
+    """Kill a rank and every process it started (they share the rank's process group)."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 @contextlib.contextmanager

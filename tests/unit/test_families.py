@@ -67,8 +67,10 @@ def test_vocab_padded_to_tp_multiple():
     assert family.padded_vocab_size(llama(vocab_size=1000), tp=1) == 1024
     assert family.padded_vocab_size(llama(vocab_size=1000), tp=2) == 1024
     assert family.padded_vocab_size(llama(vocab_size=1000), tp=8) == 1024
-    assert family.padded_vocab_size(llama(vocab_size=151936), tp=8) == 152576
-    assert family.padded_vocab_size(llama(vocab_size=128256), tp=8) == 129024
+    assert family.padded_vocab_size(llama(vocab_size=151936), tp=8) == 151936
+    assert family.padded_vocab_size(llama(vocab_size=128256), tp=8) == 128256
+    # 1024 is not divisible by 3, so SGLang pads to a multiple of 64 × 3 = 192
+    assert family.padded_vocab_size(llama(vocab_size=1001), tp=3) == 1152
 
 
 def test_rope_arguments():

@@ -1,0 +1,57 @@
+"""Megatron distributed checkpoints (torch_dist) of model chunks, reloadable at any TP/PP/VPP.
+
+Tensors are stored under layout-independent keys (Megatron's sharded state dict stacks the
+layers along a global axis), so a checkpoint written at TP=2×PP=2 loads at TP=1×PP=2, or
+with virtual pipeline chunks, unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _sharded_state_dict(model_chunks) -> dict:
+    modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+
+
+def _in_process_results_queue() -> None:
+    """Keep Megatron's checkpoint writer from starting a multiprocessing Manager.
+
+    The torch_dist writer reports write results through a queue that it creates, on first
+    use, as ``spawn``-context ``Manager().Queue()``: a server process that outlives the
+    rank and holds its stdout open. megarl saves synchronously, so the queue is only ever
+    used inside this process and a plain ``queue.Queue`` does the same job.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def save_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
+    """Save this rank's chunks into ``directory`` (collective: every rank of the model calls it)."""
+    from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
+    Path(directory).mkdir(parents=True, exist_ok=True)  # torch_dist needs it to exist
+    dist_checkpointing.save(_sharded_state_dict(model_chunks), str(directory))
+
+
+def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
+    """Load ``directory`` into this rank's chunks, whatever layout it was saved with (collective)."""
+    from megatron.core import dist_checkpointing
+
+    if not (Path(directory) / "metadata.json").exists():
+        raise ValueError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
+    sharded = _sharded_state_dict(model_chunks)
+    state = dist_checkpointing.load(sharded, str(directory))
+    modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
+    keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
+    for module, key in zip(modules, keys):
+        module.load_state_dict(state[key], strict=False)

@@ -1,0 +1,188 @@
+"""Hugging Face checkpoint files: memory-mapped slice reads, validation, sharded writes.
+
+Reading never loads a whole file: ``safe_open(...).get_slice(name)[...]`` reads only the
+requested rows or columns. Writing follows ``save_pretrained``'s layout: shards named
+``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (or a single
+``model.safetensors`` when everything fits in one shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.convert.layout import Slice
+from megarl.models.weights import WeightRule
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files save_pretrained writes next to the weights, copied through conversions.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+# Buffers some checkpoints carry that are recomputed, not loaded.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class HFCheckpoint:
+    """The tensors of a safetensors checkpoint directory, read lazily by slices."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_NAME
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.directory / SINGLE_NAME).exists():
+            with safe_open(self.directory / SINGLE_NAME, framework="pt") as f:
+                weight_map = {name: SINGLE_NAME for name in f.keys()}
+        else:
+            raise ValueError(
+                f"{self.directory} holds no {SINGLE_NAME} or {INDEX_NAME}: point --hf at a directory "
+                "written by save_pretrained (safetensors weights)"
+            )
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, object] = {}
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name} is not in the checkpoint {self.directory}")
+        filename = self.weight_map[name]
+        if filename not in self._handles:
+            self._handles[filename] = safe_open(self.directory / filename, framework="pt")
+        return self._handles[filename]
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the file header, without reading data."""
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string (``F32``, ``BF16``, ...)."""
+        return self._file(name).get_slice(name).get_dtype()
+
+    def read(self, name: str, where: Slice) -> torch.Tensor:
+        """Read only ``where`` of tensor ``name`` (memory-mapped)."""
+        handle = self._file(name)
+        if where.dim is None:
+            return handle.get_tensor(name)
+        index = [slice(None)] * (where.dim + 1)
+        index[where.dim] = slice(where.start, where.stop)
+        return handle.get_slice(name)[tuple(index)]
+
+
+def expected_names(rules: Iterable[WeightRule], num_layers: int) -> list[str]:
+    """HF tensor names the rules consume, in rule order, layer by layer."""
+    names = []
+    for rule in rules:
+        for layer in range(num_layers) if rule.per_layer else [None]:
+            names.extend(rule.hf_names(layer))
+    return names
+
+
+def expected_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of the HF model for ``hf_config``, from transformers itself (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_checkpoint(checkpoint: HFCheckpoint, rules, hf_config) -> None:
+    """Refuse a checkpoint whose tensors are missing, unexpected or of the wrong shape."""
+    wanted = expected_names(rules, int(hf_config.num_hidden_layers))
+    present = set(checkpoint.names())
+    missing = [n for n in wanted if n not in present]
+    wanted_set = set(wanted)
+    tied_copy = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+    unexpected = sorted(
+        n for n in present - wanted_set - tied_copy if not n.endswith(IGNORED_SUFFIXES)
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+    if unexpected:
+        problems.append(
+            f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}{' ...' if len(unexpected) > 20 else ''}"
+        )
+    shapes = expected_shapes(hf_config)
+    for name in wanted:
+        if name in present and name in shapes and checkpoint.shape(name) != shapes[name]:
+            problems.append(f"tensor {name} has shape {list(checkpoint.shape(name))}, config.json implies {list(shapes[name])}")
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint.directory} does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+class ShardedWriter:
+    """Writes tensors as save_pretrained does, a shard at a time, then the index."""
+
+    def __init__(self, directory: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor``; a shard is written once the next would overflow it."""
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().contiguous().clone()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        tmp_name = f"shard-{len(self._files):05d}.safetensors"
+        save_file(self._pending, self.directory / tmp_name, metadata={"format": "pt"})
+        self._files.append((tmp_name, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Write the last shard and the index; return the file names."""
+        if self._pending or not self._files:
+            self._flush()
+        count = len(self._files)
+        if count == 1:
+            os.replace(self.directory / self._files[0][0], self.directory / SINGLE_NAME)
+            return [SINGLE_NAME]
+        weight_map, names = {}, []
+        for k, (tmp_name, tensors) in enumerate(self._files, start=1):
+            final = f"model-{k:05d}-of-{count:05d}.safetensors"
+            os.replace(self.directory / tmp_name, self.directory / final)
+            weight_map.update({t: final for t in tensors})
+            names.append(final)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return names
+
+
+def copy_side_files(source: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
+    """Copy config, generation config and tokenizer files that exist in ``source``."""
+    copied = []
+    for name in SIDE_FILES:
+        path = Path(source) / name
+        if path.exists():
+            shutil.copy2(path, Path(destination) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,120 @@
+"""Tensor-parallel layout of each weight rule: which HF slices a rank holds, and (un)fusing them.
+
+Everything here is pure tensor arithmetic on one rank; no communication.
+
+For tensor-parallel rank r of tp, :func:`hf_slices` says which slice of each HF tensor the
+rank's Megatron shard is made of. These are exactly the slices that inference rank r of an
+SGLang engine with the same TP holds (contiguous head blocks for q/k/v, contiguous rows of
+gate and up, contiguous columns for row-parallel layers, SGLang's vocabulary partition).
+:func:`fuse` turns those HF slices into the Megatron shard; :func:`unfuse` is its inverse.
+A full HF tensor is the concatenation of all ranks' HF slices along :func:`hf_split_dim`.
+
+Legend: nh query heads, ng query groups (key/value heads), hd head dim, V vocabulary,
+Vp padded vocabulary, tp tensor-parallel size, r tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megarl.models.weights import Fuse, Split, WeightRule
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """The sizes the transforms need."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+    @classmethod
+    def from_config(cls, family, hf_config, tp: int) -> "ModelSizes":
+        """Sizes of ``hf_config`` with the vocabulary padded for ``tp`` ranks."""
+        heads = int(hf_config.num_attention_heads)
+        return cls(
+            num_heads=heads,
+            num_groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
+            vocab_size=int(hf_config.vocab_size),
+            padded_vocab_size=family.padded_vocab_size(hf_config, tp),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """``tensor.narrow(dim, start, stop - start)``; ``dim=None`` means the whole tensor."""
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This slice of ``tensor`` (a view)."""
+        if self.dim is None:
+            return tensor
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def hf_split_dim(rule: WeightRule) -> int | None:
+    """The HF dimension along which ranks' slices concatenate (None: replicated)."""
+    return {Split.REPLICATED: None, Split.COLUMN: 0, Split.VOCAB: 0, Split.ROW: 1}[rule.split]
+
+
+def hf_slices(rule: WeightRule, hf_shapes: list[tuple[int, ...]], sizes: ModelSizes, tp_rank: int, tp: int) -> list[Slice]:
+    """For each HF tensor of ``rule``, the slice held by tensor-parallel rank ``tp_rank``."""
+    if rule.split is Split.REPLICATED or tp == 1 and rule.split is not Split.VOCAB:
+        return [Slice(None) for _ in hf_shapes]
+    if rule.split is Split.VOCAB:
+        per_rank = sizes.padded_vocab_size // tp
+        start = min(tp_rank * per_rank, sizes.vocab_size)
+        return [Slice(0, start, min(start + per_rank, sizes.vocab_size)) for _ in hf_shapes]
+    dim = hf_split_dim(rule)
+    if rule.fuse is Fuse.QKV:
+        q_rows = sizes.num_heads * sizes.head_dim // tp
+        kv_rows = sizes.num_groups * sizes.head_dim // tp
+        return [Slice(0, tp_rank * n, (tp_rank + 1) * n) for n in (q_rows, kv_rows, kv_rows)]
+    out = []
+    for shape in hf_shapes:
+        per_rank = shape[dim] // tp
+        out.append(Slice(dim, tp_rank * per_rank, (tp_rank + 1) * per_rank))
+    return out
+
+
+def fuse(rule: WeightRule, hf_parts: list[torch.Tensor], sizes: ModelSizes, tp: int) -> torch.Tensor:
+    """The Megatron shard made of this rank's HF slices (vocabulary rows zero-padded)."""
+    if rule.fuse is Fuse.QKV:
+        groups = sizes.num_groups // tp
+        q, k, v = (t.reshape(groups, -1, sizes.head_dim, *t.shape[1:]) for t in hf_parts)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *hf_parts[0].shape[1:])
+    if rule.fuse is Fuse.GATE_UP:
+        return torch.cat(hf_parts, dim=0)
+    (part,) = hf_parts
+    if rule.split is Split.VOCAB:
+        rows = sizes.padded_vocab_size // tp
+        if part.shape[0] < rows:
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+    return part
+
+
+def unfuse(rule: WeightRule, shard: torch.Tensor, sizes: ModelSizes, tp_rank: int, tp: int) -> list[torch.Tensor]:
+    """This rank's HF slices from its Megatron shard (views where possible)."""
+    if rule.fuse is Fuse.QKV:
+        groups = sizes.num_groups // tp
+        per_group = sizes.num_heads // sizes.num_groups
+        grouped = shard.reshape(groups, per_group + 2, sizes.head_dim, *shard.shape[1:])
+        q = grouped[:, :per_group].reshape(-1, *shard.shape[1:])
+        k = grouped[:, per_group].reshape(-1, *shard.shape[1:])
+        v = grouped[:, per_group + 1].reshape(-1, *shard.shape[1:])
+        return [q, k, v]
+    if rule.fuse is Fuse.GATE_UP:
+        return list(shard.chunk(2, dim=0))
+    if rule.split is Split.VOCAB:
+        rows = sizes.padded_vocab_size // tp
+        real = max(0, min(rows, sizes.vocab_size - tp_rank * rows))
+        return [shard[:real]]
+    return [shard]

@@ -1,0 +1,65 @@
+"""HF safetensors -> this rank's Megatron parameters, reading only this rank's slices."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megarl.convert.hf_io import HFCheckpoint
+from megarl.convert.layout import ModelSizes, fuse, hf_slices
+from megarl.convert.plan import local_parameters
+from megarl.models.weights import WeightRule
+
+
+def _rule_index(rules: tuple[WeightRule, ...], num_layers: int) -> dict[str, tuple[WeightRule, int | None]]:
+    index = {}
+    for rule in rules:
+        for layer in range(num_layers) if rule.per_layer else [None]:
+            index[rule.megatron_name(layer)] = (rule, layer)
+    return index
+
+
+@torch.no_grad()
+def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_config=None) -> int:
+    """Copy the HF checkpoint in ``hf_dir`` into this rank's Megatron chunks; return bytes read.
+
+    Each rank reads only the slices its parameters hold (memory-mapped safetensors reads):
+    its pipeline stage's layers and its tensor-parallel slice, fused as Megatron stores them.
+    Every local parameter must be covered by the family's rules; anything else is an error
+    naming the parameter.
+    """
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+    checkpoint = HFCheckpoint(hf_dir)
+    dims = groups.dims
+    sizes = ModelSizes.from_config(family, hf_config, dims.tp)
+    rules = family.weight_rules(hf_config)
+    index = _rule_index(rules, int(hf_config.num_hidden_layers))
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    embedding_rule = index["embedding.word_embeddings.weight"]
+    bytes_read = 0
+    for name, param in local_parameters(model_chunks, rules).items():
+        if name in index:
+            rule, layer = index[name]
+        elif tied and name == "output_layer.weight":
+            rule, layer = embedding_rule  # the last stage's copy of the tied embedding
+        else:
+            raise ValueError(f"Megatron parameter {name} has no rule in the {family.name} family's weight map")
+        hf_names = rule.hf_names(layer)
+        shapes = [checkpoint.shape(n) for n in hf_names]
+        parts = [
+            checkpoint.read(n, where)
+            for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, groups.tp_rank, dims.tp))
+        ]
+        bytes_read += sum(p.numel() * p.element_size() for p in parts)
+        shard = fuse(rule, parts, sizes, dims.tp)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{', '.join(hf_names)} make a {list(shard.shape)} shard for Megatron parameter {name}, "
+                f"which is {list(param.shape)} at tp={dims.tp}: the checkpoint does not match its config.json"
+            )
+        param.copy_(shard)
+    return bytes_read

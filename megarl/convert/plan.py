@@ -1,0 +1,119 @@
+"""The conversion plan: every Megatron parameter of a model, where it lives, what HF tensors it makes.
+
+The plan is computed identically on every rank from the config and the layout alone (no
+communication), which is what lets the exporters agree on bucket boundaries and buffer
+sizes without exchanging metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from megarl.convert.layout import ModelSizes, hf_slices
+from megarl.models.weights import WeightRule
+from megarl.parallel.dims import ParallelDims
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One Megatron parameter of the whole model, and the HF tensors it becomes."""
+
+    rule: WeightRule
+    layer: int | None
+    pp_rank: int
+    vp_stage: int
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    """Full HF shapes."""
+
+    @property
+    def megatron_name(self) -> str:
+        """Global Megatron name (local layer spec)."""
+        return self.rule.megatron_name(self.layer)
+
+    def shard_shapes(self, sizes: ModelSizes, tp_rank: int, tp: int) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the HF slices held by ``tp_rank``."""
+        out = []
+        for shape, where in zip(self.hf_shapes, hf_slices(self.rule, list(self.hf_shapes), sizes, tp_rank, tp)):
+            if where.dim is None:
+                out.append(shape)
+            else:
+                out.append(tuple(where.stop - where.start if d == where.dim else n for d, n in enumerate(shape)))
+        return tuple(out)
+
+
+def layer_range(config, dims: ParallelDims, pp_rank: int, vp_stage: int) -> range:
+    """Global layer indices held by pipeline rank ``pp_rank``'s virtual stage ``vp_stage``."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    per_chunk = config.num_layers // (dims.pp * dims.num_virtual_stages)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage if dims.num_virtual_stages > 1 else None, pp_rank=pp_rank)
+    return range(offset, offset + per_chunk)
+
+
+def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[str, tuple[int, ...]]) -> list[Unit]:
+    """Every parameter in HF order: embedding, layers in global order, final norm, output layer."""
+    rules = family.weight_rules(hf_config)
+    owners = {}  # global layer -> (pp_rank, vp_stage)
+    for vp_stage in range(dims.num_virtual_stages):
+        for pp_rank in range(dims.pp):
+            for layer in layer_range(config, dims, pp_rank, vp_stage):
+                owners[layer] = (pp_rank, vp_stage)
+    first, last = (0, 0), (dims.pp - 1, dims.num_virtual_stages - 1)
+
+    def unit(rule, layer, owner):
+        names = rule.hf_names(layer)
+        return Unit(rule, layer, *owner, names, tuple(hf_shapes[n] for n in names))
+
+    units = [unit(r, None, first) for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]
+    for layer in range(config.num_layers):
+        units += [unit(r, layer, owners[layer]) for r in rules if r.per_layer]
+    units += [unit(r, None, last) for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+    return units
+
+
+def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]]:
+    """Consecutive units grouped up to ``bucket_bytes``; a bucket never spans two owners.
+
+    A unit larger than ``bucket_bytes`` travels alone.
+    """
+    out: list[list[Unit]] = []
+    current: list[Unit] = []
+    size = 0
+    for u in units:
+        nbytes = unit_bytes(u)
+        owner_changes = current and (current[-1].pp_rank, current[-1].vp_stage) != (u.pp_rank, u.vp_stage)
+        if current and (owner_changes or size + nbytes > bucket_bytes):
+            out.append(current)
+            current, size = [], 0
+        current.append(u)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters by global Megatron name (local-spec names; TE norm names mapped)."""
+    from megarl.models.build import layer_offset
+
+    te_to_local = {rule.te_megatron: rule.megatron for rule in rules if rule.te_megatron}
+    out = {}
+    for chunk in model_chunks:
+        module = chunk.module if hasattr(chunk, "module") else chunk  # unwrap Megatron DDP
+        offset = layer_offset(module)
+        for name, param in module.named_parameters():
+            match = _LAYER.match(name)
+            if match is None:
+                out[name] = param
+                continue
+            template = _LAYER.sub("decoder.layers.{i}.", name)
+            template = te_to_local.get(template, template)
+            out[template.format(i=int(match.group(1)) + offset)] = param
+    return out
+
