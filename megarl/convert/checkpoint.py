@@ -8,6 +8,7 @@ with virtual pipeline chunks, unchanged.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 
@@ -50,7 +51,10 @@ def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     if not (Path(directory) / "metadata.json").exists():
         raise ValueError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
     sharded = _sharded_state_dict(model_chunks)
-    state = dist_checkpointing.load(sharded, str(directory))
+    with warnings.catch_warnings():
+        # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*(load_state_dict|DTensor).*")
+        state = dist_checkpointing.load(sharded, str(directory))
     modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
     keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     for module, key in zip(modules, keys):

@@ -148,7 +148,7 @@ class ShardedWriter:
         size = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
-        self._pending[name] = tensor.detach().contiguous().clone()
+        self._pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
         self._pending_bytes += size
         self.total_bytes += size
 

@@ -21,14 +21,17 @@ def _rule_index(rules: tuple[WeightRule, ...], num_layers: int) -> dict[str, tup
 
 
 @torch.no_grad()
-def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_config=None) -> int:
+def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_config=None, progress=False) -> int:
     """Copy the HF checkpoint in ``hf_dir`` into this rank's Megatron chunks; return bytes read.
 
     Each rank reads only the slices its parameters hold (memory-mapped safetensors reads):
     its pipeline stage's layers and its tensor-parallel slice, fused as Megatron stores them.
-    Every local parameter must be covered by the family's rules; anything else is an error
-    naming the parameter.
+    Every local parameter must be covered by the family's rules, and every value read must
+    be finite; anything else is an error naming the parameter or tensor. ``progress`` shows a
+    progress bar over this rank's parameters.
     """
+    from tqdm import tqdm
+
     if hf_config is None:
         from transformers import AutoConfig
 
@@ -41,7 +44,8 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     embedding_rule = index["embedding.word_embeddings.weight"]
     bytes_read = 0
-    for name, param in local_parameters(model_chunks, rules).items():
+    params = local_parameters(model_chunks, rules)
+    for name, param in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
         if name in index:
             rule, layer = index[name]
         elif tied and name == "output_layer.weight":
@@ -55,6 +59,9 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
             for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, groups.tp_rank, dims.tp))
         ]
         bytes_read += sum(p.numel() * p.element_size() for p in parts)
+        for hf_name, part in zip(hf_names, parts):
+            if not torch.isfinite(part).all():
+                raise ValueError(f"tensor {hf_name} in {hf_dir} holds NaN or infinite values")
         shard = fuse(rule, parts, sizes, dims.tp)
         if shard.shape != param.shape:
             raise ValueError(

@@ -1,0 +1,1 @@
+"""Console entry points: thin wrappers that parse arguments and call the library."""

@@ -1,0 +1,81 @@
+"""``megarl-convert``: checkpoints between Hugging Face layout and Megatron at any TP/PP.
+
+  megarl-convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16|fp32]
+  megarl-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
+
+On CPU it spawns its own gloo ranks (tp × pp of them); on GPU it uses NCCL, one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megarl.convert import jobs
+
+
+def _size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    for suffix, factor in units.items():
+        if text.upper().endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="megarl-convert", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_mcore = commands.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    to_mcore.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    to_mcore.add_argument("--out", required=True, help="output directory for the Megatron checkpoint")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the saved layout")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the saved layout")
+    to_mcore.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per pipeline rank")
+    to_mcore.add_argument("--dtype", choices=sorted(jobs.DTYPES), default="fp32", help="parameter dtype")
+
+    to_hf = commands.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
+    to_hf.add_argument("--mcore", required=True, help="Megatron checkpoint written by megarl")
+    to_hf.add_argument("--out", required=True, help="output directory for the HF checkpoint")
+    to_hf.add_argument("--hf-config", default=None, help="HF config/tokenizer directory (default: the checkpoint's own)")
+    to_hf.add_argument("--tp", type=int, default=None, help="layout to load with (default: as saved)")
+    to_hf.add_argument("--pp", type=int, default=None, help="layout to load with (default: as saved)")
+    to_hf.add_argument("--dtype", choices=sorted(jobs.DTYPES), default=None, help="dtype of the HF tensors (default: as saved)")
+    to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard (e.g. 500MB)")
+
+    for sub in (to_mcore, to_hf):
+        sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+        sub.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are stopped")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one conversion; exit code 0 on success, 2 on a usage or input error, 1 on a rank failure."""
+    from megarl.testing.spawn import RankFailure
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        if args.command == "hf-to-mcore":
+            report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
+                                      force=args.force, timeout_s=args.timeout)
+        else:
+            report = jobs.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
+                                      dtype=args.dtype, max_shard_bytes=args.max_shard_size, force=args.force,
+                                      timeout_s=args.timeout)
+    except ValueError as error:
+        parser.exit(2, f"megarl-convert: error: {error}\n")
+    except RankFailure as error:
+        parser.exit(1, f"megarl-convert: a rank failed; nothing was written to --out.\n{error}\n")
+    print(
+        f"megarl-convert: wrote {report.output} ({report.num_tensors} tensors, {report.num_bytes / 2**20:.1f} MiB) "
+        f"in {report.seconds:.1f} s on {report.num_ranks} rank(s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

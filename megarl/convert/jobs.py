@@ -1,0 +1,218 @@
+"""Whole-checkpoint conversions (what ``megarl-convert`` runs), on ranks they spawn themselves.
+
+Each conversion validates everything it can before starting ranks, writes into a temporary
+directory next to the output, and renames it into place only when every rank succeeded:
+a crash never leaves a half-written directory under the output's name.
+
+A Megatron checkpoint written here is a directory holding ``megarl.json`` (family,
+architecture, layout, dtype), ``hf_config/`` (the HF config and tokenizer files, so it can be
+turned back into HF without the original) and ``model/`` (the torch_dist checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
+from megarl.parallel.dims import ParallelDims
+
+FORMAT = "megarl-mcore"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionReport:
+    """What a conversion did."""
+
+    output: str
+    seconds: float
+    num_ranks: int
+    num_tensors: int
+    num_bytes: int
+
+
+def _load_hf_config(directory: Path):
+    from transformers import AutoConfig
+
+    if not (directory / "config.json").exists():
+        raise ValueError(f"{directory} has no config.json: pass an HF model directory")
+    return AutoConfig.from_pretrained(directory)
+
+
+def _check_config(family, hf_config, dims: ParallelDims) -> None:
+    heads, groups = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if heads % groups != 0:
+        raise ValueError(
+            f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"
+        )
+    family.transformer_config(hf_config, dims)  # checks sizes against the layout, names the setting
+
+
+@contextlib.contextmanager
+def _atomic_output(out: Path, force: bool):
+    """Yield a temporary directory that becomes ``out`` only if the block succeeds."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"output directory {out} is not empty: choose another --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _world(dims: ParallelDims) -> int:
+    return dims.tp * dims.pp
+
+
+# ------------------------------------------------------------------------------ HF -> mcore
+def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None, dtype: str = "fp32",
+                force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
+    """Convert an HF safetensors checkpoint into a Megatron distributed checkpoint."""
+    from megarl.models import family_for
+    from megarl.testing.spawn import run_ranks
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    hf_config = _load_hf_config(hf_dir)
+    family = family_for(hf_config)
+    dims = ParallelDims(tp=tp, pp=pp, vpp=vpp, dp=1)
+    _check_config(family, hf_config, dims)
+    checkpoint = HFCheckpoint(hf_dir)
+    check_checkpoint(checkpoint, family.weight_rules(hf_config), hf_config)
+    started = time.monotonic()
+    with _atomic_output(out, force) as tmp:
+        results = run_ranks(
+            _hf_to_mcore_rank, _world(dims), str(hf_dir), str(tmp / "model"), dims, dtype, timeout_s=timeout_s
+        )
+        (tmp / "hf_config").mkdir()
+        copy_side_files(hf_dir, tmp / "hf_config")
+        meta = {
+            "format": FORMAT,
+            "version": 1,
+            "family": family.name,
+            "architecture": (hf_config.architectures or [None])[0],
+            "tp": tp,
+            "pp": pp,
+            "vpp": vpp,
+            "dtype": dtype,
+        }
+        (tmp / "megarl.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return ConversionReport(str(out), time.monotonic() - started, _world(dims), len(checkpoint.names()), sum(results))
+
+
+def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    from megarl.convert.checkpoint import save_dist_checkpoint
+    from megarl.convert.loader import load_hf_into
+    from megarl.models import build_model_chunks, family_for
+    from megarl.parallel import destroy_parallel, init_parallel
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    family = family_for(hf_config)
+    groups = init_parallel(dims)
+    config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[dtype], perform_initialization=False)
+    chunks = build_model_chunks(family, hf_config, dims, config=config)
+    bytes_read = load_hf_into(chunks, hf_dir, family, groups, hf_config=hf_config, progress=groups.rank == 0)
+    save_dist_checkpoint(chunks, model_dir)
+    destroy_parallel()
+    return bytes_read
+
+
+# ------------------------------------------------------------------------------ mcore -> HF
+def read_mcore_metadata(mcore_dir: Path) -> dict:
+    """The ``megarl.json`` of a checkpoint written by :func:`hf_to_mcore` (or the trainer)."""
+    path = mcore_dir / "megarl.json"
+    if not path.exists() or not (mcore_dir / "model" / "metadata.json").exists():
+        raise ValueError(
+            f"{mcore_dir} is not a megarl Megatron checkpoint (expected megarl.json and model/metadata.json)"
+        )
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
+                dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
+                force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
+    """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files."""
+    from megarl.models import family_for
+    from megarl.testing.spawn import run_ranks
+
+    mcore_dir, out = Path(mcore_dir), Path(out)
+    meta = read_mcore_metadata(mcore_dir)
+    config_dir = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf_config"
+    hf_config = _load_hf_config(config_dir)
+    family = family_for(hf_config)
+    if family.name != meta["family"]:
+        raise ValueError(
+            f"--hf-config {config_dir} is a {family.name} model but {mcore_dir} holds a {meta['family']} model"
+        )
+    dtype = dtype or meta["dtype"]
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    dims = ParallelDims(tp=tp or meta["tp"], pp=pp or meta["pp"], dp=1)
+    _check_config(family, hf_config, dims)
+    started = time.monotonic()
+    with _atomic_output(out, force) as tmp:
+        results = run_ranks(
+            _mcore_to_hf_rank, _world(dims), str(mcore_dir / "model"), str(config_dir), str(tmp), dims,
+            meta["dtype"], dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s,
+        )
+        copy_side_files(config_dir, tmp)
+        hf_config.dtype = DTYPES[dtype]
+        hf_config.save_pretrained(tmp)
+    num_tensors, num_bytes = results[0]
+    return ConversionReport(str(out), time.monotonic() - started, _world(dims), num_tensors, num_bytes)
+
+
+def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes):
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    from megarl.convert.checkpoint import load_dist_checkpoint
+    from megarl.convert.export import WeightExporter
+    from megarl.models import build_model_chunks, family_for
+    from megarl.parallel import destroy_parallel, init_parallel
+
+    hf_config = AutoConfig.from_pretrained(config_dir)
+    family = family_for(hf_config)
+    groups = init_parallel(dims)
+    config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[saved_dtype], perform_initialization=False)
+    chunks = build_model_chunks(family, hf_config, dims, config=config)
+    load_dist_checkpoint(chunks, model_dir)
+    exporter = WeightExporter(chunks, family, hf_config, groups, dtype=DTYPES[dtype])
+    writer = ShardedWriter(out_dir, max_shard_bytes) if groups.rank == 0 else None
+    num_tensors = 0
+    with tqdm(total=exporter.total_bytes, unit="B", unit_scale=True, desc="export", disable=writer is None) as bar:
+        for bucket in exporter.iter_full(bucket_bytes):
+            for name, tensor in bucket:
+                if writer is not None:
+                    writer.add(name, tensor)
+                num_tensors += 1
+            bar.update(sum(t.numel() * t.element_size() for _, t in bucket))
+    if writer is not None:
+        writer.close()
+    destroy_parallel()
+    return num_tensors, exporter.total_bytes
