@@ -1,5 +1,18 @@
-"""Data that flows through a training step: the :class:`Batch` container."""
+"""Data that flows through a training step: the :class:`Batch` container, parquet prompt
+datasets (:class:`PromptDataset`, :func:`collate`) and chat-template helpers."""
 
 from megarl.data.batch import Batch
+from megarl.data.chat import check_messages, encode_prompt, render_prompt
+from megarl.data.dataset import TRUNCATION_MODES, OverlongPrompt, PromptDataset, collate, truncate_ids
 
-__all__ = ["Batch"]
+__all__ = [
+    "Batch",
+    "OverlongPrompt",
+    "PromptDataset",
+    "TRUNCATION_MODES",
+    "check_messages",
+    "collate",
+    "encode_prompt",
+    "render_prompt",
+    "truncate_ids",
+]

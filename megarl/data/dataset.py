@@ -1,0 +1,333 @@
+"""Parquet prompt datasets: rows of chat prompts, templated, tokenised, filtered; and collate.
+
+Row schema (digest §2.1; written by ``tools/prepare_gsm8k.py`` and
+``tools/make_addition_data.py``):
+
+- ``data_source`` (str): picks the reward scorer;
+- ``prompt`` (the column named by ``prompt_key``): a list of chat messages ``{role, content}``;
+- ``ability`` (str), e.g. ``"math"``;
+- ``reward_model``: ``{"style": "rule", "ground_truth": str}``;
+- ``extra_info``: ``{"split", "index", ...}``, optionally ``need_tools_kwargs``,
+  ``tools_kwargs`` (``{tool_name: {"create_kwargs", "execute_kwargs", "calc_reward_kwargs",
+  "release_kwargs"}}``, each optional) and ``interaction_kwargs``.
+
+:class:`PromptDataset` returns one dict per row (see :meth:`PromptDataset.__getitem__`) and
+:func:`collate` turns a list of them into a :class:`~megarl.data.batch.Batch` of left-padded
+prompts plus per-row non-tensor fields.
+
+Shape legend: ``B`` rows, ``P`` prompt tokens after padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from megarl.data.batch import Batch
+from megarl.data.chat import check_messages, encode_prompt, encode_prompts, render_prompt
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+"""``data.truncation`` values: raise, keep the last, the first, or the first and last halves."""
+
+PRODUCED_KEYS = ("input_ids", "raw_prompt_ids", "raw_prompt", "full_prompts", "index", "tools_kwargs",
+                 "interaction_kwargs")
+"""Row keys the dataset computes; a parquet column with one of these names is refused."""
+
+_ENCODE_CHUNK = 1024  # prompts per batched tokenizer call while measuring lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongPrompt:
+    """A row dropped by ``filter_overlong_prompts``: where it was and how long its prompt is."""
+
+    file: str
+    """The parquet file."""
+    row: int
+    """0-based row number in that file."""
+    num_tokens: int
+    """Tokens of the templated prompt."""
+
+
+def truncate_ids(ids: list[int], max_length: int, truncation: str, where: str) -> list[int]:
+    """``ids`` cut to ``max_length`` tokens by ``truncation`` (see :data:`TRUNCATION_MODES`).
+
+    ``left`` keeps the last ``max_length`` tokens, ``right`` the first, ``middle`` the first
+    ``max_length // 2`` and the last ``max_length - max_length // 2``; ``error`` raises
+    ``ValueError`` naming ``where``. Ids that fit are returned unchanged.
+    """
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[len(ids) - max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head):]
+    if truncation == "error":
+        raise ValueError(f"{where}: the templated prompt has {len(ids)} tokens, more than "
+                         f"data.max_prompt_length={max_length}; raise max_prompt_length, set "
+                         f"data.filter_overlong_prompts=True to drop such rows, or set data.truncation to "
+                         f"'left', 'right' or 'middle'")
+    raise ValueError(f"data.truncation={truncation!r} is unknown; use one of {TRUNCATION_MODES}")
+
+
+def _extra_info(extra_info: Any, where: str) -> Mapping[str, Any]:
+    """A row's ``extra_info`` (``{}`` when null), or ``ValueError`` if it is not a dict."""
+    if extra_info is None:
+        return {}
+    if not isinstance(extra_info, Mapping):
+        raise ValueError(f"{where}: extra_info must be a dict (split, index, tools_kwargs, ...), got "
+                         f"{type(extra_info).__name__}")
+    return extra_info
+
+
+def _clean_tools_kwargs(tools_kwargs: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``{tool: {kind: kwargs}}`` without the nulls parquet adds for keys other rows have."""
+    if tools_kwargs is None:
+        return {}
+    if not isinstance(tools_kwargs, Mapping):
+        raise ValueError(f"{where}: extra_info.tools_kwargs must be a dict {{tool_name: {{'create_kwargs': ...}}}}, "
+                         f"got {type(tools_kwargs).__name__}")
+    cleaned = {}
+    for tool, spec in tools_kwargs.items():
+        if spec is None:
+            continue
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where}: extra_info.tools_kwargs[{tool!r}] must be a dict of "
+                             f"create/execute/calc_reward/release kwargs, got {type(spec).__name__}")
+        cleaned[tool] = {kind: dict(kwargs) for kind, kwargs in spec.items() if kwargs is not None}
+    return cleaned
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Chat prompts from parquet files, templated with the tokenizer's generation prompt.
+
+    Settings are the ``data.*`` config keys of digest §2.2 / §7.2.
+
+    On construction every prompt is checked (a list of ``{role, content}`` messages, else
+    ``ValueError`` naming file and row). With ``filter_overlong_prompts`` each prompt is
+    templated and tokenised, and rows longer than ``max_prompt_length`` tokens are dropped;
+    they are counted (:attr:`num_filtered_overlong`), listed (:attr:`filtered_overlong`) and
+    reported in a warning. Without it, overlong prompts meet ``truncation`` when read.
+
+    Args:
+        data_files: one parquet path or a list of them (``data.train_files`` / ``val_files``).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_prompt_length: token budget of a templated prompt (``P``).
+        truncation: what to do with a longer prompt that was not filtered out: ``error``,
+            ``left``, ``right`` or ``middle`` (:func:`truncate_ids`).
+        filter_overlong_prompts: drop rows whose templated prompt exceeds ``max_prompt_length``.
+        prompt_key: the column holding the chat messages.
+        return_raw_chat: also return the messages as ``raw_prompt`` (needed by multi-turn rollout).
+        return_full_prompt: also return the templated text as ``full_prompts``.
+        need_tools_kwargs: the default of the per-row ``extra_info.need_tools_kwargs`` flag; rows
+            that need tools kwargs but have none are counted and reported.
+        apply_chat_template_kwargs: extra arguments of ``apply_chat_template`` (e.g. ``tools``).
+    """
+
+    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, *,
+                 max_prompt_length: int = 1024, truncation: str = "error", filter_overlong_prompts: bool = True,
+                 prompt_key: str = "prompt", return_raw_chat: bool = False, return_full_prompt: bool = False,
+                 need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        if max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={truncation!r} is unknown; use one of {TRUNCATION_MODES}")
+        files = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+        if not files:
+            raise ValueError("PromptDataset needs at least one parquet file (data.train_files / data.val_files)")
+        self.data_files = [str(Path(f).expanduser()) for f in files]
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.prompt_key = prompt_key
+        self.return_raw_chat = return_raw_chat
+        self.return_full_prompt = return_full_prompt
+        self.need_tools_kwargs = need_tools_kwargs
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.pad_token_id = self._pad_token_id(tokenizer)
+
+        self._tables = [self._read(path) for path in self.data_files]
+        self.num_rows_read = sum(table.num_rows for table in self._tables)
+        """Rows in all files, before filtering."""
+        self.filtered_overlong: list[OverlongPrompt] = []
+        """Rows dropped because their templated prompt is longer than ``max_prompt_length``."""
+        self._rows: list[tuple[int, int, int]] = []  # (file number, row in file, row over all files)
+        self._select_rows()
+        self.num_missing_tools_kwargs = self._count_missing_tools_kwargs()
+        """Kept rows that need tools kwargs (``need_tools_kwargs``) but have none."""
+        logger.info("PromptDataset: %d rows from %d file(s), %d kept", self.num_rows_read, len(self.data_files),
+                    len(self._rows))
+
+    @property
+    def num_filtered_overlong(self) -> int:
+        """Number of rows dropped by ``filter_overlong_prompts``."""
+        return len(self.filtered_overlong)
+
+    # ----------------------------------------------------------------------------- loading
+
+    @staticmethod
+    def _pad_token_id(tokenizer: Any) -> int:
+        if tokenizer.pad_token_id is not None:
+            return int(tokenizer.pad_token_id)
+        if tokenizer.eos_token_id is not None:
+            logger.info("PromptDataset: the tokenizer has no pad token; padding prompts with eos id %d "
+                        "(padding is masked out)", tokenizer.eos_token_id)
+            return int(tokenizer.eos_token_id)
+        raise ValueError("the tokenizer has neither a pad token nor an eos token to pad prompts with; set "
+                         "tokenizer.pad_token")
+
+    def _read(self, path: str) -> Any:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"prompt data file {path!r} does not exist; check data.train_files / "
+                                    f"data.val_files (prepare GSM8K with tools/prepare_gsm8k.py)")
+        table = pq.read_table(path)
+        if self.prompt_key not in table.column_names:
+            raise ValueError(f"{path}: no column {self.prompt_key!r} (data.prompt_key); its columns are "
+                             f"{table.column_names}")
+        clashes = sorted(set(table.column_names) & set(PRODUCED_KEYS))
+        if clashes:
+            raise ValueError(f"{path}: columns {clashes} clash with fields the dataset computes; rename them "
+                             f"(put per-row extras under extra_info)")
+        return table
+
+    def _templated(self, messages: list[dict[str, Any]]) -> str:
+        return render_prompt(self.tokenizer, messages, **self.apply_chat_template_kwargs)
+
+    def _select_rows(self) -> None:
+        """Check every prompt and keep the rows that fit (all rows when not filtering)."""
+        global_row = 0
+        for file_number, (path, table) in enumerate(zip(self.data_files, self._tables)):
+            prompts = table.column(self.prompt_key).to_pylist()
+            checked = [check_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
+            if self.filter_overlong_prompts:
+                lengths = []
+                for start in range(0, len(checked), _ENCODE_CHUNK):
+                    texts = [self._templated(m) for m in checked[start:start + _ENCODE_CHUNK]]
+                    lengths.extend(len(ids) for ids in encode_prompts(self.tokenizer, texts))
+            else:
+                lengths = [0] * len(checked)
+            for row, num_tokens in enumerate(lengths):
+                if num_tokens > self.max_prompt_length:
+                    self.filtered_overlong.append(OverlongPrompt(path, row, num_tokens))
+                else:
+                    self._rows.append((file_number, row, global_row + row))
+            global_row += table.num_rows
+        if self.filtered_overlong:
+            shown = ", ".join(f"{p.file} row {p.row} ({p.num_tokens} tokens)" for p in self.filtered_overlong[:10])
+            more = "" if len(self.filtered_overlong) <= 10 else f", and {len(self.filtered_overlong) - 10} more"
+            logger.warning("PromptDataset: dropped %d of %d rows whose templated prompt is longer than "
+                           "data.max_prompt_length=%d (data.filter_overlong_prompts=True): %s%s",
+                           self.num_filtered_overlong, self.num_rows_read, self.max_prompt_length, shown, more)
+
+    def _count_missing_tools_kwargs(self) -> int:
+        """Count (and report) kept rows whose ``need_tools_kwargs`` is on but ``tools_kwargs`` empty."""
+        missing = []
+        extra_infos = [t.column("extra_info").to_pylist() if "extra_info" in t.column_names else None
+                       for t in self._tables]
+        for file_number, row, _ in self._rows:
+            where = f"{self.data_files[file_number]} row {row}"
+            infos = extra_infos[file_number]
+            info = _extra_info(infos[row] if infos is not None else None, where)
+            needs = info.get("need_tools_kwargs")
+            needs = self.need_tools_kwargs if needs is None else bool(needs)
+            if needs and not _clean_tools_kwargs(info.get("tools_kwargs"), where):
+                missing.append(where)
+        if missing:
+            logger.warning("PromptDataset: %d rows need tools kwargs (need_tools_kwargs) but have no "
+                           "extra_info.tools_kwargs; their tools get no create kwargs: %s", len(missing),
+                           ", ".join(missing[:10]))
+        return len(missing)
+
+    # ----------------------------------------------------------------------------- rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, item: int) -> dict[str, Any]:
+        """One row: the parquet columns (except the prompt column) plus computed fields.
+
+        Computed: ``input_ids`` (1-D long tensor, templated and truncated, not padded),
+        ``raw_prompt_ids`` (the same ids as a list, for the rollout engine), ``index``
+        (``extra_info.index``, else the row's number over all files), ``tools_kwargs`` and
+        ``interaction_kwargs`` (from ``extra_info``, ``{}`` when absent), and, when enabled,
+        ``raw_prompt`` (the messages) and ``full_prompts`` (the templated text).
+        """
+        file_number, row, global_row = self._rows[item]
+        where = f"{self.data_files[file_number]} row {row}"
+        record = self._tables[file_number].slice(row, 1).to_pylist()[0]
+        messages = check_messages(record.pop(self.prompt_key), where)
+        text = self._templated(messages)
+        ids = truncate_ids(encode_prompt(self.tokenizer, text), self.max_prompt_length, self.truncation, where)
+        extra_info = _extra_info(record.get("extra_info"), where)
+        index = extra_info.get("index")
+        record.update(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            raw_prompt_ids=ids,
+            index=global_row if index is None else int(index),
+            tools_kwargs=_clean_tools_kwargs(extra_info.get("tools_kwargs"), where),
+            interaction_kwargs={k: v for k, v in (extra_info.get("interaction_kwargs") or {}).items()
+                                if v is not None},
+        )
+        if self.return_raw_chat:
+            record["raw_prompt"] = messages
+        if self.return_full_prompt:
+            record["full_prompts"] = text
+        return record
+
+    def collate(self, rows: Sequence[dict[str, Any]]) -> Batch:
+        """:func:`collate` with this dataset's pad id, left-padding to ``max_prompt_length``."""
+        return collate(rows, pad_token_id=self.pad_token_id, pad_to=self.max_prompt_length)
+
+
+def collate(rows: Sequence[dict[str, Any]], *, pad_token_id: int, pad_to: int | None = None) -> Batch:
+    """Rows of :class:`PromptDataset` -> a :class:`Batch` of left-padded prompts.
+
+    Tensors: ``input_ids`` ``[B, P]`` (``pad_token_id`` on the left), ``attention_mask``
+    ``[B, P]`` (1 on real tokens) and ``position_ids`` ``[B, P]`` (``cumsum(mask) - 1``,
+    clipped at 0, so each prompt starts at position 0). ``P`` is ``pad_to`` when given, else
+    the longest prompt. Every other key becomes a per-row non-tensor field (object array); all
+    rows must have the same keys.
+    """
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    keys = list(rows[0])
+    if "input_ids" not in keys:
+        raise ValueError(f"collate needs rows with 'input_ids' (rows of PromptDataset); got keys {keys}")
+    for i, row in enumerate(rows):
+        if set(row) != set(keys):
+            raise ValueError(f"collate: row {i} has keys {sorted(row)} but row 0 has {sorted(keys)}; every row "
+                             f"must have the same fields")
+    lengths = [int(row["input_ids"].shape[0]) for row in rows]
+    width = max(lengths) if pad_to is None else pad_to
+    if max(lengths) > width:
+        raise ValueError(f"collate: a prompt has {max(lengths)} tokens, more than pad_to={width} "
+                         f"(data.max_prompt_length)")
+    input_ids_BP = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask_BP = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, length) in enumerate(zip(rows, lengths)):
+        if length:
+            input_ids_BP[i, width - length:] = row["input_ids"]
+            attention_mask_BP[i, width - length:] = 1
+    position_ids_BP = (attention_mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+    non_tensors = {}
+    for key in keys:
+        if key == "input_ids":
+            continue
+        column = np.empty(len(rows), dtype=object)
+        for i, row in enumerate(rows):
+            column[i] = row[key]
+        non_tensors[key] = column
+    tensors = {"input_ids": input_ids_BP, "attention_mask": attention_mask_BP, "position_ids": position_ids_BP}
+    return Batch(tensors=tensors, non_tensors=non_tensors)
