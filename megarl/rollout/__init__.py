@@ -1,0 +1,1 @@
+"""Rollout: engine protocol, engines, rollout manager, multi-turn agent loop, tools."""

@@ -1,0 +1,147 @@
+"""The rollout engine protocol, mirroring SGLang's RL API, and the types it exchanges.
+
+Engines generate from token ids and receive new weights in place between training steps:
+
+- ``generate`` / ``async_generate``: one output per input sequence (``n`` samples are
+  expressed by repeating the inputs), optionally with the log-probability of every sampled
+  token under the engine's own numerics.
+- Weight updates happen inside a session: ``begin_weight_update()``, then any number of
+  ``update_weights_from_tensor(named_tensors)`` calls with HF-named tensors (bucket by
+  bucket, in HF layout, or the engine's TP slice on the TP-matched path), then
+  ``end_weight_update()``, which flushes the prefix cache. SGLang 0.5.23 requires the
+  session; every engine enforces it so that code written on CPU works on GPU.
+- ``release_memory_occupation`` / ``resume_memory_occupation`` free and retake accelerator
+  memory around training phases (colocated placement); ``flush_cache`` drops cached prefixes.
+
+``SGLangEngine`` (GPU) and ``HFEngine`` (CPU, transformers) implement it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation stopped (SGLang's ``meta_info.finish_reason.type``)."""
+
+    STOP = "stop"
+    """A stop token (EOS or a configured stop id) was sampled; it is the last output token."""
+    LENGTH = "length"
+    """``max_new_tokens`` was reached."""
+    ABORT = "abort"
+    """The engine gave up on the request."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings (names as SGLang's sampling params)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop tokens besides the tokenizer's EOS (included in the output when sampled)."""
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Seed for this request's sampling; engines derive per-row streams from it."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is greedy (temperature 0)."""
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """One generated continuation."""
+
+    output_ids: list[int]
+    """Generated token ids, including the stop token when the finish reason is STOP."""
+    finish_reason: FinishReason
+    output_logprobs: list[float] | None = None
+    """Per output token, ``log_softmax(logits / temperature)`` at the sampled id, before top-p /
+    top-k truncation (temperature 1 when greedy): the quantity the trainer recomputes as
+    ``old_log_probs``. None unless requested."""
+
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout manager and the weight sync need from an inference engine."""
+
+    def generate(
+        self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams, return_logprob: bool = False
+    ) -> list[GenerateOutput]:
+        """Generate one continuation per input sequence."""
+        ...
+
+    async def async_generate(
+        self, input_ids: Sequence[int], sampling_params: SamplingParams, return_logprob: bool = False
+    ) -> GenerateOutput:
+        """Generate one continuation for one sequence (request-level, multi-turn path)."""
+        ...
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (generation is refused until it ends)."""
+        ...
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors) -> None:
+        """Copy HF-named tensors into the engine's weights, in place (inside a session)."""
+        ...
+
+    def end_weight_update(self) -> None:
+        """Close the session and flush the cache."""
+        ...
+
+    def release_memory_occupation(self) -> None:
+        """Free accelerator memory (weights and KV cache) while training runs."""
+        ...
+
+    def resume_memory_occupation(self) -> None:
+        """Take the memory back before generating."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (mandatory after weights change)."""
+        ...
+
+
+@contextlib.contextmanager
+def weight_update_session(engine: RolloutEngine):
+    """``begin_weight_update`` ... ``end_weight_update`` around a block."""
+    engine.begin_weight_update()
+    try:
+        yield engine
+    finally:
+        engine.end_weight_update()
+
+
+def update_weights(engine: RolloutEngine, buckets: Iterable[NamedTensors]) -> int:
+    """Stream ``buckets`` into ``engine`` in one session; return the bytes delivered."""
+    delivered = 0
+    with weight_update_session(engine):
+        for bucket in buckets:
+            engine.update_weights_from_tensor(bucket)
+            delivered += sum(t.numel() * t.element_size() for _, t in bucket)
+    return delivered
