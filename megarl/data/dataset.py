@@ -208,7 +208,7 @@ class PromptDataset(torch.utils.data.Dataset):
     def _select_rows(self) -> None:
         """Check every prompt and keep the rows that fit (all rows when not filtering)."""
         global_row = 0
-        for file_number, (path, table) in enumerate(zip(self.data_files, self._tables)):
+        for file_number, (path, table) in enumerate(zip(self.data_files, self._tables, strict=True)):
             prompts = table.column(self.prompt_key).to_pylist()
             checked = [check_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
             if self.filter_overlong_prompts:
@@ -316,7 +316,7 @@ def collate(rows: Sequence[dict[str, Any]], *, pad_token_id: int, pad_to: int | 
                          f"(data.max_prompt_length)")
     input_ids_BP = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask_BP = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, length) in enumerate(zip(rows, lengths)):
+    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
         if length:
             input_ids_BP[i, width - length:] = row["input_ids"]
             attention_mask_BP[i, width - length:] = 1

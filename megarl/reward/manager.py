@@ -1,0 +1,185 @@
+"""The reward manager: one score per trajectory, placed on its last valid response token.
+
+Per row (verl's "naive" manager, digest §5):
+
+1. the valid response is ``responses[i, :last + 1]``, where ``last`` is the last position
+   with ``response_mask`` 1 (``attention_mask[:, -T:]`` when there is no ``response_mask``);
+   multi-turn responses include their tool-output tokens, as in verl;
+2. it is decoded with the tokenizer (special tokens skipped);
+3. it is scored by the custom compute-score function when one is set, otherwise by the
+   scorer registered for the row's ``data_source``, with ``reward_model["ground_truth"]``
+   and the row's ``extra_info``;
+4. the score goes to ``token_level_scores[i, last]``; every other entry is 0.
+
+A row without any valid response token still gets scored (on the empty string) and its score
+is put at position 0, so the trajectory's total reward is kept; such rows are counted and
+logged.
+
+If the batch already has ``rm_scores`` (a reward model ran), they are the scores, as in verl,
+and no rule scoring happens.
+
+Shape legend: ``B`` rows (trajectories), ``T`` response tokens (``responses.shape[1]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.reward.registry import ComputeScore, ScorerRegistry, load_function
+
+logger = logging.getLogger(__name__)
+
+PASSED_THROUGH_FIELDS = ("reward_scores", "num_turns")
+"""Per-row rollout fields added to a copy of ``extra_info`` when the batch has them
+(multi-turn tool rewards ``{tool_name: calc_reward value}`` and the number of turns)."""
+
+
+def last_valid_positions(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of ``mask_BT`` (shape ``[B]``), -1 for an all-zero row."""
+    positions_BT = torch.arange(mask_BT.shape[1], device=mask_BT.device).expand_as(mask_BT)
+    return torch.where(mask_BT.bool(), positions_BT, torch.full_like(positions_BT, -1)).max(dim=1).values
+
+
+class RewardManager:
+    """Scores a rollout batch: ``manager(batch) -> (token_level_scores [B, T], extra_info)``.
+
+    ``extra_info`` maps each key to a list with one entry per row: always ``"score"``, plus the
+    keys of dict-returning scorers (the built-in ones give ``"acc"`` and ``"pred"``). A key
+    that only some rows return is ``None`` on the other rows.
+
+    Args:
+        tokenizer: decodes the response ids.
+        compute_score: a custom compute-score function, or its ``"module_or_path:function"``
+            spec; it scores every row, whatever its ``data_source``. ``None``: use ``scorers``.
+        reward_kwargs: keyword arguments bound to every call of the custom function.
+        scorers: the ``data_source`` registry; a fresh :class:`ScorerRegistry` (built-ins) if None.
+        scorer_kwargs: per ``data_source`` settings for registered scorers, e.g.
+            ``{"openai/gsm8k": {"method": "flexible", "format_score": 0.1}}``.
+        num_examine: how many decoded samples per ``data_source`` to log at INFO level per call
+            (0 in training, 1 in validation, as in verl).
+    """
+
+    def __init__(self, tokenizer: Any, *, compute_score: ComputeScore | str | None = None,
+                 reward_kwargs: Mapping[str, Any] | None = None, scorers: ScorerRegistry | None = None,
+                 scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None, num_examine: int = 0) -> None:
+        if num_examine < 0:
+            raise ValueError(f"num_examine must be >= 0, got {num_examine}")
+        if reward_kwargs and compute_score is None:
+            raise ValueError("reward_kwargs are bound to a custom reward function, but none is set; set the "
+                             "custom function ('module_or_path:function') or use scorer_kwargs per data_source")
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine
+        self.scorers = scorers if scorers is not None else ScorerRegistry()
+        for data_source, kwargs in (scorer_kwargs or {}).items():
+            self.scorers.configure(data_source, **kwargs)
+        if isinstance(compute_score, str):
+            compute_score = load_function(compute_score, **dict(reward_kwargs or {}))
+        elif compute_score is not None and reward_kwargs:
+            compute_score = functools.partial(compute_score, **reward_kwargs)
+        self.compute_score = compute_score
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list]]:
+        """Token-level scores ``[B, T]`` (float32, on the responses' device) and per-row extra info."""
+        responses_BT = batch["responses"]
+        if "rm_scores" in batch:
+            return batch["rm_scores"], {}
+        num_rows, num_tokens = responses_BT.shape
+        mask_BT = self._response_mask(batch, num_tokens)
+        last_B = last_valid_positions(mask_BT)
+        data_sources = batch["data_source"]
+        reward_models = batch["reward_model"]
+        extra_infos = batch["extra_info"] if "extra_info" in batch else [None] * num_rows
+        scores_BT = torch.zeros(num_rows, num_tokens, dtype=torch.float32, device=responses_BT.device)
+        rows_info: list[dict[str, Any]] = []
+        examined: dict[str, int] = {}
+        for i in range(num_rows):
+            last = int(last_B[i])
+            solution_str = self.tokenizer.decode(responses_BT[i, :last + 1].tolist(), skip_special_tokens=True)
+            ground_truth = self._ground_truth(reward_models[i], data_sources[i], i)
+            extra_info = self._extra_info(batch, extra_infos[i], i)
+            result = self._score(data_sources[i], solution_str, ground_truth, extra_info)
+            score, info = self._split_result(result, data_sources[i], i)
+            scores_BT[i, max(last, 0)] = score
+            rows_info.append(info)
+            if examined.get(data_sources[i], 0) < self.num_examine:
+                examined[data_sources[i]] = examined.get(data_sources[i], 0) + 1
+                self._log_sample(batch, i, solution_str, ground_truth, info)
+        empty_rows = [i for i in range(num_rows) if int(last_B[i]) < 0]
+        if empty_rows:
+            logger.warning("RewardManager: %d of %d rows have no valid response token (rows %s); their scores "
+                           "were put at response position 0", len(empty_rows), num_rows, empty_rows[:20])
+        return scores_BT, _columns(rows_info)
+
+    @staticmethod
+    def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:
+        if "response_mask" in batch:
+            return batch["response_mask"]
+        if "attention_mask" in batch:
+            return batch["attention_mask"][:, -num_tokens:]
+        raise ValueError("RewardManager needs `response_mask` [B, T] or `attention_mask` [B, P+T] in the batch "
+                         f"to find each response's last token; the batch has {batch.keys()}")
+
+    @staticmethod
+    def _ground_truth(reward_model: Any, data_source: str, row: int) -> Any:
+        if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+            raise ValueError(f"row {row} (data_source {data_source!r}): reward_model must be a dict with "
+                             f"'ground_truth', got {reward_model!r}; fix the dataset's reward_model column")
+        return reward_model["ground_truth"]
+
+    @staticmethod
+    def _extra_info(batch: Batch, extra_info: Any, row: int) -> dict:
+        info = dict(extra_info) if isinstance(extra_info, Mapping) else {}
+        for key in PASSED_THROUGH_FIELDS:
+            if key in batch.non_tensors:
+                info[key] = batch.non_tensors[key][row]
+        return info
+
+    def _score(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict) -> float | dict:
+        if self.compute_score is not None:
+            return self.compute_score(data_source=data_source, solution_str=solution_str,
+                                      ground_truth=ground_truth, extra_info=extra_info)
+        return self.scorers.get(data_source)(solution_str, ground_truth, extra_info)
+
+    @staticmethod
+    def _split_result(result: Any, data_source: str, row: int) -> tuple[float, dict[str, Any]]:
+        """The score and the row's extra info (``score`` plus a dict result's other keys)."""
+        if isinstance(result, Mapping):
+            if "score" not in result:
+                raise ValueError(f"row {row} (data_source {data_source!r}): the reward function returned a dict "
+                                 f"without 'score' (keys {sorted(result)}); return a float or a dict with 'score'")
+            info = dict(result)
+        elif isinstance(result, (int, float)) or (isinstance(result, torch.Tensor) and result.numel() == 1):
+            info = {"score": result}
+        else:
+            raise TypeError(f"row {row} (data_source {data_source!r}): the reward function returned "
+                            f"{type(result).__name__}; return a float or a dict with 'score'")
+        score = float(info["score"])
+        if math.isnan(score):
+            raise ValueError(f"row {row} (data_source {data_source!r}): the reward function returned a NaN score")
+        info["score"] = score
+        return score, info
+
+    def _log_sample(self, batch: Batch, row: int, solution_str: str, ground_truth: Any, info: dict) -> None:
+        prompt = ""
+        if "prompts" in batch:
+            prompt_ids = batch["prompts"][row]
+            if "attention_mask" in batch:
+                prompt_ids = prompt_ids[batch["attention_mask"][row, :prompt_ids.shape[0]].bool()]
+            prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
+        logger.info("[data_source] %s\n[prompt] %s\n[response] %s\n[ground_truth] %s\n[reward] %s",
+                    batch["data_source"][row], prompt, solution_str, ground_truth, info)
+
+
+def _columns(rows_info: list[dict[str, Any]]) -> dict[str, list]:
+    """Per-row dicts -> ``{key: [value per row]}``; ``None`` where a row lacks a key."""
+    keys: list[str] = []
+    for info in rows_info:
+        keys.extend(k for k in info if k not in keys)
+    return {key: [info.get(key) for info in rows_info] for key in keys}

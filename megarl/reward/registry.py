@@ -1,0 +1,163 @@
+"""Rule scorers chosen by a row's ``data_source``, and custom reward functions named by path.
+
+Two callable shapes meet here:
+
+- a **scorer** scores one response of a known task:
+  ``scorer(solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``;
+  a :class:`ScorerRegistry` maps ``data_source`` to a scorer.
+- a **compute-score function** (verl's signature) scores a response of any task:
+  ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``.
+  A registry is one (:meth:`ScorerRegistry.compute_score`); a custom one is loaded with
+  :func:`load_function` from ``"module_or_path:function"``.
+
+A returned dict must hold ``"score"``; its other keys travel along as per-row extra info.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from megarl.reward import addition, gsm8k
+
+Scorer = Callable[..., float | dict]
+"""``scorer(solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``."""
+
+ComputeScore = Callable[..., float | dict]
+"""``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``."""
+
+BUILTIN_SCORERS: Mapping[str, Scorer] = MappingProxyType({
+    gsm8k.DATA_SOURCE: gsm8k.score_response,
+    addition.DATA_SOURCE: addition.score_response,
+})
+"""The scorers every :class:`ScorerRegistry` starts with, by ``data_source``."""
+
+
+class ScorerRegistry:
+    """``data_source`` -> scorer, starting from :data:`BUILTIN_SCORERS`.
+
+    Each registry is its own object (no module-level state): register extra tasks on the
+    registry you hand to the reward manager.
+    """
+
+    def __init__(self, scorers: Mapping[str, Scorer] | None = None) -> None:
+        self._scorers: dict[str, Scorer] = dict(BUILTIN_SCORERS)
+        for data_source, scorer in (scorers or {}).items():
+            self.register(data_source, scorer, overwrite=True)
+
+    def register(self, data_source: str, scorer: Scorer, *, overwrite: bool = False, **scorer_kwargs: Any) -> None:
+        """Score rows of ``data_source`` with ``scorer`` (``scorer_kwargs`` bound to every call).
+
+        Re-registering a name raises ``ValueError`` unless ``overwrite=True``; to only change
+        the settings of a registered scorer use :meth:`configure`.
+        """
+        if not callable(scorer):
+            raise TypeError(f"scorer for data_source {data_source!r} must be callable, got {type(scorer).__name__}")
+        if data_source in self._scorers and not overwrite:
+            raise ValueError(f"data_source {data_source!r} already has a scorer; pass overwrite=True to replace it")
+        self._scorers[data_source] = functools.partial(scorer, **scorer_kwargs) if scorer_kwargs else scorer
+
+    def configure(self, data_source: str, **scorer_kwargs: Any) -> None:
+        """Bind ``scorer_kwargs`` (e.g. ``method="flexible"``) to the registered scorer's calls."""
+        self._scorers[data_source] = functools.partial(self.get(data_source), **scorer_kwargs)
+
+    def get(self, data_source: str) -> Scorer:
+        """The scorer of ``data_source``; ``ValueError`` naming the registered ones if none."""
+        try:
+            return self._scorers[data_source]
+        except KeyError:
+            raise ValueError(f"no reward scorer is registered for data_source {data_source!r}; registered: "
+                             f"{sorted(self._scorers)}. Register one on the ScorerRegistry, or set a custom "
+                             f"reward function 'module_or_path:function'") from None
+
+    def names(self) -> list[str]:
+        """Registered ``data_source`` names, sorted."""
+        return sorted(self._scorers)
+
+    def __contains__(self, data_source: object) -> bool:
+        return data_source in self._scorers
+
+    def compute_score(self, data_source: str, solution_str: str, ground_truth: Any,
+                      extra_info: dict | None = None) -> float | dict:
+        """Score with the scorer registered for ``data_source`` (verl's compute-score signature)."""
+        return self.get(data_source)(solution_str, ground_truth, extra_info)
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                          extra_info: dict | None = None, **scorer_kwargs: Any) -> float | dict:
+    """Score with the built-in scorer of ``data_source``; for custom functions to fall back on."""
+    return ScorerRegistry().get(data_source)(solution_str, ground_truth, extra_info, **scorer_kwargs)
+
+
+def _module_from_file(path: Path, spec_text: str) -> Any:
+    """Import the Python file ``path`` under a name unique to its resolved location."""
+    if not path.is_file():
+        raise FileNotFoundError(f"custom reward function {spec_text!r}: file {str(path)!r} does not exist "
+                                f"(relative paths are taken from {str(Path.cwd())!r})")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    name = f"megarl_custom_reward_{resolved.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"custom reward function {spec_text!r}: {str(path)!r} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec, so the module's own pickling and dataclasses find it
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _module_from_name(module_name: str, spec_text: str) -> Any:
+    """Import the dotted module ``module_name``, naming the spec when it does not exist."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # Only a missing target module is the user's naming mistake; a missing import inside
+        # an existing module propagates as it is.
+        if err.name is None or not (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise
+        raise ValueError(f"custom reward function {spec_text!r}: module {module_name!r} cannot be imported "
+                         f"({err}); give a dotted module on the Python path or a path to a .py file") from err
+
+
+def load_function(spec: str, **bound_kwargs: Any) -> Callable[..., Any]:
+    """The function named by ``"module_or_path:function"``, with ``bound_kwargs`` bound.
+
+    The part before the last ``:`` is a dotted module (``my_pkg.rewards``) or a Python file
+    (``rewards/my_reward.py``, absolute or relative to the working directory); the part after
+    it is a callable in that module. Errors name what is missing: a malformed spec, a file or
+    module that does not exist, or a function the module does not define (listing those it does).
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"custom reward function {spec!r} must look like 'module_or_path:function', e.g. "
+                         f"'my_pkg.rewards:compute_score' or 'rewards/my_reward.py:compute_score'")
+    location, _, function_name = spec.rpartition(":")
+    if not location or not function_name.isidentifier():
+        raise ValueError(f"custom reward function {spec!r} must look like 'module_or_path:function' with a "
+                         f"function name after the last ':'")
+    if location.endswith(".py") or "/" in location or "\\" in location:
+        module = _module_from_file(Path(location).expanduser(), spec)
+    else:
+        module = _module_from_name(location, spec)
+    if not hasattr(module, function_name):
+        available = sorted(name for name, value in vars(module).items()
+                           if callable(value) and not name.startswith("_"))
+        raise ValueError(f"custom reward function {spec!r}: {location!r} defines no {function_name!r}; "
+                         f"its public callables are {available}")
+    function = getattr(module, function_name)
+    if not callable(function):
+        raise TypeError(f"custom reward function {spec!r}: {function_name!r} is a {type(function).__name__}, "
+                        f"not a function")
+    return functools.partial(function, **bound_kwargs) if bound_kwargs else function
