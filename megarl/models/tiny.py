@@ -1,0 +1,140 @@
+"""A tiny Qwen2-architecture model and its tokenizer, built by project code (no model hub).
+
+The tokenizer is a byte-level BPE trained, deterministically, on a small built-in corpus
+(arithmetic, English, JSON for tool calls), with Qwen2.5's special tokens and a Qwen2.5-style
+chat template that renders tool schemas, ``<tool_call>`` blocks and tool responses. The model
+is a randomly initialised ``Qwen2ForCausalLM`` sized for CPU tests and the tiny recipe.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# Qwen2.5's chat template, reduced to what megarl uses: system/user/assistant/tool turns, tool
+# schemas in the system turn, structured tool calls, tool responses grouped in a user turn.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    lines = [f"What is {a} + {b}? The answer is {a + b}." for a in range(0, 100, 7) for b in range(3, 100, 11)]
+    lines += [f"#### {n}" for n in range(0, 200, 3)]
+    lines += [
+        "You are a helpful assistant. Solve the question step by step.",
+        "Let's think step by step and output the final answer after ####.",
+        'Reason step by step before any tool call. {"name": "calc_gsm8k_reward", "arguments": {"answer": "42"}}',
+        "Current parsed answer=42 reward=1.0 The quick brown fox jumps over the lazy dog.",
+        "system user assistant tool function arguments name description parameters type object string",
+    ]
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with Qwen2.5's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_qwen2_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512):
+    """A Qwen2 config for ``tokenizer`` (vocabulary, special ids), tied embeddings."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
+def build_tiny_model(tokenizer, *, seed: int = 0, **sizes):
+    """A randomly initialised tiny ``Qwen2ForCausalLM`` in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_qwen2_config(tokenizer, **sizes)).float().eval()
+
+
+def save_tiny(directory: str | os.PathLike, *, seed: int = 0, **sizes) -> Path:
+    """Write a tiny model and its tokenizer as an HF directory (config, safetensors, tokenizer)."""
+    directory = Path(directory)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, **sizes)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
