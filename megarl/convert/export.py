@@ -34,16 +34,12 @@ class WeightExporter:
     def __init__(self, model_chunks, family, hf_config, groups, *, dtype: torch.dtype | None = None):
         self.groups = groups
         self.dims = groups.dims
-        self.family = family
         chunk = model_chunks[0].module if hasattr(model_chunks[0], "module") else model_chunks[0]
         config = chunk.config
         self.dtype = dtype or config.params_dtype
         self.sizes = ModelSizes.from_config(family, hf_config, self.dims.tp)
         self.units = build_plan(family, hf_config, self.dims, config, expected_shapes(hf_config))
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.hf_config = hf_config
-        self.tied = tied
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
 
     @property
