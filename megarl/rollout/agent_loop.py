@@ -1,0 +1,531 @@
+"""The multi-turn agent loop: every request runs its own state machine, all concurrently.
+
+``AgentLoop(engine, tokenizer, config, tools, interactions).run(requests)`` drives each
+:class:`~megarl.rollout.request.AsyncRolloutRequest` through (digest §4.5-4.6)::
+
+    PENDING --initialize, create tool instances, start interaction--> RUNNING
+    RUNNING --engine STOP, tool calls in the text--> TOOL_CALLING --responses appended--> RUNNING
+    RUNNING --engine STOP, no tool call, interaction--> INTERACTING --user reply--> RUNNING
+    RUNNING --engine STOP, no tool call, no interaction--> COMPLETED (stop)
+    INTERACTING --interaction says terminate--> COMPLETED (stop)
+    any --response budget or max_model_len spent--> COMPLETED (length, outputs truncated)
+    TOOL_CALLING / INTERACTING --max_turns or max_user_turns reached--> COMPLETED (max_turns)
+    any --engine abort, tool create/reward error, overlong prompt--> FAILED (abort)
+
+Turns: ``max_turns`` counts assistant generations (digest §4.6); ``max_user_turns`` counts
+tool-response turns plus interaction replies. When a limit is reached after an assistant
+turn, its tool calls are not executed (as in verl) and the conversation ends.
+
+Budget: everything after the prompt (assistant tokens, tool responses, user turns, each
+turn's generation prompt and scaffolding) must fit ``response_length``, and the whole
+sequence ``max_model_len``. Each generation asks for at most the tokens left; a turn cut by
+that limit, or tool/user tokens that leave no room for another turn, end the conversation with
+``length``, and ``finalize`` truncates the outputs to the budget.
+
+Tool calls: every ``<tool_call>`` block of a turn gets one tool response, in order. Blocks that
+do not parse and calls of tools the request was not given get an error message as their
+response (counted in ``metrics``); the well-formed calls run concurrently
+(``asyncio.gather``), each under ``tool_timeout_s``. A tool that raises or times out also
+answers with an error message: the request goes on, and the model sees what went wrong. These
+are the containment boundaries for tool and interaction code (user code, so any ``Exception``
+is caught there): a failing ``create``/``start_interaction``, ``calc_reward``/
+``calculate_score`` or ``generate_response`` FAILS its request only (its rewards cannot be
+trusted); other requests are unaffected. Engine exceptions are not request-specific: they
+cancel the run and propagate (tool instances are still released).
+
+:func:`requests_from_batch` turns a prompt batch into requests (``n`` adjacent samples per
+prompt) and :func:`batch_from_requests` turns finished requests into the rollout fields of
+digest §1.4.
+
+Shape legend: ``N`` trajectories, ``P`` prompt length, ``R`` response length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl.data.batch import Batch
+from megarl.data.chat import check_messages
+from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams
+from megarl.rollout.interaction import BaseInteraction
+from megarl.rollout.request import (
+    SANITY_CHECK_MODES,
+    AsyncRolloutRequest,
+    FinishReasonType,
+    Message,
+    RequestState,
+    output_text,
+)
+from megarl.rollout.tool_parser import PARSERS, ToolCall, ToolCallError, get_tool_parser
+from megarl.rollout.tools.base import BaseTool
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE_STATES = (RequestState.RUNNING, RequestState.TOOL_CALLING, RequestState.INTERACTING)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AgentLoopConfig:
+    """Settings of multi-turn rollouts (``rollout.*`` and ``rollout.multi_turn.*``)."""
+
+    prompt_length: int
+    """Token budget of a templated prompt, tool schemas included (``P``)."""
+    response_length: int
+    """Token budget of the whole multi-turn response: assistant, tool and user tokens (``R``)."""
+    max_model_len: int | None = None
+    """Cap on prompt + response tokens; None means ``prompt_length + response_length``."""
+    max_turns: int = 5
+    """Assistant generations per request."""
+    max_user_turns: int | None = None
+    """Tool-response turns plus interaction replies per request; None: no limit."""
+    tool_timeout_s: float | None = 30.0
+    """Per-call limit of ``tool.execute``; a call that takes longer answers with a timeout error. None: no limit."""
+    format: str = "hermes"
+    """Tool-call format of the model (see ``megarl.rollout.tool_parser.PARSERS``)."""
+    tokenization_sanity_check: str = "warn"
+    """``strict`` (a mismatch FAILS the request), ``warn`` (logged and counted) or ``off``."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop tokens besides EOS."""
+    seed: int | None = None
+    """Base seed; each request's turn gets its own seed derived from it. None: unseeded."""
+    return_logprob: bool = True
+    """Ask the engine for the log-prob of every generated token (``rollout_log_probs``)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_length < 1 or self.response_length < 1:
+            raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {self.prompt_length} "
+                             f"and {self.response_length}")
+        if self.max_model_len is not None and self.max_model_len <= self.prompt_length:
+            raise ValueError(f"rollout.max_model_len={self.max_model_len} leaves no room for a response after "
+                             f"prompt_length={self.prompt_length}")
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.multi_turn.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_user_turns is not None and self.max_user_turns < 0:
+            raise ValueError(f"rollout.multi_turn.max_user_turns must be >= 0 or null, got {self.max_user_turns}")
+        if self.tool_timeout_s is not None and self.tool_timeout_s <= 0:
+            raise ValueError(f"rollout.multi_turn.tool_timeout_s must be > 0 or null, got {self.tool_timeout_s}")
+        if self.format not in PARSERS:
+            raise ValueError(f"rollout.multi_turn.format={self.format!r} is unknown; use one of {sorted(PARSERS)}")
+        if self.tokenization_sanity_check not in SANITY_CHECK_MODES:
+            raise ValueError(f"rollout.multi_turn.tokenization_sanity_check={self.tokenization_sanity_check!r} is "
+                             f"unknown; use one of {SANITY_CHECK_MODES}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.sampling_params()
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """``max_model_len``, or ``prompt_length + response_length`` when unset (or larger)."""
+        total = self.prompt_length + self.response_length
+        return total if self.max_model_len is None else min(self.max_model_len, total)
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine sampling settings (``max_new_tokens`` is narrowed per turn to the budget left)."""
+        return SamplingParams(max_new_tokens=self.response_length, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, seed=self.seed)
+
+
+def _turn_seed(seed: int, request: AsyncRolloutRequest) -> int:
+    """A seed per (base seed, prompt row, sample, turn): reproducible, different for every turn."""
+    return hash((seed, request.batch_data_id, request.rollout_offset, request.num_assistant_turns)) & 0x7FFFFFFF
+
+
+class AgentLoop:
+    """Runs multi-turn, tool-calling rollouts of many requests concurrently on one engine.
+
+    Args:
+        engine: a :class:`~megarl.rollout.engine.RolloutEngine` (``async_generate`` is used).
+        tokenizer: the policy's tokenizer, with its chat template.
+        config: :class:`AgentLoopConfig`.
+        tools: ``{function_name: tool}`` (e.g. from :func:`megarl.rollout.tools.load_tools`).
+            A request sees the tools named in its row's ``tools_kwargs``, or all of them when
+            the row names none.
+        interactions: ``{name: interaction}``; a request with ``interaction_kwargs`` uses the
+            one named by ``interaction_kwargs["name"]`` (or the only one).
+    """
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, config: AgentLoopConfig,
+                 tools: Mapping[str, BaseTool] | None = None,
+                 interactions: Mapping[str, BaseInteraction] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tools = dict(tools or {})
+        self.interactions = dict(interactions or {})
+        for name, tool in self.tools.items():
+            if tool.name != name:
+                raise ValueError(f"tools[{name!r}] is the tool {tool.name!r}; key tools by their function name")
+        clash = sorted(self.tools.keys() & self.interactions.keys())
+        if clash:
+            raise ValueError(f"names {clash} are both tools and interactions; their rewards would share "
+                             f"reward_scores keys, rename the interaction")
+        self.parser = get_tool_parser(config.format)
+        self._noted_ignored: set[str] = set()
+
+    # ------------------------------------------------------------------------------ entry
+
+    async def run(self, requests: Sequence[AsyncRolloutRequest], *,
+                  sampling_params: SamplingParams | None = None) -> list[AsyncRolloutRequest]:
+        """Run every (PENDING) request to COMPLETED or FAILED; return them sorted by
+        ``(batch_data_id, rollout_offset)``.
+
+        ``sampling_params`` overrides the config's sampling (e.g. greedy validation); its
+        ``max_new_tokens`` caps each turn, which the budget may narrow further.
+        """
+        requests = list(requests)
+        for request in requests:
+            self._check_request(request)
+        sampling = sampling_params or self.config.sampling_params()
+        tasks = [asyncio.ensure_future(self._run_request(request, sampling)) for request in requests]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return sorted(requests, key=lambda r: (r.batch_data_id, r.rollout_offset))
+
+    def _check_request(self, request: AsyncRolloutRequest) -> None:
+        """Refuse requests this loop cannot run (config mistakes, not model behaviour)."""
+        where = f"request {request.request_id} (batch row {request.batch_data_id})"
+        if request.state is not RequestState.PENDING:
+            raise ValueError(f"{where} is {request.state.value}; AgentLoop.run takes PENDING requests "
+                             f"(build new ones with requests_from_batch)")
+        if request.tools_kwargs and not self.tools:
+            self._note_ignored("tools_kwargs", "rows carry tools_kwargs but no tools are configured; ignored")
+        unknown = sorted(set(request.tools_kwargs) - set(self.tools)) if self.tools else []
+        if unknown:
+            raise ValueError(f"{where}: tools_kwargs names tools {unknown} that the tool config does not define "
+                             f"(configured: {sorted(self.tools)}); add them to rollout.multi_turn.tool_config_path")
+        if request.interaction_kwargs and not self.interactions:
+            self._note_ignored("interaction_kwargs", "rows carry interaction_kwargs but no interactions are "
+                                                     "configured; ignored")
+        self._interaction_for(request)
+
+    def _note_ignored(self, key: str, message: str) -> None:
+        if key not in self._noted_ignored:
+            self._noted_ignored.add(key)
+            logger.warning(message)
+
+    def _tool_names(self, request: AsyncRolloutRequest) -> list[str]:
+        if not request.tools_kwargs:
+            return list(self.tools)
+        return [name for name in self.tools if name in request.tools_kwargs]
+
+    def _interaction_for(self, request: AsyncRolloutRequest) -> tuple[str, BaseInteraction] | None:
+        """The request's ``(name, interaction)``, or None when it has none."""
+        if not self.interactions or not request.interaction_kwargs:
+            return None
+        name = request.interaction_kwargs.get("name")
+        if name is None:
+            if len(self.interactions) != 1:
+                raise ValueError(f"batch row {request.batch_data_id}: interaction_kwargs has no 'name' and "
+                                 f"{len(self.interactions)} interactions are configured ({sorted(self.interactions)})")
+            name = next(iter(self.interactions))
+        if name not in self.interactions:
+            raise ValueError(f"batch row {request.batch_data_id}: interaction {name!r} is not configured "
+                             f"(configured: {sorted(self.interactions)})")
+        return name, self.interactions[name]
+
+    def _turn_limit_reached(self, request: AsyncRolloutRequest) -> bool:
+        limit = self.config.max_user_turns
+        return (request.num_assistant_turns >= self.config.max_turns
+                or (limit is not None and request.num_user_turns >= limit))
+
+    # ------------------------------------------------------------------------------ one request
+
+    async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams) -> AsyncRolloutRequest:
+        request.tool_schemas = [self.tools[name].get_openai_tool_schema() for name in self._tool_names(request)]
+        request.initialize(self.tokenizer, max_prompt_len=self.config.prompt_length,
+                           max_response_len=self.config.response_length,
+                           max_model_len=self.config.effective_max_model_len)
+        finish: FinishReasonType | None = None
+        rewards: dict[str, float] = {}
+        handlers = {RequestState.RUNNING: lambda: self._generate(request, sampling),
+                    RequestState.TOOL_CALLING: lambda: self._call_tools(request),
+                    RequestState.INTERACTING: lambda: self._interact(request)}
+        try:
+            if request.state is RequestState.RUNNING:
+                await self._start_instances(request)
+            while finish is None and request.state in _ACTIVE_STATES:
+                finish = await handlers[request.state]()
+            if request.state is not RequestState.FAILED:
+                rewards = await self._final_rewards(request)
+        finally:
+            await self._release(request)
+        request.finalize(self.tokenizer, finish_reason=finish or FinishReasonType.ABORT, reward_scores=rewards,
+                         sanity_check=self.config.tokenization_sanity_check)
+        if request.state is RequestState.FAILED:
+            logger.warning("rollout request %s (batch row %d, sample %d) FAILED: %s", request.request_id,
+                           request.batch_data_id, request.rollout_offset, request.error)
+        return request
+
+    async def _start_instances(self, request: AsyncRolloutRequest) -> None:
+        """Create the request's tool instances and start its interaction, concurrently."""
+        starts: dict[str, Any] = {}
+        for name in self._tool_names(request):
+            kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
+            starts[name] = self.tools[name].create(request.request_id, **kwargs)
+        interaction = self._interaction_for(request)
+        if interaction is not None:
+            starts[interaction[0]] = interaction[1].start_interaction(request.request_id, **request.interaction_kwargs)
+        outcomes = await asyncio.gather(*starts.values(), return_exceptions=True)
+        errors = []
+        for name, outcome in zip(starts, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                errors.append(f"{name}: {type(outcome).__name__}: {outcome}")
+            else:
+                request.instance_ids[name] = outcome
+        if errors:
+            request.fail(f"starting tools/interaction failed: {'; '.join(errors)}")
+
+    async def _generate(self, request: AsyncRolloutRequest, sampling: SamplingParams) -> FinishReasonType | None:
+        """RUNNING: one assistant turn."""
+        budget = request.max_new_tokens(self.tokenizer)
+        if budget < 1:
+            return FinishReasonType.LENGTH
+        params = dataclasses.replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, budget),
+            seed=None if sampling.seed is None else _turn_seed(sampling.seed, request))
+        output = await self.engine.async_generate(request.generation_prompt_ids(self.tokenizer), params,
+                                                  return_logprob=self.config.return_logprob)
+        if output.finish_reason is FinishReason.ABORT:
+            request.fail(f"the engine aborted turn {request.num_assistant_turns + 1}")
+            return FinishReasonType.ABORT
+        if len(output.output_ids) > params.max_new_tokens:
+            raise ValueError(f"the engine returned {len(output.output_ids)} tokens for max_new_tokens="
+                             f"{params.max_new_tokens}")
+        log_probs = output.output_logprobs if self.config.return_logprob else None
+        if output.finish_reason is FinishReason.LENGTH:
+            request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs, complete=False)
+            return FinishReasonType.LENGTH
+        text = output_text(self.tokenizer, output.output_ids)
+        if request.tool_schemas and self.parser.has_tool_call(text):
+            parsed = self.parser.parse(text)
+            structured = not parsed.errors
+            request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs,
+                                          content=parsed.normal_text if structured else None,
+                                          tool_calls=parsed.calls if structured else None)
+            request.pending_tool_calls = sorted([*parsed.calls, *parsed.errors], key=lambda call: call.index)
+            request.state = RequestState.TOOL_CALLING
+            return None
+        request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs)
+        if self._interaction_for(request) is not None:
+            request.state = RequestState.INTERACTING
+            return None
+        return FinishReasonType.STOP
+
+    async def _call_tools(self, request: AsyncRolloutRequest) -> FinishReasonType | None:
+        """TOOL_CALLING: answer every call block of the last turn (calls run concurrently)."""
+        calls, request.pending_tool_calls = request.pending_tool_calls, []
+        if self._turn_limit_reached(request):
+            request.count("num_tool_calls_skipped", len(calls))
+            return FinishReasonType.MAX_TURNS
+        responses = await asyncio.gather(*(self._answer_call(request, call) for call in calls))
+        request.add_tool_response_messages(self.tokenizer, responses)
+        if request.max_new_tokens(self.tokenizer) < 1:
+            return FinishReasonType.LENGTH
+        request.state = RequestState.RUNNING
+        return None
+
+    async def _answer_call(self, request: AsyncRolloutRequest, call: ToolCall | ToolCallError) -> str:
+        """The tool response to one call block: the tool's text, or an error message for the model."""
+        request.count("num_tool_calls")
+        if isinstance(call, ToolCallError):
+            request.count("num_tool_call_parse_errors")
+            return (f"Error: tool call {call.index} could not be parsed: {call.message}. Write each call as "
+                    f"<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+        available = [schema["function"]["name"] for schema in request.tool_schemas]
+        if call.name not in available:
+            request.count("num_unknown_tool_calls")
+            return f"Error: unknown tool {call.name!r}; available tools: {', '.join(available)}."
+        tool = self.tools[call.name]
+        kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
+        try:
+            execution = tool.execute(request.instance_ids[call.name], call.arguments, **kwargs)
+            text, step_reward, metrics = await asyncio.wait_for(execution, timeout=self.config.tool_timeout_s)
+        except asyncio.TimeoutError:
+            request.count("num_tool_timeouts")
+            return f"Error: tool {call.name!r} timed out after {self.config.tool_timeout_s} s."
+        except Exception as exc:  # tool code is user code: contain its failure in this call's response
+            request.count("num_tool_exceptions")
+            logger.debug("tool %r raised for request %s", call.name, request.request_id, exc_info=True)
+            return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
+        request.tool_metrics.setdefault(call.name, []).append({"step_reward": float(step_reward), **metrics})
+        return str(text)
+
+    async def _interact(self, request: AsyncRolloutRequest) -> FinishReasonType | None:
+        """INTERACTING: the simulated user judges the last turn and replies or ends the conversation."""
+        name, interaction = self._interaction_for(request)
+        try:
+            terminate, reply, score, _ = await interaction.generate_response(
+                request.instance_ids[name], request.message_dicts(), **request.interaction_kwargs)
+        except Exception as exc:  # interaction code is user code: fail this request only
+            request.fail(f"interaction {name!r} generate_response raised {type(exc).__name__}: {exc}")
+            return FinishReasonType.ABORT
+        request.interaction_scores.append(float(score))
+        if terminate:
+            return FinishReasonType.STOP
+        if self._turn_limit_reached(request):
+            return FinishReasonType.MAX_TURNS
+        request.add_user_message(self.tokenizer, reply)
+        if request.max_new_tokens(self.tokenizer) < 1:
+            return FinishReasonType.LENGTH
+        request.state = RequestState.RUNNING
+        return None
+
+    async def _final_rewards(self, request: AsyncRolloutRequest) -> dict[str, float]:
+        """``calc_reward`` of every tool instance and ``calculate_score`` of the interaction."""
+        scores: dict[str, Any] = {}
+        for name, instance_id in request.instance_ids.items():
+            if name in self.tools:
+                kwargs = request.tools_kwargs.get(name, {}).get("calc_reward_kwargs", {})
+                scores[name] = self.tools[name].calc_reward(instance_id, **kwargs)
+            else:
+                scores[name] = self.interactions[name].calculate_score(instance_id)
+        outcomes = await asyncio.gather(*scores.values(), return_exceptions=True)
+        rewards, errors = {}, []
+        for name, outcome in zip(scores, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                errors.append(f"{name}: {type(outcome).__name__}: {outcome}")
+            else:
+                rewards[name] = float(outcome)
+        if errors:
+            request.fail(f"computing the final rewards failed: {'; '.join(errors)}")
+        return rewards
+
+    async def _release(self, request: AsyncRolloutRequest) -> None:
+        """Release every tool instance and finalize the interaction (errors are logged and counted)."""
+        releases = {}
+        for name, instance_id in request.instance_ids.items():
+            if name in self.tools:
+                kwargs = request.tools_kwargs.get(name, {}).get("release_kwargs", {})
+                releases[name] = self.tools[name].release(instance_id, **kwargs)
+            else:
+                releases[name] = self.interactions[name].finalize_interaction(instance_id)
+        outcomes = await asyncio.gather(*releases.values(), return_exceptions=True)
+        for name, outcome in zip(releases, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                request.count("num_release_errors")
+                logger.warning("releasing %r of request %s raised %s: %s", name, request.request_id,
+                               type(outcome).__name__, outcome)
+
+
+# ---------------------------------------------------------------------------------- batch <-> requests
+
+
+def requests_from_batch(batch: Batch, n: int, *, prompt_key: str = "raw_prompt") -> list[AsyncRolloutRequest]:
+    """One PENDING request per (prompt row, sample): ``n`` adjacent requests per row.
+
+    Reads the non-tensor fields ``raw_prompt`` (the chat messages of each row; the dataset
+    returns them with ``return_raw_chat=True``) and, when present, ``tools_kwargs``,
+    ``interaction_kwargs`` and ``index``. Request ``i * n + k`` is row ``i``, sample ``k``.
+    """
+    if n < 1:
+        raise ValueError(f"rollout.n must be >= 1, got {n}")
+    if prompt_key not in batch.non_tensors:
+        raise ValueError(f"multi-turn rollout needs the chat messages of each prompt in the non-tensor field "
+                         f"{prompt_key!r}; build the dataset with return_raw_chat=True "
+                         f"(batch has {sorted(batch.non_tensors)})")
+    columns = {key: batch.non_tensors.get(key) for key in ("tools_kwargs", "interaction_kwargs", "index")}
+    requests = []
+    for row in range(len(batch)):
+        raw = batch.non_tensors[prompt_key][row]
+        messages = check_messages(raw if isinstance(raw, str) else list(raw), f"batch row {row} ({prompt_key})")
+        tools_kwargs = columns["tools_kwargs"][row] if columns["tools_kwargs"] is not None else None
+        interaction_kwargs = columns["interaction_kwargs"][row] if columns["interaction_kwargs"] is not None else None
+        for offset in range(n):
+            requests.append(AsyncRolloutRequest(
+                batch_data_id=row, rollout_offset=offset,
+                messages=[Message.from_dict(message) for message in messages],
+                index=None if columns["index"] is None else columns["index"][row],
+                tools_kwargs=copy.deepcopy(dict(tools_kwargs or {})),
+                interaction_kwargs=copy.deepcopy(dict(interaction_kwargs or {}))))
+    return requests
+
+
+def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: int, response_length: int,
+                        pad_token_id: int) -> Batch:
+    """The rollout fields of finished requests, one row each, in the given order (digest §1.4, §4.4).
+
+    Tensors: ``prompts`` ``[N, P]`` (left-padded), ``responses`` ``[N, R]`` (right-padded),
+    ``input_ids`` / ``attention_mask`` / ``position_ids`` / ``loss_mask`` ``[N, P+R]``,
+    ``response_mask`` ``[N, R]`` (``attention_mask[:, -R:]``) and, when every request has
+    them, ``rollout_log_probs`` ``[N, R]`` (0 on tool/user/scaffolding tokens and padding).
+    Prompt positions count real tokens from 0; response positions continue from the last prompt
+    position over all ``R`` columns. ``loss_mask`` is the requests' own (1 on generated tokens)
+    except on FAILED requests, whose response is all 0 (not trained on).
+
+    Non-tensors: ``messages`` (list of message dicts), ``reward_scores`` (dict), ``finish_reason``
+    (str), ``metrics`` (dict of numbers), ``num_turns`` (assistant + user turns).
+    """
+    if not requests:
+        raise ValueError("batch_from_requests needs at least one request")
+    num_rows = len(requests)
+    prompts_NP = torch.full((num_rows, prompt_length), pad_token_id, dtype=torch.long)
+    prompt_mask_NP = torch.zeros((num_rows, prompt_length), dtype=torch.long)
+    responses_NR = torch.full((num_rows, response_length), pad_token_id, dtype=torch.long)
+    response_mask_NR = torch.zeros((num_rows, response_length), dtype=torch.long)
+    response_loss_NR = torch.zeros((num_rows, response_length), dtype=torch.long)
+    log_probs_NR = torch.zeros((num_rows, response_length), dtype=torch.float32)
+    for row, request in enumerate(requests):
+        where = f"request {request.request_id} (batch row {request.batch_data_id}, sample {request.rollout_offset})"
+        if request.state not in (RequestState.COMPLETED, RequestState.FAILED):
+            raise ValueError(f"{where} is {request.state.value}; run AgentLoop.run on it first")
+        prompt, response = request.prompt_ids, request.response_ids
+        if len(prompt) > prompt_length or len(response) > response_length:
+            raise ValueError(f"{where} has {len(prompt)} prompt and {len(response)} response tokens, more than "
+                             f"prompt_length={prompt_length} / response_length={response_length}; build the "
+                             f"batch with the lengths the agent loop ran with")
+        if prompt:
+            prompts_NP[row, prompt_length - len(prompt):] = torch.tensor(prompt)
+            prompt_mask_NP[row, prompt_length - len(prompt):] = 1
+        if response:
+            responses_NR[row, :len(response)] = torch.tensor(response)
+            response_mask_NR[row, :len(response)] = 1
+            if request.state is RequestState.COMPLETED:
+                response_loss_NR[row, :len(response)] = torch.tensor(request.response_loss_mask)
+            if request.response_log_probs is not None:
+                log_probs_NR[row, :len(response)] = torch.tensor(request.response_log_probs, dtype=torch.float32)
+    prompt_positions_NP = (prompt_mask_NP.cumsum(dim=1) - 1).clamp(min=0)
+    response_positions_NR = prompt_positions_NP[:, -1:] + torch.arange(1, response_length + 1)
+    attention_mask = torch.cat([prompt_mask_NP, response_mask_NR], dim=1)
+    tensors = {
+        "prompts": prompts_NP,
+        "responses": responses_NR,
+        "input_ids": torch.cat([prompts_NP, responses_NR], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": torch.cat([prompt_positions_NP, response_positions_NR], dim=1),
+        "loss_mask": torch.cat([torch.zeros_like(prompt_mask_NP), response_loss_NR], dim=1),
+        "response_mask": attention_mask[:, -response_length:].clone(),
+    }
+    if all(request.response_log_probs is not None for request in requests):
+        tensors["rollout_log_probs"] = log_probs_NR
+
+    def column(values: list[Any]) -> np.ndarray:
+        array = np.empty(num_rows, dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+        return array
+
+    non_tensors = {
+        "messages": column([request.message_dicts() for request in requests]),
+        "reward_scores": column([dict(request.reward_scores) for request in requests]),
+        "finish_reason": column([(request.finish_reason or FinishReasonType.ABORT).value for request in requests]),
+        "metrics": column([dict(request.metrics) for request in requests]),
+        "num_turns": column([request.num_assistant_turns + request.num_user_turns for request in requests]),
+    }
+    return Batch(tensors=tensors, non_tensors=non_tensors)
