@@ -1,0 +1,434 @@
+"""A rollout engine on Hugging Face transformers: the CPU stand-in for SGLang.
+
+:class:`HFEngine` implements :class:`~megarl.rollout.engine.RolloutEngine` with its own
+sampling loop over the model's forward (left-padded batch, attention mask, position ids from
+the mask, a KV cache), so each returned log-prob comes from the very logits that sampled
+the token: ``log_softmax(logits / T)`` at the sampled id, before top-k / top-p truncation
+(``T = 1`` when greedy). Those are the numbers the trainer recomputes as ``old_log_probs``.
+
+Randomness. Every row of a call samples from its own ``torch.Generator``:
+
+- with ``SamplingParams.seed`` set, row ``i`` of a :meth:`HFEngine.generate` call uses
+  :func:`derive_row_seed` ``(seed, i)``, and a request given to :meth:`HFEngine.async_generate`
+  uses ``derive_row_seed(seed, 0)`` whatever it is batched with: such calls reproduce on
+  their own, independently of earlier calls;
+- without it, row seeds are drawn from the engine's generator (seeded by the constructor's
+  ``seed``), so an engine built with the same seed and given the same sequence of calls
+  reproduces every output.
+
+What a row samples does not depend on the other rows of its batch except through
+floating-point effects: a different batch pads the row differently, which can change its
+logits in the last bits and, rarely, a sampled token. Outputs are therefore reproducible for
+the same inputs, not promised identical across batch compositions.
+
+Shape legend: ``B`` rows, ``L`` tokens (padded prompt plus generated so far), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
+
+_MAX_SEED = 2**63 - 1
+
+
+def derive_row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s sampling stream in a call seeded with ``seed`` (a stable hash)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(row)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MAX_SEED
+
+
+def truncate_probs(probs_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``probs_BV`` with the tokens outside top-k, then outside the top-p nucleus, set to 0.
+
+    Top-p keeps a token when the probability mass strictly before it (in descending order)
+    is at most ``top_p``, so the most likely token is always kept (SGLang's rule). The result
+    is not renormalised; sampling from it is proportional.
+    """
+    if top_k == -1 and top_p >= 1.0:
+        return probs_BV
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+    keep_BV = torch.ones_like(sorted_BV, dtype=torch.bool)
+    if top_k != -1:
+        keep_BV[:, top_k:] = False
+    if top_p < 1.0:
+        keep_BV &= (sorted_BV.cumsum(dim=-1) - sorted_BV) <= top_p
+    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV * keep_BV)
+
+
+class HFEngine:
+    """A single-process rollout engine over a transformers causal LM (CPU, or CUDA).
+
+    Args:
+        model_path_or_model: an HF model directory (loaded with ``AutoModelForCausalLM``) or
+            a loaded model, which is used in place, not copied: weight updates write into it.
+        tokenizer: supplies the EOS id (loaded from the directory when ``None`` and a path
+            is given). Generation stops at it and at the EOS ids of the model's config and
+            generation config.
+        dtype: weights and compute dtype.
+        device: ``"cpu"`` or a CUDA device.
+        seed: seeds the engine generator that row seeds are drawn from when a request has
+            no ``SamplingParams.seed``.
+
+    Weight updates take full HF-named tensors (the names of ``model.named_parameters()``)
+    only: the engine is one process, so there is no TP-sharded layout to accept. A tied
+    ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor, so updating either
+    name updates both.
+    """
+
+    def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0) -> None:
+        if isinstance(model_path_or_model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=dtype)
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(model_path_or_model)
+        elif isinstance(model_path_or_model, torch.nn.Module):
+            model = model_path_or_model
+        else:
+            raise TypeError(f"HFEngine needs a model directory or a torch.nn.Module, got "
+                            f"{type(model_path_or_model).__name__}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = self._eos_token_ids(self.model, tokenizer)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_model_len = int(self.model.config.max_position_embeddings)
+        self._pad_id = self.eos_token_ids[0]
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._seed_generator = torch.Generator().manual_seed(seed)
+        # Held while generating and while changing state (sessions, release).
+        self._lock = threading.RLock()
+        # Guards the seed generator and the batchers; never held across a generation, so an
+        # event loop submitting requests does not block on a running batch.
+        self._seed_lock = threading.Lock()
+        self._in_session = False
+        self._released = False
+        self._session_buckets = 0
+        self._session_tensors = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _RequestBatcher] = (
+            weakref.WeakKeyDictionary())
+
+    @staticmethod
+    def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
+        ids: list[int] = []
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.append(int(tokenizer.eos_token_id))
+        # Like SGLang: the tokenizer's EOS plus the model's (config and generation config, where
+        # chat models often list several, e.g. <|im_end|> and <|endoftext|>).
+        generation_config = model.generation_config
+        for configured in (model.config.eos_token_id,
+                           None if generation_config is None else generation_config.eos_token_id):
+            for eos in [] if configured is None else [configured] if isinstance(configured, int) else configured:
+                if int(eos) not in ids:
+                    ids.append(int(eos))
+        if not ids:
+            raise ValueError("HFEngine needs an EOS token id: pass a tokenizer with eos_token set or a model "
+                             "whose config has eos_token_id")
+        return tuple(ids)
+
+    # ----------------------------------------------------------------------------- generate
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                 return_logprob: bool = False) -> list[GenerateOutput]:
+        """Generate one continuation per sequence of ``input_ids`` (a batch, sampled together)."""
+        prompts = self._check_prompts(input_ids, sampling_params)
+        if sampling_params.seed is None:
+            row_seeds = self._draw_row_seeds(len(prompts))
+        else:
+            row_seeds = [derive_row_seed(sampling_params.seed, i) for i in range(len(prompts))]
+        return self._generate_rows(prompts, sampling_params, return_logprob, row_seeds)
+
+    async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
+                             return_logprob: bool = False) -> GenerateOutput:
+        """Generate for one sequence; concurrent requests on one event loop are batched.
+
+        Requests submitted while the engine is busy are queued and run together as the next
+        batch (grouped by sampling params up to seed and ``max_new_tokens``, which are per row,
+        and by ``return_logprob``), on the engine's worker thread, so the event loop never
+        blocks on the model.
+        """
+        prompt = self._check_prompts([input_ids], sampling_params)[0]
+        if sampling_params.seed is None:
+            row_seed = self._draw_row_seeds(1)[0]
+        else:
+            row_seed = derive_row_seed(sampling_params.seed, 0)
+        loop = asyncio.get_running_loop()
+        with self._seed_lock:
+            batcher = self._batchers.get(loop)
+            if batcher is None:
+                batcher = self._batchers[loop] = _RequestBatcher(self, loop)
+        return await batcher.submit(prompt, sampling_params, return_logprob, row_seed)
+
+    def _draw_row_seeds(self, num_rows: int) -> list[int]:
+        with self._seed_lock:
+            return torch.randint(_MAX_SEED, (num_rows,), generator=self._seed_generator).tolist()
+
+    def _check_prompts(self, input_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"HFEngine.generate needs megarl.rollout.engine.SamplingParams, got "
+                            f"{type(params).__name__}")
+        if len(input_ids) == 0:
+            raise ValueError("HFEngine.generate needs at least one input sequence")
+        prompts = []
+        for row, ids in enumerate(input_ids):
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ValueError(f"HFEngine.generate: input sequence {row} is empty; a prompt needs >= 1 token")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"HFEngine.generate: input sequence {row} has token ids {bad[:5]} outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+            if len(ids) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(f"HFEngine.generate: input sequence {row} has {len(ids)} tokens; with "
+                                 f"max_new_tokens={params.max_new_tokens} it exceeds the model's context of "
+                                 f"{self.max_model_len} (max_position_embeddings); lower rollout.response_length "
+                                 f"or the prompt length")
+            prompts.append(ids)
+        return prompts
+
+    def _check_can_generate(self) -> None:
+        if self._in_session:
+            raise RuntimeError("HFEngine cannot generate inside a weight-update session; call "
+                               "end_weight_update() first")
+        if self._released:
+            raise RuntimeError("HFEngine cannot generate while its memory is released; call "
+                               "resume_memory_occupation() first")
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
+                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None) -> list[GenerateOutput]:
+        """The sampling loop: one prefill over the left-padded batch, then one token per step.
+
+        ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
+        ``params.max_new_tokens``) limits each row, so requests of different budgets share a batch.
+        """
+        from transformers import DynamicCache
+
+        limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
+
+        with self._lock:
+            self._check_can_generate()
+            num_rows, width = len(prompts), max(len(p) for p in prompts)
+            input_ids_BL = torch.full((num_rows, width), self._pad_id, dtype=torch.long)
+            attention_mask_BL = torch.zeros((num_rows, width), dtype=torch.long)
+            for row, ids in enumerate(prompts):
+                input_ids_BL[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+                attention_mask_BL[row, width - len(ids):] = 1
+            input_ids_BL, attention_mask_BL = input_ids_BL.to(self.device), attention_mask_BL.to(self.device)
+            position_ids_BL = (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+            generators = None
+            if not params.greedy:
+                generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+
+            cache = DynamicCache(config=self.model.config)
+            logits_BV = self.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
+                                   position_ids=position_ids_BL, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits[:, -1].float()
+            next_position_B1 = position_ids_BL[:, -1:] + 1
+            output_ids: list[list[int]] = [[] for _ in range(num_rows)]
+            output_logprobs: list[list[float]] = [[] for _ in range(num_rows)]
+            finish: list[FinishReason | None] = [None] * num_rows
+            while True:
+                tokens_B, logprobs_B = self._sample(logits_BV, params, generators)
+                tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+                for row in range(num_rows):
+                    if finish[row] is not None:
+                        continue
+                    output_ids[row].append(tokens[row])
+                    output_logprobs[row].append(logprobs[row])
+                    if tokens[row] in stop_ids:
+                        finish[row] = FinishReason.STOP
+                    elif len(output_ids[row]) == limits[row]:
+                        finish[row] = FinishReason.LENGTH
+                if all(f is not None for f in finish):
+                    break
+                # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
+                attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
+                logits_BV = self.model(input_ids=tokens_B[:, None], attention_mask=attention_mask_BL,
+                                       position_ids=next_position_B1, past_key_values=cache, use_cache=True,
+                                       logits_to_keep=1).logits[:, -1].float()
+                next_position_B1 = next_position_B1 + 1
+        return [GenerateOutput(output_ids=output_ids[row], finish_reason=finish[row],
+                               output_logprobs=output_logprobs[row] if return_logprob else None)
+                for row in range(num_rows)]
+
+    @staticmethod
+    def _sample(logits_BV: torch.Tensor, params: SamplingParams,
+                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token per row and its ``log_softmax(logits / T)`` (``T = 1`` when greedy), fp32."""
+        if params.greedy:
+            tokens_B = logits_BV.argmax(dim=-1)
+            logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+        else:
+            logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+            probs_BV = truncate_probs(logprobs_BV.exp(), params.top_k, params.top_p)
+            # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability
+            # proportional to p_i; one noise row per generator keeps every row's stream its own.
+            noise_BV = torch.stack([torch.empty(logits_BV.shape[-1], device=logits_BV.device)
+                                    .exponential_(generator=g) for g in generators])
+            tokens_B = (probs_BV / noise_BV.clamp(min=torch.finfo(noise_BV.dtype).tiny)).argmax(dim=-1)
+        return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+    # ----------------------------------------------------------------------------- weights
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session; waits for a running generation to finish."""
+        with self._lock:
+            if self._in_session:
+                raise RuntimeError("HFEngine.begin_weight_update: a weight-update session is already open; "
+                                   "call end_weight_update() first")
+            if self._released:
+                raise RuntimeError("HFEngine.begin_weight_update: memory is released; call "
+                                   "resume_memory_occupation() before updating weights")
+            self._in_session = True
+            self._session_buckets = self._session_tensors = 0
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors) -> None:
+        """Copy one bucket of full HF-named tensors into the weights, in place.
+
+        The whole bucket is checked first (names known, shapes equal, floating-point values,
+        a tensor named twice only with equal values); on any problem ``ValueError`` lists
+        them all and no tensor of the bucket is copied. Buckets applied earlier in the
+        session stay applied. Values are cast to the engine's dtype and device.
+        """
+        with self._lock:
+            if not self._in_session:
+                raise RuntimeError("HFEngine.update_weights_from_tensor must run inside a weight-update session: "
+                                   "call begin_weight_update() first (or use megarl.rollout.engine.update_weights)")
+            targets = self._check_bucket(named_tensors)
+            with torch.no_grad():
+                for param, tensor in targets:
+                    param.copy_(tensor)
+            self._session_buckets += 1
+            self._session_tensors += len(targets)
+
+    def _check_bucket(self, named_tensors: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        problems, targets = [], []
+        seen: dict[int, tuple[str, torch.Tensor]] = {}
+        for entry in named_tensors:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                    and isinstance(entry[1], torch.Tensor)):
+                problems.append(f"entry {entry!r:.80} is not a (name, tensor) pair")
+                continue
+            name, tensor = entry
+            param = self._params.get(name)
+            if param is None:
+                problems.append(f"unknown name {name!r}")
+            elif tuple(tensor.shape) != tuple(param.shape):
+                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(param.shape)}")
+            elif not tensor.is_floating_point():
+                problems.append(f"{name!r} has dtype {tensor.dtype}; weights must be floating point")
+            elif id(param) in seen and not torch.equal(seen[id(param)][1].cpu(), tensor.cpu()):
+                problems.append(f"{name!r} and {seen[id(param)][0]!r} are the same (tied) weight but the bucket "
+                                f"gives them different values")
+            else:
+                seen[id(param)] = (name, tensor)
+                targets.append((param, tensor))
+        if problems:
+            applied = (f"; {self._session_buckets} earlier bucket(s) ({self._session_tensors} tensors) of this "
+                       f"session stay applied" if self._session_buckets else "")
+            raise ValueError(f"HFEngine.update_weights_from_tensor: bucket refused, nothing of it was copied"
+                             f"{applied}: " + "; ".join(problems))
+        return targets
+
+    def end_weight_update(self) -> None:
+        """Close the session (and flush the cache, which this engine does not keep)."""
+        with self._lock:
+            if not self._in_session:
+                raise RuntimeError("HFEngine.end_weight_update: no weight-update session is open")
+            self._in_session = False
+            self.flush_cache()
+
+    # ----------------------------------------------------------------------------- memory
+
+    def release_memory_occupation(self) -> None:
+        """Stop serving until resumed; on CUDA the weights move to host memory.
+
+        On CPU there is nothing to release (weights stay where they are); the state is still
+        tracked, and generation and weight updates are refused until resumed. Idempotent.
+        """
+        with self._lock:
+            if self._in_session:
+                raise RuntimeError("HFEngine.release_memory_occupation: a weight-update session is open; "
+                                   "call end_weight_update() first")
+            if self._released:
+                return
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+
+    def resume_memory_occupation(self) -> None:
+        """Take the memory back (weights back on the device); idempotent."""
+        with self._lock:
+            if not self._released:
+                return
+            if self.device.type == "cuda":
+                self.model.to(self.device)
+            self._released = False
+
+    def flush_cache(self) -> None:
+        """No-op: the KV cache lives only for one generate call, nothing persists between calls."""
+
+
+class _RequestBatcher:
+    """Collects single requests made on one event loop and runs them as batches on the engine thread."""
+
+    def __init__(self, engine: HFEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        # (prompt, params, return_logprob, row seed, future) per waiting request.
+        self._pending: list[tuple[list[int], SamplingParams, bool, int, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def submit(self, prompt: list[int], params: SamplingParams, return_logprob: bool,
+                     row_seed: int) -> GenerateOutput:
+        future = self._loop.create_future()
+        self._pending.append((prompt, params, return_logprob, row_seed, future))
+        if self._worker is None or self._worker.done():
+            # The task's first step runs after the coroutines already scheduled in this
+            # iteration, so requests started together (asyncio.gather) form one batch.
+            self._worker = self._loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            pending, self._pending = self._pending, []
+            # Requests that differ only in seed and max_new_tokens share a batch (both are per row).
+            groups: dict[tuple[SamplingParams, bool], list] = {}
+            for item in pending:
+                key = dataclasses.replace(item[1], seed=None, max_new_tokens=1)
+                groups.setdefault((key, item[2]), []).append(item)
+            for (params, return_logprob), items in groups.items():
+                live = [item for item in items if not item[4].done()]
+                if not live:
+                    continue
+                # An error of the batch (e.g. generating inside a weight-update session) is handed to
+                # every request of it, which re-raises it in its caller.
+                (outcome,) = await asyncio.gather(self._loop.run_in_executor(
+                    self._engine._executor, self._engine._generate_rows, [item[0] for item in live], params,
+                    return_logprob, [item[3] for item in live], [item[1].max_new_tokens for item in live]),
+                    return_exceptions=True)
+                for k, item in enumerate(live):
+                    if item[4].done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        item[4].set_exception(outcome)
+                    else:
+                        item[4].set_result(outcome[k])

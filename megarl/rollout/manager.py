@@ -1,0 +1,356 @@
+"""The rollout manager: prompts in, trajectories out, over one or more engine replicas.
+
+:meth:`RolloutManager.generate` takes a :class:`~megarl.data.batch.Batch` of left-padded
+prompts (``input_ids``, ``attention_mask``, ``position_ids`` ``[B, W]`` and per-row
+non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n`` rows, the
+``n`` samples of a prompt adjacent (row ``i·n + j`` is sample ``j`` of prompt ``i``, matching
+``Batch.repeat(n, interleave=True)``), with the fields of seeds-digest §1.4:
+
+- ``prompts`` ``[N, P]``: the prompt, left-padded with the pad id;
+- ``responses`` ``[N, R]``: the response, right-padded with the pad id;
+- ``input_ids`` ``[N, P+R]``: ``prompts ‖ responses``;
+- ``attention_mask`` ``[N, P+R]``: 1 on prompt tokens and on response tokens up to and
+  including the first EOS (engines stop there), 0 on padding;
+- ``position_ids`` ``[N, P+R]``: ``cumsum(mask) - 1`` on the prompt (0 on its padding), then
+  ``last prompt position + 1 .. R`` on the response (padding included);
+- ``response_mask`` ``[N, R]``: ``attention_mask[:, -R:]``;
+- ``loss_mask`` ``[N, P+R]``: 0 on the prompt, ``response_mask`` on the response (multi-turn:
+  0 on tool and interaction tokens too);
+- ``rollout_log_probs`` ``[N, R]`` (fp32, when ``calculate_log_probs``): the engine's
+  ``log_softmax(logits / T)`` of each response token, 0 on padding;
+- non-tensor ``finish_reason`` per row (``"stop"``, ``"length"``, ``"abort"``), the input's
+  non-tensors repeated, and meta = the input's meta plus ``temperature`` (the ``T`` of
+  ``rollout_log_probs``: the sampling temperature, 1.0 when greedy), ``do_sample`` and
+  ``validate``.
+
+Single-turn rollouts use the batch-level path: strip each prompt's left padding, send each
+engine a contiguous share of the prompts (all ``n`` samples of a prompt on one engine, so
+prefix caching sees them together) concurrently, then pad and assemble. Multi-turn rollouts
+(``multi_turn=True``) run the request-level agent loop of ``megarl.rollout.agent_loop``.
+
+Shape legend: ``B`` prompts, ``N = B·n`` trajectories, ``W`` input prompt width, ``P`` prompt
+length, ``R`` response length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.rollout.engine import GenerateOutput, RolloutEngine, SamplingParams
+from megarl.rollout.hf_engine import derive_row_seed
+
+_PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _check_sampling(where: str, temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"{where}.temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {top_k}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ValKwargs:
+    """Sampling for validation (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    do_sample: bool = False
+    """False means greedy whatever the temperature."""
+
+    def __post_init__(self) -> None:
+        _check_sampling("rollout.val_kwargs", self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Rollout settings, named as ``actor_rollout_ref.rollout.*``."""
+
+    n: int = 1
+    """Samples per prompt in training (validation and greedy rollouts use 1)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    do_sample: bool = True
+    """False means greedy (one sample per prompt); a batch's ``meta["do_sample"]`` overrides it."""
+    prompt_length: int = 1024
+    """P: prompts are left-padded to this width (``data.max_prompt_length``)."""
+    response_length: int = 1024
+    """R: max new tokens per trajectory; responses are right-padded to it (``data.max_response_length``)."""
+    val_kwargs: ValKwargs = dataclasses.field(default_factory=ValKwargs)
+    """Sampling for ``generate(..., validate=True)``."""
+    seed: int | None = None
+    """Seeds the engines' sampling per call (reproducible runs); None leaves it to each engine's own seed."""
+    calculate_log_probs: bool = True
+    """Return the engines' ``rollout_log_probs`` (diagnostics against the recomputed ``old_log_probs``)."""
+    multi_turn: bool = False
+    """``rollout.multi_turn.enable``: request-level rollouts through the agent loop (tools, interactions)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        _check_sampling("rollout", self.temperature, self.top_p, self.top_k)
+        if self.prompt_length < 1:
+            raise ValueError(f"rollout.prompt_length must be >= 1, got {self.prompt_length}")
+        if self.response_length < 1:
+            raise ValueError(f"rollout.response_length must be >= 1, got {self.response_length}")
+
+
+class RolloutManager:
+    """Generates trajectories for a batch of prompts over ``engines`` (one or more replicas).
+
+    Args:
+        engines: engine replicas; each gets a contiguous share of the prompts.
+        tokenizer: gives the pad id (``pad_token_id``, else ``eos_token_id``) and, for
+            multi-turn, the chat template.
+        config: the rollout settings.
+        agent_loop_config: the ``megarl.rollout.agent_loop.AgentLoopConfig`` of multi-turn
+            rollouts (required when ``config.multi_turn``): turn limits, tool timeouts, the
+            tool-call format. Its ``prompt_length``, ``response_length`` and
+            ``return_logprob`` must agree with ``config``; its sampling settings are not used:
+            every call passes the manager's (training, validation or greedy) sampling, seeded
+            from ``config.seed``.
+        tools, interactions: passed to each ``AgentLoop``.
+    """
+
+    def __init__(self, engines: Sequence[RolloutEngine], tokenizer: Any, config: RolloutConfig, *,
+                 agent_loop_config: Any = None, tools: dict | None = None,
+                 interactions: dict | None = None) -> None:
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        for i, engine in enumerate(engines):
+            if not isinstance(engine, RolloutEngine):
+                raise TypeError(f"RolloutManager: engine {i} ({type(engine).__name__}) does not implement "
+                                f"megarl.rollout.engine.RolloutEngine")
+        if config.multi_turn:
+            self._check_agent_loop_config(config, agent_loop_config)
+        self.engines = list(engines)
+        self.tokenizer = tokenizer
+        self.config = config
+        self.agent_loop_config = agent_loop_config
+        self.tools = tools
+        self.interactions = interactions
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
+        self.pad_token_id = int(pad)
+        self._num_calls = 0
+
+    @staticmethod
+    def _check_agent_loop_config(config: RolloutConfig, agent_loop_config: Any) -> None:
+        if agent_loop_config is None:
+            raise ValueError("rollout.multi_turn.enable is set: RolloutManager needs agent_loop_config "
+                             "(a megarl.rollout.agent_loop.AgentLoopConfig)")
+        mismatched = [f"{name}: rollout {ours} vs agent loop {theirs}" for name, ours, theirs in (
+            ("prompt_length", config.prompt_length, agent_loop_config.prompt_length),
+            ("response_length", config.response_length, agent_loop_config.response_length),
+            ("calculate_log_probs/return_logprob", config.calculate_log_probs, agent_loop_config.return_logprob),
+        ) if ours != theirs]
+        if mismatched:
+            raise ValueError(f"RolloutManager: agent_loop_config disagrees with the rollout config "
+                             f"({'; '.join(mismatched)}); build both from the same settings")
+
+    # ----------------------------------------------------------------------------- entry
+
+    def generate(self, batch: Batch, *, validate: bool = False) -> Batch:
+        """Trajectories for the prompts of ``batch``: ``B·n`` rows.
+
+        ``n`` is ``config.n``, or 1 when validating (sampling from ``config.val_kwargs``) or
+        when not sampling (``do_sample`` False, from the config or the batch's meta: greedy).
+        """
+        for key in ("input_ids", "attention_mask"):
+            if key not in batch.tensors:
+                raise KeyError(f"RolloutManager.generate needs the left-padded prompt tensor {key!r} "
+                               f"(from megarl.data.dataset.collate); the batch has {sorted(batch.keys())}")
+        extra = sorted(set(batch.tensors) - set(_PROMPT_TENSORS))
+        if extra:
+            warnings.warn(f"RolloutManager.generate does not carry input tensors {extra} into its output; "
+                          f"pop only the prompt tensors for rollout", stacklevel=2)
+        do_sample = bool(batch.meta.get("do_sample", self.config.val_kwargs.do_sample if validate
+                                        else self.config.do_sample))
+        params = self._sampling_params(validate=validate, do_sample=do_sample)
+        n = 1 if validate or not do_sample else self.config.n
+        call_seed = None if self.config.seed is None else derive_row_seed(self.config.seed, self._num_calls)
+        if self.config.multi_turn:
+            generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
+        else:
+            generated = self._generate_batch_level(batch, params, n=n, call_seed=call_seed)
+        self._num_calls += 1
+        repeated = Batch(non_tensors=dict(batch.non_tensors)).repeat(n, interleave=True)
+        output = repeated.union(generated)
+        output.meta = {**batch.meta, "temperature": 1.0 if params.greedy else params.temperature,
+                       "do_sample": do_sample, "validate": validate}
+        return output
+
+    def _sampling_params(self, *, validate: bool, do_sample: bool) -> SamplingParams:
+        source = self.config.val_kwargs if validate else self.config
+        if not do_sample:
+            return SamplingParams(max_new_tokens=self.config.response_length, temperature=0.0)
+        return SamplingParams(max_new_tokens=self.config.response_length, temperature=source.temperature,
+                              top_p=source.top_p, top_k=source.top_k)
+
+    # ----------------------------------------------------------------------------- batch level
+
+    def _prompt_ids(self, batch: Batch) -> list[list[int]]:
+        """Each prompt without its padding (the tokens where ``attention_mask`` is 1)."""
+        input_ids_BW, attention_mask_BW = batch["input_ids"], batch["attention_mask"]
+        if input_ids_BW.shape != attention_mask_BW.shape or input_ids_BW.dim() != 2:
+            raise ValueError(f"RolloutManager.generate: input_ids {tuple(input_ids_BW.shape)} and attention_mask "
+                             f"{tuple(attention_mask_BW.shape)} must be the same [B, W] shape")
+        prompts = []
+        for row in range(input_ids_BW.shape[0]):
+            ids = input_ids_BW[row][attention_mask_BW[row].bool()].tolist()
+            if not ids:
+                raise ValueError(f"RolloutManager.generate: prompt {row} has no tokens (attention_mask all 0)")
+            if len(ids) > self.config.prompt_length:
+                raise ValueError(f"RolloutManager.generate: prompt {row} has {len(ids)} tokens, more than "
+                                 f"rollout.prompt_length={self.config.prompt_length}; filter or truncate prompts "
+                                 f"to data.max_prompt_length")
+            prompts.append(ids)
+        return prompts
+
+    def _shares(self, num_prompts: int) -> list[tuple[int, int]]:
+        """Contiguous ``[start, end)`` prompt ranges, one per engine, sizes differing by at most one."""
+        base, extra = divmod(num_prompts, len(self.engines))
+        shares, start = [], 0
+        for i in range(len(self.engines)):
+            end = start + base + (1 if i < extra else 0)
+            shares.append((start, end))
+            start = end
+        return shares
+
+    def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None) -> Batch:
+        prompts = self._prompt_ids(batch)
+        jobs = []
+        for engine, (start, end) in zip(self.engines, self._shares(len(prompts)), strict=True):
+            if start == end:
+                continue
+            rows = [prompt for prompt in prompts[start:end] for _ in range(n)]
+            # Every engine's share gets its own seed so that no two rows share a sampling stream.
+            seed = None if call_seed is None else derive_row_seed(call_seed, start * n)
+            jobs.append((engine, rows, dataclasses.replace(params, seed=seed)))
+        outputs: list[GenerateOutput] = []
+        for (engine, rows, _), share in zip(jobs, self._run_jobs(jobs), strict=True):
+            if len(share) != len(rows):
+                raise RuntimeError(f"{type(engine).__name__}.generate returned {len(share)} outputs for "
+                                   f"{len(rows)} inputs")
+            outputs.extend(share)
+        rows = [prompt for prompt in prompts for _ in range(n)]
+        return self._assemble(rows, outputs)
+
+    def _run_jobs(self, jobs: list[tuple[RolloutEngine, list[list[int]], SamplingParams]]) -> list:
+        """``engine.generate`` for every job, concurrently (one thread per engine) when there are several."""
+        logprob = self.config.calculate_log_probs
+        if len(jobs) == 1:
+            engine, rows, params = jobs[0]
+            return [engine.generate(rows, params, return_logprob=logprob)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rollout") as pool:
+            futures = [pool.submit(engine.generate, rows, params, return_logprob=logprob)
+                       for engine, rows, params in jobs]
+            return [future.result() for future in futures]
+
+    def _assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
+        """Pad prompts left to P and responses right to R; build masks, positions and log-probs."""
+        num_rows, P, R = len(prompts), self.config.prompt_length, self.config.response_length
+        prompts_NP = torch.full((num_rows, P), self.pad_token_id, dtype=torch.long)
+        prompt_mask_NP = torch.zeros((num_rows, P), dtype=torch.long)
+        responses_NR = torch.full((num_rows, R), self.pad_token_id, dtype=torch.long)
+        response_mask_NR = torch.zeros((num_rows, R), dtype=torch.long)
+        logprobs_NR = torch.zeros((num_rows, R), dtype=torch.float32)
+        for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            prompts_NP[row, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            prompt_mask_NP[row, P - len(prompt):] = 1
+            length = len(output.output_ids)
+            if length > R:
+                raise RuntimeError(f"an engine returned {length} tokens for row {row}, more than "
+                                   f"rollout.response_length={R}")
+            responses_NR[row, :length] = torch.tensor(output.output_ids, dtype=torch.long)
+            response_mask_NR[row, :length] = 1
+            if self.config.calculate_log_probs:
+                if output.output_logprobs is None or len(output.output_logprobs) != length:
+                    raise RuntimeError(f"an engine returned no per-token log-probs for row {row} although "
+                                       f"they were requested")
+                logprobs_NR[row, :length] = torch.tensor(output.output_logprobs, dtype=torch.float32)
+        prompt_positions_NP = (prompt_mask_NP.cumsum(dim=1) - 1).clamp(min=0)
+        response_positions_NR = prompt_positions_NP[:, -1:] + torch.arange(1, R + 1, dtype=torch.long)
+        tensors = {
+            "prompts": prompts_NP,
+            "responses": responses_NR,
+            "input_ids": torch.cat([prompts_NP, responses_NR], dim=1),
+            "attention_mask": torch.cat([prompt_mask_NP, response_mask_NR], dim=1),
+            "position_ids": torch.cat([prompt_positions_NP, response_positions_NR], dim=1),
+            "response_mask": response_mask_NR,
+            "loss_mask": torch.cat([torch.zeros_like(prompt_mask_NP), response_mask_NR], dim=1),
+        }
+        if self.config.calculate_log_probs:
+            tensors["rollout_log_probs"] = logprobs_NR
+        return Batch(tensors=tensors, non_tensors={"finish_reason": [o.finish_reason.value for o in outputs]})
+
+    # ----------------------------------------------------------------------------- multi-turn
+
+    def _generate_multi_turn(self, batch: Batch, params: SamplingParams, *, n: int) -> Batch:
+        """Request-level rollouts: one agent loop per engine, all running concurrently on one event loop.
+
+        Each engine gets a contiguous share of the requests; the agent loop derives every
+        turn's seed from ``params.seed`` and the request's (row, sample, turn).
+        """
+        # Imported here: the agent loop (tools, parsers) is only needed for multi-turn rollouts.
+        from megarl.rollout import agent_loop
+
+        requests = agent_loop.requests_from_batch(batch, n=n)
+        per_engine = -(-len(requests) // len(self.engines))
+        shares = [requests[i * per_engine:(i + 1) * per_engine] for i in range(len(self.engines))]
+
+        async def run_all() -> list:
+            loops = [agent_loop.AgentLoop(engine, self.tokenizer, self.agent_loop_config, tools=self.tools,
+                                          interactions=self.interactions) for engine in self.engines]
+            done = await asyncio.gather(*(loop.run(share, sampling_params=params)
+                                          for loop, share in zip(loops, shares, strict=True) if share))
+            return [request for part in done for request in part]
+
+        finished = sorted(_run_coroutine(run_all()), key=lambda r: (r.batch_data_id, r.rollout_offset))
+        expected = [(i, j) for i in range(len(batch)) for j in range(n)]
+        got = [(r.batch_data_id, r.rollout_offset) for r in finished]
+        if got != expected:
+            raise RuntimeError(f"the agent loop returned requests {got[:8]}... for {len(batch)} prompts x n={n}; "
+                               f"expected each (batch_data_id, rollout_offset) exactly once")
+        return agent_loop.batch_from_requests(finished, prompt_length=self.config.prompt_length,
+                                              response_length=self.config.response_length,
+                                              pad_token_id=self.pad_token_id)
+
+
+def _run_coroutine(coroutine: Any) -> Any:
+    """Run ``coroutine`` to completion on this thread's event loop (created if there is none).
+
+    The thread's own loop, not a fresh one: SGLang binds an engine to the loop of the thread
+    that built it, and its ``async_generate`` must be awaited there.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        coroutine.close()
+        raise RuntimeError("RolloutManager.generate blocks until the rollout is done, so it cannot run inside a "
+                           "running event loop; call it from a worker thread (loop.run_in_executor)")
+    try:
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coroutine)
