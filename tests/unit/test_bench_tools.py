@@ -1,0 +1,57 @@
+"""Smoke test of the benchmark scripts in tools/: they run end to end and end with a usable RESULT line.
+
+Each script's ``main`` runs at a tiny size on 2 gloo ranks (the benchmark itself uses
+TP=2×PP=2 on 4; a 4-rank spawn alone costs ~12 s on 2 cores). The layouts are chosen so
+that between them both collectives run: the export's TP gather (bench_convert at TP=2) and
+the pipeline broadcasts (bench_weight_sync at PP=2, naive reference included). No timing
+is asserted: benchmarks report numbers, tests check that the numbers exist.
+"""
+
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TINY = ["--hidden", "64", "--layers", "2", "--vocab", "250", "--repeats", "1", "--bucket-mb", "0.25", "--timeout", "120"]
+# Memory above the baseline can be 0 at this size (RSS moves in pages); everything else must be > 0.
+MAY_BE_ZERO = {"peak_extra_mb", "peak_over_bucket", "peak_regular_over_bucket", "shards_peak_extra_mb"}
+
+
+@pytest.fixture
+def tools(monkeypatch):
+    """The tools/ scripts as modules (rank functions must be importable by the spawned ranks)."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    return lambda name: importlib.import_module(name)
+
+
+def _run(module, argv, capsys) -> dict[str, float]:
+    returned = module.main(argv)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines and lines[-1].startswith("RESULT "), lines[-5:]
+    values = importlib.import_module("bench_convert").parse_result(lines[-1])
+    assert values.keys() == returned.keys()
+    for name, value in values.items():
+        assert math.isfinite(value), (name, value)
+        assert value >= 0 if name in MAY_BE_ZERO else value > 0, (name, value)
+    return values
+
+
+def test_parse_result_reads_every_number(tools):
+    bench_convert = tools("bench_convert")
+    line = bench_convert.result_line({"a_s": 1.23456, "ratio": 2.0, "bit_exact": 1})
+    assert line == "RESULT a_s=1.235 ratio=2 bit_exact=1"
+    assert bench_convert.parse_result(line) == {"a_s": 1.235, "ratio": 2.0, "bit_exact": 1.0}
+
+
+def test_bench_convert_smoke(tools, tmp_path, capsys):
+    values = _run(tools("bench_convert"), TINY + ["--tp", "2", "--pp", "1", "--workdir", str(tmp_path)], capsys)
+    assert values["bit_exact"] == 1
+    assert {"hf_to_mcore_ratio", "mcore_to_hf_ratio", "io_only_s"} <= values.keys()
+
+
+def test_bench_weight_sync_smoke(tools, tmp_path, capsys):
+    values = _run(tools("bench_weight_sync"), TINY + ["--tp", "1", "--pp", "2", "--workdir", str(tmp_path)], capsys)
+    assert values["bit_exact"] == 1
+    assert {"weight_sync_gbps", "ratio_vs_copy", "speedup_vs_naive", "peak_over_bucket", "shards_gbps"} <= values.keys()
