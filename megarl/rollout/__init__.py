@@ -1,1 +1,32 @@
-"""Rollout: engine protocol, engines, rollout manager, multi-turn agent loop, tools."""
+"""Rollout: engine protocol, engines, rollout manager, multi-turn agent loop, tools.
+
+``SGLangEngine`` is imported from ``megarl.rollout.sglang_engine`` (it needs sglang).
+"""
+
+from megarl.rollout.agent_loop import AgentLoop, AgentLoopConfig, batch_from_requests, requests_from_batch
+from megarl.rollout.engine import (
+    FinishReason,
+    GenerateOutput,
+    RolloutEngine,
+    SamplingParams,
+    update_weights,
+    weight_update_session,
+)
+from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.manager import RolloutConfig, RolloutManager
+
+__all__ = [
+    "AgentLoop",
+    "AgentLoopConfig",
+    "FinishReason",
+    "GenerateOutput",
+    "HFEngine",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutManager",
+    "SamplingParams",
+    "batch_from_requests",
+    "requests_from_batch",
+    "update_weights",
+    "weight_update_session",
+]
