@@ -226,17 +226,16 @@ class _Timer:
 def breakdown_pass(exporter, targets, bucket_bytes: int, device: str) -> dict[str, float]:
     """One ``iter_full`` sync with its parts timed (seconds on this rank, waits included).
 
-    Parts: ``all_gather`` (gloo/nccl), ``gather_unfuse_cat`` (the rest of gathering a
-    parameter: unfusing and concatenating the shards), ``fill`` (copying HF tensors into
-    the bucket buffer), ``broadcast`` (pipeline broadcast of the bucket), ``engine_copy``.
+    Parts: ``all_gather`` (gloo/nccl), ``unfuse_copy`` (the rest of gathering a parameter:
+    unfusing the shards and writing them into the bucket buffer), ``broadcast`` (pipeline
+    broadcast of the bucket), ``engine_copy``.
     """
     import torch.distributed as dist
 
     timer = _Timer(device)
-    original_all_gather = dist.all_gather
-    dist.all_gather = timer.wrap("all_gather", original_all_gather)  # restored below
-    exporter._gather = timer.wrap("gather", exporter._gather)
-    exporter._fill = timer.wrap("fill_incl_gather", exporter._fill)
+    original_all_gather = dist.all_gather_into_tensor
+    dist.all_gather_into_tensor = timer.wrap("all_gather", original_all_gather)  # restored below
+    exporter._gather_into = timer.wrap("gather", exporter._gather_into)
     exporter._broadcast = timer.wrap("broadcast", exporter._broadcast)
     try:
         dist.barrier()
@@ -251,15 +250,13 @@ def breakdown_pass(exporter, targets, bucket_bytes: int, device: str) -> dict[st
                 copy_s += time.perf_counter() - t
         total = time.perf_counter() - start
     finally:
-        dist.all_gather = original_all_gather
-        for attr in ("_gather", "_fill", "_broadcast"):
+        dist.all_gather_into_tensor = original_all_gather
+        for attr in ("_gather_into", "_broadcast"):
             del exporter.__dict__[attr]
     s = timer.seconds
-    gather = s.get("gather", 0.0)
     parts = {
         "all_gather": s.get("all_gather", 0.0),
-        "gather_unfuse_cat": gather - s.get("all_gather", 0.0),
-        "fill": s.get("fill_incl_gather", 0.0) - gather,
+        "unfuse_copy": s.get("gather", 0.0) - s.get("all_gather", 0.0),
         "broadcast": s.get("broadcast", 0.0),
         "engine_copy": copy_s,
     }

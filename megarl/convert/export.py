@@ -10,8 +10,10 @@ Two paths, both collective (every rank of the model calls them and receives ever
   ``megarl.convert.layout``): no all-gather, only the pipeline broadcast.
 
 Every rank computes the same plan from the config, so bucket boundaries and buffer sizes
-agree without exchanging metadata. Peak extra memory is about one bucket plus one gathered
-tensor; a tensor larger than the bucket travels alone.
+agree without exchanging metadata. Gathers land in one reusable scratch buffer and are
+written straight into the bucket (no concatenation copies), and buckets reuse one buffer by
+default: peak extra memory is the largest bucket plus the largest gathered parameter. A
+tensor larger than ``bucket_bytes`` travels alone, in a bucket of its own size.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class WeightExporter:
         self.units = build_plan(family, hf_config, self.dims, config, expected_shapes(hf_config))
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
+        self._gather_buffer: torch.Tensor | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -54,53 +57,85 @@ class WeightExporter:
         return sum(_numel(s) for s in unit.shard_shapes(self.sizes, self.groups.tp_rank, self.dims.tp)) * self._element_size
 
     # ---------------------------------------------------------------------------- full
-    def iter_full(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """Full HF tensors, in HF order, in buckets of at most ``bucket_bytes``."""
-        for bucket in buckets(self.units, self._full_bytes, bucket_bytes):
-            shapes = [s for u in bucket for s in u.hf_shapes]
-            names = [n for u in bucket for n in u.hf_names]
-            owner = bucket[0].pp_rank == self.groups.pp_rank
-            tensors = self._fill(shapes, (t for u in bucket for t in self._gather(u)) if owner else None)
-            self._broadcast(tensors, bucket[0].pp_rank)
-            yield list(zip(names, self._views(tensors, shapes)))
+    def iter_full(self, bucket_bytes: int, *, reuse_buffer: bool = True) -> Iterator[NamedTensors]:
+        """Full HF tensors, in HF order, in buckets of at most ``bucket_bytes``.
 
-    def _gather(self, unit: Unit) -> list[torch.Tensor]:
+        With ``reuse_buffer`` (the default) every bucket is a view into one buffer: its
+        tensors are valid until the next bucket is requested, so copy what you keep.
+        """
+        groups = buckets(self.units, self._full_bytes, bucket_bytes)
+        for bucket, buffer in zip(groups, self._buffers(groups, self._full_bytes, reuse_buffer)):
+            shapes = [s for u in bucket for s in u.hf_shapes]
+            views = self._views(buffer, shapes)
+            if bucket[0].pp_rank == self.groups.pp_rank:
+                start = 0
+                for unit in bucket:
+                    self._gather_into(unit, views[start : start + len(unit.hf_names)])
+                    start += len(unit.hf_names)
+            self._broadcast(buffer, bucket[0].pp_rank)
+            yield list(zip([n for u in bucket for n in u.hf_names], views))
+
+    def _gather_into(self, unit: Unit, out: list[torch.Tensor]) -> None:
+        """All-gather ``unit``'s TP shards and write the HF tensors into ``out`` (no concatenation)."""
         shard = self.params[unit.megatron_name].detach()
         tp = self.dims.tp
         if tp == 1:
-            return unfuse(unit.rule, shard, self.sizes, 0, 1)
-        gathered = [torch.empty_like(shard) for _ in range(tp)]
-        dist.all_gather(gathered, shard.contiguous(), group=self.groups.tp)
-        per_rank = [unfuse(unit.rule, s, self.sizes, r, tp) for r, s in enumerate(gathered)]
+            for view, part in zip(out, unfuse(unit.rule, shard, self.sizes, 0, 1), strict=True):
+                view.copy_(part)
+            return
+        flat = self._scratch(tp * shard.numel(), shard)
+        # Ranks' shards stacked along dim 0 (the layout all_gather_into_tensor writes).
+        dist.all_gather_into_tensor(flat.view(-1, *shard.shape[1:]), shard.contiguous(), group=self.groups.tp)
+        gathered = flat.view(tp, *shard.shape)
         dim = hf_split_dim(unit.rule)
-        if dim is None:
-            return per_rank[0]
-        return [torch.cat([parts[k] for parts in per_rank], dim=dim) for k in range(len(unit.hf_names))]
+        offsets = [0] * len(out)
+        for r in range(tp):
+            for k, part in enumerate(unfuse(unit.rule, gathered[r], self.sizes, r, tp)):
+                if dim is None:
+                    out[k].copy_(part)
+                    continue
+                out[k].narrow(dim, offsets[k], part.shape[dim]).copy_(part)
+                offsets[k] += part.shape[dim]
+            if dim is None:
+                return
+
+    def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A reusable flat buffer for gathers (grows to the largest gathered parameter)."""
+        buffer = self._gather_buffer
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
+            self._gather_buffer = None  # free the old one before allocating the larger one
+            self._gather_buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self._gather_buffer[:numel]
 
     # --------------------------------------------------------------------------- shards
-    def iter_shards(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """This TP rank's HF-layout slices (what the engine's TP rank holds), no TP gather."""
+    def iter_shards(self, bucket_bytes: int, *, reuse_buffer: bool = True) -> Iterator[NamedTensors]:
+        """This TP rank's HF-layout slices (what the engine's TP rank holds), no TP gather.
+
+        Buffer reuse as in :meth:`iter_full`.
+        """
         tp_rank, tp = self.groups.tp_rank, self.dims.tp
-        for bucket in buckets(self.units, self._shard_bytes, bucket_bytes):
+        groups = buckets(self.units, self._shard_bytes, bucket_bytes)
+        for bucket, buffer in zip(groups, self._buffers(groups, self._shard_bytes, reuse_buffer)):
             shapes = [s for u in bucket for s in u.shard_shapes(self.sizes, tp_rank, tp)]
+            views = self._views(buffer, shapes)
+            if bucket[0].pp_rank == self.groups.pp_rank:
+                parts = [
+                    t for u in bucket for t in unfuse(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp)
+                ]
+                for view, part in zip(views, parts, strict=True):
+                    view.copy_(part)
+            self._broadcast(buffer, bucket[0].pp_rank)
             names = [n for u in bucket for n in u.hf_names]
-            owner = bucket[0].pp_rank == self.groups.pp_rank
-            parts = (
-                t for u in bucket for t in unfuse(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp)
-            )
-            tensors = self._fill(shapes, parts if owner else None)
-            self._broadcast(tensors, bucket[0].pp_rank)
-            yield list(zip(names, self._views(tensors, shapes)))
+            yield list(zip(names, views))
 
     # ---------------------------------------------------------------------------- common
-    def _fill(self, shapes, parts) -> torch.Tensor:
-        """A flat buffer for the bucket, filled from ``parts`` on the owning stage."""
+    def _buffers(self, groups: list[list[Unit]], unit_bytes, reuse: bool) -> Iterator[torch.Tensor]:
+        """One flat buffer per bucket: a view of one reused allocation, or a fresh one."""
         device = next(iter(self.params.values())).device
-        buffer = torch.empty(sum(_numel(s) for s in shapes), dtype=self.dtype, device=device)
-        if parts is not None:
-            for view, part in zip(self._views(buffer, shapes), parts, strict=True):
-                view.copy_(part)
-        return buffer
+        sizes = [sum(unit_bytes(u) for u in bucket) // self._element_size for bucket in groups]
+        shared = torch.empty(max(sizes, default=0), dtype=self.dtype, device=device) if reuse else None
+        for numel in sizes:
+            yield shared[:numel] if reuse else torch.empty(numel, dtype=self.dtype, device=device)
 
     def _broadcast(self, buffer: torch.Tensor, owner_pp_rank: int) -> None:
         if self.dims.pp > 1:

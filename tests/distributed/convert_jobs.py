@@ -99,7 +99,7 @@ def convert_job(cases: dict, ckpt_root: str) -> dict:
         result["logits_diff"] = None if logits is None else (logits - expected).abs().max().item()
 
         exporter = WeightExporter(chunks, family, cfg, groups)
-        buckets = list(exporter.iter_full(bucket_bytes=64 * 1024))
+        buckets = list(exporter.iter_full(bucket_bytes=64 * 1024, reuse_buffer=False))
         exported = dict(kv for bucket in buckets for kv in bucket)
         result["num_buckets"] = len(buckets)
         result["max_bucket_bytes"] = max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets)
@@ -108,7 +108,7 @@ def convert_job(cases: dict, ckpt_root: str) -> dict:
         result["bit_exact"] = all(torch.equal(exported[n], original[n]) for n in original if n in exported)
 
         padded = family.padded_vocab_size(cfg, 2)
-        shards = dict(kv for bucket in exporter.iter_shards(bucket_bytes=64 * 1024) for kv in bucket)
+        shards = {n: t.clone() for bucket in exporter.iter_shards(bucket_bytes=64 * 1024) for n, t in bucket}
         result["shard_names_equal"] = sorted(shards) == sorted(original)
         result["shards_equal_slices"] = all(
             torch.equal(shards[n], sglang_slice(n, exported[n], groups.tp_rank, 2, padded)) for n in shards
@@ -123,7 +123,7 @@ def convert_job(cases: dict, ckpt_root: str) -> dict:
             logits = _megatron_logits(chunks, groups, input_ids)
             key = f"reload_tp{tp}_pp{pp}_vpp{vpp}"
             result[key + "_logits_diff"] = None if logits is None else (logits - expected).abs().max().item()
-            again = dict(kv for b in WeightExporter(chunks, family, cfg, groups).iter_full(1 << 20) for kv in b)
+            again = {n: t.clone() for b in WeightExporter(chunks, family, cfg, groups).iter_full(1 << 20) for n, t in b}
             result[key + "_bit_exact"] = sorted(again) == sorted(original) and all(
                 torch.equal(again[n], original[n]) for n in original
             )
