@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megarl.convert.hf_io import expected_shapes
 from megarl.convert.layout import ModelSizes, hf_split_dim, unfuse
 from megarl.convert.plan import Unit, build_plan, buckets, local_parameters
+from megarl.models.weights import Fuse
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -79,25 +80,24 @@ class WeightExporter:
         """All-gather ``unit``'s TP shards and write the HF tensors into ``out`` (no concatenation)."""
         shard = self.params[unit.megatron_name].detach()
         tp = self.dims.tp
-        if tp == 1:
-            for view, part in zip(out, unfuse(unit.rule, shard, self.sizes, 0, 1), strict=True):
+        dim = hf_split_dim(unit.rule)
+        if tp == 1 or dim is None:  # nothing to gather: the whole tensor is here
+            for view, part in zip(out, unfuse(unit.rule, shard, self.sizes, self.groups.tp_rank, tp), strict=True):
                 view.copy_(part)
+            return
+        if dim == 0 and unit.rule.fuse is Fuse.NONE and out[0].shape[0] == tp * shard.shape[0] and out[0].dtype == shard.dtype:
+            # Row blocks in rank order are the HF tensor itself (unpadded vocabulary too): gather in place.
+            dist.all_gather_into_tensor(out[0], shard.contiguous(), group=self.groups.tp)
             return
         flat = self._scratch(tp * shard.numel(), shard)
         # Ranks' shards stacked along dim 0 (the layout all_gather_into_tensor writes).
         dist.all_gather_into_tensor(flat.view(-1, *shard.shape[1:]), shard.contiguous(), group=self.groups.tp)
         gathered = flat.view(tp, *shard.shape)
-        dim = hf_split_dim(unit.rule)
         offsets = [0] * len(out)
         for r in range(tp):
             for k, part in enumerate(unfuse(unit.rule, gathered[r], self.sizes, r, tp)):
-                if dim is None:
-                    out[k].copy_(part)
-                    continue
                 out[k].narrow(dim, offsets[k], part.shape[dim]).copy_(part)
                 offsets[k] += part.shape[dim]
-            if dim is None:
-                return
 
     def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A reusable flat buffer for gathers (grows to the largest gathered parameter)."""
