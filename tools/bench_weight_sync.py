@@ -230,15 +230,15 @@ def breakdown_pass(exporter, targets, bucket_bytes: int, device: str) -> dict[st
     unfusing the shards and writing them into the bucket buffer), ``broadcast`` (pipeline
     broadcast of the bucket), ``engine_copy``.
     """
-    import torch.distributed as dist
+    from megarl.convert import export
 
     timer = _Timer(device)
-    original_all_gather = dist.all_gather_into_tensor
-    dist.all_gather_into_tensor = timer.wrap("all_gather", original_all_gather)  # restored below
+    original_all_gather = export._all_gather
+    export._all_gather = timer.wrap("all_gather", original_all_gather)  # restored below
     exporter._gather_into = timer.wrap("gather", exporter._gather_into)
     exporter._broadcast = timer.wrap("broadcast", exporter._broadcast)
     try:
-        dist.barrier()
+        torch.distributed.barrier()
         start = time.perf_counter()
         copy_s = 0.0
         with torch.no_grad():
@@ -250,7 +250,7 @@ def breakdown_pass(exporter, targets, bucket_bytes: int, device: str) -> dict[st
                 copy_s += time.perf_counter() - t
         total = time.perf_counter() - start
     finally:
-        dist.all_gather_into_tensor = original_all_gather
+        export._all_gather = original_all_gather
         for attr in ("_gather_into", "_broadcast"):
             del exporter.__dict__[attr]
     s = timer.seconds

@@ -30,6 +30,9 @@ from megarl.models.weights import Fuse
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); torch < 2.13 has only it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class WeightExporter:
     """Plans once per model; iterates HF tensors as often as weights change."""
@@ -87,11 +90,11 @@ class WeightExporter:
             return
         if dim == 0 and unit.rule.fuse is Fuse.NONE and out[0].shape[0] == tp * shard.shape[0] and out[0].dtype == shard.dtype:
             # Row blocks in rank order are the HF tensor itself (unpadded vocabulary too): gather in place.
-            dist.all_gather_into_tensor(out[0], shard.contiguous(), group=self.groups.tp)
+            _all_gather(out[0], shard.contiguous(), group=self.groups.tp)
             return
         flat = self._scratch(tp * shard.numel(), shard)
         # Ranks' shards stacked along dim 0 (the layout all_gather_into_tensor writes).
-        dist.all_gather_into_tensor(flat.view(-1, *shard.shape[1:]), shard.contiguous(), group=self.groups.tp)
+        _all_gather(flat.view(-1, *shard.shape[1:]), shard.contiguous(), group=self.groups.tp)
         gathered = flat.view(tp, *shard.shape)
         offsets = [0] * len(out)
         for r in range(tp):
