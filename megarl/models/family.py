@@ -113,6 +113,11 @@ class ModelFamily:
             # Megatron's default ("full") is deprecated in favour of an empty list.
             cuda_graph_scope=[],
         )
+        if overrides.get("perform_initialization") is False and not on_gpu:
+            # Megatron's CPU init path sets the tensor-parallel attributes of linear weights
+            # (tensor_model_parallel, partition_dim) only while initialising them: without them
+            # gradient-norm clipping treats sharded weights as duplicates and gets the norm wrong.
+            raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 

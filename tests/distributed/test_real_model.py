@@ -28,8 +28,7 @@ def logits_job(mcore_dir, hf_config_dir, input_ids):
     cfg = AutoConfig.from_pretrained(hf_config_dir)
     family = family_for(cfg)
     groups = init_parallel(ParallelDims(tp=TP))
-    chunks = build_model_chunks(family, cfg, groups.dims, config=family.transformer_config(
-        cfg, groups.dims, perform_initialization=False))
+    chunks = build_model_chunks(family, cfg, groups.dims)
     load_dist_checkpoint(chunks, f"{mcore_dir}/model")
     out = forward_backward(chunks, [{"input_ids": input_ids}], forward_only=True, vocab_size=cfg.vocab_size,
                            return_logits=True)

@@ -123,3 +123,11 @@ def test_sliding_window_is_reported_not_silently_dropped():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         family_for(qwen).transformer_config(qwen, ParallelDims())
+
+
+def test_skipping_initialisation_is_refused_on_cpu():
+    # Megatron sets TP attributes of linear weights only while initialising them on CPU;
+    # without them the gradient norm silently counts sharded weights once (measured: 1.90 vs 2.94).
+    cfg = llama()
+    with pytest.raises(ValueError, match="perform_initialization=False is not supported on CPU"):
+        family_for(cfg).transformer_config(cfg, ParallelDims(), perform_initialization=False)

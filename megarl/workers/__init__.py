@@ -1,0 +1,1 @@
+"""Ray workers and the Megatron engine they wrap (actor, reference, critic roles)."""

@@ -1,0 +1,203 @@
+"""One model role on this rank: Megatron chunks, and for trainable roles DDP, optimizer and schedule.
+
+The actor, reference and critic workers are small classes around a ``MegatronEngine``
+(HOUSE_STYLE: no god worker). The engine knows nothing about RL: it computes per-token
+log-probs over micro-batches and takes optimizer steps on a loss function it is given.
+
+Legend: N rows, S sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.dims import ParallelDims
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule of a trainable role (``actor.optim.*``)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (none on biases and norms)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    """Steps of decay after warm-up (None: constant after warm-up)."""
+    decay_style: str = "constant"
+    """``constant``, ``linear`` or ``cosine``."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        if self.decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.decay_style must be constant, linear or cosine, got {self.decay_style!r}")
+        if self.decay_style != "constant" and not self.decay_steps:
+            raise ValueError(f"optim.decay_style={self.decay_style!r} needs optim.decay_steps > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    applied: bool
+    """False when the loss or the gradient was not finite (the update was skipped)."""
+    loss: float
+    grad_norm: float
+    lr: float
+    metrics: dict[str, float]
+    """Per-micro-batch metrics of the loss function, averaged."""
+
+
+class MegatronEngine:
+    """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``."""
+
+    def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
+                 params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
+                 **transformer_overrides):
+        from transformers import AutoConfig
+
+        from megarl.convert import load_hf_into
+        from megarl.models import build_model_chunks, family_for
+        from megarl.parallel import init_parallel
+
+        self.hf_dir = str(hf_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        self.family = family_for(self.hf_config)
+        self.groups = init_parallel(dims, seed=seed)
+        self.config = self.family.transformer_config(
+            self.hf_config, self.groups.dims, params_dtype=params_dtype, **transformer_overrides,
+        )
+        chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config)
+        if load_weights:
+            load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
+        self.module_chunks = chunks
+        self.optim = optim
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            for chunk in chunks:
+                chunk.eval()
+                chunk.requires_grad_(False)
+            self.chunks = chunks
+        else:
+            self.chunks = self._wrap_ddp(chunks, optim)
+            self.optimizer, self.scheduler = self._build_optimizer(optim)
+        self._exporter = None
+
+    # --------------------------------------------------------------------------- set-up
+    def _wrap_ddp(self, chunks, optim: OptimConfig):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        )
+        return [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+
+    def _build_optimizer(self, optim: OptimConfig):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
+            params_dtype=self.config.params_dtype, bf16=self.config.bf16,
+        )
+        optimizer = get_megatron_optimizer(config, self.chunks)
+        decay_steps = optim.decay_steps or 1
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=optim.warmup_steps + decay_steps,
+            lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+        return optimizer, scheduler
+
+    # ------------------------------------------------------------------------- compute
+    def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0) -> list[dict] | None:
+        """Per micro-batch ``{"logp", "entropy"}`` [B, S] on the last pipeline stage (None elsewhere).
+
+        Position t holds log p(token t+1 | tokens ≤ t) under ``softmax(logits / temperature)``.
+        """
+        from megarl.parallel import forward_backward
+
+        with torch.no_grad():
+            out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
+                                   vocab_size=self.hf_config.vocab_size, tp_group=self.groups.tp)
+        return out if self.groups.is_last_stage else None
+
+    def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0) -> StepResult:
+        """One optimizer step over ``micro_batches`` (this DP rank's share of a mini-batch).
+
+        ``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)`` must already be
+        normalised by the mini-batch's global count (see megarl.algo.losses.agg_norm):
+        gradients are summed over micro-batches and DP ranks. A non-finite loss or gradient
+        norm skips the update (reported in ``applied``).
+        """
+        from megarl.parallel import forward_backward
+
+        if self.optimizer is None:
+            raise ValueError("train_step on a frozen role: build the MegatronEngine with optim=OptimConfig(...)")
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
+                                   vocab_size=self.hf_config.vocab_size, tp_group=self.groups.tp)
+        loss, metrics = self._reduce_metrics(outputs, len(micro_batches))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad()
+            return StepResult(applied=False, loss=loss, grad_norm=float("nan"), lr=lr, metrics=metrics)
+        applied, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        applied = bool(applied) and math.isfinite(grad_norm)
+        if applied:
+            self.scheduler.step(increment=1)
+        return StepResult(applied=applied, loss=loss, grad_norm=grad_norm, lr=lr, metrics=metrics)
+
+    def _reduce_metrics(self, outputs: list[dict], num_micro_batches: int) -> tuple[float, dict[str, float]]:
+        """Loss summed over micro-batches and DP ranks; other metrics averaged; known on every rank."""
+        keys = sorted(outputs[0]) if outputs else []
+        if self.groups.dims.pp > 1:  # only the last stage knows the metric names
+            gathered = [None] * self.groups.dims.pp
+            dist.all_gather_object(gathered, keys, group=self.groups.pp)
+            keys = gathered[-1]
+        values = torch.zeros(len(keys), dtype=torch.float64)
+        for out in outputs:
+            values += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
+        if self.groups.dims.pp > 1:  # only the last stage has values: sum over the pipeline group
+            dist.all_reduce(values, group=self.groups.pp)
+        dist.all_reduce(values, group=self.groups.dp)
+        stats = dict(zip(keys, values.tolist()))
+        loss = stats.pop("loss", float("nan"))
+        count = num_micro_batches * self.groups.dims.dp
+        return loss, {k: v / count for k, v in stats.items()}
+
+    # -------------------------------------------------------------------------- weights
+    def exporter(self):
+        """A cached ``WeightExporter`` over this role's chunks (HF-layout streaming)."""
+        from megarl.convert import WeightExporter
+
+        if self._exporter is None:
+            self._exporter = WeightExporter(self.module_chunks, self.family, self.hf_config, self.groups)
+        return self._exporter

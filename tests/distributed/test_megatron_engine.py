@@ -1,0 +1,54 @@
+"""The Megatron engine: log-probs equal HF transformers', and a PPO step is layout-invariant."""
+
+import pytest
+import torch
+
+from megarl.testing.spawn import run_ranks
+from tests.distributed import engine_jobs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.tiny import save_tiny
+
+    hf_dir = save_tiny(tmp_path_factory.mktemp("tiny") / "model", num_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = engine_jobs.make_batch(model.config.vocab_size)
+    expected = engine_jobs.hf_logprobs(model, batch)
+    return run_ranks(engine_jobs.engine_job, 4, str(hf_dir), batch, timeout_s=300), batch, expected
+
+
+@pytest.mark.parametrize("layout", engine_jobs.LAYOUTS)
+def test_logprobs_equal_hf_transformers(results, layout):
+    ranks, batch, expected = results
+    valid = batch["attention_mask"].bool().clone()
+    valid[:, :-1] &= batch["attention_mask"][:, 1:].bool()
+    valid[:, -1] = False
+    last = [r[layout]["logp"] for r in ranks if r[layout]["logp"] is not None]
+    assert len(last) == (4 if layout == (1, 1) else 2)
+    for logp in last:
+        assert (logp - expected)[valid].abs().max() <= 1e-5
+
+
+def test_ppo_step_is_the_same_at_every_layout(results):
+    ranks, *_ = results
+    a, b = ranks[0][(1, 1)], ranks[0][(2, 2)]
+    assert a["applied"] and b["applied"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-9)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert a["lr"] == b["lr"] == 1e-3
+    assert {"pg_clipfrac", "ppo_kl", "entropy"} <= set(a["metrics"])
+    for name, tensor in a["weights"].items():
+        assert (tensor - b["weights"][name]).abs().max() <= 1e-5, name
+    # every rank agrees on the reduced numbers
+    for r in ranks:
+        assert r[(2, 2)]["loss"] == pytest.approx(b["loss"], rel=1e-9)
+
+
+def test_nan_loss_skips_the_update(results):
+    ranks, *_ = results
+    for r in ranks:
+        for layout in engine_jobs.LAYOUTS:
+            assert r[layout]["nan_applied"] is False and r[layout]["nan_unchanged"]
