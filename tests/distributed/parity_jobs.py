@@ -143,7 +143,7 @@ def _reference(family, cfg):
 def _reference_step(model) -> dict[str, torch.Tensor]:
     """Weights after one clipped AdamW step, no decay on biases and norms (Megatron's groups)."""
     params = list(model.parameters())
-    torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD))
     no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
     decay = [p for p in params if all(p is not q for q in no_decay)]
     optimizer = torch.optim.AdamW(
@@ -151,7 +151,7 @@ def _reference_step(model) -> dict[str, torch.Tensor]:
         lr=LR, betas=BETAS, eps=EPS,
     )
     optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "grad_norm": norm}
 
 
 def _padding_invariance(family, cfg, weights) -> float:
@@ -256,9 +256,10 @@ def _step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated) -> dic
         for param in chunk.parameters():
             name, ref_name = names[id(param)]
             # Padded vocabulary rows stay 0 (0 weight, 0 gradient), as in the zero-padded reference.
-            expected = _target_tensor(ref_stepped[ref_name], param, name, groups.tp_rank, tp, gated)
+            expected = _target_tensor(ref_stepped["weights"][ref_name], param, name, groups.tp_rank, tp, gated)
             step_diff = max(step_diff, (param.detach() - expected).abs().max().item())
-    return dict(step_ok=bool(success), grad_norm=float(grad_norm), step_diff=step_diff)
+    return dict(step_ok=bool(success), grad_norm=float(grad_norm), ref_grad_norm=ref_stepped["grad_norm"],
+                step_diff=step_diff)
 
 
 def parity_job(family_names: list[str]) -> dict:
