@@ -1,0 +1,145 @@
+"""The actor and reference roles on one rank: response log-probs and the PPO update.
+
+Both wrap a :class:`MegatronEngine`. Batches follow seeds-digest §1.4: ``input_ids`` /
+``attention_mask`` are [N, P+R] (left-padded prompt ‖ right-padded response), and response
+fields (``old_log_probs``, ``advantages``, ``response_mask``, ...) are [N, R]. The log-prob
+of response token j sits at sequence position P+j-1 (it is predicted from what precedes it).
+
+Legend: N rows, P prompt width, R response width, S = P+R.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.losses import agg_norm, policy_loss
+from megarl.data.batch import Batch
+from megarl.workers.megatron_engine import MegatronEngine, StepResult
+
+
+def _micro_batches(batch: Batch, size: int, keys) -> list[dict]:
+    rows = len(batch)
+    return [{k: batch[k][i : i + size] for k in keys} for i in range(0, rows, size)]
+
+
+def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:
+    """[N, S] next-token log-probs -> [N, R] log-probs of the response tokens."""
+    return logp_NS[:, -response_length - 1 : -1]
+
+
+@dataclasses.dataclass(kw_only=True)
+class PPOConfig:
+    """The actor update (``actor_rollout_ref.actor.*``)."""
+
+    ppo_mini_batch_size: int
+    """Rows per mini-batch per optimizer step, across all DP ranks (after repeating by n)."""
+    ppo_micro_batch_size_per_gpu: int = 1
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    policy_loss_mode: str = "vanilla"
+    shuffle: bool = False
+    """Shuffle rows between epochs (seeded by the step)."""
+
+    def __post_init__(self) -> None:
+        if self.ppo_mini_batch_size < 1 or self.ppo_micro_batch_size_per_gpu < 1 or self.ppo_epochs < 1:
+            raise ValueError(
+                "actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu and actor.ppo_epochs must be >= 1"
+            )
+
+
+class LogProbRole:
+    """Frozen or trainable model that computes response log-probs (the reference uses only this)."""
+
+    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int = 1):
+        self.engine = engine
+        self.micro_batch_size = micro_batch_size
+
+    @property
+    def is_output_rank(self) -> bool:
+        """True on the rank whose results stand for its DP replica (last stage, TP rank 0)."""
+        return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
+
+    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False):
+        """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the output rank."""
+        response_length = batch["responses"].shape[1]
+        micro = _micro_batches(batch, self.micro_batch_size, ("input_ids", "attention_mask"))
+        out = self.engine.forward_logprobs(micro, temperature=temperature)
+        if out is None or not self.is_output_rank:
+            return None
+        result = {"log_probs": response_slice(torch.cat([o["logp"] for o in out]), response_length)}
+        if with_entropy:
+            result["entropy"] = response_slice(torch.cat([o["entropy"] for o in out]), response_length)
+        return result
+
+
+class ActorRole(LogProbRole):
+    """The policy: log-probs and the clipped PPO update over mini- and micro-batches."""
+
+    def __init__(self, engine: MegatronEngine, ppo: PPOConfig):
+        super().__init__(engine, micro_batch_size=ppo.ppo_micro_batch_size_per_gpu)
+        if engine.optimizer is None:
+            raise ValueError("the actor needs a trainable engine: build it with optim=OptimConfig(...)")
+        self.ppo = ppo
+
+    def update(self, batch: Batch, *, temperature: float = 1.0, mask_key: str = "response_mask",
+               seed: int = 0) -> list[StepResult]:
+        """PPO epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
+
+        Every DP rank must hold the same number of rows; each mini-batch takes
+        ``ppo_mini_batch_size / dp`` of them. Losses are normalised by the mini-batch's global
+        count (all DP ranks), so the step does not depend on micro-batching or the layout.
+        """
+        dp = self.engine.groups.dims.dp
+        if self.ppo.ppo_mini_batch_size % dp:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={self.ppo.ppo_mini_batch_size} is not divisible by the actor's "
+                f"data-parallel size {dp}"
+            )
+        local_mini = self.ppo.ppo_mini_batch_size // dp
+        if len(batch) % local_mini:
+            raise ValueError(
+                f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
+                f"(actor.ppo_mini_batch_size={self.ppo.ppo_mini_batch_size} over dp={dp})"
+            )
+        keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
+        if self.ppo.use_kl_loss:
+            keys.append("ref_log_prob")
+        results = []
+        for epoch in range(self.ppo.ppo_epochs):
+            order = torch.arange(len(batch))
+            if self.ppo.shuffle:
+                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            shuffled = batch.reorder(order) if self.ppo.shuffle else batch
+            for mini in shuffled.split(local_mini):
+                results.append(self._step(mini, keys, mask_key, temperature))
+        return results
+
+    def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
+        ppo = self.ppo
+        norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64)
+        dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
+        global_norm = float(norm)
+        response_length = mini[mask_key].shape[1]
+
+        def loss_fn(logp_BS, entropy_BS, mb):
+            return policy_loss(
+                response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb[mask_key],
+                loss_agg_mode=ppo.loss_agg_mode, global_norm=global_norm, policy_loss_mode=ppo.policy_loss_mode,
+                clip_ratio_low=ppo.clip_ratio_low, clip_ratio_high=ppo.clip_ratio_high,
+                clip_ratio_c=ppo.clip_ratio_c, entropy_BT=response_slice(entropy_BS, response_length),
+                entropy_coeff=ppo.entropy_coeff, ref_logp_BT=mb.get("ref_log_prob"),
+                kl_loss_coef=ppo.kl_loss_coef if ppo.use_kl_loss else 0.0, kl_loss_type=ppo.kl_loss_type,
+            )
+
+        micro = _micro_batches(mini, self.micro_batch_size, keys)
+        return self.engine.train_step(micro, loss_fn, temperature=temperature)
