@@ -1,0 +1,126 @@
+"""The base of every Ray worker: process environment, rendezvous and parallel coordinates.
+
+Nothing role-specific lives here. ``WorkerGroup`` constructs one instance per rank, calls
+:meth:`Worker.node_info` on every rank, asks rank 0 for a rendezvous address
+(:meth:`Worker.rendezvous_address`), then :meth:`Worker.setup_env` on every rank; after
+that a role calls :meth:`Worker.init_parallel` (directly or from its own ``init_model``)
+and the group reads :meth:`Worker.coordinates` to dispatch by data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+
+@dataclasses.dataclass(frozen=True)
+class Coordinates:
+    """A rank's place in its role's layout, as reported by the rank itself."""
+
+    rank: int
+    world_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """The rank whose output stands for its DP replica: TP rank 0, CP rank 0, last pipeline stage."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that nothing listens on now (bound with SO_REUSEADDR, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """Base class of megarl's Ray workers (one instance per rank)."""
+
+    role: str = "worker"
+    """Role name used in errors and logs; subclasses set it (``actor``, ``ref``, ...)."""
+
+    rank: int = -1
+    world_size: int = 0
+    local_rank: int = 0
+    groups = None
+    """``megarl.parallel.ProcessGroups`` after :meth:`init_parallel`, else ``None``."""
+
+    def node_info(self) -> dict:
+        """Node IP, process id and the accelerator ids Ray assigned to this process."""
+        gpu_ids: list[str] = []
+        try:
+            import ray
+
+            if ray.is_initialized():
+                gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        except ImportError:
+            pass
+        return {"ip": _node_ip(), "pid": os.getpid(), "gpu_ids": gpu_ids}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it, for torch.distributed's TCP store (called on rank 0)."""
+        ip = _node_ip()
+        return ip, free_port()
+
+    def setup_env(self, *, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
+                  local_world_size: int = 1, visible_devices: str | None = None) -> None:
+        """Set this rank's distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*) and pin threads.
+
+        ``visible_devices``: the node's GPU ids of this group in local-rank order; it becomes
+        ``CUDA_VISIBLE_DEVICES`` so that ``LOCAL_RANK`` selects this rank's own GPU and NCCL
+        sees its node peers (Ray alone would show each process only its own GPU).
+        """
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+                           "LOCAL_WORLD_SIZE": str(local_world_size),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+    def init_parallel(self, dims, backend: str | None = None, *, seed: int | None = 1234,
+                      timeout_s: float = 600.0) -> Coordinates:
+        """Initialise torch.distributed and Megatron's groups for ``dims``; return this rank's coordinates."""
+        from megarl.parallel import init_parallel
+
+        self.groups = init_parallel(dims, backend, seed=seed, timeout_s=timeout_s)
+        return self.coordinates()
+
+    def coordinates(self) -> Coordinates:
+        """This rank's place: from its process groups after :meth:`init_parallel`, else pure data parallel."""
+        groups = self.groups
+        if groups is None:
+            return Coordinates(rank=self.rank, world_size=self.world_size, dp_rank=self.rank,
+                               dp_size=self.world_size)
+        dims = groups.dims
+        return Coordinates(rank=groups.rank, world_size=dims.world_size, tp_rank=groups.tp_rank, tp_size=dims.tp,
+                           pp_rank=groups.pp_rank, pp_size=dims.pp, cp_rank=groups.cp_rank, cp_size=dims.cp,
+                           dp_rank=groups.dp_rank, dp_size=dims.dp)
+
+    def ping(self) -> int:
+        """This rank (a liveness check)."""
+        return self.rank
