@@ -1,0 +1,110 @@
+"""Compose a :class:`RunConfig` from ``configs/`` and command-line overrides with Hydra's compose API.
+
+``configs/config.yaml`` lists the schema (:data:`megarl.config.schema.SCHEMA_NAME`) first, so
+every YAML value and override is merged into the typed dataclasses: an unknown key or a value
+of the wrong type fails at composition, and the error names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megarl.config.schema import RunConfig, register_schema
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+"""The repository's ``configs/`` directory (Hydra YAML: ``config.yaml`` and its groups)."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot be composed or built; the message names the key to change."""
+
+
+def compose_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,
+                   config_name: str = "config") -> DictConfig:
+    """The composed, typed (schema-backed) OmegaConf tree of ``config_name`` with ``overrides`` applied."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(_describe(error)) from error
+
+
+def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,
+                config_name: str = "config") -> RunConfig:
+    """Compose ``configs/<config_name>.yaml`` with ``overrides`` (e.g. ``["recipe=qwen2_5_7b_grpo",
+    "trainer.total_steps=10"]``) and return the typed :class:`RunConfig`.
+
+    Each section's own checks run here; cross-component checks are :func:`megarl.config.validate`.
+    Raises :class:`ConfigError` (a ``ValueError``) naming the offending key.
+    """
+    return to_run_config(compose_config(overrides, config_dir=config_dir, config_name=config_name))
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Build the dataclasses of a composed tree; a section's ``ValueError`` is re-raised with its full key."""
+    _check_known_keys(cfg, "")
+    try:
+        run = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_describe(error)) from error
+    except ValueError as error:
+        key = _failing_section(cfg, "")
+        raise ConfigError(f"{key}: {error}" if key else str(error)) from error
+    if not isinstance(run, RunConfig):
+        raise ConfigError(f"the composed config is a {type(run).__name__}, not a RunConfig: configs/config.yaml must "
+                          f"list the schema first in its defaults")
+    return run
+
+
+def _check_known_keys(node: DictConfig, key: str) -> None:
+    """Refuse keys a dataclass section does not declare (``+key=value`` overrides bypass the schema)."""
+    object_type = OmegaConf.get_type(node)
+    declared = None
+    if object_type is not None and dataclasses.is_dataclass(object_type):
+        declared = {field.name for field in dataclasses.fields(object_type)}
+    for child_key in node:
+        full_key = f"{key}.{child_key}" if key else str(child_key)
+        if declared is not None and child_key not in declared:
+            raise ConfigError(f"{full_key} is not a setting of {object_type.__name__}; its settings are "
+                              f"{sorted(declared)} (check the spelling in the recipe or the override)")
+        child = node[child_key]
+        if isinstance(child, DictConfig):
+            _check_known_keys(child, full_key)
+
+
+def _failing_section(node: DictConfig, key: str) -> str:
+    """Full key of the deepest dataclass section of ``node`` whose construction raises ``ValueError``."""
+    for child_key in node:
+        child = node[child_key]
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:
+            found = _failing_section(child, f"{key}.{child_key}" if key else str(child_key))
+            if found:
+                return found
+    object_type = OmegaConf.get_type(node)
+    if key and object_type is not None and dataclasses.is_dataclass(object_type):
+        try:
+            OmegaConf.to_object(node)
+        except ValueError:
+            return key
+    return ""
+
+
+def _describe(error: Exception) -> str:
+    """Hydra's and OmegaConf's message, with the innermost cause (which names the key) appended."""
+    messages = [str(error).strip()]
+    cause = error.__cause__ or error.__context__
+    while cause is not None:
+        text = str(cause).strip()
+        if text and text not in messages[-1] and "$VALUE" not in text:
+            messages.append(text)
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(messages)

@@ -1,0 +1,217 @@
+"""Checks that span components of a :class:`RunConfig`; each section checks itself in ``__post_init__``.
+
+Every error names the full key to change and what to change it to. The rules:
+
+1. World size: each Megatron layout (the actor's, which the reference shares; the critic's when enabled)
+   has ``tp × pp × cp`` dividing the world (``trainer.nnodes × trainer.n_gpus_per_node`` on
+   cuda, ``trainer.n_cpu_ranks`` on cpu), and an explicit ``dp`` equal to what is left.
+   Context parallelism and multi-node runs need cuda.
+2. Batch divisibility: ``data.train_batch_size × rollout.n`` splits over the world; the
+   train batch is a whole number of mini-batches; each mini-batch's trajectories split over
+   the role's ``dp``; each rank's share is a whole number of micro-batches (fixed-size
+   micro-batches), and with interleaved pipelines the micro-batch count is a multiple of ``pp``.
+3. Engines: ``sglang`` needs cuda; its TP (default: the actor's TP) divides the world and
+   fits in one node; the ``hf`` engine is not sharded (``tensor_model_parallel_size`` null);
+   prompt/response widths agree with ``data.*``.
+4. Memory flags: offloading needs cuda; ``free_cache_engine`` needs ``enforce_eager`` on cuda
+   (freeing the KV cache invalidates captured CUDA graphs, seeds-digest §4.1).
+5. Algorithm ↔ roles: ``gae`` needs ``critic.enable`` and a critic is only trained for
+   ``gae``; ``trainer.critic_warmup`` needs the critic; multi-turn rollouts need
+   ``data.return_raw_chat``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from megarl.algo.advantages import uses_critic
+from megarl.config.schema import ActorConfig, CriticConfig, ParallelConfig, RunConfig
+
+logger = logging.getLogger(__name__)
+
+ARR = "actor_rollout_ref"
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ``ValueError`` naming the key to change when the sections of ``cfg`` do not fit together."""
+    _check_algorithm(cfg)  # first: it decides which roles exist
+    _check_world(cfg)
+    _check_batches(cfg)
+    _check_engines(cfg)
+    _check_memory_flags(cfg)
+
+
+def _world_keys(cfg: RunConfig) -> str:
+    trainer = cfg.trainer
+    if trainer.device == "cpu":
+        return f"trainer.n_cpu_ranks={trainer.n_cpu_ranks}"
+    return f"trainer.nnodes × trainer.n_gpus_per_node = {trainer.nnodes} × {trainer.n_gpus_per_node}"
+
+
+def _roles(cfg: RunConfig) -> list[tuple[str, ParallelConfig]]:
+    """(key prefix, layout) of each Megatron role the run builds."""
+    actor = cfg.actor_rollout_ref.actor
+    roles = [(f"{ARR}.actor.parallel", actor.parallel)]  # the reference shares the actor's layout
+    if cfg.critic.enable:
+        roles.append(("critic.parallel", cfg.critic.parallel))
+    return roles
+
+
+def data_parallel_size(cfg: RunConfig, parallel: ParallelConfig) -> int:
+    """``dp`` of a role: the world size over ``tp × pp × cp`` (call after :func:`validate`)."""
+    return cfg.trainer.world_size // (parallel.tp * parallel.pp * parallel.cp)
+
+
+def _check_world(cfg: RunConfig) -> None:
+    trainer = cfg.trainer
+    world = trainer.world_size
+    if trainer.device == "cpu" and trainer.nnodes != 1:
+        raise ValueError(f"trainer.nnodes={trainer.nnodes} with trainer.device=cpu: CPU runs use one machine "
+                         f"(trainer.n_cpu_ranks processes); set trainer.nnodes=1 or trainer.device=cuda")
+    for prefix, parallel in _roles(cfg):
+        model_parallel = parallel.tp * parallel.pp * parallel.cp
+        if trainer.device == "cpu" and parallel.cp > 1:
+            raise ValueError(f"{prefix}.cp={parallel.cp} needs trainer.device=cuda (context parallelism uses "
+                             f"GPU attention kernels); set {prefix}.cp=1")
+        if world % model_parallel != 0:
+            raise ValueError(
+                f"{prefix}.tp × {prefix}.pp × {prefix}.cp = {parallel.tp} × {parallel.pp} × {parallel.cp} = "
+                f"{model_parallel} does not divide the world size {world} ({_world_keys(cfg)}): change "
+                f"{prefix}.tp/pp/cp so that their product divides {world}, or the number of ranks")
+        dp = world // model_parallel
+        if parallel.dp is not None and parallel.dp != dp:
+            raise ValueError(
+                f"{prefix}.dp={parallel.dp} but tp × pp × cp = {model_parallel} on {world} ranks "
+                f"({_world_keys(cfg)}) leaves dp={dp}: set {prefix}.dp={dp} or null")
+
+
+def _check_role_batches(cfg: RunConfig, prefix: str, role: ActorConfig | CriticConfig) -> None:
+    n = cfg.actor_rollout_ref.rollout.n
+    train_batch_size = cfg.data.train_batch_size
+    mini = role.ppo_mini_batch_size
+    if train_batch_size % mini != 0:
+        raise ValueError(f"{prefix}.ppo_mini_batch_size={mini} does not divide data.train_batch_size="
+                         f"{train_batch_size}: choose a divisor of {train_batch_size} (each optimizer step takes "
+                         f"one mini-batch of prompts)")
+    dp = data_parallel_size(cfg, role.parallel)
+    trajectories = mini * n
+    if trajectories % dp != 0:
+        raise ValueError(
+            f"{prefix}.ppo_mini_batch_size × {ARR}.rollout.n = {mini} × {n} = {trajectories} trajectories do "
+            f"not split over the role's dp={dp} data-parallel ranks: make {prefix}.ppo_mini_batch_size × "
+            f"rollout.n a multiple of {dp}")
+    per_rank = trajectories // dp
+    if role.use_dynamic_bsz:
+        return
+    micro = role.ppo_micro_batch_size_per_gpu
+    if per_rank % micro != 0:
+        raise ValueError(
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} trajectories each "
+            f"rank gets per mini-batch ({prefix}.ppo_mini_batch_size × rollout.n / dp = {mini} × {n} / {dp}): "
+            f"choose a divisor of {per_rank}")
+    num_micro_batches = per_rank // micro
+    parallel = role.parallel
+    if parallel.vpp is not None and parallel.vpp > 1 and num_micro_batches % parallel.pp != 0:
+        raise ValueError(
+            f"{prefix}.parallel.vpp={parallel.vpp} (interleaved pipeline) needs the micro-batches per mini-batch "
+            f"({num_micro_batches}) to be a multiple of {prefix}.parallel.pp={parallel.pp}: change "
+            f"{prefix}.ppo_micro_batch_size_per_gpu or {prefix}.ppo_mini_batch_size, or set "
+            f"{prefix}.parallel.vpp=null")
+
+
+def _check_batches(cfg: RunConfig) -> None:
+    n = cfg.actor_rollout_ref.rollout.n
+    world = cfg.trainer.world_size
+    total = cfg.data.train_batch_size * n
+    if total % world != 0:
+        raise ValueError(
+            f"data.train_batch_size × {ARR}.rollout.n = {cfg.data.train_batch_size} × {n} = {total} trajectories "
+            f"do not split evenly over the {world} ranks ({_world_keys(cfg)}): make data.train_batch_size × "
+            f"rollout.n a multiple of {world}")
+    _check_role_batches(cfg, f"{ARR}.actor", cfg.actor_rollout_ref.actor)
+    if cfg.critic.enable:
+        _check_role_batches(cfg, "critic", cfg.critic)
+
+
+def _check_engines(cfg: RunConfig) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    trainer = cfg.trainer
+    prefix = f"{ARR}.rollout"
+    if rollout.name == "hf":
+        if rollout.tensor_model_parallel_size is not None:
+            raise ValueError(f"{prefix}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with "
+                             f"{prefix}.name=hf: the hf engine runs one unsharded model per actor data-parallel "
+                             f"replica; set {prefix}.tensor_model_parallel_size=null or {prefix}.name=sglang")
+    else:
+        if trainer.device != "cuda":
+            raise ValueError(f"{prefix}.name={rollout.name} needs trainer.device=cuda; on cpu set {prefix}.name=hf")
+        engine_tp = rollout.tensor_model_parallel_size or cfg.actor_rollout_ref.actor.parallel.tp
+        if trainer.world_size % engine_tp != 0:
+            raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the world size "
+                             f"{trainer.world_size} ({_world_keys(cfg)}): choose a divisor of it")
+        if engine_tp > trainer.n_gpus_per_node:
+            raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} exceeds trainer.n_gpus_per_node="
+                             f"{trainer.n_gpus_per_node}: an engine serves within one node; use at most "
+                             f"{trainer.n_gpus_per_node}")
+    data = cfg.data
+    if rollout.prompt_length is not None and rollout.prompt_length < data.max_prompt_length:
+        raise ValueError(f"{prefix}.prompt_length={rollout.prompt_length} is shorter than data.max_prompt_length="
+                         f"{data.max_prompt_length}: prompts would not fit; raise it or leave it null")
+    if rollout.response_length is not None and rollout.response_length != data.max_response_length:
+        raise ValueError(f"{prefix}.response_length={rollout.response_length} differs from "
+                         f"data.max_response_length={data.max_response_length}: set one value (leave "
+                         f"{prefix}.response_length null to use data.max_response_length)")
+    width = cfg.rollout_config()
+    if rollout.max_model_len is not None and rollout.max_model_len <= width.prompt_length:
+        raise ValueError(f"{prefix}.max_model_len={rollout.max_model_len} leaves no room for a response after "
+                         f"the prompt width {width.prompt_length}: raise it or leave it null")
+
+
+def _check_memory_flags(cfg: RunConfig) -> None:
+    arr = cfg.actor_rollout_ref
+    flags = {f"{ARR}.actor.{name}": getattr(arr.actor, name)
+             for name in ("param_offload", "grad_offload", "optimizer_offload")}
+    flags[f"{ARR}.ref.param_offload"] = arr.ref.param_offload
+    flags.update({f"critic.{name}": getattr(cfg.critic, name)
+                  for name in ("param_offload", "grad_offload", "optimizer_offload")})
+    if cfg.trainer.device == "cpu":
+        for key, value in flags.items():
+            if value:
+                raise ValueError(f"{key}=True needs trainer.device=cuda (offloading moves GPU memory to the "
+                                 f"host; on cpu everything is already there): set {key}=False")
+        return
+    rollout = arr.rollout
+    if rollout.free_cache_engine and not rollout.enforce_eager:
+        raise ValueError(f"{ARR}.rollout.free_cache_engine=True needs {ARR}.rollout.enforce_eager=True (freeing "
+                         f"the KV cache invalidates captured CUDA graphs): set enforce_eager=True or "
+                         f"free_cache_engine=False")
+    if not arr.hybrid_engine and rollout.free_cache_engine:
+        logger.warning("%s.rollout.free_cache_engine is ignored without %s.hybrid_engine: separate engines keep "
+                       "their memory", ARR, ARR)
+
+
+def _check_algorithm(cfg: RunConfig) -> None:
+    estimator = cfg.algorithm.adv_estimator
+    needs_critic = uses_critic(estimator)
+    if needs_critic and not cfg.critic.enable:
+        raise ValueError(f"algorithm.adv_estimator={estimator} needs a critic: set critic.enable=True, or choose a "
+                         f"critic-free estimator such as algorithm.adv_estimator=grpo")
+    if cfg.critic.enable and not needs_critic:
+        raise ValueError(f"critic.enable=True but algorithm.adv_estimator={estimator} does not use values: set "
+                         f"critic.enable=False, or algorithm.adv_estimator=gae")
+    if cfg.trainer.critic_warmup > 0 and not cfg.critic.enable:
+        raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (critic.enable=True); "
+                         f"set trainer.critic_warmup=0")
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable and not cfg.data.return_raw_chat:
+        raise ValueError(f"{ARR}.rollout.multi_turn.enable=True needs the raw chat messages: set "
+                         f"data.return_raw_chat=True")
+    actor = cfg.actor_rollout_ref.actor
+    if actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        logger.warning("both %s.actor.use_kl_loss and algorithm.use_kl_in_reward are on: the KL is penalised twice",
+                       ARR)
+    if actor.use_kl_loss and actor.kl_loss_coef == 0:
+        raise ValueError(f"{ARR}.actor.use_kl_loss=True with {ARR}.actor.kl_loss_coef=0 computes the reference for "
+                         f"nothing: set a positive kl_loss_coef or use_kl_loss=False")
+    if actor.tis_cap is not None and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ValueError(f"{ARR}.actor.tis_cap={actor.tis_cap} needs the engines' log-probs: set "
+                         f"{ARR}.rollout.calculate_log_probs=True or {ARR}.actor.tis_cap=null")

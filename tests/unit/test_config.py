@@ -1,0 +1,206 @@
+"""The run config: every recipe composes and validates; overrides; errors name the key; defaults in dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from megarl.config import CONFIG_DIR, SCHEMA_NAME, ConfigError, RunConfig, load_config, validate
+from megarl.config.schema import ActorConfig, DataConfig, RolloutSection, TrainerConfig
+from megarl.config.validate import data_parallel_size
+from megarl.parallel.dims import ParallelDims
+from megarl.rollout.agent_loop import AgentLoopConfig
+from megarl.rollout.manager import RolloutConfig
+from megarl.workers.megatron_engine import OptimConfig
+
+RECIPES = sorted(path.stem for path in (CONFIG_DIR / "recipe").glob("*.yaml"))
+ARR = "actor_rollout_ref"
+
+
+def test_the_issue_recipes_exist():
+    assert set(RECIPES) >= {"tiny_cpu_grpo", "qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo",
+                            "llama3_1_70b_grpo"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = load_config([f"recipe={recipe}"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.recipe == recipe
+    validate(cfg)
+    actor = cfg.actor_rollout_ref.actor
+    dims = actor.parallel.to_dims().for_world(cfg.trainer.world_size)
+    assert dims.world_size == cfg.trainer.world_size
+    assert data_parallel_size(cfg, actor.parallel) == dims.dp
+    assert isinstance(actor.optim, OptimConfig)
+    assert isinstance(cfg.rollout_config(), RolloutConfig)
+    assert isinstance(cfg.agent_loop_config(), AgentLoopConfig)
+
+
+def test_recipe_layouts():
+    tiny = load_config()
+    assert tiny.recipe == "tiny_cpu_grpo"  # the default
+    assert (tiny.trainer.device, tiny.trainer.world_size, tiny.actor_rollout_ref.actor.parallel.tp) == ("cpu", 2, 2)
+    assert tiny.actor_rollout_ref.rollout.name == "hf" and tiny.needs_ref
+    assert tiny.actor_rollout_ref.model.init == "tiny_sft"
+    ppo = load_config(["recipe=qwen2_5_7b_ppo"])
+    assert ppo.critic.enable and ppo.algorithm.adv_estimator == "gae"
+    big = load_config(["recipe=llama3_1_70b_grpo"])
+    parallel = big.actor_rollout_ref.actor.parallel
+    assert big.trainer.world_size == 64 and (parallel.tp, parallel.pp, parallel.vpp) == (8, 4, 5)
+    assert data_parallel_size(big, parallel) == 2
+
+
+def test_override_reaches_the_typed_config():
+    cfg = load_config(["trainer.total_steps=10", f"{ARR}.rollout.n=4", "recipe=qwen2_5_7b_grpo"])
+    assert cfg.trainer.total_steps == 10
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.recipe == "qwen2_5_7b_grpo"
+
+
+def test_yaml_lists_coerce_to_typed_fields():
+    cfg = load_config([f"{ARR}.actor.optim.betas=[0.9,0.95]", "trainer.logger=[console]"])
+    assert tuple(cfg.actor_rollout_ref.actor.optim.betas) == (0.9, 0.95)
+    assert cfg.trainer.logger == ["console"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.total_stepz=10", "trainer.total_stepz"),
+    ("+trainer.total_stepz=10", "trainer.total_stepz"),
+    ("trainer.total_steps=ten", "trainer.total_steps"),
+    (f"{ARR}.rollout.multi_turn.enable=maybe", f"{ARR}.rollout.multi_turn.enable"),
+    ("recipe=no_such_recipe", "recipe"),
+])
+def test_broken_override_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([override])
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{ARR}.rollout.n=0", f"{ARR}.rollout"),
+    (f"{ARR}.actor.parallel.tp=0", f"{ARR}.actor.parallel"),
+    (f"{ARR}.actor.loss_agg_mode=mean", f"{ARR}.actor.loss_agg_mode"),
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
+    ("trainer.device=tpu", "trainer.device"),
+    (f"{ARR}.actor.optim.lr=0", f"{ARR}.actor.optim"),
+])
+def test_section_check_names_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config([override])
+
+
+def test_defaults_come_from_the_dataclasses_without_yaml():
+    schema = OmegaConf.structured(RunConfig)
+    assert schema.trainer.save_freq == -1
+    assert schema.actor_rollout_ref.actor.optim.lr == OptimConfig().lr
+    assert schema.actor_rollout_ref.actor.parallel.tp == ParallelDims().tp
+    assert schema.actor_rollout_ref.rollout.n == RolloutConfig(prompt_length=1, response_length=1).n
+    assert OmegaConf.is_missing(schema.data, "train_files")  # the one thing a recipe must say
+    assert TrainerConfig().world_size == 8
+    cfg = OmegaConf.to_object(OmegaConf.merge(schema, {"data": {"train_files": ["x.parquet"]},
+                                                       ARR: {"model": {"path": "m"}}}))
+    validate(cfg)  # the bare defaults form a consistent (1 node x 8 GPU) run
+
+
+def test_schema_is_registered_and_yaml_holds_no_defaults():
+    from hydra.core.config_store import ConfigStore
+
+    from megarl.config import register_schema
+
+    register_schema()
+    assert f"{SCHEMA_NAME}.yaml" in ConfigStore.instance().list("")
+    top = OmegaConf.load(CONFIG_DIR / "config.yaml")
+    assert set(top) == {"defaults"} and top.defaults[0] == SCHEMA_NAME
+
+
+def test_dataset_kwargs_are_prompt_dataset_keywords():
+    import inspect
+
+    from megarl.data.dataset import PromptDataset
+
+    kwargs = load_config().data.dataset_kwargs()
+    assert set(kwargs) <= set(inspect.signature(PromptDataset).parameters)
+
+
+def _cfg(*overrides: str) -> RunConfig:
+    return load_config(list(overrides))
+
+
+# Each cross-component rule: a failing case, with the key the message must name.
+RULE_CASES = [
+    # world size
+    ("world_tp", ["trainer.n_cpu_ranks=3"], f"{ARR}.actor.parallel.tp"),
+    ("world_dp", [f"{ARR}.actor.parallel.dp=2"], f"{ARR}.actor.parallel.dp=2"),
+    ("world_cp_cpu", [f"{ARR}.actor.parallel.tp=1", f"{ARR}.actor.parallel.cp=2"], f"{ARR}.actor.parallel.cp"),
+    ("world_nodes_cpu", ["trainer.nnodes=2"], "trainer.nnodes"),
+    ("world_critic", ["recipe=qwen2_5_7b_ppo", "critic.parallel.tp=3"], "critic.parallel.tp"),
+    # batches
+    ("batch_world", ["trainer.n_cpu_ranks=4", f"{ARR}.actor.parallel.tp=1", "data.train_batch_size=3",
+                     f"{ARR}.rollout.n=1", f"{ARR}.actor.ppo_mini_batch_size=1"], "data.train_batch_size"),
+    ("batch_mini_divides_train", [f"{ARR}.actor.ppo_mini_batch_size=6"], f"{ARR}.actor.ppo_mini_batch_size=6"),
+    ("batch_mini_over_dp", ["recipe=qwen2_5_0_5b_grpo", f"{ARR}.rollout.n=1", f"{ARR}.actor.ppo_mini_batch_size=4"],
+     f"{ARR}.actor.ppo_mini_batch_size"),
+    ("batch_micro", [f"{ARR}.actor.ppo_micro_batch_size_per_gpu=5"], f"{ARR}.actor.ppo_micro_batch_size_per_gpu=5"),
+    ("batch_vpp", ["recipe=llama3_1_70b_grpo", f"{ARR}.actor.ppo_micro_batch_size_per_gpu=128"],
+     f"{ARR}.actor.parallel.vpp"),
+    ("batch_critic_micro", ["recipe=qwen2_5_7b_ppo", "critic.ppo_micro_batch_size_per_gpu=48"],
+     "critic.ppo_micro_batch_size_per_gpu"),
+    # engines
+    ("engine_sglang_cpu", [f"{ARR}.rollout.name=sglang"], f"{ARR}.rollout.name"),
+    ("engine_hf_tp", [f"{ARR}.rollout.tensor_model_parallel_size=2"], f"{ARR}.rollout.tensor_model_parallel_size"),
+    ("engine_tp_divides", ["recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=3"],
+     f"{ARR}.rollout.tensor_model_parallel_size=3"),
+    ("engine_tp_node", ["recipe=llama3_1_70b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=16"],
+     "trainer.n_gpus_per_node"),
+    ("engine_prompt_len", [f"{ARR}.rollout.prompt_length=8"], f"{ARR}.rollout.prompt_length"),
+    ("engine_response_len", [f"{ARR}.rollout.response_length=8"], f"{ARR}.rollout.response_length"),
+    ("engine_max_model_len", [f"{ARR}.rollout.max_model_len=64"], f"{ARR}.rollout.max_model_len"),
+    # memory flags
+    ("memory_offload_cpu", [f"{ARR}.actor.optimizer_offload=true"], f"{ARR}.actor.optimizer_offload"),
+    ("memory_ref_offload_cpu", [f"{ARR}.ref.param_offload=true"], f"{ARR}.ref.param_offload"),
+    ("memory_eager", ["recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false"], f"{ARR}.rollout.enforce_eager"),
+    # algorithm and roles
+    ("algo_gae_needs_critic", ["algorithm.adv_estimator=gae"], "critic.enable"),
+    ("algo_critic_unused", ["critic.enable=true"], "critic.enable"),
+    ("algo_warmup", ["trainer.critic_warmup=2"], "trainer.critic_warmup"),
+    ("algo_multi_turn_raw_chat", [f"{ARR}.rollout.multi_turn.enable=true"], "data.return_raw_chat"),
+    ("algo_kl_coef", [f"{ARR}.actor.kl_loss_coef=0"], f"{ARR}.actor.kl_loss_coef"),
+    ("algo_tis", [f"{ARR}.actor.tis_cap=2.0", f"{ARR}.rollout.calculate_log_probs=false"], f"{ARR}.actor.tis_cap"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, key", RULE_CASES, ids=[case[0] for case in RULE_CASES])
+def test_cross_component_rule_names_the_key(name, overrides, key):
+    cfg = _cfg(*overrides)  # each section is fine on its own
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_fixed_variants_of_the_rules_pass():
+    validate(_cfg("trainer.n_cpu_ranks=4"))  # tp=2 on 4 ranks: dp=2
+    validate(_cfg(f"{ARR}.rollout.multi_turn.enable=true", "data.return_raw_chat=true"))
+    validate(_cfg("algorithm.adv_estimator=gae", "critic.enable=true", "trainer.critic_warmup=1",
+                  "critic.parallel.tp=2", "critic.ppo_mini_batch_size=8"))
+    validate(_cfg("recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false",
+                  f"{ARR}.rollout.free_cache_engine=false"))
+
+
+def test_sections_check_themselves_without_hydra():
+    with pytest.raises(ValueError, match=r"data\.train_files"):
+        DataConfig(train_files=[])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu"):
+        ActorConfig(ppo_micro_batch_size_per_gpu=None)
+    ActorConfig(ppo_micro_batch_size_per_gpu=None, use_dynamic_bsz=True)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.gpu_memory_utilization"):
+        RolloutSection(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"trainer\.resume_from_path"):
+        TrainerConfig(resume_mode="resume_path")
+
+
+def test_rollout_widths_default_to_data_lengths():
+    cfg = load_config(["data.max_prompt_length=48", "data.max_response_length=12"])
+    rollout = cfg.rollout_config()
+    assert (rollout.prompt_length, rollout.response_length) == (48, 12)
+    assert dataclasses.replace(rollout).val_kwargs.temperature == 0.0
