@@ -204,12 +204,33 @@ class WorkerGroup:
                     raise WorkerError(f"{self.role} rank {rank} died during {method}: {err}", role=self.role,
                                       rank=rank, method=method) from err
                 except RayTaskError as err:
-                    raise WorkerError(f"{self.role} rank {rank} failed in {method}: {err}", role=self.role,
-                                      rank=rank, method=method) from err
+                    # A rank that lost a peer mid-collective fails too; report the dead peer (the root cause).
+                    self._raise_if_dead([r for r in pending if r not in done], index, ranks, method, err)
+                    cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
+                    raise WorkerError(f"{self.role} rank {rank} failed in {method}: {type(cause).__name__}: {cause}",
+                                      role=self.role, rank=rank, method=method) from err
                 except GetTimeoutError as err:
                     raise WorkerError(f"{self.role} rank {rank}: result of {method} not retrievable", role=self.role,
                                       rank=rank, method=method) from err
         return results
+
+    def _raise_if_dead(self, pending: list, index: dict, ranks: list[int], method: str, err: Exception) -> None:
+        """Raise WorkerError for the first of ``pending`` whose actor died within a second (else return)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not pending:
+            return
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=1.0)
+            except RayActorError as dead:
+                rank = ranks[index[ref]]
+                raise WorkerError(f"{self.role} rank {rank} died during {method} (other ranks then failed: {err})",
+                                  role=self.role, rank=rank, method=method) from dead
+            except Exception:  # noqa: BLE001 - another failure; the caller reports the first one
+                continue
 
     def _submit(self, rank: int, method: str, args: Sequence[Any], kwargs: dict[str, Any]):
         actor = self._actors[rank]

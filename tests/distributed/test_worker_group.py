@@ -56,6 +56,12 @@ class SideWorker(Worker):
     def gpu(self):
         return ray.get_gpu_ids(), os.getpid()
 
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def fail(self) -> None:
+        raise ValueError("bad input")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -115,6 +121,12 @@ def test_colocated_worker_classes_share_bundles(cluster, tp_group):
         assert [[str(i) for i in ids] for ids in side_gpus] == [info["gpu_ids"] for info in actor_envs]
         assert side.call_all("ping") == [0, 1, 2, 3]
         assert side.refresh_coordinates()[2].dp_rank == 2  # no parallel init: pure data parallel
+        with pytest.raises(WorkerError, match=r"ref rank 0 failed in fail: ValueError: bad input"):
+            side.call_rank(0, "fail")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"ref.nap: ranks \[0, 1, 2, 3\] did not answer within 0 s"):
+            side.call_all("nap", 3.0, timeout_s=0.3)
+        assert time.monotonic() - start < 2
     finally:
         side.shutdown()
 
