@@ -175,9 +175,33 @@ def _collect(procs, results, timeout_s, stack_files, fn) -> list[Any]:
                 continue
         rank, status, payload = report
         if status == "error":
-            raise RankFailure(f"rank {rank} of {world_size} running {name} failed:\n{payload}")
+            raise RankFailure(_failure_message({rank: payload}, procs, outcome, results, name))
         outcome[rank] = pickle.loads(payload)
     return [outcome[r] for r in range(world_size)]
+
+
+# Errors a rank raises because a peer died, not because of its own input.
+_PEER_SYMPTOMS = ("gloo", "c10d", "Connection closed by peer", "Connection reset", "NCCL", "Broken pipe")
+
+
+def _failure_message(errors: dict[int, str], procs, outcome, results, name) -> str:
+    """All failing ranks' tracebacks, the likely root cause (not a peer-death symptom) first.
+
+    When one rank raises, its peers usually fail moments later inside a collective; those
+    reports arrive in any order, so collect them for a short while before choosing.
+    """
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        pending = [r for r in range(len(procs)) if r not in errors and r not in outcome]
+        if not pending or all(procs[r].exitcode is not None for r in pending) and results.empty():
+            break
+        report = _next_report(results, 0.1)
+        if report is not None and report[1] == "error":
+            errors[report[0]] = report[2]
+    ranks = sorted(errors, key=lambda r: (any(s in errors[r] for s in _PEER_SYMPTOMS), r))
+    head = f"rank {ranks[0]} of {len(procs)} running {name} failed:\n{errors[ranks[0]]}"
+    others = "".join(f"\n--- rank {r} also failed ---\n{errors[r]}" for r in ranks[1:])
+    return head + others
 
 
 def _timeout_message(procs, outcome, stack_files, timeout_s, name) -> str:

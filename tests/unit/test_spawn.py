@@ -62,3 +62,18 @@ def test_timeout_reports_the_stack_of_each_hung_rank():
     with pytest.raises(RankFailure, match=r"(?s)ran past 3 s; ranks \[0, 1\].*rank 0 stack.*hanging_job"):
         run_ranks(hanging_job, 2, timeout_s=3)
     assert time.monotonic() - started < 20
+
+
+def root_cause_job():
+    if _rank() == 0:
+        time.sleep(0.3)
+        raise RuntimeError("[gloo] Connection closed by peer")  # what a peer's death looks like
+    raise ValueError("the real problem")
+
+
+def test_root_cause_is_reported_first_with_the_peer_symptoms_after():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(root_cause_job, 2, timeout_s=60)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 running root_cause_job failed")
+    assert "the real problem" in message and "--- rank 0 also failed ---" in message
