@@ -70,7 +70,7 @@ class MegatronEngine:
 
     def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
-                 **transformer_overrides):
+                 groups=None, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -80,7 +80,10 @@ class MegatronEngine:
         self.hf_dir = str(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
         self.family = family_for(self.hf_config)
-        self.groups = init_parallel(dims, seed=seed)
+        # A second role in the same process (same layout) passes the first one's groups.
+        self.groups = init_parallel(dims, seed=seed) if groups is None else groups
+        if groups is not None and groups.dims != dims.for_world(groups.dims.world_size):
+            raise ValueError(f"MegatronEngine: groups were built for {groups.dims}, not {dims}")
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype, **transformer_overrides,
         )
