@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.losses import agg_norm, policy_loss
+from megarl.algo.mismatch import tis_weights
 from megarl.data.batch import Batch
 from megarl.workers.megatron_engine import MegatronEngine, StepResult
 
@@ -47,6 +48,9 @@ class PPOConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     policy_loss_mode: str = "vanilla"
+    tis_cap: float | None = None
+    """Truncated importance weights ``min(pi_old / pi_rollout, tis_cap)`` on the surrogate; None: off."""
+    tis_level: str = "token"
     shuffle: bool = False
     """Shuffle rows between epochs (seeded by the step)."""
 
@@ -69,10 +73,11 @@ class LogProbRole:
         """True on the rank whose results stand for its DP replica (last stage, TP rank 0)."""
         return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
 
-    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False):
+    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
+                         micro_batch_size: int | None = None):
         """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the output rank."""
         response_length = batch["responses"].shape[1]
-        micro = _micro_batches(batch, self.micro_batch_size, ("input_ids", "attention_mask"))
+        micro = _micro_batches(batch, micro_batch_size or self.micro_batch_size, ("input_ids", "attention_mask"))
         out = self.engine.forward_logprobs(micro, temperature=temperature)
         if out is None or not self.is_output_rank:
             return None
@@ -114,6 +119,11 @@ class ActorRole(LogProbRole):
         keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
         if self.ppo.use_kl_loss:
             keys.append("ref_log_prob")
+        if self.ppo.tis_cap is not None:
+            if "rollout_log_probs" not in batch:
+                raise KeyError("actor.tis_cap is set but the batch has no rollout_log_probs: set "
+                               "actor_rollout_ref.rollout.calculate_log_probs=true or actor.tis_cap=null")
+            keys.append("rollout_log_probs")
         results = []
         for epoch in range(self.ppo.ppo_epochs):
             order = torch.arange(len(batch))
@@ -132,14 +142,25 @@ class ActorRole(LogProbRole):
         response_length = mini[mask_key].shape[1]
 
         def loss_fn(logp_BS, entropy_BS, mb):
-            return policy_loss(
+            is_weights_BT, tis_metrics = None, {}
+            if ppo.tis_cap is not None:
+                is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mb[mask_key],
+                                                         cap=ppo.tis_cap, level=ppo.tis_level)
+            loss, metrics = policy_loss(
                 response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb[mask_key],
                 loss_agg_mode=ppo.loss_agg_mode, global_norm=global_norm, policy_loss_mode=ppo.policy_loss_mode,
                 clip_ratio_low=ppo.clip_ratio_low, clip_ratio_high=ppo.clip_ratio_high,
                 clip_ratio_c=ppo.clip_ratio_c, entropy_BT=response_slice(entropy_BS, response_length),
                 entropy_coeff=ppo.entropy_coeff, ref_logp_BT=mb.get("ref_log_prob"),
                 kl_loss_coef=ppo.kl_loss_coef if ppo.use_kl_loss else 0.0, kl_loss_type=ppo.kl_loss_type,
+                is_weights_BT=is_weights_BT,
             )
+            return loss, {**metrics, **{k: torch.tensor(v) for k, v in tis_metrics.items()}}
 
         micro = _micro_batches(mini, self.micro_batch_size, keys)
-        return self.engine.train_step(micro, loss_fn, temperature=temperature)
+        result = self.engine.train_step(micro, loss_fn, temperature=temperature)
+        # pg_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
+        # shares over micro-batches and DP ranks, the mini-batch value is their sum.
+        if "pg_loss" in result.metrics:
+            result.metrics["pg_loss"] *= len(micro) * self.engine.groups.dims.dp
+        return result

@@ -1,0 +1,224 @@
+"""The Megatron roles as Ray workers: actor, reference and critic.
+
+Each rank of a role is one :class:`ActorWorker` / :class:`RefWorker` / :class:`CriticWorker`
+process. A worker builds a :class:`MegatronEngine` for its role (``init_model``) and exposes
+the role's few plain methods; the controller calls them on every rank through a
+``WorkerGroup`` (``call_dp`` splits a batch by DP rank and gathers the outputs of each
+replica's collect rank). Outputs of the other ranks are ``None``.
+
+Weight sync (:meth:`ActorWorker.sync_weights`) runs on every actor rank (the export is a
+collective); the first rank of each DP replica streams the replica's HF-layout buckets to
+its engines and verifies, after the session, that the engines hold bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.workers.base import Coordinates, Worker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"actor_rollout_ref.model.dtype={name!r} is unknown; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _build_engine(model_path: str, parallel: dict, *, optim: dict | None, dtype: str, seed: int, **kwargs):
+    from megarl.parallel import ParallelDims
+    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+
+    dims = ParallelDims(**{k: v for k, v in parallel.items() if k in ("tp", "pp", "cp", "dp", "vpp")})
+    params_dtype = _dtype(dtype)
+    overrides = {}
+    if params_dtype == torch.bfloat16:
+        overrides["bf16"] = True
+    elif params_dtype == torch.float16:
+        overrides["fp16"] = True
+    return MegatronEngine(model_path, dims, optim=None if optim is None else OptimConfig(**optim),
+                          params_dtype=params_dtype, seed=seed, **kwargs, **overrides)
+
+
+def step_metrics(results, prefix: str) -> dict[str, float]:
+    """Mean over optimizer steps of a role's :class:`StepResult` list, as ``<prefix>/<name>`` metrics.
+
+    ``<prefix>/grad_norm`` and ``<prefix>/lr`` come from the steps; ``<prefix>/skipped_steps``
+    counts steps whose loss or gradient was not finite (their update was skipped).
+    """
+    if not results:
+        return {}
+    sums: dict[str, float] = {}
+    for result in results:
+        for key, value in result.metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    metrics = {f"{prefix}/{k}": v / len(results) for k, v in sums.items()}
+    applied = [r for r in results if r.applied]
+    metrics[f"{prefix}/grad_norm"] = (sum(r.grad_norm for r in applied) / len(applied)) if applied else float("nan")
+    metrics[f"{prefix}/lr"] = results[-1].lr
+    metrics[f"{prefix}/loss"] = sum(r.loss for r in results) / len(results)
+    metrics[f"{prefix}/skipped_steps"] = float(len(results) - len(applied))
+    return metrics
+
+
+class _MegatronWorker(Worker):
+    """Common parts: the engine, coordinates, checkpoints."""
+
+    engine = None
+
+    def _init(self, engine) -> Coordinates:
+        self.engine = engine
+        self.groups = engine.groups
+        return self.coordinates()
+
+    def save_checkpoint(self, directory: str, *, with_optimizer: bool = True) -> None:
+        from megarl.workers.checkpoint import save_engine
+
+        save_engine(self.engine, directory, with_optimizer=with_optimizer)
+
+    def load_checkpoint(self, directory: str, *, with_optimizer: bool = True, load_rng: bool = True) -> None:
+        from megarl.workers.checkpoint import load_engine
+
+        load_engine(self.engine, directory, with_optimizer=with_optimizer, load_rng=load_rng)
+
+    def export_hf(self, directory: str) -> None:
+        from megarl.workers.checkpoint import export_hf
+
+        export_hf(self.engine, directory)
+
+
+class RefWorker(_MegatronWorker):
+    """The frozen reference policy: ``ref_log_prob`` of the responses."""
+
+    role = "ref"
+
+    def init_model(self, *, model_path: str, parallel: dict, dtype: str = "float32", seed: int = 1234,
+                   micro_batch_size: int = 16) -> Coordinates:
+        from megarl.workers.actor import LogProbRole
+
+        coords = self._init(_build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed))
+        self.log_prob = LogProbRole(self.engine, micro_batch_size=micro_batch_size)
+        return coords
+
+    def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
+        out = self.log_prob.compute_log_prob(batch, temperature=temperature)
+        return None if out is None else Batch(tensors={"ref_log_prob": out["log_probs"]})
+
+
+class ActorWorker(_MegatronWorker):
+    """The policy: recomputed log-probs, the PPO update and weight sync into the engines."""
+
+    role = "actor"
+
+    def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
+                   seed: int = 1234, log_prob_micro_batch_size: int = 16) -> Coordinates:
+        from megarl.workers.actor import ActorRole, PPOConfig
+
+        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed))
+        self.actor = ActorRole(self.engine, PPOConfig(**ppo))
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        return coords
+
+    def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
+        """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
+        out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True,
+                                          micro_batch_size=self.log_prob_micro_batch_size)
+        if out is None:
+            return None
+        return Batch(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+
+    def update_actor(self, batch: Batch, *, temperature: float = 1.0, seed: int = 0) -> dict[str, float] | None:
+        """PPO epochs × mini-batches; the step-averaged ``actor/*`` metrics on the collect rank."""
+        start = time.perf_counter()
+        results = self.actor.update(batch, temperature=temperature, seed=seed,
+                                    mask_key=batch.meta.get("mask_key", "response_mask"))
+        metrics = step_metrics(results, "actor")
+        metrics["perf/update_actor_worker_s"] = time.perf_counter() - start
+        return metrics if self.coordinates().is_collect_rank else None
+
+    # ---------------------------------------------------------------------------- weight sync
+    def weight_names(self) -> list[str]:
+        """Every HF tensor name the export yields, in export order."""
+        return [name for unit in self.engine.exporter().units for name in unit.hf_names]
+
+    def sync_weights(self, engines: Sequence[Sequence[Any]], *, bucket_bytes: int, engine_dtype: str,
+                     verify_names: Sequence[str] = ()) -> dict[str, Any] | None:
+        """Stream the weights into the engines (collective over the actor's ranks).
+
+        ``engines[d]``: the Ray handles of the rollout workers served by DP replica ``d``.
+        The replica's first rank (TP 0, PP 0, CP 0) sends every full HF bucket (stages take
+        turns, TP shards gathered: :meth:`WeightExporter.iter_full`), one bucket in flight
+        while the next is gathered. ``verify_names``: tensors whose SHA-1 (at the engine's
+        dtype) is compared with what each engine holds after the session; a difference
+        raises. Returns the sender's statistics (``None`` on other ranks).
+        """
+        import ray
+
+        from megarl.rollout.engine import tensor_digest
+
+        groups = self.engine.groups
+        sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
+        targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
+        wanted = set(verify_names)
+        cast = _dtype(engine_dtype)
+        expected: dict[str, str] = {}
+        start = time.perf_counter()
+        if targets:
+            ray.get([e.begin_weight_update.remote() for e in targets])
+        delivered, buckets, in_flight = 0, 0, []
+        for bucket in self.engine.exporter().iter_full(bucket_bytes):
+            if not targets:
+                continue
+            payload = [(name, tensor if tensor.dtype == cast else tensor.to(cast)) for name, tensor in bucket]
+            for name, tensor in payload:
+                if name in wanted:
+                    expected[name] = tensor_digest(tensor)
+            # Arguments are serialised at submission, so the exporter may reuse its buffer at once.
+            refs = [e.update_weights_from_tensor.remote(payload) for e in targets]
+            if in_flight:
+                ray.get(in_flight)
+            in_flight = refs
+            delivered += sum(t.numel() * t.element_size() for _, t in payload)
+            buckets += 1
+        if not targets:
+            return None
+        ray.get(in_flight)
+        ray.get([e.end_weight_update.remote() for e in targets])
+        seconds = time.perf_counter() - start
+        mismatched, verified = [], 0
+        for index, digests in enumerate(ray.get([e.weight_digests.remote(sorted(expected)) for e in targets])):
+            if not digests:
+                continue  # the engine cannot report its weights (counted as unverified)
+            verified += 1
+            mismatched += [f"engine {index}: {n}" for n in sorted(expected) if digests.get(n) != expected[n]]
+        if mismatched:
+            raise RuntimeError(f"weight sync: the engines do not hold the trainer's weights after the update "
+                               f"({len(mismatched)} tensors differ: {mismatched[:5]})")
+        return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered * len(targets)),
+                "weight_sync/buckets": float(buckets), "weight_sync/verified_tensors": float(len(expected)),
+                "weight_sync/verified_engines": float(verified), "weight_sync/engines": float(len(targets)),
+                "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
+
+
+def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
+    """``count`` weight names to verify at ``step`` (all when ``count < 0``): a seeded sample plus the last."""
+    names = list(names)
+    if count < 0 or count >= len(names):
+        return names
+    if count == 0:
+        return []
+    picked = random.Random(step).sample(names[:-1], count - 1) if count > 1 else []
+    return sorted(set(picked) | {names[-1]}, key=names.index)
+
+
+def finite(metrics: dict[str, float]) -> bool:
+    """True when every metric is a finite number."""
+    return all(math.isfinite(float(v)) for v in metrics.values())

@@ -1,0 +1,141 @@
+"""Rollout engines as Ray actors, and the driver-side proxy the rollout manager talks to.
+
+A :class:`RolloutWorker` hosts one engine (``HFEngine`` on CPU or GPU, ``SGLangEngine`` on
+GPU) in its own process on the bundles of the actor replica it serves. The driver's
+:class:`megarl.rollout.RolloutManager` sees each engine through a :class:`RemoteEngine`,
+which implements the engine protocol by calling the worker: the manager's fan-out over
+replicas, the agent loop and the sampling seeds work unchanged, whether an engine lives in
+the driver (tests) or in a worker (training).
+
+Weight updates do not pass through the driver: the actor's ranks stream their buckets
+straight to the workers' ``update_weights_from_tensor`` (see
+:meth:`megarl.workers.megatron_workers.ActorWorker.sync_weights`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.rollout.engine import GenerateOutput, NamedTensors, SamplingParams
+from megarl.workers.base import Worker
+
+
+class RolloutWorker(Worker):
+    """One rollout engine replica (``rollout.name``: ``hf`` or ``sglang``)."""
+
+    role = "rollout"
+
+    def __init__(self, replica: int = 0):
+        self.replica = replica
+        self.engine = None
+
+    def init_engine(self, *, name: str, model_path: str, dtype: str = "float32", seed: int = 0,
+                    tp_size: int = 1, gpu_memory_utilization: float = 0.5, device: str = "cpu",
+                    engine_kwargs: dict[str, Any] | None = None) -> dict:
+        """Build the engine; returns its description (name, dtype, device)."""
+        import torch
+
+        if name == "hf":
+            from megarl.rollout.hf_engine import HFEngine
+
+            if device == "cuda":
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+            self.engine = HFEngine(model_path, dtype=getattr(torch, dtype), device=device, seed=seed)
+        elif name == "sglang":
+            from megarl.rollout.sglang_engine import SGLangEngine
+
+            self.engine = SGLangEngine(model_path, tp_size=tp_size, mem_fraction_static=gpu_memory_utilization,
+                                       dtype=dtype, random_seed=seed, port=30000 + 97 * self.replica,
+                                       **(engine_kwargs or {}))
+        else:
+            raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is unknown; use 'hf' or 'sglang'")
+        return {"name": name, "dtype": dtype, "device": str(device), "replica": self.replica}
+
+    # -------------------------------------------------------------------- the engine protocol
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                 return_logprob: bool = False) -> list[GenerateOutput]:
+        return self.engine.generate(input_ids, sampling_params, return_logprob=return_logprob)
+
+    async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
+                             return_logprob: bool = False) -> GenerateOutput:
+        return await self.engine.async_generate(input_ids, sampling_params, return_logprob=return_logprob)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors) -> int:
+        """Apply one bucket; returns its bytes."""
+        self.engine.update_weights_from_tensor(named_tensors)
+        return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
+        """Digests of the engine's weights (``{}`` when the engine cannot report them)."""
+        digests = getattr(self.engine, "weight_digests", None)
+        return {} if digests is None else digests(names)
+
+    def release_memory_occupation(self) -> None:
+        self.engine.release_memory_occupation()
+
+    def resume_memory_occupation(self) -> None:
+        self.engine.resume_memory_occupation()
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+
+class RemoteEngine:
+    """The engine protocol on the driver, forwarded to a :class:`RolloutWorker` actor.
+
+    ``generate`` blocks on the worker (the manager runs replicas in threads);
+    ``async_generate`` awaits the worker's coroutine, so the agent loop keeps many requests
+    in flight per engine. Worker failures surface as Ray errors naming the actor.
+    """
+
+    def __init__(self, handle, *, replica: int = 0, timeout_s: float = 1800.0):
+        self.handle = handle
+        self.replica = replica
+        self.timeout_s = timeout_s
+
+    def _get(self, ref):
+        import ray
+
+        return ray.get(ref, timeout=self.timeout_s)
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
+                 return_logprob: bool = False) -> list[GenerateOutput]:
+        return self._get(self.handle.generate.remote(list(map(list, input_ids)), sampling_params,
+                                                     return_logprob=return_logprob))
+
+    async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
+                             return_logprob: bool = False) -> GenerateOutput:
+        return await self.handle.async_generate.remote(list(input_ids), sampling_params,
+                                                       return_logprob=return_logprob)
+
+    def begin_weight_update(self) -> None:
+        self._get(self.handle.begin_weight_update.remote())
+
+    def update_weights_from_tensor(self, named_tensors: NamedTensors) -> None:
+        self._get(self.handle.update_weights_from_tensor.remote(list(named_tensors)))
+
+    def end_weight_update(self) -> None:
+        self._get(self.handle.end_weight_update.remote())
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
+        return self._get(self.handle.weight_digests.remote(list(names)))
+
+    def release_memory_occupation(self) -> None:
+        self._get(self.handle.release_memory_occupation.remote())
+
+    def resume_memory_occupation(self) -> None:
+        self._get(self.handle.resume_memory_occupation.remote())
+
+    def flush_cache(self) -> None:
+        self._get(self.handle.flush_cache.remote())
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine(replica={self.replica})"
