@@ -402,6 +402,11 @@ class RolloutSection:
     """Pack the recompute's micro-batches by token count (``log_prob_max_token_len_per_gpu``)."""
     log_prob_max_token_len_per_gpu: int = 16384
     """Token budget of one recompute micro-batch on one rank, with ``log_prob_use_dynamic_bsz``."""
+    bucket_mb: int = 512
+    """Weight sync: MiB of HF tensors per bucket streamed from the actor into the engines."""
+    verify_weights: int = 8
+    """Weight sync: tensors whose SHA-1 is compared between trainer and engines after every sync
+    (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
     val_kwargs: ValKwargsSection = dataclasses.field(default_factory=ValKwargsSection)
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
@@ -415,6 +420,9 @@ class RolloutSection:
             _check_positive(f"{p}.{key}", getattr(self, key), allow_none=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_positive(f"{p}.bucket_mb", self.bucket_mb)
+        if self.verify_weights < -1:
+            raise ValueError(f"{p}.verify_weights must be -1 (all), 0 (off) or a count, got {self.verify_weights}")
         _check_micro_batches(f"{p}.log_prob", self.log_prob_micro_batch_size_per_gpu, self.log_prob_use_dynamic_bsz,
                              self.log_prob_max_token_len_per_gpu)
         self.to_rollout_config(prompt_length=self.prompt_length or 1, response_length=self.response_length or 1)

@@ -167,11 +167,14 @@ class RolloutManager:
 
     # ----------------------------------------------------------------------------- entry
 
-    def generate(self, batch: Batch, *, validate: bool = False) -> Batch:
+    def generate(self, batch: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
         """Trajectories for the prompts of ``batch``: ``B·n`` rows.
 
         ``n`` is ``config.n``, or 1 when validating (sampling from ``config.val_kwargs``) or
         when not sampling (``do_sample`` False, from the config or the batch's meta: greedy).
+        ``seed`` seeds this call's sampling; ``None``: derived from ``config.seed`` and the
+        number of earlier calls (the trainer passes one derived from the step, so a resumed
+        run samples what the uninterrupted run sampled).
         """
         for key in ("input_ids", "attention_mask"):
             if key not in batch.tensors:
@@ -185,7 +188,9 @@ class RolloutManager:
                                         else self.config.do_sample))
         params = self._sampling_params(validate=validate, do_sample=do_sample)
         n = 1 if validate or not do_sample else self.config.n
-        call_seed = None if self.config.seed is None else derive_row_seed(self.config.seed, self._num_calls)
+        call_seed = seed
+        if call_seed is None and self.config.seed is not None:
+            call_seed = derive_row_seed(self.config.seed, self._num_calls)
         if self.config.multi_turn:
             generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:

@@ -1,0 +1,78 @@
+"""Step metrics computed on the driver: data, timing and throughput (seeds-digest §1.6).
+
+Names follow verl's so dashboards carry over: ``critic/score/mean``, ``critic/rewards/mean``,
+``critic/advantages/max``, ``response_length/mean``, ``response_length/clip_ratio``,
+``timing_s/<stage>``, ``timing_per_token_ms/<stage>``, ``perf/throughput`` ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from megarl.algo.masked import masked_mean
+from megarl.data.batch import Batch
+
+
+@contextlib.contextmanager
+def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of the block to ``timing[name]`` (seconds)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def data_metrics(batch: Batch, *, use_critic: bool, mask_key: str = "response_mask") -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values, and response/prompt lengths of a step's batch."""
+    response_mask_NR = batch[mask_key].bool()
+    response_length_N = batch["response_mask"].sum(-1).float()
+    max_response = batch["response_mask"].shape[-1]
+    prompt_length_N = batch["attention_mask"][:, :-max_response].sum(-1).float()
+    valid = response_mask_NR
+    metrics: dict[str, float] = {}
+    metrics |= _stats("critic/score", batch["token_level_scores"].sum(-1))
+    metrics |= _stats("critic/rewards", batch["token_level_rewards"].sum(-1))
+    metrics |= _stats("critic/advantages", batch["advantages"][valid])
+    metrics |= _stats("critic/returns", batch["returns"][valid])
+    if use_critic:
+        values_NR = batch["values"]
+        metrics |= _stats("critic/values", values_NR[valid])
+        returns_NR = batch["returns"]
+        residual_var = torch.var(returns_NR[valid] - values_NR[valid])
+        metrics["critic/vf_explained_var"] = float(1.0 - residual_var / (torch.var(returns_NR[valid]) + 1e-5))
+    metrics |= _stats("response_length", response_length_N)
+    metrics["response_length/clip_ratio"] = float((response_length_N == max_response).float().mean())
+    metrics |= _stats("prompt_length", prompt_length_N)
+    if "entropys" in batch:
+        metrics["actor/entropy"] = float(masked_mean(batch["entropys"], batch[mask_key]))
+    return metrics
+
+
+def timing_metrics(timing: dict[str, float], *, num_tokens: int, num_response_tokens: int) -> dict[str, float]:
+    """``timing_s/<stage>`` and ``timing_per_token_ms/<stage>`` (per response token for ``gen``)."""
+    metrics = {f"timing_s/{name}": seconds for name, seconds in timing.items()}
+    for name, seconds in timing.items():
+        tokens = num_response_tokens if name == "gen" else num_tokens
+        if tokens:
+            metrics[f"timing_per_token_ms/{name}"] = seconds * 1000 / tokens
+    return metrics
+
+
+def throughput_metrics(timing: dict[str, float], *, num_tokens: int, num_ranks: int) -> dict[str, float]:
+    """Tokens per second per rank over the whole step (``perf/throughput``) and totals."""
+    step = timing.get("step", 0.0)
+    return {"perf/total_num_tokens": float(num_tokens), "perf/time_per_step": step,
+            "perf/throughput": num_tokens / max(step, 1e-9) / max(num_ranks, 1)}

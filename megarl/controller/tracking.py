@@ -1,0 +1,94 @@
+"""Metric sinks: the console, TensorBoard and jsonl (``trainer.logger``), plus rollout dumps.
+
+Logs go to ``<trainer.log_dir>/<project_name>/<experiment_name>/``: TensorBoard event files
+and ``metrics.jsonl``. Rollout dumps (``trainer.rollout_data_dir``) are one
+``<step>.jsonl`` per step with the decoded prompt, response, score and the reward's extra
+information per trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("megarl.train")
+
+CONSOLE_KEYS = ("critic/score/mean", "val/reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+                "actor/grad_norm", "critic/vf_loss", "mismatch/abs_logp_diff_mean", "response_length/mean",
+                "weight_sync/seconds", "timing_s/step")
+
+
+class Tracking:
+    """Logs a dict of scalar metrics per step to every configured sink."""
+
+    def __init__(self, loggers: Sequence[str], log_dir: str | os.PathLike, *, console=print):
+        self.loggers = list(loggers)
+        self.log_dir = Path(log_dir).expanduser()
+        self.console = console
+        self._writer = None
+        self._jsonl = None
+        if "tensorboard" in self.loggers or "jsonl" in self.loggers:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        if "jsonl" in self.loggers:
+            self._jsonl = open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._writer is not None:
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, global_step=step)
+            self._writer.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **{k: _json_number(v) for k, v in scalars.items()}}) + "\n")
+            self._jsonl.flush()
+        if "console" in self.loggers:
+            shown = [f"{k.split('/', 1)[-1] if k.startswith('critic/score') else k}={scalars[k]:.4g}"
+                     for k in CONSOLE_KEYS if k in scalars]
+            self.console(f"step {step}: " + "  ".join(shown))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+def dump_generations(directory: str | os.PathLike, step: int, *, prompts: list[str], responses: list[str],
+                     scores: list[float], extra: dict[str, list] | None = None) -> Path:
+    """Write one jsonl line per trajectory to ``<directory>/<step>.jsonl``; returns the path."""
+    path = Path(directory).expanduser() / f"{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extra = extra or {}
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (prompt, response, score) in enumerate(zip(prompts, responses, scores, strict=True)):
+            row = {"step": step, "input": prompt, "output": response, "score": score}
+            row.update({k: _plain(v[i]) for k, v in extra.items() if len(v) == len(prompts)})
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)
