@@ -1,7 +1,8 @@
-"""The Megatron roles as Ray workers: actor, reference and critic.
+"""The Megatron roles as Ray workers: actor (with the reference policy) and critic.
 
-Each rank of a role is one :class:`ActorWorker` / :class:`RefWorker` / :class:`CriticWorker`
-process. A worker builds a :class:`MegatronEngine` for its role (``init_model``) and exposes
+Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` process; the frozen
+reference policy lives in the actor's processes (same layout, same ranks: verl's hybrid
+worker), so it costs no extra processes or process groups. A worker builds a :class:`MegatronEngine` for its role (``init_model``) and exposes
 the role's few plain methods; the controller calls them on every rank through a
 ``WorkerGroup`` (``call_dp`` splits a batch by DP rank and gathers the outputs of each
 replica's collect rank). Outputs of the other ranks are ``None``.
@@ -13,6 +14,7 @@ its engines and verifies, after the session, that the engines hold bit-identical
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -95,24 +97,6 @@ class _MegatronWorker(Worker):
         export_hf(self.engine, directory)
 
 
-class RefWorker(_MegatronWorker):
-    """The frozen reference policy: ``ref_log_prob`` of the responses."""
-
-    role = "ref"
-
-    def init_model(self, *, model_path: str, parallel: dict, dtype: str = "float32", seed: int = 1234,
-                   micro_batch_size: int = 16) -> Coordinates:
-        from megarl.workers.actor import LogProbRole
-
-        coords = self._init(_build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed))
-        self.log_prob = LogProbRole(self.engine, micro_batch_size=micro_batch_size)
-        return coords
-
-    def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
-        out = self.log_prob.compute_log_prob(batch, temperature=temperature)
-        return None if out is None else Batch(tensors={"ref_log_prob": out["log_probs"]})
-
-
 class ActorWorker(_MegatronWorker):
     """The policy: recomputed log-probs, the PPO update and weight sync into the engines."""
 
@@ -126,6 +110,24 @@ class ActorWorker(_MegatronWorker):
         self.actor = ActorRole(self.engine, PPOConfig(**ppo))
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         return coords
+
+    def init_ref(self, *, model_path: str, dtype: str = "float32", seed: int = 1234,
+                 micro_batch_size: int = 16) -> None:
+        """Build the frozen reference policy in this process, on the actor's layout and groups.
+
+        Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
+        shards): a second Megatron model on the same process groups, never trained.
+        """
+        from megarl.workers.actor import LogProbRole
+
+        parallel = dataclasses.asdict(self.engine.groups.dims)
+        ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups)
+        self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size)
+
+    def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
+        """``ref_log_prob`` [N, R] under the reference policy."""
+        out = self.ref.compute_log_prob(batch, temperature=temperature)
+        return None if out is None else Batch(tensors={"ref_log_prob": out["log_probs"]})
 
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
