@@ -37,8 +37,14 @@ if not torch.cuda.is_available():
         "Apex is not installed",
         "Transformer Engine and Apex are not installed",
         "When using async grad allreduce it is recommended",
+        # Megatron's DDP reads .grad of parameter views under our device mode; harmless.
+        "The .grad attribute of a Tensor that is not a leaf Tensor",
     ):
         warnings.filterwarnings("ignore", message=_message)
+# Megatron 0.16 calls the collectives torch 2.13 renamed; the old names still work.
+for _message in ("`torch.distributed.reduce_scatter_tensor` is deprecated",
+                 "`torch.distributed.all_gather_into_tensor` is deprecated"):
+    warnings.filterwarnings("ignore", category=FutureWarning, message=_message)
 
 _PATCHED = False
 _THREAD_STATE = threading.local()
