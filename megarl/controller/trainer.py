@@ -95,6 +95,8 @@ class Trainer:
             cfg.trainer.experiment_name
         self.log_dir = Path(cfg.trainer.log_dir).expanduser() / cfg.trainer.project_name / cfg.trainer.experiment_name
         self.global_step = 0
+        self.history: list[tuple[int, dict[str, float]]] = []
+        """(step, metrics) of every step this trainer ran."""
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
         self._groups: list = []
@@ -422,8 +424,20 @@ class Trainer:
         metrics.update(timing_metrics(timing, num_tokens=num_tokens,
                                       num_response_tokens=int(batch["response_mask"].sum())))
         metrics.update(throughput_metrics(timing, num_tokens=num_tokens, num_ranks=self.cfg.trainer.world_size))
+        metrics.update(self._overhead(timing))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    def _overhead(self, timing: dict[str, float]) -> dict[str, float]:
+        """Worker compute per role (the busiest rank) and the rest of the step: the controller's overhead."""
+        metrics = {}
+        for group in self._groups:
+            metrics[f"perf/busy_s/{group.role}"] = max(group.call_all("take_busy"))
+        busy = sum(metrics.values())
+        step = timing["step"]
+        metrics["perf/controller_overhead_s"] = max(step - busy, 0.0)
+        metrics["perf/controller_overhead_frac"] = metrics["perf/controller_overhead_s"] / max(step, 1e-9)
         return metrics
 
     def _dump(self, batch: Batch, extra: dict[str, list], step: int) -> None:
@@ -486,6 +500,7 @@ class Trainer:
                 if bad:
                     logger.warning("step %d: non-finite metrics %s", step, bad)
                 self.tracker.log(metrics, step=step)
+                self.history.append((step, metrics))
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
                 last = metrics

@@ -12,14 +12,15 @@ import warnings
 from pathlib import Path
 
 
-def _sharded_state_dict(model_chunks) -> dict:
+def model_sharded_state_dict(model_chunks) -> dict:
+    """Megatron's sharded state dict of the chunks (DDP-wrapped or not): ``model`` or ``model<i>`` keys."""
     modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
     if len(modules) == 1:
         return {"model": modules[0].sharded_state_dict()}
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
 
 
-def _in_process_results_queue() -> None:
+def use_in_process_results_queue() -> None:
     """Keep Megatron's checkpoint writer from starting a multiprocessing Manager.
 
     The torch_dist writer reports write results through a queue that it creates, on first
@@ -39,9 +40,9 @@ def save_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     """Save this rank's chunks into ``directory`` (collective: every rank of the model calls it)."""
     from megatron.core import dist_checkpointing
 
-    _in_process_results_queue()
+    use_in_process_results_queue()
     Path(directory).mkdir(parents=True, exist_ok=True)  # torch_dist needs it to exist
-    dist_checkpointing.save(_sharded_state_dict(model_chunks), str(directory))
+    dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(directory))
 
 
 def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
@@ -50,7 +51,7 @@ def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
 
     if not (Path(directory) / "metadata.json").exists():
         raise ValueError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
-    sharded = _sharded_state_dict(model_chunks)
+    sharded = model_sharded_state_dict(model_chunks)
     with warnings.catch_warnings():
         # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*(load_state_dict|DTensor).*")

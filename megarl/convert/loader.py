@@ -28,9 +28,13 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     its pipeline stage's layers and its tensor-parallel slice, fused as Megatron stores them.
     Every local parameter must be covered by the family's rules, and every value read must
     be finite; anything else is an error naming the parameter or tensor. ``progress`` shows a
-    progress bar over this rank's parameters.
+    progress bar over this rank's parameters. A critic's value head
+    (:class:`~megarl.models.value_head.ValueHead`) is not in the HF checkpoint: it keeps its
+    initialisation (the LM head, or the tied embedding, is never copied into it).
     """
     from tqdm import tqdm
+
+    from megarl.models.value_head import value_head_parameter_names
 
     if hf_config is None:
         from transformers import AutoConfig
@@ -45,6 +49,8 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     embedding_rule = index["embedding.word_embeddings.weight"]
     bytes_read = 0
     params = local_parameters(model_chunks, rules)
+    for name in value_head_parameter_names(model_chunks):
+        del params[name]
     for name, param in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
         if name in index:
             rule, layer = index[name]

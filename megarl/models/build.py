@@ -16,28 +16,44 @@ def build_gpt_model(
     vp_stage: int | None = None,
     config=None,
     use_te: bool | None = None,
+    value_head: bool = False,
+    value_head_seed: int = 0,
 ):
     """One ``GPTModel`` chunk: the embedding if ``pre_process``, the output layer if ``post_process``.
 
     ``config`` defaults to ``family.transformer_config(hf_config, dims)``; the layers built
     (and their global offset) follow Megatron's split for this rank's pipeline stage and
-    ``vp_stage``.
+    ``vp_stage``. With ``value_head`` (a critic) the output layer is a
+    :class:`~megarl.models.value_head.ValueHead` seeded with ``value_head_seed``, and the
+    embedding is never tied to it, whatever the HF config says.
     """
     from megatron.core.models.gpt import GPTModel
 
+    from megarl.models.value_head import attach_value_head
+
     config = config or family.transformer_config(hf_config, dims)
-    return GPTModel(
+    kwargs = family.gpt_model_kwargs(hf_config, dims)
+    if value_head:
+        kwargs["share_embeddings_and_output_weights"] = False
+    model = GPTModel(
         config=config,
         transformer_layer_spec=family.layer_spec(use_te=use_te),
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
-        **family.gpt_model_kwargs(hf_config, dims),
+        **kwargs,
     )
+    if value_head and post_process:
+        attach_value_head(model, seed=value_head_seed)
+    return model
 
 
-def build_model_chunks(family: ModelFamily, hf_config, dims: ParallelDims, *, config=None, use_te=None) -> list:
-    """This rank's model chunks (one per virtual pipeline stage), after ``init_parallel(dims)``."""
+def build_model_chunks(family: ModelFamily, hf_config, dims: ParallelDims, *, config=None, use_te=None,
+                       value_head: bool = False, value_head_seed: int = 0) -> list:
+    """This rank's model chunks (one per virtual pipeline stage), after ``init_parallel(dims)``.
+
+    ``value_head``: build a critic (see :func:`build_gpt_model`).
+    """
     from megatron.core import parallel_state
 
     config = config or family.transformer_config(hf_config, dims)
@@ -55,6 +71,8 @@ def build_model_chunks(family: ModelFamily, hf_config, dims: ParallelDims, *, co
                 vp_stage=vp_stage,
                 config=config,
                 use_te=use_te,
+                value_head=value_head,
+                value_head_seed=value_head_seed,
             )
         )
     return chunks

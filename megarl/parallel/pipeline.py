@@ -3,7 +3,9 @@
 ``forward_backward`` runs Megatron's schedule (no pipelining, 1F1B, or interleaved 1F1B,
 as the layout says) over a list of micro-batches and computes, on the last pipeline stage,
 the per-token log-probability of the next token and the entropy from vocabulary-sharded
-logits. A ``loss_fn`` turns them into a scalar loss; without one it returns them.
+logits. A ``loss_fn`` turns them into a scalar loss; without one it returns them. Chunks
+that end in a value head (a critic, see megarl.models.value_head) give per-token values
+instead, which a value ``loss_fn`` receives in the same way.
 
 Positions. RL batches hold left-padded prompts followed by right-padded responses, so each
 row's tokens are contiguous but start at different offsets. Megatron's RoPE numbers
@@ -28,6 +30,8 @@ from megarl.parallel.logprob import vocab_parallel_logprobs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 """``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``; loss already normalised."""
+ValueLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+"""``loss_fn(values_BS, micro_batch) -> (loss, metrics)`` for chunks with a value head; normalised."""
 
 
 def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:
@@ -77,7 +81,7 @@ def forward_backward(
     model_chunks: Sequence[torch.nn.Module],
     micro_batches: Sequence[dict],
     *,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn | ValueLossFn | None = None,
     forward_only: bool = False,
     temperature: float = 1.0,
     vocab_size: int | None = None,
@@ -95,15 +99,26 @@ def forward_backward(
     With ``return_logits`` (forward only) the results also hold ``logits``: this TP rank's
     vocabulary slice [B, S, V/tp], before temperature. Other stages get an empty list. Gradients accumulate in the chunks' parameters (or
     ``main_grad`` buffers with Megatron DDP, finalised across DP ranks at the end).
+
+    Chunks with a value head (a critic): position t's value is the head's output on the
+    hidden state of tokens up to t, float32 [B, S] in the caller's layout; ``loss_fn`` is a
+    :data:`ValueLossFn` and forward-only results are ``{"values": ...}``. ``temperature``
+    and ``vocab_size`` do not apply.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
+    from megarl.models.value_head import has_value_head
+
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
     if return_logits and not forward_only:
         raise ValueError("return_logits=True is for forward_only=True runs")
+    # Known on the last stage, the only one that calls the loss function.
+    value_head = has_value_head(model_chunks)
+    if return_logits and value_head:
+        raise ValueError("return_logits=True needs an LM head; these chunks end in a value head (a critic)")
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward without loss_fn computes nothing to differentiate: pass forward_only=True")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -139,10 +154,20 @@ def forward_backward(
         # already normalised (see finalize in _set_finalize), so it is only informational.
         return loss, torch.tensor(0, dtype=torch.int), metrics
 
+    def value_loss_func(micro_batch, input_ids_BS, index_BS, values_BS1):
+        B, S = micro_batch["input_ids"].shape
+        values_BS = _unalign(values_BS1.squeeze(-1).float(), index_BS)[:B, :S]
+        if loss_fn is None:
+            zero = values_BS.new_zeros(())
+            return zero, torch.tensor(0, dtype=torch.int), {"values": values_BS.detach()}
+        loss, metrics = loss_fn(values_BS, micro_batch)
+        return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach(), **metrics}
+
     def forward_step(data_iterator, model):
         micro_batch, (input_ids_BS, position_ids_BS, index_BS) = next(data_iterator)
         output = model(input_ids_BS, position_ids_BS, None)
-        return output, functools.partial(loss_func, micro_batch, input_ids_BS, index_BS)
+        func = value_loss_func if value_head else loss_func
+        return output, functools.partial(func, micro_batch, input_ids_BS, index_BS)
 
     max_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
     max_batch = max(mb["input_ids"].shape[0] for mb in micro_batches)

@@ -10,8 +10,10 @@ and the group reads :meth:`Worker.coordinates` to dispatch by data-parallel rank
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,20 @@ def free_port(host: str = "") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def busy(method):
+    """Count the wall time of a worker method as this rank's compute time (see :meth:`Worker.take_busy`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy_s = getattr(self, "_busy_s", 0.0) + time.perf_counter() - start
+
+    return wrapper
 
 
 class Worker:
@@ -120,6 +136,11 @@ class Worker:
         return Coordinates(rank=groups.rank, world_size=dims.world_size, tp_rank=groups.tp_rank, tp_size=dims.tp,
                            pp_rank=groups.pp_rank, pp_size=dims.pp, cp_rank=groups.cp_rank, cp_size=dims.cp,
                            dp_rank=groups.dp_rank, dp_size=dims.dp)
+
+    def take_busy(self) -> float:
+        """Seconds spent in :func:`busy` methods since the last call (the controller's overhead metric)."""
+        seconds, self._busy_s = getattr(self, "_busy_s", 0.0), 0.0
+        return seconds
 
     def ping(self) -> int:
         """This rank (a liveness check)."""

@@ -2,7 +2,8 @@
 
 The actor, reference and critic workers are small classes around a ``MegatronEngine``
 (HOUSE_STYLE: no god worker). The engine knows nothing about RL: it computes per-token
-log-probs over micro-batches and takes optimizer steps on a loss function it is given.
+log-probs (or, for a critic built with ``value_head=True``, per-token values) over
+micro-batches and takes optimizer steps on a loss function it is given.
 
 Legend: N rows, S sequence length.
 """
@@ -66,11 +67,16 @@ class StepResult:
 
 
 class MegatronEngine:
-    """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``."""
+    """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``.
+
+    ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
+    (megarl.models.value_head, seeded with ``seed``, untied from the embedding); the body
+    loads from ``hf_dir`` as for the actor.
+    """
 
     def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
-                 groups=None, **transformer_overrides):
+                 groups=None, value_head: bool = False, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -87,7 +93,9 @@ class MegatronEngine:
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype, **transformer_overrides,
         )
-        chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config)
+        self.value_head = value_head
+        chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
+                                    value_head=value_head, value_head_seed=seed)
         if load_weights:
             load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
         self.module_chunks = chunks
@@ -144,15 +152,31 @@ class MegatronEngine:
         """
         from megarl.parallel import forward_backward
 
+        if self.value_head:
+            raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
                                    vocab_size=self.hf_config.vocab_size, tp_group=self.groups.tp)
         return out if self.groups.is_last_stage else None
 
+    def forward_values(self, micro_batches: Sequence[dict]) -> list[dict] | None:
+        """Per micro-batch ``{"values"}`` float32 [B, S] of a critic on the last stage (None elsewhere).
+
+        Position t holds the value predicted from tokens ≤ t (the state before token t+1).
+        """
+        from megarl.parallel import forward_backward
+
+        if not self.value_head:
+            raise ValueError("forward_values needs a critic: build the MegatronEngine with value_head=True")
+        with torch.no_grad():
+            out = forward_backward(self.chunks, micro_batches, forward_only=True, tp_group=self.groups.tp)
+        return out if self.groups.is_last_stage else None
+
     def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0) -> StepResult:
         """One optimizer step over ``micro_batches`` (this DP rank's share of a mini-batch).
 
-        ``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)`` must already be
+        ``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``, or for a critic
+        ``loss_fn(values_BS, micro_batch) -> (loss, metrics)``, must already be
         normalised by the mini-batch's global count (see megarl.algo.losses.agg_norm):
         gradients are summed over micro-batches and DP ranks. A non-finite loss or gradient
         norm skips the update (reported in ``applied``).

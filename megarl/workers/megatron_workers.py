@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megarl.data.batch import Batch
-from megarl.workers.base import Coordinates, Worker
+from megarl.workers.base import Coordinates, Worker, busy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,16 +81,19 @@ class _MegatronWorker(Worker):
         self.groups = engine.groups
         return self.coordinates()
 
+    @busy
     def save_checkpoint(self, directory: str, *, with_optimizer: bool = True) -> None:
         from megarl.workers.checkpoint import save_engine
 
         save_engine(self.engine, directory, with_optimizer=with_optimizer)
 
+    @busy
     def load_checkpoint(self, directory: str, *, with_optimizer: bool = True, load_rng: bool = True) -> None:
         from megarl.workers.checkpoint import load_engine
 
         load_engine(self.engine, directory, with_optimizer=with_optimizer, load_rng=load_rng)
 
+    @busy
     def export_hf(self, directory: str) -> None:
         from megarl.workers.checkpoint import export_hf
 
@@ -124,11 +127,13 @@ class ActorWorker(_MegatronWorker):
         ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups)
         self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size)
 
+    @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``ref_log_prob`` [N, R] under the reference policy."""
         out = self.ref.compute_log_prob(batch, temperature=temperature)
         return None if out is None else Batch(tensors={"ref_log_prob": out["log_probs"]})
 
+    @busy
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
         out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True,
@@ -137,6 +142,7 @@ class ActorWorker(_MegatronWorker):
             return None
         return Batch(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
 
+    @busy
     def update_actor(self, batch: Batch, *, temperature: float = 1.0, seed: int = 0) -> dict[str, float] | None:
         """PPO epochs × mini-batches; the step-averaged ``actor/*`` metrics on the collect rank."""
         start = time.perf_counter()
@@ -151,6 +157,7 @@ class ActorWorker(_MegatronWorker):
         """Every HF tensor name the export yields, in export order."""
         return [name for unit in self.engine.exporter().units for name in unit.hf_names]
 
+    @busy
     def sync_weights(self, engines: Sequence[Sequence[Any]], *, bucket_bytes: int, engine_dtype: str,
                      verify_names: Sequence[str] = ()) -> dict[str, Any] | None:
         """Stream the weights into the engines (collective over the actor's ranks).

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megarl.rollout.engine import GenerateOutput, NamedTensors, SamplingParams
-from megarl.workers.base import Worker
+from megarl.workers.base import Worker, busy
 
 
 class RolloutWorker(Worker):
@@ -54,6 +54,7 @@ class RolloutWorker(Worker):
         return {"name": name, "dtype": dtype, "device": str(device), "replica": self.replica}
 
     # -------------------------------------------------------------------- the engine protocol
+    @busy
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams,
                  return_logprob: bool = False) -> list[GenerateOutput]:
         return self.engine.generate(input_ids, sampling_params, return_logprob=return_logprob)
