@@ -296,13 +296,13 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict(), "recipe": self.cfg.recipe}
 
     def _maybe_resume(self) -> None:
-        from megarl.controller.checkpoint import resolve_resume
+        from megarl.controller.checkpoint import load_trainer_state, resolve_resume
 
         trainer = self.cfg.trainer
         path = resolve_resume(self.run_dir, trainer.resume_mode, trainer.resume_from_path)
         if path is None:
             return
-        state = self.checkpoints.load_trainer_state(path)
+        state = load_trainer_state(path)
         self.actor_wg.call_all("load_checkpoint", str(path / "actor"))
         if self.use_critic:
             self.critic_wg.call_all("load_checkpoint", str(path / "critic"))
