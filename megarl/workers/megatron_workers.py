@@ -231,3 +231,27 @@ def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
 def finite(metrics: dict[str, float]) -> bool:
     """True when every metric is a finite number."""
     return all(math.isfinite(float(v)) for v in metrics.values())
+
+
+class CriticWorker(_MegatronWorker):
+    """The value model: ``values`` of the responses and the clipped value-loss update."""
+
+    role = "critic"
+
+    def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
+                   seed: int = 1234) -> Coordinates:
+        from megarl.workers.critic import CriticPPOConfig, CriticRole
+
+        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed, value_head=True))
+        self.critic = CriticRole(self.engine, CriticPPOConfig(**ppo))
+        return coords
+
+    @busy
+    def compute_values(self, batch: Batch) -> Batch | None:
+        out = self.critic.compute_values(batch)
+        return None if out is None else Batch(tensors={"values": out["values"]})
+
+    @busy
+    def update_critic(self, batch: Batch, *, seed: int = 0) -> dict[str, float] | None:
+        metrics = step_metrics(self.critic.update(batch, seed=seed), "critic")
+        return metrics if self.coordinates().is_collect_rank else None
