@@ -1,0 +1,138 @@
+"""The critic role on one rank: response values and the clipped value-loss update (PPO with GAE).
+
+Wraps a :class:`MegatronEngine` built with ``value_head=True``. Batches follow the actor's
+layout (megarl.workers.actor): ``input_ids`` / ``attention_mask`` [N, P+R], response fields
+[N, R]. The value of response token j is the value at sequence position P+j-1: the state
+before token j is generated, the same slice as the actor's log-prob of token j.
+
+Legend: N rows, P prompt width, R response width, S = P+R.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.losses import AGG_MODES, agg_norm, value_loss
+from megarl.data.batch import Batch
+from megarl.workers.actor import _micro_batches, response_slice
+from megarl.workers.megatron_engine import MegatronEngine, StepResult
+
+_VALUE_LOSS_DEFAULTS = inspect.signature(value_loss).parameters
+
+
+@dataclasses.dataclass(kw_only=True)
+class CriticPPOConfig:
+    """The critic update (``critic.*``; names as in megarl.config.schema.CriticConfig)."""
+
+    ppo_mini_batch_size: int
+    """Rows per mini-batch per optimizer step, across all DP ranks (after repeating by n)."""
+    ppo_micro_batch_size_per_gpu: int = 1
+    """Rows per forward/backward on one rank."""
+    forward_micro_batch_size_per_gpu: int = 1
+    """Rows per forward in :meth:`CriticRole.compute_values`."""
+    ppo_epochs: int = 1
+    cliprange_value: float | None = _VALUE_LOSS_DEFAULTS["cliprange_value"].default
+    """Value clipping around the old values; None: off."""
+    loss_agg_mode: str = _VALUE_LOSS_DEFAULTS["loss_agg_mode"].default
+    shuffle: bool = False
+    """Shuffle rows between epochs (seeded by the step)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu",
+                     "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"critic.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cliprange_value is not None and self.cliprange_value < 0:
+            raise ValueError(f"critic.cliprange_value must be >= 0 or null, got {self.cliprange_value}")
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"critic.loss_agg_mode={self.loss_agg_mode!r}; use one of {AGG_MODES}")
+
+
+class CriticRole:
+    """The value model: response values and epochs × mini-batches × micro-batches of value-loss steps."""
+
+    def __init__(self, engine: MegatronEngine, config: CriticPPOConfig):
+        if not engine.value_head:
+            raise ValueError("the critic needs a value head: build its MegatronEngine with value_head=True")
+        self.engine = engine
+        self.config = config
+
+    @property
+    def is_output_rank(self) -> bool:
+        """True on the rank whose results stand for its DP replica (last stage, TP rank 0)."""
+        return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
+
+    def compute_values(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        """``values`` float32 [N, R] of this DP rank's rows; None off the output rank.
+
+        Needs ``input_ids``, ``attention_mask`` and ``responses`` (for R). Values at padded
+        response positions are whatever the model says there: mask them with ``response_mask``.
+        """
+        response_length = batch["responses"].shape[1]
+        micro = _micro_batches(batch, self.config.forward_micro_batch_size_per_gpu, ("input_ids", "attention_mask"))
+        out = self.engine.forward_values(micro)
+        if out is None or not self.is_output_rank:
+            return None
+        return {"values": response_slice(torch.cat([o["values"] for o in out]), response_length)}
+
+    def update(self, batch: Batch, *, seed: int = 0) -> list[StepResult]:
+        """Value-loss epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
+
+        Needs ``input_ids``, ``attention_mask``, ``values`` (the old values of
+        :meth:`compute_values`), ``returns`` and ``response_mask``, the same on every rank of a
+        DP replica (every TP rank of the last stage computes the loss: different old values
+        would silently split the replicated head). Every DP rank must hold the same number of
+        rows; each mini-batch takes ``ppo_mini_batch_size / dp`` of them. Losses are normalised
+        by the mini-batch's global count (all DP ranks), so a step does not depend on
+        micro-batching or the layout. Each result's metrics hold ``vf_loss`` (the
+        mini-batch loss), ``vf_clipfrac`` and ``vpred_mean`` (micro-batch means, averaged);
+        ``megarl.workers.megatron_workers.step_metrics(results, "critic")`` names them
+        ``critic/*`` and adds ``critic/grad_norm`` and ``critic/lr``.
+        """
+        cfg = self.config
+        dp = self.engine.groups.dims.dp
+        if cfg.ppo_mini_batch_size % dp:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size={cfg.ppo_mini_batch_size} is not divisible by the critic's "
+                f"data-parallel size {dp}"
+            )
+        local_mini = cfg.ppo_mini_batch_size // dp
+        if len(batch) % local_mini:
+            raise ValueError(
+                f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
+                f"(critic.ppo_mini_batch_size={cfg.ppo_mini_batch_size} over dp={dp})"
+            )
+        keys = ("input_ids", "attention_mask", "values", "returns", "response_mask")
+        results = []
+        for epoch in range(cfg.ppo_epochs):
+            shuffled = batch
+            if cfg.shuffle:
+                generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+                shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
+            for mini in shuffled.split(local_mini):
+                results.append(self._step(mini, keys))
+        return results
+
+    def _step(self, mini: Batch, keys) -> StepResult:
+        cfg = self.config
+        norm = torch.tensor(agg_norm(mini["response_mask"], cfg.loss_agg_mode), dtype=torch.float64)
+        dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
+        global_norm = float(norm)
+        response_length = mini["response_mask"].shape[1]
+
+        def loss_fn(values_BS, mb):
+            return value_loss(
+                response_slice(values_BS, response_length), mb["values"], mb["returns"], mb["response_mask"],
+                cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, global_norm=global_norm,
+            )
+
+        micro = _micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys)
+        result = self.engine.train_step(micro, loss_fn)
+        # vf_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
+        # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).
+        metrics = {**result.metrics, "vf_loss": result.loss}
+        return dataclasses.replace(result, metrics=metrics)
