@@ -1,0 +1,321 @@
+"""Save and restore a trainable ``MegatronEngine``: weights, optimizer, LR schedule and RNG streams.
+
+Collective: every rank of the role calls each function with the same directory. A role's
+checkpoint directory holds
+
+- ``dist/``: one Megatron distributed checkpoint (torch_dist) with the model and, unless
+  ``with_optimizer=False``, the optimizer state;
+- ``rng/rank_<r>.pt``: rank r's generators (Python, NumPy, torch, CUDA when present, and
+  Megatron's model-parallel tracker);
+- ``engine.json``: the layout it was saved at, the optimizer's sharding type, the LR
+  schedule's state. Rank 0 writes it last, after every rank finished, so a directory with
+  ``engine.json`` is complete (the controller's temporary-directory rename adds atomicity).
+
+Layouts. The model part is layout-independent: it loads at any TP/PP/VPP. The optimizer
+part is stored as Megatron's ``dp_reshardable`` distributed-optimizer format (the default of
+Megatron's own training loop; fully parallel, no gather; on CPU the other formats fail: the
+model-space default at save, ``fully_reshardable`` and ``dp_zero_gather_scatter`` when loading
+torch Adam's state); it and the RNG streams belong to
+ranks, so they load only at the layout they were saved at (``load_engine`` says so, naming
+both layouts). Resuming at a new layout: ``load_engine(..., with_optimizer=False,
+load_rng=False)``.
+
+Torch-Adam fallback (no Apex/TE, i.e. CPU), three snags of Megatron 0.16.1 that
+``load_engine`` works around: the distributed optimizer cannot describe the state of an
+optimizer that never stepped (it asserts one ``step`` per parameter), so the state is
+allocated first; its ``dp_reshardable`` loader restores Adam's ``step`` and then overwrites
+it with the pre-load value, and gives every parameter one shared ``step`` tensor (torch's
+per-tensor Adam would add to it once per parameter), so each parameter gets its own tensor
+with the checkpoint's step; with fp32 params its main params are views of the model's
+leaf parameters, which it copies into outside ``no_grad``, so the load runs under it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT = "megarl-engine"
+VERSION = 1
+SHARDING_TYPE = "dp_reshardable"
+ENGINE_FILE = "engine.json"
+DIST_DIR = "dist"
+RNG_DIR = "rng"
+
+
+def _layout(engine) -> dict:
+    dims = engine.groups.dims
+    return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp}
+
+
+def _optimizer_metadata() -> dict:
+    return {"distrib_optim_sharding_type": SHARDING_TYPE}
+
+
+def _sharded_state(engine, *, with_optimizer: bool, is_loading: bool) -> dict:
+    """Model (and optimizer) sharded state dict in the keys Megatron's training uses."""
+    from megarl.convert.checkpoint import model_sharded_state_dict
+
+    state = model_sharded_state_dict(engine.chunks)
+    if with_optimizer:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_optimizer_metadata(),
+        )
+    return state
+
+
+def _inner_optimizers(engine) -> list:
+    """The torch optimizers inside Megatron's (chained) optimizer."""
+    optimizer = engine.optimizer
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available():
+        if "cuda" not in state:
+            raise ValueError("the checkpoint was saved without CUDA: its CUDA generator states are missing")
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_rng(directory: Path, rank: int) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    _write_durably(directory / RNG_DIR / f"rank_{rank:05d}.pt", buffer.getvalue())
+
+
+def save_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = True) -> float:
+    """Write ``engine``'s weights, optimizer, schedule and RNG states into ``directory``.
+
+    Collective over the role's ranks. Returns the seconds it took on this rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megarl.convert.checkpoint import use_in_process_results_queue
+
+    started = time.monotonic()
+    if with_optimizer and engine.optimizer is None:
+        raise ValueError("save_engine(with_optimizer=True) on a frozen role: it has no optimizer")
+    directory = Path(directory)
+    rank = engine.groups.rank
+    for sub in (DIST_DIR, RNG_DIR):  # every rank: the directory may be on a file system of its own node
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    use_in_process_results_queue()
+    dist_checkpointing.save(_sharded_state(engine, with_optimizer=with_optimizer, is_loading=False),
+                            str(directory / DIST_DIR))
+    _save_rng(directory, rank)
+    dist.barrier()  # every rank's files are written before engine.json marks the directory complete
+    if rank == 0:
+        meta = {
+            "format": FORMAT, "version": VERSION, "family": engine.family.name,
+            "world_size": dist.get_world_size(), "layout": _layout(engine),
+            "with_optimizer": with_optimizer,
+            "optimizer_sharding_type": SHARDING_TYPE if with_optimizer else None,
+            "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        }
+        _write_durably(directory / ENGINE_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    dist.barrier()
+    return time.monotonic() - started
+
+
+def read_engine_metadata(directory: str | os.PathLike) -> dict:
+    """The ``engine.json`` of a role checkpoint written by :func:`save_engine`."""
+    path = Path(directory) / ENGINE_FILE
+    if not path.exists() or not (Path(directory) / DIST_DIR / "metadata.json").exists():
+        raise ValueError(f"{directory} is not a complete engine checkpoint (expected {ENGINE_FILE} and "
+                         f"{DIST_DIR}/metadata.json); was its save interrupted?")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def _describe(layout: dict) -> str:
+    return "TP{tp}×PP{pp}×VPP{vpp}×CP{cp}×DP{dp} on {world_size} ranks".format(**layout)
+
+
+def _check_same_layout(engine, meta: dict, directory) -> None:
+    saved = {**meta["layout"], "world_size": meta["world_size"]}
+    current = {**_layout(engine), "world_size": dist.get_world_size()}
+    if saved != current:
+        raise ValueError(
+            f"{directory} was saved at {_describe(saved)} but this role runs at {_describe(current)}: "
+            "optimizer and RNG states load only at the layout they were saved at. Resume at that layout, "
+            "or load the weights alone with load_engine(..., with_optimizer=False, load_rng=False)"
+        )
+
+
+# The LR schedule's fixed settings, as OptimConfig names them (num_steps is the state proper).
+_SCHEDULE_SETTINGS = {
+    "max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
+    "lr_decay_steps": "optim.warmup_steps + optim.decay_steps", "lr_decay_style": "optim.decay_style",
+    "start_wd": "optim.weight_decay", "end_wd": "optim.weight_decay",
+}
+
+
+def check_schedule(saved: dict, current: dict, directory) -> None:
+    """Refuse to resume a schedule whose settings changed (Megatron would fail an assert)."""
+    changed = [f"{setting}: saved {saved[key]!r}, now {current[key]!r}"
+               for key, setting in _SCHEDULE_SETTINGS.items() if key in saved and saved[key] != current[key]]
+    if changed:
+        raise ValueError(
+            f"{directory} was saved with other learning-rate schedule settings ({'; '.join(changed)}): "
+            "resume with the saved settings, or load the weights alone with load_engine(..., with_optimizer=False)"
+        )
+
+
+def _allocate_optimizer_state(engine) -> None:
+    """Give a never-stepped torch Adam zero state, so Megatron can describe it for loading."""
+    for inner in _inner_optimizers(engine):
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # Apex/TE FusedAdam: Megatron handles a fresh state itself
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+def _restore_step_tensors(engine) -> None:
+    """Give each parameter its own ``step`` tensor holding the checkpoint's step (torch-Adam fallback).
+
+    Megatron keeps torch Adam's per-parameter ``step`` out of the checkpoint's tensors and in
+    the param groups. Its ``dp_reshardable`` loader then copies the pre-load ``step`` back over
+    the restored one, and it gives every parameter the same tensor, which torch's per-tensor
+    Adam increments once per parameter per step. The param groups hold the right value.
+    """
+    for inner in _inner_optimizers(engine):
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].new_tensor(float(group["step"]))
+
+
+def load_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = True,
+                load_rng: bool = True) -> float:
+    """Restore what :func:`save_engine` wrote into ``engine`` (collective). Returns the seconds taken.
+
+    The weights load at any layout; the optimizer, schedule and RNG streams only at the
+    layout they were saved at (a ``ValueError`` names both otherwise).
+    """
+    from megatron.core import dist_checkpointing
+
+    started = time.monotonic()
+    directory = Path(directory)
+    meta = read_engine_metadata(directory)
+    if meta["family"] != engine.family.name:
+        raise ValueError(f"{directory} holds a {meta['family']} model, this role a {engine.family.name} model")
+    if with_optimizer:
+        if engine.optimizer is None:
+            raise ValueError("load_engine(with_optimizer=True) on a frozen role: it has no optimizer")
+        if not meta["with_optimizer"]:
+            raise ValueError(f"{directory} was saved without optimizer state: pass with_optimizer=False")
+        if meta["optimizer_sharding_type"] != SHARDING_TYPE:
+            raise ValueError(f"{directory}: optimizer sharding type {meta['optimizer_sharding_type']!r} "
+                             f"is not {SHARDING_TYPE!r}")
+    if with_optimizer or load_rng:
+        _check_same_layout(engine, meta, directory)
+    if with_optimizer and engine.scheduler is not None and meta["scheduler"] is not None:
+        check_schedule(meta["scheduler"], engine.scheduler.state_dict(), directory)
+    rng_file = directory / RNG_DIR / f"rank_{engine.groups.rank:05d}.pt"
+    if load_rng and not rng_file.exists():  # checked before any collective: no rank is left waiting
+        raise ValueError(f"{directory} has no RNG state for rank {engine.groups.rank} ({rng_file})")
+    if with_optimizer:
+        _allocate_optimizer_state(engine)
+    sharded = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=True)
+    with warnings.catch_warnings():
+        # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*(load_state_dict|DTensor).*")
+        state = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
+    modules = [c.module if hasattr(c, "module") else c for c in engine.chunks]
+    keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
+    for module, key in zip(modules, keys, strict=True):
+        module.load_state_dict(state[key], strict=False)
+    if with_optimizer:
+        # With fp32 params the distributed optimizer's main params are views of the model's
+        # leaf parameters: Megatron copies into them in place, which autograd refuses outside no_grad.
+        with torch.no_grad():
+            engine.optimizer.load_state_dict(state["optimizer"])
+        _restore_step_tensors(engine)
+        if engine.scheduler is not None and meta["scheduler"] is not None:
+            engine.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
+    if load_rng:
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    dist.barrier()
+    return time.monotonic() - started
+
+
+def export_hf(engine, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+              bucket_bytes: int = 256 * 2**20) -> float:
+    """Write the current weights as an HF safetensors checkpoint with config and tokenizer files.
+
+    Collective: every rank iterates the exporter (it gathers over TP and broadcasts over PP);
+    rank 0 writes. Returns the seconds taken.
+    """
+    from transformers import AutoConfig
+
+    from megarl.convert.hf_io import ShardedWriter, copy_side_files
+
+    started = time.monotonic()
+    directory = Path(directory)
+    exporter = engine.exporter()
+    writer = None
+    if engine.groups.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        writer = ShardedWriter(directory, max_shard_bytes)
+    for bucket in exporter.iter_full(bucket_bytes):
+        if writer is not None:
+            for name, tensor in bucket:
+                writer.add(name, tensor)  # copies: the bucket's views are reused
+    if writer is not None:
+        writer.close()
+        copy_side_files(engine.hf_dir, directory)
+        hf_config = AutoConfig.from_pretrained(engine.hf_dir)
+        hf_config.dtype = exporter.dtype
+        hf_config.save_pretrained(directory)
+    dist.barrier()
+    return time.monotonic() - started

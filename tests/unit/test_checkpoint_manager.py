@@ -1,0 +1,176 @@
+"""CheckpointManager: atomic commits, the latest pointer written last, crash debris, retention, resume modes."""
+
+import os
+import warnings
+
+import pytest
+
+from megarl.controller import checkpoint as cm
+from megarl.controller.checkpoint import CheckpointManager, load_trainer_state, resolve_resume
+
+
+def _save(manager: CheckpointManager, step: int, **state):
+    tmp = manager.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "weights.bin").write_bytes(bytes([step]))
+    return manager.commit(step, tmp, {"data": {"position": step * 10}, **state})
+
+
+def test_commit_renames_the_temporary_dir_and_points_latest_at_it(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    tmp = manager.begin(3)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".tmp_global_step_3_")
+    assert manager.latest() is None
+    (tmp / "actor").mkdir()
+    final = manager.commit(3, tmp, {"kl_coef": 0.1, "data": {"epoch": 1, "position": 4}})
+    assert final == tmp_path / "global_step_3" and not tmp.exists()
+    assert (final / "actor").is_dir()
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    assert manager.latest() == final
+    assert load_trainer_state(final) == {"step": 3, "kl_coef": 0.1, "data": {"epoch": 1, "position": 4}}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_pointer_is_written_after_the_rename(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    order = []
+    real_replace = os.replace
+
+    def recording_replace(src, dst):
+        order.append(os.path.basename(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cm.os, "replace", recording_replace)
+    _save(manager, 2)
+    assert order == ["global_step_2", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_crash_before_the_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    # crash while workers write
+    tmp = manager.begin(2)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "half_written").write_bytes(b"x")
+    # crash inside commit, after trainer_state.json and before the rename
+    tmp3 = manager.begin(3)
+
+    def dies(src, dst):
+        raise OSError("killed")
+
+    monkeypatch.setattr(cm.os, "replace", dies)
+    with pytest.raises(OSError):
+        manager.commit(3, tmp3, {})
+    monkeypatch.undo()
+    # a new process starts: the previous checkpoint is the latest and loads
+    restarted = CheckpointManager(tmp_path)
+    assert restarted.latest() == tmp_path / "global_step_1"
+    assert load_trainer_state(restarted.latest())["data"] == {"position": 10}
+    assert (restarted.latest() / "actor" / "weights.bin").read_bytes() == bytes([1])
+    assert restarted.steps() == [1]
+    removed = restarted.clean_stale()
+    assert {p.name for p in removed} == {tmp.name, tmp3.name}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_crash_while_writing_the_pointer_keeps_the_old_one(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    real_replace = os.replace
+
+    def dies_on_pointer(src, dst):
+        if os.path.basename(dst) == "latest_checkpointed_iteration.txt":
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cm.os, "replace", dies_on_pointer)
+    with pytest.raises(OSError):
+        _save(manager, 2)
+    monkeypatch.undo()
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    assert manager.latest() == tmp_path / "global_step_1"  # the committed step 2 is complete too
+    assert [p.name for p in manager.clean_stale()] == [".latest_checkpointed_iteration.txt." + str(os.getpid())]
+
+
+def test_max_to_keep_deletes_the_oldest(tmp_path):
+    manager = CheckpointManager(tmp_path, max_to_keep=2)
+    for step in (2, 4, 6):
+        _save(manager, step)
+    assert manager.steps() == [4, 6]
+    assert not (tmp_path / "global_step_2").exists()
+    assert manager.latest() == tmp_path / "global_step_6"
+
+
+def test_resaving_a_step_replaces_it_and_later_steps_are_not_pruned(tmp_path):
+    manager = CheckpointManager(tmp_path, max_to_keep=1)
+    _save(manager, 1)
+    _save(manager, 2)
+    _save(manager, 3)
+    assert manager.steps() == [3]
+    # a run resumed from an earlier checkpoint saves step 3 again, then step 2 shows up under max_to_keep
+    _save(manager, 3, attempt=2)
+    assert load_trainer_state(manager.path(3))["attempt"] == 2
+    with pytest.warns(UserWarning, match="later steps"):
+        manager = CheckpointManager(tmp_path, max_to_keep=2)
+        _save(manager, 2)
+    assert manager.steps() == [2, 3] and manager.latest() == tmp_path / "global_step_2"
+
+
+def test_missing_or_corrupt_pointer_falls_back_to_the_newest_complete(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    _save(manager, 2)
+    (tmp_path / "global_step_5").mkdir()  # incomplete: no trainer_state.json
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    with pytest.warns(UserWarning, match="missing or unreadable"):
+        assert manager.latest() == tmp_path / "global_step_2"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    with pytest.warns(UserWarning, match="global_step_5, which is missing or incomplete"):
+        assert manager.latest() == tmp_path / "global_step_2"
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    (tmp_path / "global_step_2" / "trainer_state.json").write_text("{not json")
+    with pytest.warns(UserWarning):
+        assert manager.latest() == tmp_path / "global_step_1"
+
+
+def test_no_checkpoint_is_not_a_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert CheckpointManager(tmp_path / "nothing").latest() is None
+        assert CheckpointManager(tmp_path / "nothing").clean_stale() == []
+
+
+def test_resolve_resume_modes(tmp_path):
+    assert resolve_resume(tmp_path, "auto") is None
+    assert resolve_resume(tmp_path, "disable") is None
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    _save(manager, 2)
+    assert resolve_resume(tmp_path, "auto") == tmp_path / "global_step_2"
+    assert resolve_resume(tmp_path, "disable") is None
+    assert resolve_resume(tmp_path, "resume_path", tmp_path / "global_step_1") == tmp_path / "global_step_1"
+
+
+@pytest.mark.parametrize("mode, path, message", [
+    ("resume_path", None, "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+    ("resume_path", "elsewhere", "trainer.resume_from_path=.*must be a global_step_<k>"),
+    ("resume_path", "global_step_9", "trainer.resume_from_path=.*does not exist"),
+    ("resume_path", "global_step_5", "trainer.resume_from_path=.*incomplete"),
+    ("latest", None, "trainer.resume_mode must be auto, disable or resume_path"),
+])
+def test_resolve_resume_errors_name_the_setting(tmp_path, mode, path, message):
+    (tmp_path / "global_step_5").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(ValueError, match=message):
+        resolve_resume(tmp_path, mode, None if path is None else tmp_path / path)
+
+
+def test_bad_arguments(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    tmp = manager.begin(1)
+    with pytest.raises(TypeError):
+        manager.commit(1, tmp, {"bad": object()})
+    assert manager.latest() is None
+    with pytest.raises(ValueError, match="max_actor_ckpt_to_keep"):
+        CheckpointManager(tmp_path, max_to_keep=0)

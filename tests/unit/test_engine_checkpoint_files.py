@@ -1,0 +1,28 @@
+"""Engine checkpoint checks that need no ranks: incomplete directories and changed schedules are refused."""
+
+import json
+
+import pytest
+
+from megarl.workers.checkpoint import check_schedule, read_engine_metadata
+
+SCHEDULE = {"max_lr": 1e-3, "lr_warmup_steps": 1, "num_steps": 2, "lr_decay_style": "cosine", "lr_decay_steps": 9,
+            "min_lr": 1e-4, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 1}
+
+
+def test_an_interrupted_role_save_is_refused(tmp_path):
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "metadata.json").write_text("{}")  # the model part landed, engine.json did not
+    with pytest.raises(ValueError, match="not a complete engine checkpoint.*interrupted"):
+        read_engine_metadata(tmp_path)
+    (tmp_path / "engine.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="format 'something-else'"):
+        read_engine_metadata(tmp_path)
+
+
+def test_a_changed_schedule_names_the_setting():
+    check_schedule(SCHEDULE, {**SCHEDULE, "num_steps": 0}, "ckpt")  # the step count is state, not a setting
+    with pytest.raises(ValueError, match=r"optim\.lr: saved 0\.001, now 0\.002.*with_optimizer=False"):
+        check_schedule(SCHEDULE, {**SCHEDULE, "max_lr": 2e-3}, "ckpt")
+    with pytest.raises(ValueError, match=r"optim\.decay_style: saved 'cosine', now 'linear'"):
+        check_schedule(SCHEDULE, {**SCHEDULE, "lr_decay_style": "linear"}, "ckpt")
