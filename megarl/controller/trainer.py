@@ -208,15 +208,20 @@ class Trainer:
                    loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
                    use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
                    policy_loss_mode=actor.policy_loss_mode, tis_cap=actor.tis_cap, tis_level=actor.tis_level,
-                   shuffle=actor.shuffle)
+                   shuffle=actor.shuffle, use_dynamic_bsz=actor.use_dynamic_bsz,
+                   ppo_max_token_len_per_gpu=actor.ppo_max_token_len_per_gpu)
         parallel = dataclasses.asdict(actor.parallel)
         self.actor_wg.call_all("init_model", model_path=self.model_path, parallel=parallel, optim=optim, ppo=ppo,
                                dtype=dtype, seed=trainer.seed,
-                               log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu or 16)
+                               log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu or 16,
+                               log_prob_max_token_len=(arr.rollout.log_prob_max_token_len_per_gpu
+                                                       if arr.rollout.log_prob_use_dynamic_bsz else None))
         self.actor_wg.refresh_coordinates()
         if self.use_ref:
             self.actor_wg.call_all("init_ref", model_path=self.model_path, dtype=dtype, seed=trainer.seed,
-                                   micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu or 16)
+                                   micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu or 16,
+                                   max_token_len=(arr.ref.log_prob_max_token_len_per_gpu
+                                                  if arr.ref.log_prob_use_dynamic_bsz else None))
         if self.use_critic:
             from megarl.workers.megatron_workers import CriticWorker
 
@@ -231,7 +236,8 @@ class Trainer:
                          ppo_micro_batch_size_per_gpu=critic.ppo_micro_batch_size_per_gpu,
                          forward_micro_batch_size_per_gpu=critic.forward_micro_batch_size_per_gpu,
                          ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
-                         loss_agg_mode=critic.loss_agg_mode),
+                         loss_agg_mode=critic.loss_agg_mode, use_dynamic_bsz=critic.use_dynamic_bsz,
+                         ppo_max_token_len_per_gpu=critic.ppo_max_token_len_per_gpu),
                 dtype=dtype, seed=trainer.seed)
             self.critic_wg.refresh_coordinates()
         # Rollout engines: one worker per engine placement, on the first bundle it serves.

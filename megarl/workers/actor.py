@@ -19,11 +19,7 @@ from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
 from megarl.data.batch import Batch
 from megarl.workers.megatron_engine import MegatronEngine, StepResult
-
-
-def _micro_batches(batch: Batch, size: int, keys) -> list[dict]:
-    rows = len(batch)
-    return [{k: batch[k][i : i + size] for k in keys} for i in range(0, rows, size)]
+from megarl.workers.micro import micro_batches, pad_responses
 
 
 def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -48,6 +44,9 @@ class PPOConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     policy_loss_mode: str = "vanilla"
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token count (``ppo_max_token_len_per_gpu``) instead of a row count."""
+    ppo_max_token_len_per_gpu: int = 16384
     tis_cap: float | None = None
     """Truncated importance weights ``min(pi_old / pi_rollout, tis_cap)`` on the surrogate; None: off."""
     tis_level: str = "token"
@@ -64,9 +63,16 @@ class PPOConfig:
 class LogProbRole:
     """Frozen or trainable model that computes response log-probs (the reference uses only this)."""
 
-    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int = 1):
+    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int = 1, max_token_len: int | None = None):
         self.engine = engine
         self.micro_batch_size = micro_batch_size
+        self.max_token_len = max_token_len
+        """Token budget of a forward micro-batch (dynamic batch size); None: ``micro_batch_size`` rows."""
+
+    @property
+    def micro_multiple(self) -> int:
+        """Interleaved pipelines need a multiple of ``pp`` micro-batches."""
+        return self.engine.groups.dims.pp if len(self.engine.chunks) > 1 else 1
 
     @property
     def is_output_rank(self) -> bool:
@@ -74,16 +80,23 @@ class LogProbRole:
         return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
 
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
-                         micro_batch_size: int | None = None):
-        """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the output rank."""
-        response_length = batch["responses"].shape[1]
-        micro = _micro_batches(batch, micro_batch_size or self.micro_batch_size, ("input_ids", "attention_mask"))
+                         micro_batch_size: int | None = None, max_token_len: int | None = None):
+        """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the output rank.
+
+        Micro-batches: ``max_token_len`` (token budget) or ``micro_batch_size`` rows, else this
+        role's settings. Positions past a row's response are 0.
+        """
+        R = batch["responses"].shape[1]
+        budget = max_token_len or (None if micro_batch_size else self.max_token_len)
+        micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
+                                      size=None if budget else (micro_batch_size or self.micro_batch_size),
+                                      max_tokens=budget, multiple_of=self.micro_multiple)
         out = self.engine.forward_logprobs(micro, temperature=temperature)
         if out is None or not self.is_output_rank:
             return None
-        result = {"log_probs": response_slice(torch.cat([o["logp"] for o in out]), response_length)}
+        result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R)}
         if with_entropy:
-            result["entropy"] = response_slice(torch.cat([o["entropy"] for o in out]), response_length)
+            result["entropy"] = pad_responses([response_slice(o["entropy"], r) for o, r in zip(out, widths)], R)
         return result
 
 
@@ -139,9 +152,9 @@ class ActorRole(LogProbRole):
         norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64)
         dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
-        response_length = mini[mask_key].shape[1]
 
         def loss_fn(logp_BS, entropy_BS, mb):
+            response_length = mb[mask_key].shape[1]  # this micro-batch's (trimmed) response width
             is_weights_BT, tis_metrics = None, {}
             if ppo.tis_cap is not None:
                 is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mb[mask_key],
@@ -157,10 +170,13 @@ class ActorRole(LogProbRole):
             )
             return loss, {**metrics, **{k: torch.tensor(v) for k, v in tis_metrics.items()}}
 
-        micro = _micro_batches(mini, self.micro_batch_size, keys)
+        micro, _ = micro_batches(mini, keys,
+                                 size=None if ppo.use_dynamic_bsz else self.micro_batch_size,
+                                 max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
+                                 multiple_of=self.micro_multiple)
         result = self.engine.train_step(micro, loss_fn, temperature=temperature)
         # pg_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
-        # shares over micro-batches and DP ranks, the mini-batch value is their sum.
+        # shares over all micro-batches of all DP ranks, the mini-batch value is their sum.
         if "pg_loss" in result.metrics:
-            result.metrics["pg_loss"] *= len(micro) * self.engine.groups.dims.dp
+            result.metrics["pg_loss"] *= self.engine.last_num_micro_batches
         return result

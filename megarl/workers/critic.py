@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from megarl.algo.losses import AGG_MODES, agg_norm, value_loss
 from megarl.data.batch import Batch
-from megarl.workers.actor import _micro_batches, response_slice
+from megarl.workers.actor import response_slice
+from megarl.workers.micro import micro_batches, pad_responses
 from megarl.workers.megatron_engine import MegatronEngine, StepResult
 
 _VALUE_LOSS_DEFAULTS = inspect.signature(value_loss).parameters
@@ -40,6 +41,9 @@ class CriticPPOConfig:
     loss_agg_mode: str = _VALUE_LOSS_DEFAULTS["loss_agg_mode"].default
     shuffle: bool = False
     """Shuffle rows between epochs (seeded by the step)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token count (``ppo_max_token_len_per_gpu``) instead of a row count."""
+    ppo_max_token_len_per_gpu: int = 32768
 
     def __post_init__(self) -> None:
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu",
@@ -72,12 +76,20 @@ class CriticRole:
         Needs ``input_ids``, ``attention_mask`` and ``responses`` (for R). Values at padded
         response positions are whatever the model says there: mask them with ``response_mask``.
         """
-        response_length = batch["responses"].shape[1]
-        micro = _micro_batches(batch, self.config.forward_micro_batch_size_per_gpu, ("input_ids", "attention_mask"))
+        cfg = self.config
+        micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
+                                      size=None if cfg.use_dynamic_bsz else cfg.forward_micro_batch_size_per_gpu,
+                                      max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+                                      multiple_of=self._micro_multiple)
         out = self.engine.forward_values(micro)
         if out is None or not self.is_output_rank:
             return None
-        return {"values": response_slice(torch.cat([o["values"] for o in out]), response_length)}
+        R = batch["responses"].shape[1]
+        return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R)}
+
+    @property
+    def _micro_multiple(self) -> int:
+        return self.engine.groups.dims.pp if len(self.engine.chunks) > 1 else 1
 
     def update(self, batch: Batch, *, seed: int = 0) -> list[StepResult]:
         """Value-loss epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
@@ -122,15 +134,18 @@ class CriticRole:
         norm = torch.tensor(agg_norm(mini["response_mask"], cfg.loss_agg_mode), dtype=torch.float64)
         dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
-        response_length = mini["response_mask"].shape[1]
 
         def loss_fn(values_BS, mb):
+            response_length = mb["response_mask"].shape[1]  # this micro-batch's (trimmed) response width
             return value_loss(
                 response_slice(values_BS, response_length), mb["values"], mb["returns"], mb["response_mask"],
                 cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, global_norm=global_norm,
             )
 
-        micro = _micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, keys)
+        micro, _ = micro_batches(mini, keys,
+                                 size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
+                                 max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+                                 multiple_of=self._micro_multiple)
         result = self.engine.train_step(micro, loss_fn)
         # vf_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
         # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).

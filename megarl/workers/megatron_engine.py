@@ -209,16 +209,20 @@ class MegatronEngine:
             gathered = [None] * self.groups.dims.pp
             dist.all_gather_object(gathered, keys, group=self.groups.pp)
             keys = gathered[-1]
-        values = torch.zeros(len(keys), dtype=torch.float64)
+        # The last slot counts micro-batches: with token budgets DP ranks may run different numbers.
+        values = torch.zeros(len(keys) + 1, dtype=torch.float64)
         for out in outputs:
-            values += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
+            values[:-1] += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
+        values[-1] = num_micro_batches if self.groups.is_last_stage else 0
         if self.groups.dims.pp > 1:  # only the last stage has values: sum over the pipeline group
             dist.all_reduce(values, group=self.groups.pp)
         dist.all_reduce(values, group=self.groups.dp)
-        stats = dict(zip(keys, values.tolist()))
+        count = values[-1].item()
+        stats = dict(zip(keys, values[:-1].tolist()))
         loss = stats.pop("loss", float("nan"))
-        count = num_micro_batches * self.groups.dims.dp
-        return loss, {k: v / count for k, v in stats.items()}
+        self.last_num_micro_batches = int(count)
+        """Micro-batches of the last step over all DP ranks."""
+        return loss, {k: v / max(count, 1) for k, v in stats.items()}
 
     # -------------------------------------------------------------------------- weights
     def exporter(self):

@@ -106,16 +106,18 @@ class ActorWorker(_MegatronWorker):
     role = "actor"
 
     def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
-                   seed: int = 1234, log_prob_micro_batch_size: int = 16) -> Coordinates:
+                   seed: int = 1234, log_prob_micro_batch_size: int = 16,
+                   log_prob_max_token_len: int | None = None) -> Coordinates:
         from megarl.workers.actor import ActorRole, PPOConfig
 
         coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed))
         self.actor = ActorRole(self.engine, PPOConfig(**ppo))
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        self.log_prob_max_token_len = log_prob_max_token_len
         return coords
 
     def init_ref(self, *, model_path: str, dtype: str = "float32", seed: int = 1234,
-                 micro_batch_size: int = 16) -> None:
+                 micro_batch_size: int = 16, max_token_len: int | None = None) -> None:
         """Build the frozen reference policy in this process, on the actor's layout and groups.
 
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
@@ -125,7 +127,7 @@ class ActorWorker(_MegatronWorker):
 
         parallel = dataclasses.asdict(self.engine.groups.dims)
         ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups)
-        self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size)
+        self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
 
     @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
@@ -137,7 +139,8 @@ class ActorWorker(_MegatronWorker):
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
         out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True,
-                                          micro_batch_size=self.log_prob_micro_batch_size)
+                                          micro_batch_size=self.log_prob_micro_batch_size,
+                                          max_token_len=self.log_prob_max_token_len)
         if out is None:
             return None
         return Batch(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})

@@ -123,12 +123,18 @@ def test_grpo_steps_resume_and_crashed_save(assets):
 
 
 def test_ppo_with_critic(assets):
-    """PPO with GAE: the critic trains alone for one warm-up step, then both update."""
+    """PPO with GAE: the critic trains alone for one warm-up step, then both update (token-budget micro-batches)."""
     trainer = _run(_config(assets, "ppo", "trainer.total_steps=2", "algorithm.adv_estimator=gae",
                            "critic.enable=true", "critic.parallel.tp=2", "critic.ppo_mini_batch_size=2",
                            "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=8",
                            "critic.optim.lr=1e-3", "trainer.critic_warmup=1",
-                           "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true"))
+                           "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
+                           # token-budget micro-batches on every role
+                           "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+                           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96",
+                           "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64"))
     (_, warm), (_, both) = trainer.history
     for metrics in (warm, both):
         assert all(math.isfinite(v) for v in metrics.values())

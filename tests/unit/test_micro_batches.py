@@ -1,0 +1,54 @@
+"""Micro-batches of RL batches: row counts, token budgets, trimming of shared padding."""
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.workers.micro import micro_batches, pad_responses, plan
+
+P, R = 5, 4
+
+
+def _batch(prompt_lengths, response_lengths):
+    n = len(prompt_lengths)
+    mask = torch.zeros(n, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = torch.arange(n * (P + R)).view(n, P + R) * mask
+    return Batch(tensors={"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
+                          "response_mask": mask[:, P:], "advantages": torch.randn(n, R)})
+
+
+def test_fixed_rows_are_trimmed_to_the_longest_prompt_and_response():
+    batch = _batch([2, 3, 1, 5], [1, 2, 4, 1])
+    assert plan(batch, size=2) == [(0, 2, 3, 2), (2, 4, 5, 4)]
+    micro, widths = micro_batches(batch, ["input_ids", "attention_mask", "advantages"], size=2)
+    assert widths == [2, 4]
+    assert torch.equal(micro[0]["input_ids"], batch["input_ids"][:2, P - 3:P + 2])
+    assert torch.equal(micro[0]["advantages"], batch["advantages"][:2, :2])
+    # Only all-padding columns went: every token of every row is still there.
+    assert int(micro[0]["attention_mask"].sum()) == int(batch["attention_mask"][:2].sum())
+
+
+def test_token_budget_packs_rows_and_never_exceeds_it():
+    batch = _batch([2, 2, 2, 2, 5, 1], [1, 1, 2, 1, 4, 1])
+    parts = plan(batch, max_tokens=12)
+    for start, end, p, r in parts:
+        assert (end - start) * (p + r) <= 12 or end - start == 1
+    assert parts[0] == (0, 3, 2, 2)  # 3 rows x 4 columns; a 4th row would need 16
+    assert [s for s, *_ in parts] == sorted(s for s, *_ in parts) and parts[-1][1] == 6
+    # A row longer than the budget goes alone.
+    assert (4, 5, 5, 4) in plan(batch, max_tokens=6)
+
+
+def test_interleaved_pipelines_get_a_multiple_of_pp_micro_batches():
+    batch = _batch([2] * 6, [1] * 6)
+    assert len(plan(batch, size=6)) == 1
+    parts = plan(batch, size=6, multiple_of=2)
+    assert len(parts) == 2 and parts[0][:2] == (0, 3) and parts[1][:2] == (3, 6)
+
+
+def test_pad_responses_restores_the_full_width():
+    out = pad_responses([torch.ones(2, 2), torch.full((1, 4), 2.0)], R)
+    assert out.shape == (3, R)
+    assert out[:2, 2:].abs().sum() == 0 and torch.equal(out[2], torch.full((4,), 2.0))
