@@ -8,6 +8,6 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
     return sum(c.isdigit() for c in solution_str) / len(solution_str)
 
 
-def nan_reward(data_source, solution_str, ground_truth, extra_info=None):
-    """Always NaN: the loss becomes NaN and the update must be skipped."""
-    return float("nan")
+def overflow_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """An overflowed score (inf): the group's advantages, hence the loss, become NaN; the update must be skipped."""
+    return float("inf")

@@ -146,9 +146,9 @@ def test_ppo_with_critic(assets):
 
 
 def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
-    """A NaN reward makes the loss NaN: the update is skipped, reported, the weights unchanged.
+    """An overflowed (inf) reward makes the loss NaN: the update is skipped, reported, the weights unchanged.
     Then a killed actor rank ends the next step within seconds, naming role and rank."""
-    cfg = _config(assets, "failures", "trainer.total_steps=1", "reward_model.custom_reward_function.name=nan_reward")
+    cfg = _config(assets, "failures", "trainer.total_steps=1", "reward_model.custom_reward_function.name=overflow_reward")
     trainer = Trainer(cfg, console=lambda *_: None)
     try:
         trainer.fit()
