@@ -295,6 +295,9 @@ class Trainer:
         self._maybe_resume()
         self.tracker = Tracking(self.cfg.trainer.logger, self.log_dir, console=self.console)
         self._sync_weights(self.global_step)  # the engines start from the trainer's (possibly resumed) weights
+        self._offload("actor")
+        if self.use_critic:
+            self._offload("critic")
 
     # ================================================================================ resume
     def _trainer_state(self) -> dict[str, Any]:
@@ -328,9 +331,37 @@ class Trainer:
         return self.checkpoints.commit(self.global_step, tmp, self._trainer_state())
 
     # ================================================================================ stages
+    # ------------------------------------------------------------------ memory between phases
+    def _release_engines(self) -> None:
+        """Colocated engines give their memory (KV cache, weights) to training after generating."""
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if self.cfg.actor_rollout_ref.hybrid_engine and rollout.free_cache_engine:
+            self.rollout_wg.call_all("release_memory_occupation")
+
+    def _resume_engines(self) -> None:
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if self.cfg.actor_rollout_ref.hybrid_engine and rollout.free_cache_engine:
+            self.rollout_wg.call_all("resume_memory_occupation")
+
+    def _offload_flags(self, role: str) -> dict[str, bool]:
+        section = self.cfg.critic if role == "critic" else self.cfg.actor_rollout_ref.actor
+        return {"params": section.param_offload, "grads": section.grad_offload, "optimizer": section.optimizer_offload}
+
+    def _offload(self, role: str) -> None:
+        """Move a role's weights/gradients/optimizer states to host memory (``<role>.*_offload``; GPU only)."""
+        flags = self._offload_flags(role)
+        if any(flags.values()):
+            (self.critic_wg if role == "critic" else self.actor_wg).call_all("offload", **flags)
+
+    def _onload(self, role: str) -> None:
+        if any(self._offload_flags(role).values()):
+            (self.critic_wg if role == "critic" else self.actor_wg).call_all("onload")
+
     def _sync_weights(self, step: int) -> dict[str, float]:
+        """Stream the actor's weights into the engines (resumed first) and verify them."""
         from megarl.workers.megatron_workers import verify_sample
 
+        self._resume_engines()
         names = verify_sample(self.weight_names, self.cfg.actor_rollout_ref.rollout.verify_weights, step)
         stats = [s for s in self.actor_wg.call_all(
             "sync_weights", self.engines_by_replica, bucket_bytes=self.cfg.actor_rollout_ref.rollout.bucket_mb << 20,
@@ -378,6 +409,8 @@ class Trainer:
             prompts.non_tensors["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
             with timer("gen", timing):
                 batch = self.rollout_manager.generate(prompts, seed=_seed(cfg.trainer.seed, 1, step))
+            self._release_engines()
+            self._onload("actor")
             if cfg.actor_rollout_ref.rollout.multi_turn.enable:
                 R = batch["responses"].shape[1]
                 batch["loss_mask_response"] = batch["loss_mask"][:, -R:]
@@ -397,6 +430,7 @@ class Trainer:
                     batch = batch.union(self.actor_wg.call_dp("compute_ref_log_prob", self._select(batch, ACTOR_KEYS),
                                                               temperature=temperature))
             if self.use_critic:
+                self._onload("critic")
                 with timer("values", timing):
                     batch = batch.union(self.critic_wg.call_dp("compute_values", self._select(batch, CRITIC_KEYS)))
             with timer("adv", timing):
@@ -411,6 +445,7 @@ class Trainer:
                 with timer("update_critic", timing):
                     outs = self.critic_wg.call_dp("update_critic", self._select(batch, CRITIC_KEYS))
                     metrics.update(_mean_dicts(outs))
+                self._offload("critic")
             if cfg.trainer.critic_warmup <= self.global_step:
                 with timer("update_actor", timing):
                     outs = self.actor_wg.call_dp("update_actor", self._select(batch, ACTOR_KEYS),
@@ -418,6 +453,9 @@ class Trainer:
                     metrics.update(_mean_dicts(outs))
                 with timer("sync_weights", timing):
                     metrics.update(self._sync_weights(step))
+            else:
+                self._resume_engines()
+            self._offload("actor")
             if cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout_generations", timing):
                     self._dump(batch, extra, step)

@@ -224,6 +224,44 @@ class MegatronEngine:
         """Micro-batches of the last step over all DP ranks."""
         return loss, {k: v / max(count, 1) for k, v in stats.items()}
 
+    # -------------------------------------------------------------------------- memory
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Free this role's GPU memory between phases (colocated runs): weights, gradients, optimizer states.
+
+        Trainable roles use Megatron's RL primitives: the DDP buffers keep a pinned host copy
+        of the parameters and release their storage (views stay valid), the gradient buffers
+        are released, the optimizer states move to host memory. A frozen role moves its
+        modules to host memory. On CPU there is nothing to free: a no-op.
+        """
+        if not torch.cuda.is_available():
+            return
+        if self.optimizer is None:
+            if params:
+                for chunk in self.module_chunks:
+                    chunk.to("cpu")
+        else:
+            for chunk in self.chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.offload_to_cpu(move_params=params, move_grads=grads)
+            if optimizer:
+                self.optimizer.offload_to_cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` (whatever was offloaded comes back; gradients come back zeroed)."""
+        if not torch.cuda.is_available():
+            return
+        if self.optimizer is None:
+            for chunk in self.module_chunks:
+                chunk.to(torch.cuda.current_device())
+        else:
+            for chunk in self.chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.reload_from_cpu(move_params=True, move_grads=True)
+            self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+
     # -------------------------------------------------------------------------- weights
     def exporter(self):
         """A cached ``WeightExporter`` over this role's chunks (HF-layout streaming)."""

@@ -94,6 +94,21 @@ class _MegatronWorker(Worker):
         load_engine(self.engine, directory, with_optimizer=with_optimizer, load_rng=load_rng)
 
     @busy
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Free GPU memory between phases (see :meth:`MegatronEngine.offload`); the reference too."""
+        self.engine.offload(params=params, grads=grads, optimizer=optimizer)
+        ref = getattr(self, "ref", None)
+        if ref is not None:
+            ref.engine.offload(params=params)
+
+    @busy
+    def onload(self) -> None:
+        self.engine.onload()
+        ref = getattr(self, "ref", None)
+        if ref is not None:
+            ref.engine.onload()
+
+    @busy
     def export_hf(self, directory: str) -> None:
         from megarl.workers.checkpoint import export_hf
 
