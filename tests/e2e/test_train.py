@@ -17,6 +17,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
@@ -83,7 +84,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     """
     root = assets["root"]
     full = _run(_config(assets, "grpo", "trainer.total_steps=4", "trainer.test_freq=4", "trainer.save_freq=4",
-                        f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}"))
+                        "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}"))
     assert [s for s, _ in full.history] == [1, 2, 3, 4]
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -100,7 +101,15 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert "val/reward/mean" in last and 0 <= last["val/reward/mean"] <= 1
     assert (root / "grpo" / "dumps" / "4.jsonl").read_text().count("\n") == 16
     assert any((root / "grpo" / "runs" / "megarl" / "grpo").glob("events.out.tfevents.*"))
-    assert CheckpointManager(full.run_dir).latest().name == "global_step_4"
+    saved = CheckpointManager(full.run_dir).latest()
+    assert saved.name == "global_step_4"
+    # The HF export of the final weights loads in transformers and differs from the initial model.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(saved / "actor_hf").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(assets["model"]).state_dict()
+    assert exported.keys() == initial.keys()
+    assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
     # Stop after step 1 (checkpoint), crash while saving step 2, resume to step 4.
     first = _run(_config(assets, "resume", "trainer.total_steps=1", "trainer.save_freq=1"))
