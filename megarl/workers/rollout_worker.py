@@ -38,7 +38,11 @@ class RolloutWorker(Worker):
         import torch
 
         if name == "hf":
+            from transformers.utils import logging as hf_logging
+
             from megarl.rollout.hf_engine import HFEngine
+
+            hf_logging.disable_progress_bar()  # one "Loading weights" bar per engine is noise in the run's log
 
             if device == "cuda":
                 device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
