@@ -152,9 +152,12 @@ class ModelConfig:
     """``pretrained``: load ``path``. ``tiny_sft``: build ``megarl.models.tiny``'s Qwen2 model and tokenizer,
     warm-start it by SFT on ``data.train_files`` and cache it at ``path`` (reused when present)."""
     sft_steps: int = 300
-    """SFT steps of the ``tiny_sft`` warm start."""
+    """SFT steps of the ``tiny_sft`` warm start (at most that many when ``sft_stop_reward`` is set)."""
     sft_lr: float = 1e-3
     """Learning rate of the ``tiny_sft`` warm start."""
+    sft_stop_reward: float | None = None
+    """``tiny_sft``: end the SFT at the first check (every 25 steps) where the sampled (T=1) reward on the first
+    256 training prompts reaches this, so GRPO starts from it; None: run all ``sft_steps``."""
     dtype: str = "bfloat16"
     """Compute dtype of the policy: ``float32``, ``bfloat16`` or ``float16`` (master weights stay fp32)."""
     trust_remote_code: bool = False
@@ -165,6 +168,9 @@ class ModelConfig:
         _check_choice("actor_rollout_ref.model.dtype", self.dtype, DTYPES)
         _check_positive("actor_rollout_ref.model.sft_steps", self.sft_steps)
         _check_positive("actor_rollout_ref.model.sft_lr", self.sft_lr)
+        if self.sft_stop_reward is not None and not 0.0 < self.sft_stop_reward <= 1.0:
+            raise ValueError(f"actor_rollout_ref.model.sft_stop_reward={self.sft_stop_reward!r} must be in (0, 1]; "
+                             f"set it to null to run all sft_steps")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -120,7 +120,7 @@ class Trainer:
             if getattr(model, "sft_batch_size", None):
                 kwargs["batch_size"] = model.sft_batch_size
             ensure_tiny_sft(self.model_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
-                            seed=self.cfg.trainer.seed, **kwargs)
+                            seed=self.cfg.trainer.seed, stop_reward=model.sft_stop_reward, **kwargs)
         elif not Path(self.model_path).is_dir():
             raise ValueError(f"actor_rollout_ref.model.path={model.path!r} is not a directory; give an HF model "
                              f"directory (convert hub checkpoints with megarl-convert) or use model.init=tiny_sft")
