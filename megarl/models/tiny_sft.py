@@ -363,12 +363,14 @@ def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.Path
         train_files: parquet files of megarl rows; the model learns prompt -> ground truth.
         steps, lr, batch_size: the SFT run (``model.sft_steps``, ``model.sft_lr``, ``model.sft_batch_size``).
         seed: seeds the model's initialisation, the batch order and the reward checks; equal
-            settings give equal weights.
+            settings and thread counts give equal weights (another thread count changes the
+            floating-point sums, and with them the run: with ``stop_reward`` it stops elsewhere).
         stop_reward: stop once the sampled (T=1) reward on the first training prompts reaches
             it (``model.sft_stop_reward``; see the module docstring); ``steps`` is then a bound.
         model_sizes: :func:`megarl.models.tiny.tiny_qwen2_config` sizes; None: :data:`DEFAULT_MODEL_SIZES`.
-        num_threads: torch threads while training; None: unchanged. On 2 shared cores one thread
-            measured 0.10-0.16 s per step and two threads 1.2-1.9 s (they wait on each other).
+        num_threads: torch threads while training; None: unchanged. Measured on 2 cores, batch 64:
+            idle, 0.10 s per step with one thread and 0.063 s with two; with the other core busy,
+            0.10-0.16 s with one and 1.2-1.9 s with two (they wait on each other), hence 1.
         progress: show a tqdm progress bar.
 
     Returns ``path`` (expanded). Raises ``ValueError`` when ``path`` exists but is not a warm
