@@ -270,11 +270,11 @@ def test_accuracy_scores_responses_like_the_reward(tmp_path, data, monkeypatch):
 # ------------------------------------------------------------------------------------ config
 
 
-def test_the_tiny_recipe_stops_its_warm_start_at_half_reward():
+def test_the_tiny_recipe_stops_its_warm_start_at_a_third_of_the_reward():
     from megarl.config import ConfigError, load_config
 
     model = load_config().actor_rollout_ref.model  # the default recipe: tiny_cpu_grpo
-    assert (model.init, model.sft_steps, model.sft_lr, model.sft_stop_reward) == ("tiny_sft", 800, 2e-3, 0.5)
+    assert (model.init, model.sft_steps, model.sft_lr, model.sft_stop_reward) == ("tiny_sft", 800, 2e-3, 0.3)
     assert load_config(["actor_rollout_ref.model.sft_stop_reward=null"]).actor_rollout_ref.model.sft_stop_reward is None
     with pytest.raises((ConfigError, ValueError), match=r"actor_rollout_ref.model.sft_stop_reward=1.5 must be in"):
         load_config(["actor_rollout_ref.model.sft_stop_reward=1.5"])
