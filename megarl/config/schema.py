@@ -408,6 +408,9 @@ class RolloutSection:
     """Pack the recompute's micro-batches by token count (``log_prob_max_token_len_per_gpu``)."""
     log_prob_max_token_len_per_gpu: int = 16384
     """Token budget of one recompute micro-batch on one rank, with ``log_prob_use_dynamic_bsz``."""
+    pool_nodes: list[int] | None = None
+    """Disaggregated rollout (with ``hybrid_engine=false``): the engines' own pool, GPUs per node (on cpu:
+    worker slots on this machine), e.g. ``[8, 8]``; None: engines share the actor's GPUs."""
     bucket_mb: int = 512
     """Weight sync: MiB of HF tensors per bucket streamed from the actor into the engines."""
     verify_weights: int = 8
@@ -427,6 +430,8 @@ class RolloutSection:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_positive(f"{p}.bucket_mb", self.bucket_mb)
+        if self.pool_nodes is not None and (not self.pool_nodes or any(n < 1 for n in self.pool_nodes)):
+            raise ValueError(f"{p}.pool_nodes={self.pool_nodes} must list a positive number per node, e.g. [8]")
         if self.verify_weights < -1:
             raise ValueError(f"{p}.verify_weights must be -1 (all), 0 (off) or a count, got {self.verify_weights}")
         _check_micro_batches(f"{p}.log_prob", self.log_prob_micro_batch_size_per_gpu, self.log_prob_use_dynamic_bsz,

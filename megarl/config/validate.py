@@ -12,7 +12,8 @@ Every error names the full key to change and what to change it to. The rules:
    micro-batches), and with interleaved pipelines the micro-batch count is a multiple of ``pp``.
 3. Engines: ``sglang`` needs cuda; its TP (default: the actor's TP) divides the world and
    fits in one node; the ``hf`` engine is not sharded (``tensor_model_parallel_size`` null);
-   prompt/response widths agree with ``data.*``.
+   prompt/response widths agree with ``data.*``; disaggregated engines (``hybrid_engine=false``)
+   need their pool (``rollout.pool_nodes``) and only they may have one.
 4. Memory flags: offloading needs cuda; ``free_cache_engine`` needs ``enforce_eager`` on cuda
    (freeing the KV cache invalidates captured CUDA graphs, seeds-digest §4.1).
 5. Algorithm ↔ roles: ``gae`` needs ``critic.enable`` and a critic is only trained for
@@ -153,6 +154,18 @@ def _check_engines(cfg: RunConfig) -> None:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} exceeds trainer.n_gpus_per_node="
                              f"{trainer.n_gpus_per_node}: an engine serves within one node; use at most "
                              f"{trainer.n_gpus_per_node}")
+    hybrid = cfg.actor_rollout_ref.hybrid_engine
+    if not hybrid and rollout.pool_nodes is None:
+        raise ValueError(f"{ARR}.hybrid_engine=false puts the engines on their own pool: give its size in "
+                         f"{prefix}.pool_nodes (GPUs per node, e.g. [8]), or set {ARR}.hybrid_engine=true")
+    if hybrid and rollout.pool_nodes is not None:
+        raise ValueError(f"{prefix}.pool_nodes={rollout.pool_nodes} is for disaggregated engines: set "
+                         f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")
+    if rollout.pool_nodes is not None and rollout.name != "hf":
+        engine_tp = rollout.tensor_model_parallel_size or cfg.actor_rollout_ref.actor.parallel.tp
+        if any(n % engine_tp for n in rollout.pool_nodes):
+            raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the GPUs per node of "
+                             f"{prefix}.pool_nodes={rollout.pool_nodes}")
     data = cfg.data
     if rollout.prompt_length is not None and rollout.prompt_length < data.max_prompt_length:
         raise ValueError(f"{prefix}.prompt_length={rollout.prompt_length} is shorter than data.max_prompt_length="

@@ -185,11 +185,13 @@ class Trainer:
         actor_dims = arr.actor.parallel.to_dims()
         critic_dims = cfg.critic.parallel.to_dims() if self.use_critic else None
         engine_tp = 1 if arr.rollout.name == "hf" else arr.rollout.tensor_model_parallel_size
+        separate = not arr.hybrid_engine  # disaggregated: the engines get their own pool
         self.plan = make_placement(nodes=nodes, actor=actor_dims, critic=critic_dims, engine_tp=engine_tp,
-                                   engine_layout="per_replica")
+                                   engine_layout="per_replica",
+                                   rollout_nodes=list(arr.rollout.pool_nodes) if separate else None)
         self._pools = create_pools(self.plan, use_gpu=not cpu, cpus_per_bundle=1.0)
         pool = self._pools["global"]
-        colocated = 2 + (1 if self.use_critic else 0)  # actor(+ref), engines, critic
+        colocated = (1 if separate else 2) + (1 if self.use_critic else 0)  # actor(+ref), engines, critic
         share = 1.0 / colocated
         gpu = None if cpu else share
         timeout = 1800.0
@@ -242,8 +244,11 @@ class Trainer:
             self.critic_wg.refresh_coordinates()
         # Rollout engines: one worker per engine placement, on the first bundle it serves.
         engines = self.plan.engines
-        self.rollout_wg = WorkerGroup(RolloutWorker, pool, role="rollout", bundles=[e.bundles[0] for e in engines],
-                                      num_cpus=share, num_gpus=gpu or 0.0, timeout_s=timeout)
+        rollout_pool = self._pools["rollout"] if separate else pool
+        rollout_share = 1.0 if separate else share
+        self.rollout_wg = WorkerGroup(RolloutWorker, rollout_pool, role="rollout",
+                                      bundles=[e.bundles[0] for e in engines], num_cpus=rollout_share,
+                                      num_gpus=0.0 if cpu else rollout_share, timeout_s=timeout)
         self._groups.append(self.rollout_wg)
         rollout = arr.rollout
         self.rollout_wg.call_ranks(

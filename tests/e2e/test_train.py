@@ -132,7 +132,10 @@ def test_grpo_steps_resume_and_crashed_save(assets):
 
 
 def test_ppo_with_critic(assets):
-    """PPO with GAE: the critic trains alone for one warm-up step, then both update (token-budget micro-batches)."""
+    """PPO with GAE: the critic trains alone for one warm-up step, then both update.
+
+    Also: token-budget micro-batches on every role, and engines on their own pool (disaggregated).
+    """
     trainer = _run(_config(assets, "ppo", "trainer.total_steps=2", "algorithm.adv_estimator=gae",
                            "critic.enable=true", "critic.parallel.tp=2", "critic.ppo_mini_batch_size=2",
                            "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=8",
@@ -143,7 +146,9 @@ def test_ppo_with_critic(assets):
                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
                            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96",
-                           "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64"))
+                           "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64",
+                           # disaggregated: the two engines on their own pool
+                           "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
     (_, warm), (_, both) = trainer.history
     for metrics in (warm, both):
         assert all(math.isfinite(v) for v in metrics.values())
@@ -152,6 +157,7 @@ def test_ppo_with_critic(assets):
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
     assert "actor/pg_loss" in both and both["weight_sync/verified_engines"] == 2
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
+    assert set(trainer.plan.pools) == {"global", "rollout"}
 
 
 def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):

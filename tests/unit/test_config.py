@@ -157,6 +157,10 @@ RULE_CASES = [
     ("engine_prompt_len", [f"{ARR}.rollout.prompt_length=8"], f"{ARR}.rollout.prompt_length"),
     ("engine_response_len", [f"{ARR}.rollout.response_length=8"], f"{ARR}.rollout.response_length"),
     ("engine_max_model_len", [f"{ARR}.rollout.max_model_len=64"], f"{ARR}.rollout.max_model_len"),
+    ("engine_disaggregated_pool", [f"{ARR}.hybrid_engine=false"], f"{ARR}.rollout.pool_nodes"),
+    ("engine_pool_needs_disaggregated", [f"{ARR}.rollout.pool_nodes=[2]"], f"{ARR}.hybrid_engine"),
+    ("engine_pool_tp", ["recipe=qwen2_5_7b_grpo", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[6]",
+                        f"{ARR}.rollout.tensor_model_parallel_size=4"], f"{ARR}.rollout.tensor_model_parallel_size=4"),
     # memory flags
     ("memory_offload_cpu", [f"{ARR}.actor.optimizer_offload=true"], f"{ARR}.actor.optimizer_offload"),
     ("memory_ref_offload_cpu", [f"{ARR}.ref.param_offload=true"], f"{ARR}.ref.param_offload"),
@@ -185,6 +189,7 @@ def test_fixed_variants_of_the_rules_pass():
                   "critic.parallel.tp=2", "critic.ppo_mini_batch_size=8"))
     validate(_cfg("recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false",
                   f"{ARR}.rollout.free_cache_engine=false"))
+    validate(_cfg(f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]"))
 
 
 def test_sections_check_themselves_without_hydra():
