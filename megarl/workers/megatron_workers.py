@@ -204,16 +204,20 @@ class ActorWorker(_MegatronWorker):
         for bucket in self.engine.exporter().iter_full(bucket_bytes):
             if not targets:
                 continue
-            payload = [(name, tensor if tensor.dtype == cast else tensor.to(cast)) for name, tensor in bucket]
-            for name, tensor in payload:
+            # One flat tensor per bucket: pickling a view would serialise its whole base buffer
+            # (the exporter's bucket) once per tensor. Arguments are serialised at submission,
+            # so the exporter may reuse its buffer as soon as the calls are submitted.
+            names = [name for name, _ in bucket]
+            shapes = [tuple(tensor.shape) for _, tensor in bucket]
+            flat = torch.cat([tensor.reshape(-1).to(cast) for _, tensor in bucket])
+            for name, view in zip(names, _split_flat(flat, shapes)):
                 if name in wanted:
-                    expected[name] = tensor_digest(tensor)
-            # Arguments are serialised at submission, so the exporter may reuse its buffer at once.
-            refs = [e.update_weights_from_tensor.remote(payload) for e in targets]
+                    expected[name] = tensor_digest(view)
+            refs = [e.update_weights_from_flat.remote(names, shapes, flat) for e in targets]
             if in_flight:
                 ray.get(in_flight)
             in_flight = refs
-            delivered += sum(t.numel() * t.element_size() for _, t in payload)
+            delivered += flat.numel() * flat.element_size()
             buckets += 1
         if not targets:
             return None
@@ -233,6 +237,18 @@ class ActorWorker(_MegatronWorker):
                 "weight_sync/buckets": float(buckets), "weight_sync/verified_tensors": float(len(expected)),
                 "weight_sync/verified_engines": float(verified), "weight_sync/engines": float(len(targets)),
                 "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
+
+
+def _split_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with ``shapes``, in order (the inverse of concatenating the flattened tensors)."""
+    out, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        out.append(flat[offset:offset + numel].view(shape))
+        offset += numel
+    if offset != flat.numel():
+        raise ValueError(f"a flat weight bucket of {flat.numel()} elements does not hold shapes totalling {offset}")
+    return out
 
 
 def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:

@@ -75,6 +75,13 @@ class RolloutWorker(Worker):
         self.engine.update_weights_from_tensor(named_tensors)
         return sum(t.numel() * t.element_size() for _, t in named_tensors)
 
+    def update_weights_from_flat(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], flat) -> int:
+        """Apply one bucket sent as one flat tensor plus names and shapes (how the actor streams); its bytes."""
+        from megarl.workers.megatron_workers import _split_flat
+
+        self.engine.update_weights_from_tensor(list(zip(names, _split_flat(flat, shapes))))
+        return flat.numel() * flat.element_size()
+
     def end_weight_update(self) -> None:
         self.engine.end_weight_update()
 
