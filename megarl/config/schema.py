@@ -623,6 +623,10 @@ class TrainerConfig:
     """GPUs per machine, with ``device=cuda``."""
     n_cpu_ranks: int = 2
     """Worker processes (gloo ranks) on this machine, with ``device=cpu``: the CPU world size."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (2^30 bytes), with ``device=cuda``: what ``megarl-plan`` and the trainer's
+    pre-flight check (``megarl.controller.plan``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
+    which CUDA reports about 79.2 as usable; set less to keep headroom."""
     seed: int = 1
     """Seed of data order, sampling and initialization."""
     critic_warmup: int = 0
@@ -667,6 +671,7 @@ class TrainerConfig:
         _check_positive("trainer.nnodes", self.nnodes)
         _check_positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
         _check_positive("trainer.n_cpu_ranks", self.n_cpu_ranks)
+        _check_positive("trainer.gpu_memory_gb", self.gpu_memory_gb)
         _check_choice("trainer.resume_mode", self.resume_mode, RESUME_MODES)
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

@@ -1,0 +1,590 @@
+"""The pre-flight plan: where every rank and engine runs, and what each GPU holds in each phase.
+
+Pure arithmetic on the config and the model's sizes (no Ray, no GPU, no weights): ``megarl-plan``
+prints it, and :func:`preflight` lets the trainer refuse a run before placing anything.
+
+What one GPU holds (bytes; ``n`` = parameters of the role on that rank, counted from the family's
+weight rules: TP-split tensors divided by ``tp``, the vocabulary padded as megarl pads it, the
+embedding on the first pipeline stage, the final norm and LM head on the last; a tied embedding is
+copied onto the last stage when ``pp > 1``, as Megatron does):
+
+- **weights**: ``n × bytes(model.dtype)`` (Megatron DDP's parameter buffer).
+- **grads**: ``4 n`` (Megatron DDP's gradient buffer with ``grad_reduce_in_fp32``).
+- **optimizer** (Adam): fp32 main weights (16-bit models only) + ``m`` + ``v``: ``12 n`` (``8 n`` for
+  fp32 models), divided by ``dp × cp`` with the distributed optimizer. The main weights are allocated
+  when the optimizer is built, ``m`` and ``v`` at its first step.
+- **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on.
+- **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
+- **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
+  hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank), per layer:
+  no recompute ``T h (10 + 24/t) + 5 a s T / t`` (``34 T h / t + 5 a s T / t`` with sequence
+  parallelism), selective ``T h (10 + 24/t)`` (``34 T h / t``), full ``2 T h`` (``2 T h / t``) per
+  block of ``recompute_num_layers`` layers, plus one block rematerialised at the selective size
+  during its backward. Times the model chunks in flight on the stage under 1F1B: ``pp − r``
+  micro-batches of ``L/pp`` layers on stage ``r``; interleaved, ``2(pp − r − 1) + (vpp − 1) pp + 1``
+  chunks of ``L/(pp vpp)`` layers (Megatron's warm-up count + 1), at most all micro-batches.
+  The scores term ``5 a s T / t`` is left out (:data:`FUSED_ATTENTION`): TransformerEngine's fused
+  attention stores none, so without recompute a layer keeps what selective recompute keeps.
+- **logits** (last stage): ``T × V_padded/t × 14`` bytes: the bf16 logits (2) and, inside
+  ``megarl.parallel.logprob``, the fp32 scaled logits (4), their exponentials (4) and ``exp·z`` (4).
+- **engine weights**: the model in ``rollout.dtype`` sharded over the engine's TP (vocabulary padded
+  as SGLang pads it; KV heads replicated when engine TP exceeds them).
+- **KV cache**: SGLang sizes its pool when it starts: ``gpu_memory_utilization × GPU − memory in
+  use on the GPU`` (its own weights and context, and whatever the colocated trainer already holds:
+  the trainer starts the engines after building the actor, reference and critic). One token takes
+  ``2 × layers × kv_heads/tp × head_dim × bytes`` per engine GPU. The hf engine reserves nothing:
+  its cache grows to its share of the batch, ``rows × (P + R)`` tokens.
+- **weight-sync buffers** (actor ranks, during the sync): the largest bucket in the model's dtype
+  (a tensor larger than ``rollout.bucket_mb`` travels alone), the largest TP-gathered parameter of
+  the stage, and on the sending rank the bucket cast to the engine dtype when that differs.
+- **CUDA contexts**: :data:`CUDA_CONTEXT_BYTES` per process on the GPU (actor, critic, engine rank).
+
+Phases (colocated; what the trainer holds on the GPU in each, steady state):
+
+- ``rollout``: the engine (weights + KV) + the training state that is not offloaded
+  (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; the reference is offloaded
+  with the actor's parameters, as ``ActorWorker.offload`` does).
+- ``log-probs``: everything onloaded + the forward's logits and one layer's activations; the engine
+  too unless ``free_cache_engine``. ``values`` / ``update critic`` / ``update actor`` likewise.
+- ``weight sync``: everything onloaded (the actor is offloaded after the sync), the engines resumed
+  (weights and KV cache), plus the sync buffers.
+
+Weight-sync volume per step (the full-tensor path, ``ActorWorker.sync_weights``): every engine
+receives the whole model as HF tensors in ``rollout.dtype`` (a tied LM head once), sent through Ray by
+the first rank (TP 0, CP 0, PP 0) of the actor DP replica it serves. Inside the actor, every rank also
+receives the other stages' buckets (pipeline broadcast) and its TP peers' shards (all-gather), in the
+model's dtype.
+
+A plan that does not fit (a phase above ``trainer.gpu_memory_gb``, or an SGLang engine left with
+KV room for less than one sequence) raises ``ValueError`` naming the settings that would help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from megarl.config.schema import RunConfig
+from megarl.controller.placement import PlacementPlan, make_placement, megatron_coordinates
+from megarl.models.sizes import Architecture, architecture_for
+from megarl.models.weights import Split
+from megarl.parallel.dims import ParallelDims
+
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = GiB // 2
+"""CUDA context, cuBLAS workspace and NCCL buffers of one process on a GPU (a round estimate)."""
+FUSED_ATTENTION = True
+"""Plan for fused (flash) attention, which stores no attention scores: on GPU megarl builds TransformerEngine
+layers (the ``gpu`` extra). False plans the local layer spec's unfused attention (Korthikanti's ``5 a s T / t``)."""
+LOGITS_BYTES_PER_ELEMENT = 14
+"""Peak bytes per logit element while log-probs are computed (bf16 logits + three fp32 temporaries)."""
+ARR = "actor_rollout_ref"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "activations",
+        "logits", "forward", "critic_activations", "critic_forward", "engine_weights", "kv_cache",
+        "sync_buffers", "cuda_context")
+"""Memory rows of a GPU, in report order."""
+
+
+# ---------------------------------------------------------------------------------- activations
+
+
+def activation_bytes_per_layer(*, tokens: int, seq: int, hidden: int, heads: int, tp: int,
+                               sequence_parallel: bool, recompute: str | None, fused_attention: bool = True) -> int:
+    """Bytes one transformer layer keeps for its backward (Korthikanti et al. 2022, Table 2; 16-bit).
+
+    ``tokens`` = micro-batch rows × ``seq``. ``recompute="full"``: the layer's input only.
+    ``fused_attention``: the attention kernel stores no ``a × s²`` scores (flash attention, which
+    TransformerEngine's layers use), so no recompute costs what selective recompute does.
+    """
+    split = tp if sequence_parallel else 1
+    if recompute == "full":
+        return math.ceil(2 * tokens * hidden / split)
+    base = 34 * tokens * hidden / tp if sequence_parallel else tokens * hidden * (10 + 24 / tp)
+    if recompute == "selective" or fused_attention:
+        return math.ceil(base)
+    return math.ceil(base + 5 * heads * seq * tokens / tp)
+
+
+def chunks_in_flight(*, pp: int, vpp: int | None, pp_rank: int, num_micro_batches: int) -> int:
+    """Model chunks whose activations pipeline rank ``pp_rank`` holds at once under (interleaved) 1F1B."""
+    chunks = vpp or 1
+    if chunks == 1:
+        return min(pp - pp_rank, num_micro_batches)
+    return min(2 * (pp - pp_rank - 1) + (chunks - 1) * pp + 1, num_micro_batches * chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Worst-case shape of one micro-batch on one rank."""
+
+    tokens: int
+    seq: int
+    count: int
+    """Micro-batches per mini-batch on one rank (the 1F1B cap)."""
+
+
+def micro_batch(*, seq: int, rows: int | None, dynamic: bool, budget: int, rows_per_rank: int = 1) -> MicroBatch:
+    """``rows`` × ``seq`` tokens, or with a token budget at most ``max(budget, seq)`` (a longer row goes alone)."""
+    if dynamic:
+        per_micro = max(budget // seq, 1)
+        return MicroBatch(max(budget, seq), seq, math.ceil(rows_per_rank / per_micro))
+    return MicroBatch(rows * seq, seq, math.ceil(rows_per_rank / rows))
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """What one kind of GPU holds: the rows (bytes) and each phase's total."""
+
+    label: str
+    pool: str
+    gpus: tuple[int, ...]
+    nodes: tuple[int, ...]
+    rows: dict[str, int]
+    parts: dict[str, dict[str, int]]
+    """Phase -> the rows it holds on this GPU (bytes each)."""
+    kv_tokens: int | None = None
+    """Tokens the engine's KV cache holds (SGLang: its pool; hf: its share of the batch); None: no engine."""
+    engine: str | None = None
+    """``sglang`` or ``hf`` when an engine runs here."""
+    in_use_at_engine_start: int = 0
+    """Bytes the trainer (and CUDA contexts) already hold here when the engines start."""
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Phase -> bytes held on this GPU."""
+        return {name: sum(parts.values()) for name, parts in self.parts.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p])
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.peak_phase]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncVolume:
+    """Bytes of one full weight sync (HF tensors in the engine dtype), per step."""
+
+    model_bytes: int
+    """All HF tensors of the model at the engine dtype: what each engine receives."""
+    senders: dict[int, int]
+    """Actor rank (global-pool GPU) -> bytes it sends (``model_bytes`` × engines it serves)."""
+    receivers: dict[int, tuple[str, int]]
+    """Engine index -> (its first GPU, ``pool:gpu``, bytes received)."""
+    pp_broadcast_bytes: int
+    """Bytes each actor rank receives in the pipeline broadcast of buckets (0 without PP), model dtype."""
+    tp_gather_bytes: int
+    """Most bytes an actor rank receives in the TP all-gathers of its stage's tensors, model dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The pre-flight plan of a run: placement, memory per kind of GPU, weight-sync volume."""
+
+    cfg: RunConfig
+    model: Architecture
+    critic_model: Architecture | None
+    placement: PlacementPlan
+    gpu_memory_bytes: int
+    gpus: tuple[GpuPlan, ...]
+    sync: SyncVolume
+    max_seq: int
+
+    @property
+    def worst(self) -> GpuPlan:
+        """The kind of GPU with the highest phase peak."""
+        return max(self.gpus, key=lambda g: g.peak)
+
+    def problems(self) -> list[str]:
+        """Why the run does not fit (empty when it does), each naming the settings that would help."""
+        from megarl.controller.plan_report import kv_problem, overflow_problem
+
+        out = []
+        worst = self.worst
+        if worst.peak > self.gpu_memory_bytes:
+            out.append(overflow_problem(self, worst))
+        for gpu in self.gpus:
+            if gpu.engine == "sglang" and (gpu.kv_tokens or 0) < self.max_seq:
+                out.append(kv_problem(self, gpu))
+                break
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the keys to change when the run does not fit."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+
+    def report(self) -> str:
+        """The printable plan (placement, memory table, phase peaks, weight-sync volume)."""
+        from megarl.controller.plan_report import format_report
+
+        return format_report(self)
+
+
+def placement_for(cfg: RunConfig) -> PlacementPlan:
+    """The placement the trainer makes for ``cfg`` (``Trainer._place_workers``' arguments)."""
+    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
+    engine_tp = 1 if arr.rollout.name == "hf" else arr.rollout.tensor_model_parallel_size
+    return make_placement(nodes=nodes, actor=arr.actor.parallel.to_dims(),
+                          critic=cfg.critic.parallel.to_dims() if cfg.critic.enable else None,
+                          engine_tp=engine_tp, engine_layout="per_replica",
+                          rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
+
+
+def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool = True) -> RunPlan:
+    """The pre-flight plan of ``cfg``; with ``check``, raise ``ValueError`` (naming keys) when it does not fit.
+
+    Refuses first what does not factor: :func:`megarl.config.validate`, the placement, and the
+    model's heads and layers against each layout. ``gpu_memory_gb``: GiB per GPU, default
+    ``trainer.gpu_memory_gb``.
+    """
+    from megarl.config.validate import validate
+
+    validate(cfg)
+    arr = cfg.actor_rollout_ref
+    model = architecture_for(arr.model.path, key=f"{ARR}.model.path")
+    critic_model = None
+    if cfg.critic.enable:
+        critic_model = model if cfg.critic.model_path is None else architecture_for(cfg.critic.model_path,
+                                                                               key="critic.model_path")
+    placement = placement_for(cfg)
+    _check_model_layouts(cfg, model, critic_model, placement)
+    memory = gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb
+    plan = _MemoryModel(cfg, model, critic_model, placement, int(memory * GiB)).plan()
+    if check:
+        plan.check()
+    return plan
+
+
+def preflight(cfg: RunConfig) -> RunPlan | None:
+    """The trainer's check before placing anything: the plan of a cuda run (raises when it does not fit);
+    None on cpu, where there is no device memory to plan."""
+    if cfg.trainer.device == "cpu":
+        return None
+    return plan_run(cfg)
+
+
+def _check_model_layouts(cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
+                         placement: PlacementPlan) -> None:
+    roles = [(f"{ARR}.actor.", placement.role("actor").dims, model)]
+    if critic_model is not None:
+        roles.append(("critic.", placement.role("critic").dims, critic_model))
+    for prefix, dims, sizes in roles:
+        try:
+            dims.check_model(num_layers=sizes.num_layers, num_attention_heads=sizes.heads,
+                             num_query_groups=sizes.kv_heads)
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from error
+    engine_tp = placement.engines[0].tp
+    if model.heads % engine_tp:
+        raise ValueError(f"{ARR}.rollout.tensor_model_parallel_size={engine_tp} does not divide the model's "
+                         f"{model.heads} attention heads: choose a divisor of {model.heads}")
+
+
+class _MemoryModel:
+    """Computes each GPU's rows and phases for one config (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
+                 placement: PlacementPlan, memory: int):
+        self.cfg, self.model, self.critic_model = cfg, model, critic_model
+        self.placement, self.memory = placement, memory
+        arr = cfg.actor_rollout_ref
+        self.arr = arr
+        self.dtype_bytes = DTYPE_BYTES[arr.model.dtype]
+        self.engine_bytes = DTYPE_BYTES[arr.rollout.dtype]
+        width = cfg.rollout_config()
+        self.seq = width.prompt_length + width.response_length
+        self.max_seq = min(arr.rollout.max_model_len or self.seq, self.seq)
+        self.actor_dims: ParallelDims = placement.role("actor").dims
+        self.critic_dims: ParallelDims | None = placement.role("critic").dims if critic_model else None
+        self.engine_tp = placement.engines[0].tp
+        self.colocated = placement.colocated
+
+    # ------------------------------------------------------------------------- training state
+    def _state(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, *, value_head: bool,
+               optim) -> dict[str, int]:
+        n = sizes.rank_params(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, value_head=value_head)
+        sixteen_bit = self.dtype_bytes == 2
+        shards = dims.dp * dims.cp if optim.use_distributed_optimizer else 1
+        return {"weights": n * self.dtype_bytes, "grads": 4 * n,
+                "optimizer": math.ceil(n * (12 if sixteen_bit else 8) / shards),
+                "optimizer_at_start": math.ceil(n * (4 if sixteen_bit else 0) / shards)}
+
+    def _actor_micro(self) -> tuple[MicroBatch, MicroBatch]:
+        """(update micro-batch, largest log-prob forward micro-batch) of the actor, per CP rank."""
+        arr, dims = self.arr, self.actor_dims
+        actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        rows_per_rank = actor.ppo_mini_batch_size * rollout.n // dims.dp
+        update = micro_batch(seq=self.seq, rows=actor.ppo_micro_batch_size_per_gpu, dynamic=actor.use_dynamic_bsz,
+                             budget=actor.ppo_max_token_len_per_gpu, rows_per_rank=rows_per_rank)
+        # The trainer's defaults: 16 rows when a micro-batch size is null.
+        forwards = [micro_batch(seq=self.seq, rows=rollout.log_prob_micro_batch_size_per_gpu or 16,
+                                dynamic=rollout.log_prob_use_dynamic_bsz,
+                                budget=rollout.log_prob_max_token_len_per_gpu)]
+        if self.cfg.needs_ref:
+            forwards.append(micro_batch(seq=self.seq, rows=ref.log_prob_micro_batch_size_per_gpu or 16,
+                                        dynamic=ref.log_prob_use_dynamic_bsz,
+                                        budget=ref.log_prob_max_token_len_per_gpu))
+        forward = max(forwards, key=lambda m: m.tokens)
+        return _per_cp(update, dims.cp), _per_cp(forward, dims.cp)
+
+    def _activations(self, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *, heads: int, hidden: int,
+                     num_layers: int, sequence_parallel: bool, recompute: str | None, block: int) -> int:
+        per_chunk_layers = num_layers // (dims.pp * dims.num_virtual_stages)
+        chunks = chunks_in_flight(pp=dims.pp, vpp=dims.vpp, pp_rank=pp_rank, num_micro_batches=mb.count)
+        kwargs = dict(tokens=mb.tokens, seq=mb.seq, hidden=hidden, heads=heads, tp=dims.tp,
+                      sequence_parallel=sequence_parallel, fused_attention=FUSED_ATTENTION)
+        per_layer = activation_bytes_per_layer(recompute=recompute, **kwargs)
+        if recompute != "full":
+            return chunks * per_chunk_layers * per_layer
+        block = min(block, per_chunk_layers)
+        stored = chunks * math.ceil(per_chunk_layers / block) * per_layer
+        return stored + block * activation_bytes_per_layer(recompute="selective", **kwargs)
+
+    def _logits(self, mb: MicroBatch, tp: int) -> int:
+        vocab = self.model.family.padded_vocab_size(self.model.hf_config, tp)
+        return mb.tokens * (vocab // tp) * LOGITS_BYTES_PER_ELEMENT
+
+    def _actor_rows(self, bundle: int) -> dict[str, int]:
+        m, dims, arr = self.model, self.actor_dims, self.arr
+        _, _, _, pp_rank = megatron_coordinates(bundle, dims)
+        last = pp_rank == dims.pp - 1
+        state = self._state(m, dims, pp_rank, value_head=False, optim=arr.actor.optim)
+        update, forward = self._actor_micro()
+        sp = arr.actor.parallel.sequence_parallel
+        rows = {"actor_weights": state["weights"], "actor_grads": state["grads"],
+                "actor_optimizer": state["optimizer"],
+                "ref_weights": state["weights"] if self.cfg.needs_ref else 0,
+                "activations": self._activations(dims, pp_rank, update, heads=m.heads, hidden=m.hidden,
+                                                 num_layers=m.num_layers, sequence_parallel=sp,
+                                                 recompute=arr.actor.recompute_granularity,
+                                                 block=arr.actor.recompute_num_layers),
+                "logits": self._logits(update, dims.tp) if last else 0,
+                "forward": activation_bytes_per_layer(tokens=forward.tokens, seq=forward.seq, hidden=m.hidden,
+                                                      heads=m.heads, tp=dims.tp, sequence_parallel=sp,
+                                                      recompute="selective")
+                + (self._logits(forward, dims.tp) if last else 0)}
+        at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
+        return rows | {"_at_start": at_start}
+
+    def _critic_rows(self, bundle: int) -> dict[str, int]:
+        m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
+        _, _, _, pp_rank = megatron_coordinates(bundle, dims)
+        state = self._state(m, dims, pp_rank, value_head=True, optim=critic.optim)
+        rows_per_rank = critic.ppo_mini_batch_size * self.arr.rollout.n // dims.dp
+        update = _per_cp(micro_batch(seq=self.seq, rows=critic.ppo_micro_batch_size_per_gpu,
+                                     dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu,
+                                     rows_per_rank=rows_per_rank), dims.cp)
+        forward = _per_cp(micro_batch(seq=self.seq, rows=critic.forward_micro_batch_size_per_gpu or 1,
+                                      dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu), dims.cp)
+        sp = critic.parallel.sequence_parallel
+        off = {"weights": critic.param_offload, "grads": critic.grad_offload, "optimizer": critic.optimizer_offload}
+        return {"critic_state": state["weights"] + state["grads"] + state["optimizer"],
+                "_critic_resident": sum(state[k] for k, flag in off.items() if not flag),
+                "critic_activations": self._activations(dims, pp_rank, update, heads=m.heads, hidden=m.hidden,
+                                                        num_layers=m.num_layers, sequence_parallel=sp,
+                                                        recompute=None, block=1),
+                "critic_forward": activation_bytes_per_layer(tokens=forward.tokens, seq=forward.seq, hidden=m.hidden,
+                                                             heads=m.heads, tp=dims.tp, sequence_parallel=sp,
+                                                             recompute="selective"),
+                "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"]}
+
+    # ------------------------------------------------------------------------------- engines
+    def _engine_weights(self) -> int:
+        """Bytes of the engine's weights on one of its GPUs."""
+        m = self.model
+        if self.arr.rollout.name == "hf":
+            return m.num_params * self.engine_bytes
+        from megarl.models.family import sglang_padded_vocab
+
+        n = m.rank_params(tp=self.engine_tp, padded_vocab=sglang_padded_vocab(m.vocab, self.engine_tp))
+        return n * self.engine_bytes
+
+    def _hf_engine_kv(self) -> int:
+        rows = math.ceil(self.cfg.data.train_batch_size * self.arr.rollout.n / len(self.placement.engines))
+        return rows * self.seq * self.model.kv_bytes_per_token(1, self.engine_bytes)
+
+    # ------------------------------------------------------------------------------ weight sync
+    def _sync(self) -> tuple[SyncVolume, dict[int, int], int]:
+        """The volume, the sync buffers per actor pipeline stage, and the sender's extra cast buffer."""
+        from megarl.convert.plan import Unit, buckets
+
+        m, dims = self.model, self.actor_dims
+        chunk_layers = m.num_layers // (dims.pp * dims.num_virtual_stages)
+
+        def owner(layer):
+            index = layer // chunk_layers
+            return index % dims.pp, index // dims.pp
+
+        units = []
+        rules = m.family.weight_rules(m.hf_config)
+        for rule in [r for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]:
+            units.append(Unit(rule, None, 0, 0, rule.hf, tuple(m.hf_shape(t) for t in rule.hf)))
+        for layer in range(m.num_layers):
+            units += [Unit(r, layer, *owner(layer), r.hf_names(layer), tuple(m.hf_shape(t) for t in r.hf))
+                      for r in rules if r.per_layer]
+        last = (dims.pp - 1, dims.num_virtual_stages - 1)
+        units += [Unit(r, None, *last, r.hf, tuple(m.hf_shape(t) for t in r.hf))
+                  for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+
+        def full(u, size=self.dtype_bytes):
+            return sum(math.prod(s) for s in u.hf_shapes) * size
+
+        bucket = max(sum(full(u) for u in b) for b in buckets(units, full, self.arr.rollout.bucket_mb << 20))
+        padded = m.family.padded_vocab_size(m.hf_config, dims.tp)
+        buffers, gathered = {}, {}
+        for stage in range(dims.pp):
+            own = [u for u in units if u.pp_rank == stage]
+            scratch = [full(u) for u in own if dims.tp > 1 and u.rule.split is not Split.REPLICATED
+                       and not (u.rule.split is Split.VOCAB and padded == m.vocab)]  # vocab rows gather in place
+            buffers[stage] = bucket + max(scratch, default=0)
+            split = sum(full(u) for u in own if u.rule.split is not Split.REPLICATED)
+            gathered[stage] = split * (dims.tp - 1) // dims.tp
+        cast = bucket * self.engine_bytes // self.dtype_bytes if self.engine_bytes != self.dtype_bytes else 0
+        model_bytes = sum(full(u, self.engine_bytes) for u in units)
+        total_model_dtype = sum(full(u) for u in units)
+        stage_bytes = {s: sum(full(u) for u in units if u.pp_rank == s) for s in range(dims.pp)}
+        engines = self.placement.engines
+        senders: dict[int, int] = {}
+        for index, _ in enumerate(engines):
+            replica = index % dims.dp  # the trainer's engines_by_replica
+            sender = replica * dims.tp * dims.cp  # TP 0, CP 0, PP 0 of the replica
+            senders[sender] = senders.get(sender, 0) + model_bytes
+        receivers = {e.index: (f"{e.pool}:{e.bundles[0]}", model_bytes) for e in engines}
+        volume = SyncVolume(model_bytes, senders, receivers,
+                            total_model_dtype - min(stage_bytes.values()) if dims.pp > 1 else 0,
+                            max(gathered.values()))
+        return volume, buffers, cast
+
+    # ----------------------------------------------------------------------------------- GPUs
+    def plan(self) -> RunPlan:
+        sync, sync_buffers, cast = self._sync()
+        engine_weights = self._engine_weights()
+        kv_bytes_per_token = self.model.kv_bytes_per_token(self.engine_tp, self.engine_bytes)
+        per_gpu: list[tuple[str, int, int, dict[str, int]]] = []
+        training_pool = self.placement.role("actor").pool
+        pool = self.placement.pools[training_pool]
+        engine_gpus = {(e.pool, b): e.index for e in self.placement.engines for b in e.bundles}
+        for bundle in range(pool.size):
+            rows = {key: 0 for key in ROWS} | self._actor_rows(bundle)
+            if self.critic_model is not None:
+                critic = self._critic_rows(bundle)
+                rows |= {k: v for k, v in critic.items() if k != "_at_start"}
+                rows["_at_start"] += critic["_at_start"]
+            _, _, _, pp_rank = megatron_coordinates(bundle, self.actor_dims)
+            rows["sync_buffers"] = sync_buffers[pp_rank] + (cast if bundle in sync.senders else 0)
+            processes = 1 + (self.critic_model is not None)
+            rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
+            per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
+        if not self.colocated:
+            rollout_pool = self.placement.pools[self.placement.role("rollout").pool]
+            for bundle in range(rollout_pool.size):
+                rows = {key: 0 for key in ROWS} | {"_at_start": 0}
+                per_gpu.append((rollout_pool.name, bundle, rollout_pool.node_of(bundle), rows))
+        by_key = {(p, b): rows for p, b, _, rows in per_gpu}
+        kv = {}
+        for engine in self.placement.engines:
+            if self.arr.rollout.name == "hf":
+                kv[engine.index] = self._hf_engine_kv()
+                continue
+            used = max(by_key[(engine.pool, b)]["_at_start"] + by_key[(engine.pool, b)]["cuda_context"]
+                       for b in engine.bundles)
+            fraction = self.arr.rollout.gpu_memory_utilization
+            kv[engine.index] = int(fraction * self.memory) - used - CUDA_CONTEXT_BYTES - engine_weights
+        plans = []
+        for pool_name, bundle, node, rows in per_gpu:
+            index = engine_gpus.get((pool_name, bundle))
+            at_start = rows["_at_start"] + rows["cuda_context"]
+            tokens = None
+            if index is not None:
+                rows["engine_weights"] = engine_weights
+                rows["kv_cache"] = max(kv[index], 0)
+                rows["cuda_context"] += CUDA_CONTEXT_BYTES
+                per_token = kv_bytes_per_token if self.arr.rollout.name == "sglang" else \
+                    self.model.kv_bytes_per_token(1, self.engine_bytes)
+                tokens = rows["kv_cache"] // per_token
+            plans.append((pool_name, bundle, node, self._label(pool_name, bundle, index), rows,
+                          self._phases(rows, pool_name == training_pool), tokens,
+                          self.arr.rollout.name if index is not None else None, at_start))
+        return RunPlan(self.cfg, self.model, self.critic_model, self.placement, self.memory,
+                       _group(plans), sync, self.max_seq)
+
+    def _label(self, pool_name: str, bundle: int, engine: int | None) -> str:
+        parts = []
+        if pool_name == self.placement.role("actor").pool:
+            dims = self.actor_dims
+            if dims.pp > 1:
+                parts.append(f"actor stage {megatron_coordinates(bundle, dims)[3]}")
+            if self.critic_dims is not None and self.critic_dims.pp > 1:
+                parts.append(f"critic stage {megatron_coordinates(bundle, self.critic_dims)[3]}")
+            if not parts:
+                parts.append("actor")
+        else:
+            parts.append("rollout pool")
+        if engine is not None:
+            parts.append("engine")
+        return ", ".join(parts)
+
+    def _phases(self, rows: dict[str, int], training: bool) -> dict[str, dict[str, int]]:
+        """Phase -> the rows it holds (bytes each); a phase's total is their sum."""
+        engine = {"engine_weights": rows["engine_weights"], "kv_cache": rows["kv_cache"]}
+        base = {"cuda_context": rows["cuda_context"]}
+        # The hf engine's cache lives only while it generates; SGLang's pool comes back with the weights.
+        resumed = engine if self.arr.rollout.name == "sglang" else {"engine_weights": rows["engine_weights"]}
+        if not training:
+            return {"rollout": base | engine, "weight sync": base | resumed}
+        arr = self.arr
+        actor = arr.actor
+        actor_full = {k: rows[k] for k in ("actor_weights", "actor_grads", "actor_optimizer")}
+        # The trainer offloads the reference together with the actor's parameters (ActorWorker.offload).
+        actor_resident = {"actor_weights": 0 if actor.param_offload else rows["actor_weights"],
+                          "actor_grads": 0 if actor.grad_offload else rows["actor_grads"],
+                          "actor_optimizer": 0 if actor.optimizer_offload else rows["actor_optimizer"],
+                          "ref_weights": 0 if actor.param_offload else rows["ref_weights"]}
+        critic_full = {"critic_state": rows["critic_state"]}
+        critic_resident = {"critic_state": rows.get("_critic_resident", 0)}
+        kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}
+        onloaded = base | actor_full | {"ref_weights": rows["ref_weights"]}
+        phases = {"rollout": base | actor_resident | critic_resident | engine,
+                  "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}
+        if self.critic_model is not None:
+            phases["values"] = onloaded | critic_full | kept | {"critic_forward": rows["critic_forward"]}
+            phases["update critic"] = onloaded | critic_full | kept | {"critic_activations": rows["critic_activations"]}
+        phases["update actor"] = onloaded | critic_resident | kept | {"activations": rows["activations"],
+                                                                       "logits": rows["logits"]}
+        phases["weight sync"] = onloaded | critic_resident | resumed | {"sync_buffers": rows["sync_buffers"]}
+        return {name: {k: v for k, v in parts.items() if v} for name, parts in phases.items()}
+
+
+def _per_cp(mb: MicroBatch, cp: int) -> MicroBatch:
+    return MicroBatch(math.ceil(mb.tokens / cp), math.ceil(mb.seq / cp), mb.count)
+
+
+def _group(plans) -> tuple[GpuPlan, ...]:
+    """GPUs with the same label, rows and phases, as one :class:`GpuPlan` each (first GPU order)."""
+    groups: dict[Any, list] = {}
+    for pool_name, bundle, node, label, rows, phases, tokens, engine, at_start in plans:
+        public = {k: v for k, v in rows.items() if not k.startswith("_")}
+        key = (pool_name, label, tuple(sorted(public.items())), repr(phases), tokens, at_start)
+        groups.setdefault(key, []).append((bundle, node, public, phases, tokens, engine, at_start))
+    out = []
+    for (pool_name, label, *_), members in groups.items():
+        _, _, rows, phases, tokens, engine, at_start = members[0]
+        out.append(GpuPlan(label, pool_name, tuple(m[0] for m in members), tuple(sorted({m[1] for m in members})),
+                           rows, phases, tokens, engine, at_start))
+    return tuple(out)

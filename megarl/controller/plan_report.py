@@ -1,0 +1,321 @@
+"""The printable pre-flight plan and its refusal messages (``megarl.controller.plan``'s text side).
+
+The report: the model, the placement (pools, roles and their TP/PP/DP groups, which layers each
+pipeline stage holds, each engine's GPUs and the rank that feeds it), then one memory column per
+kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room and
+the weight-sync volume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from megarl.controller.placement import GLOBAL_POOL, megatron_coordinates
+
+if TYPE_CHECKING:
+    from megarl.controller.plan import GpuPlan, RunPlan
+
+GiB = 1 << 30
+ARR = "actor_rollout_ref"
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def ranges(values: Sequence[int]) -> str:
+    """``0-7,16-23`` for sorted integers."""
+    values = sorted(values)
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def _groups(dims, axis: str) -> list[list[int]]:
+    """Ranks of each ``axis`` group (ranks sharing the other coordinates), in rank order."""
+    index = {"tp": 0, "cp": 1, "dp": 2, "pp": 3}[axis]
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(dims.world_size):
+        coords = megatron_coordinates(rank, dims)
+        groups.setdefault(coords[:index] + coords[index + 1:], []).append(rank)
+    return sorted(groups.values())
+
+
+def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
+    shown = [f"[{ranges(g) if len(g) > 2 and g == list(range(g[0], g[-1] + 1)) else ' '.join(map(str, g))}]"
+             for g in groups]
+    if len(shown) > limit:
+        shown = shown[: limit - 1] + ["...", shown[-1]]
+    return " ".join(shown)
+
+
+def _stage_layers(num_layers: int, dims, stage: int) -> str:
+    per_chunk = num_layers // (dims.pp * dims.num_virtual_stages)
+    chunks = [v * dims.pp + stage for v in range(dims.num_virtual_stages)]
+    return ranges([c * per_chunk + i for c in chunks for i in range(per_chunk)])
+
+
+def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
+    placement = plan.placement.role(role)
+    dims = placement.dims
+    pool = plan.placement.pools[placement.pool]
+    vpp = f" vpp={dims.vpp}" if dims.vpp and dims.vpp > 1 else ""
+    extra = " (the reference runs in these processes)" if role == "actor" and plan.cfg.needs_ref else ""
+    lines = [f"{role} ({prefix}.parallel): {placement.world_size} ranks on pool {placement.pool}, "
+             f"tp={dims.tp} pp={dims.pp} cp={dims.cp} dp={dims.dp}{vpp}; rank r on GPU r{extra}"]
+    for axis in ("tp", "cp", "pp", "dp"):
+        size = getattr(dims, axis)
+        if size > 1:
+            groups = _groups(dims, axis)
+            lines.append(f"  {axis.upper()} groups ({len(groups)} groups of {size}): {_format_groups(groups)}")
+    for stage in range(dims.pp):
+        gpus = [r for r in range(dims.world_size) if megatron_coordinates(r, dims)[3] == stage]
+        nodes = sorted({pool.node_of(g) for g in gpus})
+        ends = (["embedding"] if stage == 0 else []) + (
+            ["final norm", "value head" if role == "critic" else "LM head"] if stage == dims.pp - 1 else [])
+        node_word = "nodes" if len(nodes) > 1 else "node"
+        lines.append(f"  stage {stage}: GPUs {ranges(gpus)} ({node_word} {ranges(nodes)}): layers "
+                     f"{_stage_layers(sizes.num_layers, dims, stage)}" + (f" + {', '.join(ends)}" if ends else ""))
+    return lines
+
+
+def _placement_lines(plan: RunPlan) -> list[str]:
+    placement = plan.placement
+    lines = [f"pool {p.name}: {p.size} GPUs on {len(p.nodes)} node(s), {ranges(range(p.size))}"
+             for p in placement.pools.values()]
+    lines += _role_lines(plan, "actor", f"{ARR}.actor", plan.model)
+    if plan.critic_model is not None:
+        lines += _role_lines(plan, "critic", "critic", plan.critic_model)
+    engines = placement.engines
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    layout = ("TP-matched: one per actor DP replica, on its first TP group" if engines[0].tp_matched
+              else "not TP-matched: tiling the pool")
+    lines.append(f"rollout ({ARR}.rollout): {len(engines)} {rollout.name} engines of TP {engines[0].tp} on pool "
+                 f"{engines[0].pool} ({layout})")
+    dp = placement.role("actor").dims.dp
+    shown = engines if len(engines) <= 8 else list(engines[:6]) + [None, engines[-1]]
+    for engine in shown:
+        if engine is None:
+            lines.append("  ...")
+            continue
+        pool = placement.pools[engine.pool]
+        sender = (engine.index % dp) * placement.role("actor").dims.tp * placement.role("actor").dims.cp
+        where = ranges(engine.bundles) if engine.pool == GLOBAL_POOL else f"{engine.pool}:{ranges(engine.bundles)}"
+        lines.append(f"  engine {engine.index}: GPUs {where} (node {pool.node_of(engine.bundles[0])}), "
+                     f"fed by actor DP replica {engine.index % dp} (sent from GPU {sender})")
+    return lines
+
+
+def _row_names(plan: RunPlan) -> dict[str, str]:
+    cfg = plan.cfg
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    dims = plan.placement.role("actor").dims
+    dtype, engine_dtype = _DTYPE_NAMES[arr.model.dtype], _DTYPE_NAMES[rollout.dtype]
+    shards = dims.dp * dims.cp if actor.optim.use_distributed_optimizer else 1
+    recompute = actor.recompute_granularity or "no"
+    return {
+        "actor_weights": f"actor weights ({dtype})",
+        "actor_grads": "actor grads (fp32 buffer)",
+        "actor_optimizer": f"actor optimizer (Adam, /{shards} ranks)",
+        "ref_weights": f"reference weights ({dtype})",
+        "critic_state": "critic weights+grads+optimizer",
+        "activations": f"actor activations ({recompute} recompute)",
+        "logits": "actor logits (update)",
+        "forward": "log-prob forward (layer+logits)",
+        "critic_activations": "critic activations",
+        "critic_forward": "critic forward (one layer)",
+        "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp})",
+        "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),
+        "sync_buffers": "weight-sync buffers",
+        "cuda_context": "CUDA contexts",
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
+
+    return [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+
+
+def memory_table(plan: RunPlan) -> list[str]:
+    """The per-kind memory table (GiB): rows, phase totals, peak vs the GPU, KV tokens."""
+    from megarl.controller.plan import ROWS
+
+    kinds = plan.gpus
+    names = _row_names(plan)
+    header = ["GiB per GPU"] + [k.label for k in kinds]
+    body = [["GPUs"] + [ranges(k.gpus) if k.pool == GLOBAL_POOL else f"{k.pool}:{ranges(k.gpus)}" for k in kinds]]
+    for key in ROWS:
+        if any(k.rows.get(key, 0) for k in kinds):
+            body.append([names[key]] + [_gib(k.rows[key]) if k.rows.get(key) else "-" for k in kinds])
+    phases = list(dict.fromkeys(p for k in kinds for p in k.parts))
+    body.append(["phase totals:"] + [""] * len(kinds))
+    for phase in phases:
+        body.append([f"  {phase}"] + [_gib(k.phases[phase]) if phase in k.phases else "-" for k in kinds])
+    body.append(["peak"] + [_gib(k.peak) for k in kinds])
+    body.append(["GPU memory (trainer.gpu_memory_gb)"] + [_gib(plan.gpu_memory_bytes)] * len(kinds))
+    body.append(["headroom"] + [_gib(plan.gpu_memory_bytes - k.peak) for k in kinds])
+    if any(k.kv_tokens is not None for k in kinds):
+        body.append(["KV cache tokens per engine"] + [f"{k.kv_tokens:,}" if k.kv_tokens is not None else "-"
+                                                        for k in kinds])
+    return _table(header, body)
+
+
+def _sync_lines(plan: RunPlan) -> list[str]:
+    sync = plan.sync
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    dtype = _DTYPE_NAMES[rollout.dtype]
+    senders = ", ".join(f"GPU {g}: {_gib(b)}" for g, b in sorted(sync.senders.items())[:4])
+    if len(sync.senders) > 4:
+        senders += f", ... ({len(sync.senders)} senders)"
+    receivers = sorted({gpu for gpu, _ in sync.receivers.values()})
+    shown = ", ".join(receivers[:4]) + (f", ... ({len(receivers)} engines)" if len(receivers) > 4 else "")
+    model_dtype = _DTYPE_NAMES[plan.cfg.actor_rollout_ref.model.dtype]
+    return [
+        f"Weight sync per step: full HF tensors in {dtype}, {_gib(sync.model_bytes)} GiB per engine "
+        f"(buckets of {rollout.bucket_mb} MiB through Ray)",
+        f"  sent by each DP replica's first actor rank (TP 0, PP 0), GiB: {senders}",
+        f"  received by each engine's first GPU ({shown}): {_gib(sync.model_bytes)} GiB each",
+        f"  inside the actor ({model_dtype}), per rank at most: {_gib(sync.pp_broadcast_bytes)} GiB received in the "
+        f"pipeline broadcast of buckets, {_gib(sync.tp_gather_bytes)} GiB in TP all-gathers",
+    ]
+
+
+def _engine_note(plan: RunPlan) -> list[str]:
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    if rollout.name != "sglang":
+        return ["  hf engines reserve no KV pool: each caches its share of the batch while it generates"]
+    starts = sorted({g.in_use_at_engine_start for g in plan.gpus if g.engine})
+    held = _gib(starts[0]) if starts[0] == starts[-1] else f"{_gib(starts[0])} to {_gib(starts[-1])}"
+    why = ("the trainer builds the actor, reference and critic before the engines" if plan.placement.colocated
+           else "the engines have their GPUs to themselves")
+    return [f"  SGLang sizes its KV pool when it starts: {ARR}.rollout.gpu_memory_utilization="
+            f"{rollout.gpu_memory_utilization} x GPU - memory in use then ({held} GiB; {why}) - engine weights"]
+
+
+def format_report(plan: RunPlan) -> str:
+    """The whole printable plan."""
+    cfg, model = plan.cfg, plan.model
+    trainer = cfg.trainer
+    lines = [
+        f"megarl-plan: recipe {cfg.recipe}",
+        f"model: {model.name}: {model.hf_config.architectures[0]}, {model.num_params / 1e9:.2f} B parameters, "
+        f"{model.num_layers} layers, hidden {model.hidden}, {model.heads} heads / {model.kv_heads} KV heads, "
+        f"ffn {model.ffn}, vocabulary {model.vocab}{' (tied)' if model.tied else ''}; from {model.source}",
+        f"GPUs: {trainer.nnodes} node(s) x {trainer.n_gpus_per_node}, {_gib(plan.gpu_memory_bytes)} GiB each; "
+        f"sequences of {plan.max_seq} tokens",
+        "",
+        "Placement",
+    ]
+    lines += [f"  {line}" for line in _placement_lines(plan)]
+    lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals)"]
+    lines += [f"  {line}" for line in memory_table(plan)]
+    lines += _engine_note(plan)
+    lines += [""] + _sync_lines(plan) + [""]
+    problems = plan.problems()
+    worst = plan.worst
+    if problems:
+        lines.append("DOES NOT FIT:")
+        lines += [f"  {p}" for p in problems]
+    else:
+        lines.append(f"fits: the fullest GPUs ({ranges(worst.gpus)}, {worst.label}) peak at {_gib(worst.peak)} of "
+                     f"{_gib(plan.gpu_memory_bytes)} GiB, in the {worst.peak_phase} phase")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
+    """Settings that shrink ``row`` in ``phase``."""
+    arr = plan.cfg.actor_rollout_ref
+    actor, rollout, critic = arr.actor, arr.rollout, plan.cfg.critic
+    a, c = f"{ARR}.actor", "critic"
+    layout = f"raise {a}.parallel.tp or {a}.parallel.pp (now tp={actor.parallel.tp}, pp={actor.parallel.pp})"
+    micro = (f"lower {a}.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}" if actor.use_dynamic_bsz
+             else f"lower {a}.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}")
+    offload = {"actor_weights": "param_offload", "actor_grads": "grad_offload", "actor_optimizer": "optimizer_offload",
+               "ref_weights": "param_offload"}
+    if row in offload:
+        if phase == "rollout" and not getattr(actor, offload[row]):
+            return f"set {a}.{offload[row]}=true"
+        return layout + (" or add nodes (trainer.nnodes: more DP ranks share it)" if row == "actor_optimizer" else "")
+    if row == "critic_state":
+        flags = [f"{c}.{k}=true" for k in ("param_offload", "grad_offload", "optimizer_offload")
+                 if not getattr(critic, k)]
+        if phase not in ("values", "update critic") and flags:
+            return "set " + " / ".join(flags)
+        return f"raise {c}.parallel.tp or {c}.parallel.pp"
+    if row == "activations":
+        steps = [micro]
+        if actor.recompute_granularity != "full":
+            steps.insert(0, f"set {a}.recompute_granularity=full")
+        if actor.parallel.tp > 1 and not actor.parallel.sequence_parallel:
+            steps.append(f"set {a}.parallel.sequence_parallel=true")
+        return ", or ".join(steps)
+    if row == "logits":
+        return f"{micro}, or raise {a}.parallel.tp (splits the vocabulary)"
+    if row == "forward":
+        keys = [f"{ARR}.rollout.log_prob_" + ("max_token_len_per_gpu" if rollout.log_prob_use_dynamic_bsz
+                                              else "micro_batch_size_per_gpu")]
+        if plan.cfg.needs_ref:
+            keys.append(f"{ARR}.ref.log_prob_" + ("max_token_len_per_gpu" if arr.ref.log_prob_use_dynamic_bsz
+                                                  else "micro_batch_size_per_gpu"))
+        return "lower " + " / ".join(keys)
+    if row == "critic_activations":
+        return "lower " + (f"{c}.ppo_max_token_len_per_gpu" if critic.use_dynamic_bsz
+                           else f"{c}.ppo_micro_batch_size_per_gpu")
+    if row == "critic_forward":
+        return f"lower {c}.forward_micro_batch_size_per_gpu"
+    if row in ("engine_weights", "kv_cache"):
+        if phase not in ("rollout", "weight sync"):
+            return f"set {ARR}.rollout.free_cache_engine=true (and enforce_eager=true)"
+        if rollout.name == "sglang":
+            return f"lower {ARR}.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}"
+        if row == "kv_cache":
+            return "lower data.train_batch_size (each hf engine caches its whole share of the batch)"
+        return f"set {ARR}.rollout.name=sglang (weights sharded over tensor_model_parallel_size)"
+    if row == "sync_buffers":
+        return f"lower {ARR}.rollout.bucket_mb={rollout.bucket_mb}"
+    return None
+
+
+def overflow_problem(plan: RunPlan, gpu: GpuPlan) -> str:
+    """The message for a kind of GPU whose peak phase exceeds the GPU: the largest parts and what shrinks them."""
+    names = _row_names(plan)
+    phase = gpu.peak_phase
+    over = gpu.peak - plan.gpu_memory_bytes
+    parts = sorted(gpu.parts[phase].items(), key=lambda kv: -kv[1])
+    advice = []
+    for row, size in parts:
+        hint = _advice(plan, row, phase)
+        if hint:
+            advice.append(f"{names[row]} {_gib(size)} GiB: {hint}")
+        if len(advice) == 3:
+            break
+    return (f"GPUs {ranges(gpu.gpus)} ({gpu.label}) need {_gib(gpu.peak)} GiB in the {phase} phase, "
+            f"{_gib(over)} GiB more than trainer.gpu_memory_gb={plan.gpu_memory_bytes / GiB:g}. Largest parts: "
+            + "; ".join(advice))
+
+
+def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:
+    """The message for SGLang engines left with KV room for less than one sequence."""
+    rollout = plan.cfg.actor_rollout_ref.rollout
+    return (f"the SGLang engines on GPUs {ranges(gpu.gpus)} ({gpu.label}) would hold {gpu.kv_tokens or 0:,} tokens of "
+            f"KV cache, less than one {plan.max_seq}-token sequence: SGLang gets {ARR}.rollout.gpu_memory_utilization="
+            f"{rollout.gpu_memory_utilization} of the GPU minus what is in use when it starts (the trainer's state "
+            f"and contexts: {_gib(gpu.in_use_at_engine_start)} GiB; its own weights: "
+            f"{_gib(gpu.rows['engine_weights'])} GiB): raise "
+            f"{ARR}.rollout.gpu_memory_utilization, raise {ARR}.rollout.tensor_model_parallel_size, or shrink the "
+            f"training state per GPU ({ARR}.actor.parallel.tp / pp)")

@@ -1,0 +1,74 @@
+"""Architectures megarl knows by name, so the planner can size a model it cannot download.
+
+``megarl-plan`` needs a model's sizes (hidden, layers, heads, vocabulary, ...) but recipes name
+hub ids (``Qwen/Qwen2.5-7B-Instruct``) and there may be no hub. :func:`resolve_hf_config` reads
+the model directory's ``config.json`` when ``path`` exists locally, and otherwise matches the
+path's last component against :data:`KNOWN_ARCHITECTURES` (``-Instruct`` variants share their
+base model's sizes). The entries copy the published ``config.json`` values that decide sizes;
+they are HF configs good for counting parameters and KV-cache bytes, not for loading weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "Qwen2.5-0.5B": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+        tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    "Qwen2.5-7B": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+        tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    "Llama-3.1-70B": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    ),
+}
+"""Base-model name -> the size-deciding fields of its HF ``config.json`` (Qwen2.5: q/k/v biases, which
+the ``qwen2`` family adds; Llama 3.1: none)."""
+
+_VARIANT_SUFFIXES = ("-instruct",)
+
+
+def known_name(path: str) -> str | None:
+    """The :data:`KNOWN_ARCHITECTURES` entry whose name is ``path``'s last component (case-insensitive,
+    an ``-Instruct`` suffix ignored); None when none is."""
+    base = Path(str(path).rstrip("/")).name.lower()
+    for suffix in _VARIANT_SUFFIXES:
+        base = base.removesuffix(suffix)
+    for name in KNOWN_ARCHITECTURES:
+        if name.lower() == base:
+            return name
+    return None
+
+
+def known_config(name: str):
+    """The HF config of the known architecture ``name`` (a key of :data:`KNOWN_ARCHITECTURES`)."""
+    from transformers import AutoConfig
+
+    fields = dict(KNOWN_ARCHITECTURES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def resolve_hf_config(path: str, *, key: str):
+    """``(hf_config, source)`` for the model at ``path``: its ``config.json`` when the directory exists
+    here, else the known architecture its name matches. ``key`` names the setting in errors."""
+    local = Path(str(path)).expanduser()
+    if (local / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(local)), f"{local / 'config.json'}"
+    name = known_name(str(path))
+    if name is None:
+        raise ValueError(
+            f"{key}={path!r}: no config.json there and the name matches no known architecture "
+            f"({', '.join(KNOWN_ARCHITECTURES)}, optionally with -Instruct): point {key} at a local HF model "
+            f"directory, or add the architecture to megarl.models.known.KNOWN_ARCHITECTURES"
+        )
+    return known_config(name), f"known architecture {name} (megarl.models.known)"

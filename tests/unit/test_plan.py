@@ -1,0 +1,266 @@
+"""The pre-flight planner (megarl.controller.plan, megarl-plan): numbers checked against hand arithmetic.
+
+The 7B numbers below are worked out from the published Qwen2.5-7B sizes and the recipe's settings,
+independently of the planner's code path (no weight rules, no placement helpers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megarl.cli.plan import main as plan_main
+from megarl.config import load_config
+from megarl.controller.plan import (
+    CUDA_CONTEXT_BYTES,
+    activation_bytes_per_layer,
+    chunks_in_flight,
+    plan_run,
+    preflight,
+)
+from megarl.models.known import KNOWN_ARCHITECTURES, known_config, known_name, resolve_hf_config
+from megarl.models.sizes import Architecture
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def plan_7b():
+    return plan_run(load_config(["recipe=qwen2_5_7b_grpo"]))
+
+
+@pytest.fixture(scope="module")
+def plan_70b():
+    return plan_run(load_config(["recipe=llama3_1_70b_grpo"]))
+
+
+# ------------------------------------------------------------------------------------ Qwen2.5-7B
+# Architecture: hidden 3584, 28 layers, 28 heads of 128, 4 KV heads, ffn 18944, vocab 152064 (a multiple
+# of 64 x 2: no padding at TP 2), untied LM head, q/k/v biases.
+H, L, A, G, D, F, V = 3584, 28, 28, 4, 128, 18944, 152064
+# Recipe qwen2_5_7b_grpo: 1 node x 8 GPUs, actor TP 2 (SP) -> DP 4, bf16, full recompute of every layer,
+# token-budget micro-batches of 16384 tokens (update) and 32768 (old and ref log-probs), sequences of
+# 1024 + 2048 tokens, SGLang TP 2 at gpu_memory_utilization 0.6 of 80 GiB.
+TP, DP, SEQ = 2, 4, 1024 + 2048
+QKV = (A + 2 * G) * D * H + (A + 2 * G) * D  # fused q/k/v weights + biases
+PER_LAYER_RANK = (QKV + H * A * D + 3 * F * H) // TP + 2 * H  # TP-split matrices + two replicated norms
+N_RANK = L * PER_LAYER_RANK + 2 * (V // TP) * H + H  # + embedding and LM head shards + final norm
+
+
+def test_7b_parameters_per_gpu():
+    assert N_RANK == 3_807_910_400
+    assert Architecture.from_hf(known_config("Qwen2.5-7B"), name="q", source="t").rank_params(tp=2) == N_RANK
+
+
+def test_7b_weights_grads_optimizer_engine_bytes(plan_7b):
+    (gpu,) = plan_7b.gpus  # pp=1 and engines on every GPU: one kind of GPU
+    assert gpu.gpus == tuple(range(8))
+    assert gpu.rows["actor_weights"] == 2 * N_RANK  # bf16
+    assert gpu.rows["actor_grads"] == 4 * N_RANK  # fp32 gradient buffer
+    assert gpu.rows["actor_optimizer"] == 12 * N_RANK // DP  # fp32 main + Adam m, v over 4 DP ranks
+    assert gpu.rows["ref_weights"] == 2 * N_RANK  # use_kl_loss: the reference in the actor's processes
+    assert gpu.rows["engine_weights"] == 2 * N_RANK  # SGLang TP 2 shards exactly like Megatron TP 2 here
+    assert gpu.rows["cuda_context"] == 2 * CUDA_CONTEXT_BYTES  # actor + engine rank
+
+
+def test_7b_activation_logits_and_kv_estimates(plan_7b):
+    (gpu,) = plan_7b.gpus
+    tokens = 16384
+    # Full recompute with sequence parallelism: each layer keeps its input, 2 s b h / t bytes, for all 28
+    # layers (pp=1: one micro-batch in flight), plus one layer rematerialised at 34 s b h / t.
+    assert gpu.rows["activations"] == L * (2 * tokens * H // TP) + 34 * tokens * H // TP
+    # Logits: tokens x vocab/tp x 14 bytes (bf16 logits + three fp32 temporaries of the log-prob).
+    assert gpu.rows["logits"] == tokens * (V // TP) * 14
+    assert gpu.rows["forward"] == 34 * 32768 * H // TP + 32768 * (V // TP) * 14
+    # SGLang's pool: 0.6 x 80 GiB minus what is in use when it starts (actor weights, grads, fp32 main
+    # weights 4 n / dp, reference, the actor's context) minus its own context and weights.
+    in_use = 2 * N_RANK + 4 * N_RANK + 4 * N_RANK // DP + 2 * N_RANK + CUDA_CONTEXT_BYTES
+    assert gpu.in_use_at_engine_start == in_use
+    kv = int(0.6 * 80 * GiB) - in_use - CUDA_CONTEXT_BYTES - 2 * N_RANK
+    assert gpu.rows["kv_cache"] == kv
+    assert gpu.kv_tokens == kv // (2 * L * (G // TP) * D * 2)  # K and V, 2 KV heads per GPU, bf16
+
+
+def test_7b_phases_and_sync_volume(plan_7b):
+    (gpu,) = plan_7b.gpus
+    r = gpu.rows
+    state = r["actor_weights"] + r["actor_grads"] + r["actor_optimizer"] + r["ref_weights"]
+    # No offload flags: the training state stays during the rollout, beside the engine.
+    assert gpu.phases["rollout"] == state + r["engine_weights"] + r["kv_cache"] + r["cuda_context"]
+    assert gpu.phases["log-probs"] == state + r["forward"] + r["cuda_context"]  # engine released
+    assert gpu.phases["update actor"] == state + r["activations"] + r["logits"] + r["cuda_context"]
+    assert gpu.peak_phase == "log-probs"
+    # Bucket buffer: the embedding (152064 x 3584 bf16) travels alone, larger than 512 MiB; gather scratch:
+    # the fused gate/up of one layer gathered over TP 2.
+    assert r["sync_buffers"] == V * H * 2 + 2 * F * H * 2
+    hf_params = 7_615_616_512  # Qwen2.5-7B's published parameter count
+    assert plan_7b.model.num_params == hf_params
+    assert plan_7b.sync.model_bytes == hf_params * 2
+    assert plan_7b.sync.senders == {0: hf_params * 2, 2: hf_params * 2, 4: hf_params * 2, 6: hf_params * 2}
+
+
+# ------------------------------------------------------------------------------------- formulas
+
+
+def test_activation_formula_matches_korthikanti_table_2():
+    s, b, h, a, t = 4096, 2, 8192, 64, 8
+    kw = dict(tokens=s * b, seq=s, hidden=h, heads=a, tp=t)
+    unfused = dict(kw, fused_attention=False)
+    assert activation_bytes_per_layer(**unfused, sequence_parallel=True, recompute=None) == \
+        math.ceil(s * b * h / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(**unfused, sequence_parallel=False, recompute=None) == \
+        math.ceil(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_layer(**kw, sequence_parallel=True, recompute="selective") == 34 * s * b * h // t
+    assert activation_bytes_per_layer(**kw, sequence_parallel=False, recompute="selective") == \
+        math.ceil(s * b * h * (10 + 24 / t))
+    assert activation_bytes_per_layer(**kw, sequence_parallel=True, recompute="full") == 2 * s * b * h // t
+    assert activation_bytes_per_layer(**kw, sequence_parallel=False, recompute="full") == 2 * s * b * h
+    # Fused (flash) attention stores no scores: no recompute keeps what selective recompute keeps.
+    assert activation_bytes_per_layer(**kw, sequence_parallel=True, recompute=None) == 34 * s * b * h // t
+
+
+def test_chunks_in_flight_follow_megatron_warmup():
+    assert chunks_in_flight(pp=4, vpp=None, pp_rank=0, num_micro_batches=16) == 4
+    assert chunks_in_flight(pp=4, vpp=None, pp_rank=3, num_micro_batches=16) == 1
+    assert chunks_in_flight(pp=4, vpp=None, pp_rank=0, num_micro_batches=2) == 2
+    # Interleaved: 2 (pp - r - 1) + (vpp - 1) pp warm-up chunks, + 1.
+    assert chunks_in_flight(pp=4, vpp=5, pp_rank=0, num_micro_batches=128) == 2 * 3 + 4 * 4 + 1
+    assert chunks_in_flight(pp=4, vpp=5, pp_rank=3, num_micro_batches=128) == 4 * 4 + 1
+    assert chunks_in_flight(pp=4, vpp=5, pp_rank=0, num_micro_batches=2) == 10
+
+
+# --------------------------------------------------------------------------------- Llama-3.1-70B
+
+
+def test_70b_recipe_fits_on_8x8_80gb(plan_70b):
+    assert plan_70b.fits and plan_70b.gpu_memory_bytes == 80 * GiB
+    assert plan_70b.worst.peak < 80 * GiB
+    by_label = {g.label: g for g in plan_70b.gpus}
+    assert set(by_label) == {"actor stage 0, engine", "actor stage 1", "actor stage 2", "actor stage 3"}
+    # Stage 0 of TP 8 x PP 4: 20 layers and the embedding (128256 = 8 x 16032 rows).
+    h, f, a, g, d = 8192, 28672, 64, 8, 128
+    layer = ((a + 2 * g) * d * h + h * a * d + 3 * f * h) // 8 + 2 * h
+    assert by_label["actor stage 0, engine"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h)
+    assert by_label["actor stage 1"].rows["actor_weights"] == 2 * 20 * layer
+    assert by_label["actor stage 3"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h + h)
+    # All training state offloaded: the idle stages hold only the actor's CUDA context while engines generate.
+    assert by_label["actor stage 1"].phases["rollout"] == CUDA_CONTEXT_BYTES
+    assert plan_70b.model.num_params == 70_553_706_496
+    assert sorted(plan_70b.sync.senders) == [0, 8]  # the first rank of each of the 2 DP replicas
+
+
+def test_70b_with_tp1_is_refused_naming_a_key():
+    cfg = load_config(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.actor.parallel.tp=1",
+                       "actor_rollout_ref.actor.parallel.sequence_parallel=false"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.parallel\.tp"):
+        plan_run(cfg)
+
+
+def test_too_little_kv_room_is_refused_naming_gpu_memory_utilization():
+    cfg = load_config(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"])
+    with pytest.raises(ValueError, match=r"rollout\.gpu_memory_utilization"):
+        plan_run(cfg)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.actor.parallel.tp=3", r"actor_rollout_ref\.actor\.parallel\.tp"),  # does not divide 8 GPUs
+    ("actor_rollout_ref.actor.parallel.tp=8", r"actor\.parallel\.tp=8 does not divide the model's 28 attention"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=8", r"rollout\.tensor_model_parallel_size=8"),
+])
+def test_non_factoring_layouts_are_refused_naming_the_key(override, key):
+    with pytest.raises(ValueError, match=key):
+        plan_run(load_config(["recipe=qwen2_5_7b_grpo", override]))
+
+
+def test_smaller_gpu_is_refused_with_the_phase_and_keys():
+    cfg = load_config(["recipe=qwen2_5_7b_grpo", "trainer.gpu_memory_gb=60"])
+    with pytest.raises(ValueError, match=r"log-probs phase.*rollout\.log_prob_max_token_len_per_gpu"):
+        plan_run(cfg)
+
+
+def test_preflight_is_skipped_on_cpu_and_plans_cuda_runs(plan_7b):
+    assert preflight(load_config(["recipe=tiny_cpu_grpo"])) is None
+    plan = preflight(load_config(["recipe=qwen2_5_7b_grpo"]))
+    assert plan is not None and plan.worst.peak == plan_7b.worst.peak
+
+
+# ------------------------------------------------------------------------------ architectures
+
+
+def test_known_names_and_unknown_path():
+    assert known_name("Qwen/Qwen2.5-7B-Instruct") == "Qwen2.5-7B"
+    assert known_name("/models/llama-3.1-70b/") == "Llama-3.1-70B"
+    assert known_name("Qwen/Qwen2.5-14B") is None
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.path='nowhere/Foo-13B'"):
+        plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.model.path=nowhere/Foo-13B"]))
+
+
+def test_local_config_json_wins(tmp_path):
+    known_config("Qwen2.5-0.5B").save_pretrained(tmp_path / "Qwen2.5-7B")  # a misleading directory name
+    config, source = resolve_hf_config(str(tmp_path / "Qwen2.5-7B"), key="k")
+    assert config.hidden_size == 896 and source.endswith("config.json")
+
+
+@pytest.mark.parametrize("name, total", [("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-7B", 7_615_616_512),
+                                         ("Llama-3.1-70B", 70_553_706_496)])
+def test_known_architectures_count_like_transformers(name, total):
+    from megarl.convert.hf_io import expected_shapes
+
+    arch = Architecture.from_hf(known_config(name), name=name, source="test")
+    assert arch.num_params == total  # the published parameter counts
+    small = known_config(name)
+    small.num_hidden_layers = 2  # same tensors per layer, cheap to build on the meta device
+    shapes = Architecture.from_hf(small, name=name, source="test").hf_shapes()
+    hf = expected_shapes(small)
+    if small.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)  # tied: one tensor
+    assert shapes == hf
+
+
+def test_critic_counts_a_value_head_instead_of_the_lm_head():
+    arch = Architecture.from_hf(known_config("Qwen2.5-7B"), name="q", source="t")
+    assert arch.rank_params(tp=2, value_head=True) == N_RANK - (V // TP) * H + H + 1
+    tied = Architecture.from_hf(known_config("Qwen2.5-0.5B"), name="q", source="t")
+    # A tied embedding: one copy at pp=1, Megatron's second copy on the last stage at pp=2.
+    one = tied.rank_params(tp=1)
+    assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
+    assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-70B"}
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_prints_the_plan_and_exits_0_when_it_fits(capsys):
+    assert plan_main(["recipe=llama3_1_70b_grpo"]) == 0
+    out = capsys.readouterr().out
+    for text in ("Placement", "TP groups (8 groups of 8): [0-7] [8-15]", "engine 1: GPUs 8-15",
+                 "actor optimizer (Adam, /2 ranks)", "KV cache tokens per engine", "Weight sync per step", "fits:"):
+        assert text in out
+
+
+def test_cli_exits_2_naming_the_key(capsys):
+    assert plan_main(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.actor.parallel.tp=3"]) == 2
+    assert "actor_rollout_ref.actor.parallel.tp" in capsys.readouterr().err
+    assert plan_main(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.actor.parallel.tp=1",
+                      "actor_rollout_ref.actor.parallel.sequence_parallel=false"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out and "actor_rollout_ref.actor.parallel.tp" in captured.err
+
+
+def test_critic_hf_and_disaggregated_layouts_are_planned():
+    ppo = plan_run(load_config(["recipe=qwen2_5_7b_ppo"]), check=False)
+    (gpu,) = ppo.gpus
+    assert gpu.rows["critic_state"] > 0 and {"values", "update critic"} <= set(gpu.phases)
+    assert "critic (critic.parallel)" in ppo.report()
+    hf = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.name=hf",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=null"]), check=False)
+    (gpu,) = hf.gpus
+    assert gpu.rows["engine_weights"] == 7_615_616_512 * 2  # an unsharded model per GPU
+    assert "kv_cache" not in gpu.parts["weight sync"]  # the hf engine's cache lives only while generating
+    split = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.hybrid_engine=false",
+                                  "actor_rollout_ref.rollout.pool_nodes=[8]"]))
+    training, engines = split.gpus
+    assert training.rows["engine_weights"] == 0 and engines.pool == "rollout"
+    # Alone on its GPU, SGLang takes 0.6 x 80 GiB: its context, weights and KV pool.
+    assert engines.peak == int(0.6 * 80 * GiB)
