@@ -415,6 +415,7 @@ class Trainer:
             with timer("gen", timing):
                 batch = self.rollout_manager.generate(prompts, seed=_seed(cfg.trainer.seed, 1, step))
             self._release_engines()
+            metrics.update(self._rollout_metrics(batch, step))
             self._onload("actor")
             if cfg.actor_rollout_ref.rollout.multi_turn.enable:
                 R = batch["responses"].shape[1]
@@ -476,6 +477,19 @@ class Trainer:
         metrics.update(self._overhead(timing))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
+        return metrics
+
+    def _rollout_metrics(self, batch: Batch, step: int) -> dict[str, float]:
+        """Finish reasons of the step's trajectories; aborted ones (failed requests) are counted and reported."""
+        if "finish_reason" not in batch:
+            return {}
+        reasons = [str(r) for r in batch["finish_reason"]]
+        metrics = {f"rollout/finish_{kind}_frac": reasons.count(kind) / len(reasons)
+                   for kind in sorted(set(reasons))}
+        aborted = reasons.count("abort")
+        if aborted:
+            self.console(f"step {step}: {aborted} of {len(reasons)} rollouts failed (finish reason 'abort'; the "
+                         f"rollout log says why); they train with an all-zero loss mask")
         return metrics
 
     def _overhead(self, timing: dict[str, float]) -> dict[str, float]:
