@@ -37,7 +37,8 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   its cache grows to its share of the batch, ``rows × (P + R)`` tokens.
 - **weight-sync buffers** (actor ranks, during the sync): the largest bucket in the model's dtype
   (a tensor larger than ``rollout.bucket_mb`` travels alone), the largest TP-gathered parameter of
-  the stage, and on the sending rank the bucket cast to the engine dtype when that differs.
+  the stage, and on the sending rank the bucket's flat copy in the engine dtype (one tensor per
+  bucket goes through Ray).
 - **CUDA contexts**: :data:`CUDA_CONTEXT_BYTES` per process on the GPU (actor, critic, engine rank).
 
 Phases (colocated; what the trainer holds on the GPU in each, steady state):
@@ -421,7 +422,7 @@ class _MemoryModel:
 
     # ------------------------------------------------------------------------------ weight sync
     def _sync(self) -> tuple[SyncVolume, dict[int, int], int]:
-        """The volume, the sync buffers per actor pipeline stage, and the sender's extra cast buffer."""
+        """The volume, the sync buffers per actor pipeline stage, and the sender's flat copy of a bucket."""
         from megarl.convert.plan import Unit, buckets
 
         m, dims = self.model, self.actor_dims
@@ -455,7 +456,7 @@ class _MemoryModel:
             buffers[stage] = bucket + max(scratch, default=0)
             split = sum(full(u) for u in own if u.rule.split is not Split.REPLICATED)
             gathered[stage] = split * (dims.tp - 1) // dims.tp
-        cast = bucket * self.engine_bytes // self.dtype_bytes if self.engine_bytes != self.dtype_bytes else 0
+        flat = bucket * self.engine_bytes // self.dtype_bytes  # ActorWorker.sync_weights' torch.cat per bucket
         model_bytes = sum(full(u, self.engine_bytes) for u in units)
         total_model_dtype = sum(full(u) for u in units)
         stage_bytes = {s: sum(full(u) for u in units if u.pp_rank == s) for s in range(dims.pp)}
@@ -469,11 +470,11 @@ class _MemoryModel:
         volume = SyncVolume(model_bytes, senders, receivers,
                             total_model_dtype - min(stage_bytes.values()) if dims.pp > 1 else 0,
                             max(gathered.values()))
-        return volume, buffers, cast
+        return volume, buffers, flat
 
     # ----------------------------------------------------------------------------------- GPUs
     def plan(self) -> RunPlan:
-        sync, sync_buffers, cast = self._sync()
+        sync, sync_buffers, flat = self._sync()
         engine_weights = self._engine_weights()
         kv_bytes_per_token = self.model.kv_bytes_per_token(self.engine_tp, self.engine_bytes)
         per_gpu: list[tuple[str, int, int, dict[str, int]]] = []
@@ -487,7 +488,7 @@ class _MemoryModel:
                 rows |= {k: v for k, v in critic.items() if k != "_at_start"}
                 rows["_at_start"] += critic["_at_start"]
             _, _, _, pp_rank = megatron_coordinates(bundle, self.actor_dims)
-            rows["sync_buffers"] = sync_buffers[pp_rank] + (cast if bundle in sync.senders else 0)
+            rows["sync_buffers"] = sync_buffers[pp_rank] + (flat if bundle in sync.senders else 0)
             processes = 1 + (self.critic_model is not None)
             rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
             per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
@@ -518,18 +519,20 @@ class _MemoryModel:
                 per_token = kv_bytes_per_token if self.arr.rollout.name == "sglang" else \
                     self.model.kv_bytes_per_token(1, self.engine_bytes)
                 tokens = rows["kv_cache"] // per_token
-            plans.append((pool_name, bundle, node, self._label(pool_name, bundle, index), rows,
+            label = self._label(pool_name, bundle, index, sender=pool_name == training_pool and bundle in sync.senders)
+            plans.append((pool_name, bundle, node, label, rows,
                           self._phases(rows, pool_name == training_pool), tokens,
                           self.arr.rollout.name if index is not None else None, at_start))
         return RunPlan(self.cfg, self.model, self.critic_model, self.placement, self.memory,
                        _group(plans), sync, self.max_seq)
 
-    def _label(self, pool_name: str, bundle: int, engine: int | None) -> str:
+    def _label(self, pool_name: str, bundle: int, engine: int | None, *, sender: bool) -> str:
         parts = []
         if pool_name == self.placement.role("actor").pool:
             dims = self.actor_dims
             if dims.pp > 1:
-                parts.append(f"actor stage {megatron_coordinates(bundle, dims)[3]}")
+                role = "actor " if self.critic_dims is not None else ""
+                parts.append(f"{role}stage {megatron_coordinates(bundle, dims)[3]}")
             if self.critic_dims is not None and self.critic_dims.pp > 1:
                 parts.append(f"critic stage {megatron_coordinates(bundle, self.critic_dims)[3]}")
             if not parts:
@@ -538,6 +541,8 @@ class _MemoryModel:
             parts.append("rollout pool")
         if engine is not None:
             parts.append("engine")
+        if sender:
+            parts.append("sender")
         return ", ".join(parts)
 
     def _phases(self, rows: dict[str, int], training: bool) -> dict[str, dict[str, int]]:

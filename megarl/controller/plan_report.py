@@ -219,7 +219,8 @@ def format_report(plan: RunPlan) -> str:
         "Placement",
     ]
     lines += [f"  {line}" for line in _placement_lines(plan)]
-    lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals)"]
+    lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals; "
+              "sender: sends the weights to the engines)"]
     lines += [f"  {line}" for line in memory_table(plan)]
     lines += _engine_note(plan)
     lines += [""] + _sync_lines(plan) + [""]

@@ -53,9 +53,16 @@ def test_7b_parameters_per_gpu():
     assert Architecture.from_hf(known_config("Qwen2.5-7B"), name="q", source="t").rank_params(tp=2) == N_RANK
 
 
+def _kinds(plan):
+    return {g.label: g for g in plan.gpus}
+
+
 def test_7b_weights_grads_optimizer_engine_bytes(plan_7b):
-    (gpu,) = plan_7b.gpus  # pp=1 and engines on every GPU: one kind of GPU
-    assert gpu.gpus == tuple(range(8))
+    # pp=1 and engines on every GPU: two kinds of GPU, the weight senders (first rank of each DP replica) and the rest
+    kinds = _kinds(plan_7b)
+    assert {k: g.gpus for k, g in kinds.items()} == {"actor, engine, sender": (0, 2, 4, 6),
+                                                     "actor, engine": (1, 3, 5, 7)}
+    gpu = kinds["actor, engine"]
     assert gpu.rows["actor_weights"] == 2 * N_RANK  # bf16
     assert gpu.rows["actor_grads"] == 4 * N_RANK  # fp32 gradient buffer
     assert gpu.rows["actor_optimizer"] == 12 * N_RANK // DP  # fp32 main + Adam m, v over 4 DP ranks
@@ -65,7 +72,7 @@ def test_7b_weights_grads_optimizer_engine_bytes(plan_7b):
 
 
 def test_7b_activation_logits_and_kv_estimates(plan_7b):
-    (gpu,) = plan_7b.gpus
+    gpu = _kinds(plan_7b)["actor, engine"]
     tokens = 16384
     # Full recompute with sequence parallelism: each layer keeps its input, 2 s b h / t bytes, for all 28
     # layers (pp=1: one micro-batch in flight), plus one layer rematerialised at 34 s b h / t.
@@ -83,7 +90,7 @@ def test_7b_activation_logits_and_kv_estimates(plan_7b):
 
 
 def test_7b_phases_and_sync_volume(plan_7b):
-    (gpu,) = plan_7b.gpus
+    gpu, sender = _kinds(plan_7b)["actor, engine"], _kinds(plan_7b)["actor, engine, sender"]
     r = gpu.rows
     state = r["actor_weights"] + r["actor_grads"] + r["actor_optimizer"] + r["ref_weights"]
     # No offload flags: the training state stays during the rollout, beside the engine.
@@ -94,6 +101,8 @@ def test_7b_phases_and_sync_volume(plan_7b):
     # Bucket buffer: the embedding (152064 x 3584 bf16) travels alone, larger than 512 MiB; gather scratch:
     # the fused gate/up of one layer gathered over TP 2.
     assert r["sync_buffers"] == V * H * 2 + 2 * F * H * 2
+    # The sender also builds each bucket's flat copy (bf16) for Ray.
+    assert sender.rows["sync_buffers"] == r["sync_buffers"] + V * H * 2
     hf_params = 7_615_616_512  # Qwen2.5-7B's published parameter count
     assert plan_7b.model.num_params == hf_params
     assert plan_7b.sync.model_bytes == hf_params * 2
@@ -136,16 +145,18 @@ def test_chunks_in_flight_follow_megatron_warmup():
 def test_70b_recipe_fits_on_8x8_80gb(plan_70b):
     assert plan_70b.fits and plan_70b.gpu_memory_bytes == 80 * GiB
     assert plan_70b.worst.peak < 80 * GiB
-    by_label = {g.label: g for g in plan_70b.gpus}
-    assert set(by_label) == {"actor stage 0, engine", "actor stage 1", "actor stage 2", "actor stage 3"}
+    by_label = _kinds(plan_70b)
+    assert {k: g.gpus for k, g in by_label.items()} == {
+        "stage 0, engine, sender": (0, 8), "stage 0, engine": (*range(1, 8), *range(9, 16)),
+        "stage 1": tuple(range(16, 32)), "stage 2": tuple(range(32, 48)), "stage 3": tuple(range(48, 64))}
     # Stage 0 of TP 8 x PP 4: 20 layers and the embedding (128256 = 8 x 16032 rows).
     h, f, a, g, d = 8192, 28672, 64, 8, 128
     layer = ((a + 2 * g) * d * h + h * a * d + 3 * f * h) // 8 + 2 * h
-    assert by_label["actor stage 0, engine"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h)
-    assert by_label["actor stage 1"].rows["actor_weights"] == 2 * 20 * layer
-    assert by_label["actor stage 3"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h + h)
+    assert by_label["stage 0, engine"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h)
+    assert by_label["stage 1"].rows["actor_weights"] == 2 * 20 * layer
+    assert by_label["stage 3"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h + h)
     # All training state offloaded: the idle stages hold only the actor's CUDA context while engines generate.
-    assert by_label["actor stage 1"].phases["rollout"] == CUDA_CONTEXT_BYTES
+    assert by_label["stage 1"].phases["rollout"] == CUDA_CONTEXT_BYTES
     assert plan_70b.model.num_params == 70_553_706_496
     assert sorted(plan_70b.sync.senders) == [0, 8]  # the first rank of each of the 2 DP replicas
 
@@ -250,17 +261,17 @@ def test_cli_exits_2_naming_the_key(capsys):
 
 def test_critic_hf_and_disaggregated_layouts_are_planned():
     ppo = plan_run(load_config(["recipe=qwen2_5_7b_ppo"]), check=False)
-    (gpu,) = ppo.gpus
+    gpu = _kinds(ppo)["actor, engine"]
     assert gpu.rows["critic_state"] > 0 and {"values", "update critic"} <= set(gpu.phases)
     assert "critic (critic.parallel)" in ppo.report()
     hf = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.name=hf",
                                "actor_rollout_ref.rollout.tensor_model_parallel_size=null"]), check=False)
-    (gpu,) = hf.gpus
+    gpu = _kinds(hf)["actor, engine"]
     assert gpu.rows["engine_weights"] == 7_615_616_512 * 2  # an unsharded model per GPU
     assert "kv_cache" not in gpu.parts["weight sync"]  # the hf engine's cache lives only while generating
     split = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.hybrid_engine=false",
                                   "actor_rollout_ref.rollout.pool_nodes=[8]"]))
-    training, engines = split.gpus
-    assert training.rows["engine_weights"] == 0 and engines.pool == "rollout"
+    training, engines = _kinds(split)["actor"], _kinds(split)["rollout pool, engine"]
+    assert training.rows["engine_weights"] == 0 and engines.pool == "rollout" and engines.gpus == tuple(range(8))
     # Alone on its GPU, SGLang takes 0.6 x 80 GiB: its context, weights and KV pool.
     assert engines.peak == int(0.6 * 80 * GiB)
