@@ -214,13 +214,14 @@ class Trainer:
                    ppo_max_token_len_per_gpu=actor.ppo_max_token_len_per_gpu)
         parallel = dataclasses.asdict(actor.parallel)
         self.actor_wg.call_all("init_model", model_path=self.model_path, parallel=parallel, optim=optim, ppo=ppo,
-                               dtype=dtype, seed=trainer.seed,
+                               dtype=dtype, seed=trainer.seed, transformer=_transformer_overrides(actor, actor.parallel),
                                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu or 16,
                                log_prob_max_token_len=(arr.rollout.log_prob_max_token_len_per_gpu
                                                        if arr.rollout.log_prob_use_dynamic_bsz else None))
         self.actor_wg.refresh_coordinates()
         if self.use_ref:
             self.actor_wg.call_all("init_ref", model_path=self.model_path, dtype=dtype, seed=trainer.seed,
+                                   transformer=_transformer_overrides(None, actor.parallel),
                                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu or 16,
                                    max_token_len=(arr.ref.log_prob_max_token_len_per_gpu
                                                   if arr.ref.log_prob_use_dynamic_bsz else None))
@@ -240,7 +241,7 @@ class Trainer:
                          ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
                          loss_agg_mode=critic.loss_agg_mode, use_dynamic_bsz=critic.use_dynamic_bsz,
                          ppo_max_token_len_per_gpu=critic.ppo_max_token_len_per_gpu),
-                dtype=dtype, seed=trainer.seed)
+                dtype=dtype, seed=trainer.seed, transformer=_transformer_overrides(None, critic.parallel))
             self.critic_wg.refresh_coordinates()
         # Rollout engines: one worker per engine placement, on the first bundle it serves.
         engines = self.plan.engines
@@ -584,6 +585,20 @@ class Trainer:
         self._pools = {}
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _transformer_overrides(section, parallel) -> dict[str, Any]:
+    """Megatron TransformerConfig fields of a role: sequence parallelism and activation recomputation."""
+    out: dict[str, Any] = {}
+    if parallel.sequence_parallel:
+        out["sequence_parallel"] = True
+    granularity = getattr(section, "recompute_granularity", None)
+    if granularity:
+        out["recompute_granularity"] = granularity
+        if granularity == "full":
+            out["recompute_method"] = "uniform"
+            out["recompute_num_layers"] = section.recompute_num_layers
+    return out
 
 
 def _mean_dicts(outputs) -> dict[str, float]:

@@ -122,17 +122,19 @@ class ActorWorker(_MegatronWorker):
 
     def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
                    seed: int = 1234, log_prob_micro_batch_size: int = 16,
-                   log_prob_max_token_len: int | None = None) -> Coordinates:
+                   log_prob_max_token_len: int | None = None, transformer: dict | None = None) -> Coordinates:
         from megarl.workers.actor import ActorRole, PPOConfig
 
-        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed))
+        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed,
+                                          **(transformer or {})))
         self.actor = ActorRole(self.engine, PPOConfig(**ppo))
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.log_prob_max_token_len = log_prob_max_token_len
         return coords
 
     def init_ref(self, *, model_path: str, dtype: str = "float32", seed: int = 1234,
-                 micro_batch_size: int = 16, max_token_len: int | None = None) -> None:
+                 micro_batch_size: int = 16, max_token_len: int | None = None,
+                 transformer: dict | None = None) -> None:
         """Build the frozen reference policy in this process, on the actor's layout and groups.
 
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
@@ -141,7 +143,8 @@ class ActorWorker(_MegatronWorker):
         from megarl.workers.actor import LogProbRole
 
         parallel = dataclasses.asdict(self.engine.groups.dims)
-        ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups)
+        ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups,
+                            **(transformer or {}))
         self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
 
     @busy
@@ -273,10 +276,11 @@ class CriticWorker(_MegatronWorker):
     role = "critic"
 
     def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
-                   seed: int = 1234) -> Coordinates:
+                   seed: int = 1234, transformer: dict | None = None) -> Coordinates:
         from megarl.workers.critic import CriticPPOConfig, CriticRole
 
-        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed, value_head=True))
+        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed, value_head=True,
+                                          **(transformer or {})))
         self.critic = CriticRole(self.engine, CriticPPOConfig(**ppo))
         return coords
 
