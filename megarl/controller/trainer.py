@@ -184,7 +184,7 @@ class Trainer:
         nodes = [trainer.n_cpu_ranks] if cpu else [trainer.n_gpus_per_node] * trainer.nnodes
         actor_dims = arr.actor.parallel.to_dims()
         critic_dims = cfg.critic.parallel.to_dims() if self.use_critic else None
-        engine_tp = 1 if arr.rollout.name == "hf" else arr.rollout.tensor_model_parallel_size
+        engine_tp = 1 if arr.rollout.name == "hf" else (arr.rollout.tensor_model_parallel_size or actor_dims.tp)
         separate = not arr.hybrid_engine  # disaggregated: the engines get their own pool
         self.plan = make_placement(nodes=nodes, actor=actor_dims, critic=critic_dims, engine_tp=engine_tp,
                                    engine_layout="per_replica",
@@ -260,8 +260,10 @@ class Trainer:
         self.engines = [RemoteEngine(h, replica=i) for i, h in enumerate(self.rollout_wg.actors)]
         dp = data_parallel_size(cfg, actor.parallel)
         self.actor_dp = dp
-        self.engines_by_replica = [[h for i, h in enumerate(self.rollout_wg.actors) if i % dp == d]
-                                   for d in range(dp)]
+        # TP-matched engines serve the replica on whose GPUs they sit; others are dealt round-robin.
+        owner = [e.dp_rank if e.tp_matched else e.index % dp for e in engines]
+        self.engines_by_replica = [[h for h, d in zip(self.rollout_wg.actors, owner) if d == replica]
+                                   for replica in range(dp)]
         self.weight_names = self.actor_wg.call_rank(0, "weight_names")
         self._build_rollout_manager()
 
@@ -289,7 +291,11 @@ class Trainer:
         from megarl.controller.checkpoint import CheckpointManager
         from megarl.algo.kl import build_kl_controller
 
+        from megarl.controller.plan import preflight
+
         self._prepare_model()
+        # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
+        self.preflight_plan = preflight(self.cfg)
         self._prepare_data()
         self._init_ray()
         self._place_workers()

@@ -275,3 +275,10 @@ def test_critic_hf_and_disaggregated_layouts_are_planned():
     assert training.rows["engine_weights"] == 0 and engines.pool == "rollout" and engines.gpus == tuple(range(8))
     # Alone on its GPU, SGLang takes 0.6 x 80 GiB: its context, weights and KV pool.
     assert engines.peak == int(0.6 * 80 * GiB)
+
+
+@pytest.mark.parametrize("recipe", ["qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo", "llama3_1_70b_grpo"])
+def test_every_gpu_recipe_plans_as_fitting(recipe):
+    """The shipped GPU recipes fit their GPUs by the planner's own numbers (they ship runnable)."""
+    plan = plan_run(load_config([f"recipe={recipe}"]))
+    assert plan.fits, plan.problems()
