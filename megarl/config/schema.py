@@ -408,6 +408,10 @@ class RolloutSection:
     """Pack the recompute's micro-batches by token count (``log_prob_max_token_len_per_gpu``)."""
     log_prob_max_token_len_per_gpu: int = 16384
     """Token budget of one recompute micro-batch on one rank, with ``log_prob_use_dynamic_bsz``."""
+    engine_layout: str = "per_replica"
+    """TP-matched SGLang engines with pipeline parallelism: ``per_replica`` (one engine per actor DP replica,
+    on its first TP group) or ``per_tp_group`` (one on every TP group: every GPU generates, each holds the
+    whole model at the engine TP)."""
     pool_nodes: list[int] | None = None
     """Disaggregated rollout (with ``hybrid_engine=false``): the engines' own pool, GPUs per node (on cpu:
     worker slots on this machine), e.g. ``[8, 8]``; None: engines share the actor's GPUs."""
@@ -430,6 +434,7 @@ class RolloutSection:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_positive(f"{p}.bucket_mb", self.bucket_mb)
+        _check_choice(f"{p}.engine_layout", self.engine_layout, ("per_replica", "per_tp_group"))
         if self.pool_nodes is not None and (not self.pool_nodes or any(n < 1 for n in self.pool_nodes)):
             raise ValueError(f"{p}.pool_nodes={self.pool_nodes} must list a positive number per node, e.g. [8]")
         if self.verify_weights < -1:

@@ -181,6 +181,12 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
+def engine_replica(engine: EnginePlacement, dp: int) -> int:
+    """The actor DP replica that streams weights into ``engine``: the one on whose GPUs a TP-matched
+    engine sits, else engines are dealt round-robin over the ``dp`` replicas."""
+    return engine.dp_rank if engine.tp_matched and engine.dp_rank is not None else engine.index % dp
+
+
 def megatron_coordinates(rank: int, dims: ParallelDims) -> tuple[int, int, int, int]:
     """``(tp_rank, cp_rank, dp_rank, pp_rank)`` of global ``rank`` in Megatron's ``tp-cp-ep-dp-pp`` order.
 

@@ -68,7 +68,7 @@ import math
 from typing import Any
 
 from megarl.config.schema import RunConfig
-from megarl.controller.placement import PlacementPlan, make_placement, megatron_coordinates
+from megarl.controller.placement import PlacementPlan, engine_replica, make_placement, megatron_coordinates
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.models.weights import Split
 from megarl.parallel.dims import ParallelDims
@@ -243,7 +243,7 @@ def placement_for(cfg: RunConfig) -> PlacementPlan:
     engine_tp = 1 if arr.rollout.name == "hf" else arr.rollout.tensor_model_parallel_size
     return make_placement(nodes=nodes, actor=arr.actor.parallel.to_dims(),
                           critic=cfg.critic.parallel.to_dims() if cfg.critic.enable else None,
-                          engine_tp=engine_tp, engine_layout="per_replica",
+                          engine_tp=engine_tp, engine_layout=arr.rollout.engine_layout,
                           rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
 
 
@@ -462,8 +462,8 @@ class _MemoryModel:
         stage_bytes = {s: sum(full(u) for u in units if u.pp_rank == s) for s in range(dims.pp)}
         engines = self.placement.engines
         senders: dict[int, int] = {}
-        for index, _ in enumerate(engines):
-            replica = index % dims.dp  # the trainer's engines_by_replica
+        for engine in engines:
+            replica = engine_replica(engine, dims.dp)  # as the trainer feeds them
             sender = replica * dims.tp * dims.cp  # TP 0, CP 0, PP 0 of the replica
             senders[sender] = senders.get(sender, 0) + model_bytes
         receivers = {e.index: (f"{e.pool}:{e.bundles[0]}", model_bytes) for e in engines}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from megarl.controller.placement import GLOBAL_POOL, megatron_coordinates
+from megarl.controller.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
 
 if TYPE_CHECKING:
     from megarl.controller.plan import GpuPlan, RunPlan
@@ -95,8 +95,10 @@ def _placement_lines(plan: RunPlan) -> list[str]:
         lines += _role_lines(plan, "critic", "critic", plan.critic_model)
     engines = placement.engines
     rollout = plan.cfg.actor_rollout_ref.rollout
-    layout = ("TP-matched: one per actor DP replica, on its first TP group" if engines[0].tp_matched
-              else "not TP-matched: tiling the pool")
+    per_group = placement.engine_layout == "per_tp_group"
+    layout = ("not TP-matched: tiling the pool" if not engines[0].tp_matched
+              else "TP-matched: one on every actor TP group" if per_group
+              else "TP-matched: one per actor DP replica, on its first TP group")
     lines.append(f"rollout ({ARR}.rollout): {len(engines)} {rollout.name} engines of TP {engines[0].tp} on pool "
                  f"{engines[0].pool} ({layout})")
     dp = placement.role("actor").dims.dp
@@ -106,10 +108,11 @@ def _placement_lines(plan: RunPlan) -> list[str]:
             lines.append("  ...")
             continue
         pool = placement.pools[engine.pool]
-        sender = (engine.index % dp) * placement.role("actor").dims.tp * placement.role("actor").dims.cp
+        replica = engine_replica(engine, dp)
+        sender = replica * placement.role("actor").dims.tp * placement.role("actor").dims.cp
         where = ranges(engine.bundles) if engine.pool == GLOBAL_POOL else f"{engine.pool}:{ranges(engine.bundles)}"
         lines.append(f"  engine {engine.index}: GPUs {where} (node {pool.node_of(engine.bundles[0])}), "
-                     f"fed by actor DP replica {engine.index % dp} (sent from GPU {sender})")
+                     f"fed by actor DP replica {replica} (sent from GPU {sender})")
     return lines
 
 

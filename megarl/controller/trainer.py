@@ -173,7 +173,7 @@ class Trainer:
 
     def _place_workers(self) -> None:
         from megarl.config.validate import data_parallel_size
-        from megarl.controller.placement import create_pools, make_placement
+        from megarl.controller.placement import create_pools, engine_replica, make_placement
         from megarl.workers.group import WorkerGroup
         from megarl.workers.megatron_workers import ActorWorker
         from megarl.workers.rollout_worker import RemoteEngine, RolloutWorker
@@ -187,7 +187,7 @@ class Trainer:
         engine_tp = 1 if arr.rollout.name == "hf" else (arr.rollout.tensor_model_parallel_size or actor_dims.tp)
         separate = not arr.hybrid_engine  # disaggregated: the engines get their own pool
         self.plan = make_placement(nodes=nodes, actor=actor_dims, critic=critic_dims, engine_tp=engine_tp,
-                                   engine_layout="per_replica",
+                                   engine_layout=arr.rollout.engine_layout,
                                    rollout_nodes=list(arr.rollout.pool_nodes) if separate else None)
         self._pools = create_pools(self.plan, use_gpu=not cpu, cpus_per_bundle=1.0)
         pool = self._pools["global"]
@@ -261,7 +261,7 @@ class Trainer:
         dp = data_parallel_size(cfg, actor.parallel)
         self.actor_dp = dp
         # TP-matched engines serve the replica on whose GPUs they sit; others are dealt round-robin.
-        owner = [e.dp_rank if e.tp_matched else e.index % dp for e in engines]
+        owner = [engine_replica(e, dp) for e in engines]
         self.engines_by_replica = [[h for h, d in zip(self.rollout_wg.actors, owner) if d == replica]
                                    for replica in range(dp)]
         self.weight_names = self.actor_wg.call_rank(0, "weight_names")

@@ -282,3 +282,15 @@ def test_every_gpu_recipe_plans_as_fitting(recipe):
     """The shipped GPU recipes fit their GPUs by the planner's own numbers (they ship runnable)."""
     plan = plan_run(load_config([f"recipe={recipe}"]))
     assert plan.fits, plan.problems()
+
+
+def test_engines_on_every_tp_group_are_fed_by_the_replica_they_sit_on():
+    """70B (TP8 x PP4 x DP2) with per_tp_group engines: 8 engines; each replica's first GPU feeds its 4."""
+    plan = plan_run(load_config(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.rollout.engine_layout=per_tp_group"]))
+    engines = plan.placement.engines
+    assert len(engines) == 8
+    # Ranks are TP-fastest, then DP, then PP: replica 0 holds GPUs 0-7, 16-23, 32-39, 48-55.
+    assert {e.bundles[0]: e.dp_rank for e in engines} == {0: 0, 16: 0, 32: 0, 48: 0, 8: 1, 24: 1, 40: 1, 56: 1}
+    assert plan.sync.senders == {0: 4 * plan.sync.model_bytes, 8: 4 * plan.sync.model_bytes}
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.engine_layout"):
+        load_config(["actor_rollout_ref.rollout.engine_layout=per_gpu"])
