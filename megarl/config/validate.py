@@ -71,11 +71,6 @@ def _check_world(cfg: RunConfig) -> None:
                          f"(trainer.n_cpu_ranks processes); set trainer.nnodes=1 or trainer.device=cuda")
     for prefix, parallel in _roles(cfg):
         model_parallel = parallel.tp * parallel.pp * parallel.cp
-        if trainer.device == "cpu" and prefix == f"{ARR}.actor.parallel" and \
-                cfg.actor_rollout_ref.actor.recompute_granularity is not None:
-            raise ValueError(f"{ARR}.actor.recompute_granularity={cfg.actor_rollout_ref.actor.recompute_granularity} "
-                             f"needs trainer.device=cuda (on CPU megarl's device redirect is off while autograd "
-                             f"re-runs the recomputed layers); set {ARR}.actor.recompute_granularity=null")
         if trainer.device == "cpu" and parallel.sequence_parallel:
             raise ValueError(f"{prefix}.sequence_parallel=true needs trainer.device=cuda (Megatron's sequence "
                              f"parallelism needs TransformerEngine layers); set {prefix}.sequence_parallel=false")

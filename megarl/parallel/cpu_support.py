@@ -70,6 +70,8 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            return _backward_under(self, func, args, kwargs)
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -81,6 +83,42 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+def _backward_under(mode: TorchFunctionMode, func, args, kwargs):
+    """Run a backward call with ``mode`` active inside it.
+
+    A mode is popped while its own handler runs, and backward runs Python code (Megatron's
+    activation recomputation re-runs whole layers in ``CheckpointFunction.backward``), which
+    would then see no redirect. So the mode is pushed back for the duration, and the engine is
+    called the way ``torch.autograd.backward`` calls it, minus its torch-function dispatch
+    (which would come straight back here).
+    """
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    if func is torch.Tensor.backward:
+        tensor, *rest = args
+        names = ("gradient", "retain_graph", "create_graph", "inputs")
+        options = dict(zip(names, rest)) | kwargs
+        tensors, grad_tensors = (tensor,), options.get("gradient")
+    else:
+        tensors, *rest = args
+        names = ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+        options = dict(zip(names, rest)) | kwargs
+        grad_tensors = options.get("grad_tensors")
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = options.get("inputs")
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    create_graph = bool(options.get("create_graph") or False)
+    retain_graph = options.get("retain_graph")
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
+    finally:
+        torch._C._pop_torch_function_stack()
 
 
 def _cpu_current_device():

@@ -136,7 +136,6 @@ RULE_CASES = [
     ("world_cp_cpu", [f"{ARR}.actor.parallel.tp=1", f"{ARR}.actor.parallel.cp=2"], f"{ARR}.actor.parallel.cp"),
     ("world_nodes_cpu", ["trainer.nnodes=2"], "trainer.nnodes"),
     ("world_critic", ["recipe=qwen2_5_7b_ppo", "critic.parallel.tp=3"], "critic.parallel.tp"),
-    ("world_recompute_cpu", [f"{ARR}.actor.recompute_granularity=full"], f"{ARR}.actor.recompute_granularity"),
     ("world_sp_cpu", [f"{ARR}.actor.parallel.sequence_parallel=true"], f"{ARR}.actor.parallel.sequence_parallel"),
     ("world_critic_sp", ["recipe=qwen2_5_7b_ppo", "critic.parallel.sequence_parallel=true"],
      "critic.parallel.sequence_parallel"),
