@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megarl.algo.losses import explained_variance
 from megarl.algo.masked import masked_mean
 from megarl.data.batch import Batch
 
@@ -50,9 +51,7 @@ def data_metrics(batch: Batch, *, use_critic: bool, mask_key: str = "response_ma
     if use_critic:
         values_NR = batch["values"]
         metrics |= _stats("critic/values", values_NR[valid])
-        returns_NR = batch["returns"]
-        residual_var = torch.var(returns_NR[valid] - values_NR[valid])
-        metrics["critic/vf_explained_var"] = float(1.0 - residual_var / (torch.var(returns_NR[valid]) + 1e-5))
+        metrics["critic/vf_explained_var"] = float(explained_variance(values_NR, batch["returns"], batch[mask_key]))
     metrics |= _stats("response_length", response_length_N)
     metrics["response_length/clip_ratio"] = float((response_length_N == max_response).float().mean())
     metrics |= _stats("prompt_length", prompt_length_N)

@@ -147,12 +147,14 @@ class Trainer:
                                    seed=cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
         reward = cfg.reward_model
-        self.reward_fn = RewardManager(self.tokenizer, compute_score=reward.custom_reward_function.spec(),
-                                       reward_kwargs=reward.custom_reward_function.reward_kwargs or None,
-                                       scorer_kwargs=reward.scorer_kwargs, num_examine=reward.num_examine)
-        self.val_reward_fn = RewardManager(self.tokenizer, compute_score=reward.custom_reward_function.spec(),
-                                           reward_kwargs=reward.custom_reward_function.reward_kwargs or None,
-                                           scorer_kwargs=reward.scorer_kwargs, num_examine=1)
+        custom = reward.custom_reward_function
+
+        def manager(num_examine: int) -> RewardManager:
+            return RewardManager(self.tokenizer, compute_score=custom.spec(), reward_kwargs=custom.reward_kwargs or None,
+                                 scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine)
+
+        self.reward_fn = manager(reward.num_examine)
+        self.val_reward_fn = manager(1)  # verl logs one decoded sample per data source in validation
 
     def _init_ray(self) -> None:
         import ray

@@ -70,7 +70,7 @@ class WeightExporter:
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
         for bucket, buffer in zip(groups, self._buffers(groups, self._full_bytes, reuse_buffer)):
             shapes = [s for u in bucket for s in u.hf_shapes]
-            views = self._views(buffer, shapes)
+            views = split_flat(buffer, shapes)
             if bucket[0].pp_rank == self.groups.pp_rank:
                 start = 0
                 for unit in bucket:
@@ -120,7 +120,7 @@ class WeightExporter:
         groups = buckets(self.units, self._shard_bytes, bucket_bytes)
         for bucket, buffer in zip(groups, self._buffers(groups, self._shard_bytes, reuse_buffer)):
             shapes = [s for u in bucket for s in u.shard_shapes(self.sizes, tp_rank, tp)]
-            views = self._views(buffer, shapes)
+            views = split_flat(buffer, shapes)
             if bucket[0].pp_rank == self.groups.pp_rank:
                 parts = [
                     t for u in bucket for t in unfuse(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp)
@@ -145,14 +145,18 @@ class WeightExporter:
             src = dist.get_global_rank(self.groups.pp, owner_pp_rank)
             dist.broadcast(buffer, src=src, group=self.groups.pp)
 
-    @staticmethod
-    def _views(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for shape in shapes:
-            n = _numel(shape)
-            out.append(buffer[offset : offset + n].view(shape))
-            offset += n
-        return out
+
+
+def split_flat(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of a flat ``buffer`` with ``shapes``, in order (the inverse of concatenating flattened tensors)."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = _numel(shape)
+        out.append(buffer[offset : offset + n].view(shape))
+        offset += n
+    if offset != buffer.numel():
+        raise ValueError(f"a flat buffer of {buffer.numel()} elements does not hold shapes totalling {offset}")
+    return out
 
 
 def _numel(shape) -> int:

@@ -15,7 +15,6 @@ its engines and verifies, after the session, that the engines hold bit-identical
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from collections.abc import Sequence
@@ -192,7 +191,9 @@ class ActorWorker(_MegatronWorker):
         """
         import ray
 
+        from megarl.convert.export import split_flat
         from megarl.rollout.engine import tensor_digest
+        from megarl.workers.rollout_worker import flatten_bucket
 
         groups = self.engine.groups
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
@@ -207,13 +208,10 @@ class ActorWorker(_MegatronWorker):
         for bucket in self.engine.exporter().iter_full(bucket_bytes):
             if not targets:
                 continue
-            # One flat tensor per bucket: pickling a view would serialise its whole base buffer
-            # (the exporter's bucket) once per tensor. Arguments are serialised at submission,
-            # so the exporter may reuse its buffer as soon as the calls are submitted.
-            names = [name for name, _ in bucket]
-            shapes = [tuple(tensor.shape) for _, tensor in bucket]
-            flat = torch.cat([tensor.reshape(-1).to(cast) for _, tensor in bucket])
-            for name, view in zip(names, _split_flat(flat, shapes)):
+            # Arguments are serialised at submission, so the exporter may reuse its buffer as soon
+            # as the calls are submitted.
+            names, shapes, flat = flatten_bucket(bucket, cast)
+            for name, view in zip(names, split_flat(flat, shapes)):
                 if name in wanted:
                     expected[name] = tensor_digest(view)
             refs = [e.update_weights_from_flat.remote(names, shapes, flat) for e in targets]
@@ -242,18 +240,6 @@ class ActorWorker(_MegatronWorker):
                 "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
 
 
-def _split_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Views of ``flat`` with ``shapes``, in order (the inverse of concatenating the flattened tensors)."""
-    out, offset = [], 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        out.append(flat[offset:offset + numel].view(shape))
-        offset += numel
-    if offset != flat.numel():
-        raise ValueError(f"a flat weight bucket of {flat.numel()} elements does not hold shapes totalling {offset}")
-    return out
-
-
 def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
     """``count`` weight names to verify at ``step`` (all when ``count < 0``): a seeded sample plus the last."""
     names = list(names)
@@ -263,11 +249,6 @@ def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
         return []
     picked = random.Random(step).sample(names[:-1], count - 1) if count > 1 else []
     return sorted(set(picked) | {names[-1]}, key=names.index)
-
-
-def finite(metrics: dict[str, float]) -> bool:
-    """True when every metric is a finite number."""
-    return all(math.isfinite(float(v)) for v in metrics.values())
 
 
 class CriticWorker(_MegatronWorker):

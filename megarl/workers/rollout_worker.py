@@ -22,6 +22,23 @@ from megarl.rollout.engine import GenerateOutput, NamedTensors, SamplingParams
 from megarl.workers.base import Worker, busy
 
 
+def flatten_bucket(named_tensors: NamedTensors, dtype=None) -> tuple[list[str], list[tuple[int, ...]], Any]:
+    """``(names, shapes, flat)``: a bucket as one tensor for Ray (in ``dtype``; default: the bucket's widest).
+
+    A tensor that is a view (the exporter's buckets are views of one buffer) pickles its whole
+    base storage, once per tensor; one flat tensor pickles only the bucket's bytes.
+    """
+    import functools
+
+    import torch
+
+    tensors = [tensor for _, tensor in named_tensors]
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    return [name for name, _ in named_tensors], [tuple(t.shape) for t in tensors], flat
+
+
 class RolloutWorker(Worker):
     """One rollout engine replica (``rollout.name``: ``hf`` or ``sglang``)."""
 
@@ -77,9 +94,9 @@ class RolloutWorker(Worker):
 
     def update_weights_from_flat(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], flat) -> int:
         """Apply one bucket sent as one flat tensor plus names and shapes (how the actor streams); its bytes."""
-        from megarl.workers.megatron_workers import _split_flat
+        from megarl.convert.export import split_flat
 
-        self.engine.update_weights_from_tensor(list(zip(names, _split_flat(flat, shapes))))
+        self.engine.update_weights_from_tensor(list(zip(names, split_flat(flat, shapes))))
         return flat.numel() * flat.element_size()
 
     def end_weight_update(self) -> None:
@@ -132,7 +149,7 @@ class RemoteEngine:
         self._get(self.handle.begin_weight_update.remote())
 
     def update_weights_from_tensor(self, named_tensors: NamedTensors) -> None:
-        self._get(self.handle.update_weights_from_tensor.remote(list(named_tensors)))
+        self._get(self.handle.update_weights_from_flat.remote(*flatten_bucket(list(named_tensors))))
 
     def end_weight_update(self) -> None:
         self._get(self.handle.end_weight_update.remote())
