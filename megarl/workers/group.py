@@ -7,34 +7,53 @@ each with ``num_gpus`` of its bundle's GPU (colocated roles share a bundle: give
 a free port, and the group passes them, with RANK / WORLD_SIZE / LOCAL_RANK, to all ranks
 (``OMP_NUM_THREADS=1`` is in every actor's runtime env).
 
-Calls (no dispatch decorators; the caller says how to dispatch):
+Calls take the worker method itself, not its name, so that go-to-definition works and a
+typo fails where it is written (no dispatch decorators; the caller says how to dispatch)::
+
+    wg = WorkerGroup(ActorWorker, pool, role="actor")
+    wg.call_all(ActorWorker.init_model, model_path=..., parallel=...)
+    wg.call_dp(ActorWorker.update_actor, batch, temperature=1.0)
+    names = wg.call_rank(0, ActorWorker.weight_names)
+    rollout_wg.call_ranks([((), {...}) for _ in ranks], RolloutWorker.init_engine)
 
 - :meth:`call_all` — the same arguments to every rank, the results in rank order;
 - :meth:`call_rank` — one rank;
+- :meth:`call_ranks` — every rank with its own ``(args, kwargs)``, the results in rank order;
 - :meth:`call_dp` — split a :class:`~megarl.data.Batch` by data-parallel rank
   (:meth:`split_by_dp`: chunk d goes to every TP/PP/CP rank of DP replica d), then collect
   one output per replica (:meth:`gather_by_dp`: from TP rank 0, CP rank 0, last pipeline
   stage) and concatenate them in DP order.
 
+Before submitting anything a call checks that the function is a method of the group's
+worker class — defined on it or inherited (``Worker.ping``, ``_MegatronWorker.offload``) —
+by identity in the class's MRO; a function of another class (``CriticWorker.init_model``
+on the actor group) or a method name as a string raises ``TypeError`` naming the role and
+listing the class's public methods. Each rank then runs ``getattr(actor, fn.__name__)``,
+so a subclass's override runs as in an ordinary Python call on the instance.
+
 The DP/TP/PP coordinates come from the ranks (:meth:`refresh_coordinates` calls
-``coordinates`` on every rank after they initialised their parallel groups).
+``Worker.coordinates`` on every rank after they initialised their parallel groups).
 
 Failures: every wait has a timeout, and a call returns as soon as any rank fails — a dead
 actor (killed, OOM, node lost) ends the call within Ray's failure detection (about a
-second) with a :class:`WorkerError` naming the role and rank, while the survivors may still
-be blocked in a collective; :meth:`shutdown` kills them.
+second) with a :class:`WorkerError` naming the role, rank and method, while the survivors
+may still be blocked in a collective; :meth:`shutdown` kills them.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from megarl.data import Batch
 from megarl.workers.base import Coordinates, Worker
+
+R = TypeVar("R")
 
 
 class WorkerError(RuntimeError):
@@ -45,6 +64,27 @@ class WorkerError(RuntimeError):
         self.role, self.rank, self.method = role, rank, method
 
 
+def _class_attribute(cls: type, name: str, fn: Any) -> bool:
+    """Whether some class of ``cls``'s MRO (``object`` aside) holds ``fn`` itself as its attribute ``name``."""
+    for klass in cls.__mro__[:-1]:
+        attr = vars(klass).get(name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if attr is not None and (attr is fn or attr is getattr(fn, "__func__", None)):
+            return True
+    return False
+
+
+def public_methods(cls: type) -> list[str]:
+    """The names of ``cls``'s public methods, its own and inherited (``object``'s aside), sorted."""
+    names = set()
+    for klass in cls.__mro__[:-1]:
+        for name, attr in vars(klass).items():
+            if not name.startswith("_") and (inspect.isfunction(attr) or isinstance(attr, (staticmethod, classmethod))):
+                names.add(name)
+    return sorted(names)
+
+
 class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` on ``pool``; rank r on bundle ``bundles[r]``.
 
@@ -52,6 +92,10 @@ class WorkerGroup:
     rank's share of its bundle (``None``: the whole bundle's GPU when the pool has GPUs, and
     ``pool.cpus_per_bundle`` CPUs divided the same way). ``env`` adds environment variables
     to every rank. ``timeout_s`` bounds every call unless a call gives its own.
+
+    Every call takes a method of ``worker_cls`` (``ActorWorker.update_actor``, inherited ones
+    such as ``Worker.ping`` included), never its name; anything else raises ``TypeError``
+    before a rank is called.
     """
 
     def __init__(
@@ -73,6 +117,7 @@ class WorkerGroup:
 
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"WorkerGroup needs a megarl.workers.base.Worker subclass, got {worker_cls!r}")
+        self.worker_cls = worker_cls
         self.role = role or worker_cls.role
         self.pool = pool
         self.bundles = tuple(range(pool.size)) if bundles is None else tuple(bundles)
@@ -101,12 +146,12 @@ class WorkerGroup:
     # ------------------------------------------------------------------------- set-up
 
     def _setup_env(self, timeout_s: float) -> None:
-        infos = self.call_all("node_info", timeout_s=timeout_s)
-        master_addr, master_port = self.call_rank(0, "rendezvous_address", timeout_s=timeout_s)
+        infos = self.call_all(Worker.node_info, timeout_s=timeout_s)
+        master_addr, master_port = self.call_rank(0, Worker.rendezvous_address, timeout_s=timeout_s)
         by_node: dict[str, list[int]] = defaultdict(list)
         for rank, info in enumerate(infos):
             by_node[info["ip"]].append(rank)
-        refs = []
+        per_rank = []
         for rank, info in enumerate(infos):
             peers = by_node[info["ip"]]
             visible = None
@@ -115,10 +160,10 @@ class WorkerGroup:
                 ids = [infos[p]["gpu_ids"][0] for p in peers]
                 extra = [g for p in peers for g in infos[p]["gpu_ids"][1:]]
                 visible = ",".join(ids + extra)
-            refs.append(self._actors[rank].setup_env.remote(
+            per_rank.append(((), dict(
                 rank=rank, world_size=self.world_size, local_rank=peers.index(rank), local_world_size=len(peers),
-                master_addr=master_addr, master_port=master_port, visible_devices=visible))
-        self._wait(refs, "setup_env", list(range(self.world_size)), timeout_s)
+                master_addr=master_addr, master_port=master_port, visible_devices=visible)))
+        self.call_ranks(per_rank, Worker.setup_env, timeout_s=timeout_s)
         self.node_infos = infos
         self.master_address = (master_addr, master_port)
 
@@ -143,7 +188,7 @@ class WorkerGroup:
 
     def refresh_coordinates(self, timeout_s: float | None = None) -> list[Coordinates]:
         """Ask every rank for its coordinates (call after the ranks initialise their parallel groups)."""
-        coords = self.call_all("coordinates", timeout_s=timeout_s)
+        coords = self.call_all(Worker.coordinates, timeout_s=timeout_s)
         for rank, coord in enumerate(coords):
             if coord.rank != rank or coord.world_size != self.world_size:
                 raise WorkerError(f"{self.role} rank {rank} reports rank {coord.rank} of {coord.world_size}, "
@@ -232,31 +277,64 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - another failure; the caller reports the first one
                 continue
 
-    def _submit(self, rank: int, method: str, args: Sequence[Any], kwargs: dict[str, Any]):
-        actor = self._actors[rank]
+    def method_name(self, method: Callable[..., Any]) -> str:
+        """``method.__name__`` once ``method`` is known to be a method of the group's worker class.
+
+        ``method`` must be the function itself, found by identity in ``worker_cls``'s MRO
+        (``@busy`` methods are their class attribute, so ``ActorWorker.update_actor`` is).
+        A string, or a function of another class (``CriticWorker.init_model`` on the actor
+        group), raises ``TypeError`` naming the role and listing the class's public methods.
+        """
+        cls = self.worker_cls
+        methods = public_methods(cls)
+        listing = f"{cls.__name__}'s methods: {', '.join(methods)}"
+        if isinstance(method, str):
+            close = difflib.get_close_matches(method, methods, n=1)
+            example = f"{cls.__name__}.{close[0] if close else '<method>'}"
+            raise TypeError(f"{self.role}: got the method name {method!r}; pass the worker method itself, "
+                            f"e.g. {example} (WorkerClass.method), not a string. {listing}")
+        name = getattr(method, "__name__", None)
+        if isinstance(name, str) and _class_attribute(cls, name, method):
+            return name
+        what = getattr(method, "__qualname__", None) or repr(method)
+        hint = ""
+        if isinstance(name, str):
+            close = difflib.get_close_matches(name, methods, n=1)
+            hint = f" (did you mean {cls.__name__}.{close[0]}?)" if close else ""
+        raise TypeError(f"{self.role}: {what} is not a method of the group's worker class "
+                        f"{cls.__module__}.{cls.__qualname__}{hint}. {listing}")
+
+    def _submit(self, rank: int, name: str, args: Sequence[Any], kwargs: dict[str, Any]):
         try:
-            return getattr(actor, method).remote(*args, **kwargs)
-        except AttributeError as err:
-            raise AttributeError(f"{self.role} worker has no method {method!r}") from err
+            remote_method = getattr(self._actors[rank], name)
+        except AttributeError as err:  # a method Ray does not expose on the actor handle
+            raise AttributeError(f"{self.role}: the Ray actor of {self.worker_cls.__name__} has no method {name!r}") \
+                from err
+        return remote_method.remote(*args, **kwargs)
 
-    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+    def call_all(self, method: Callable[..., R], *args: Any, timeout_s: float | None = None,
+                 **kwargs: Any) -> list[R]:
         """Call ``method(*args, **kwargs)`` on every rank; the results in rank order."""
-        refs = [self._submit(rank, method, args, kwargs) for rank in range(self.world_size)]
-        return self._wait(refs, method, list(range(self.world_size)), timeout_s)
+        name = self.method_name(method)
+        refs = [self._submit(rank, name, args, kwargs) for rank in range(self.world_size)]
+        return self._wait(refs, name, list(range(self.world_size)), timeout_s)
 
-    def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Call ``method`` on rank ``rank`` only."""
+    def call_rank(self, rank: int, method: Callable[..., R], *args: Any, timeout_s: float | None = None,
+                  **kwargs: Any) -> R:
+        """Call ``method(*args, **kwargs)`` on rank ``rank`` only."""
+        name = self.method_name(method)
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"{self.role}: rank {rank} outside 0..{self.world_size - 1}")
-        return self._wait([self._submit(rank, method, args, kwargs)], method, [rank], timeout_s)[0]
+            raise ValueError(f"{self.role}.{name}: rank {rank} outside 0..{self.world_size - 1}")
+        return self._wait([self._submit(rank, name, args, kwargs)], name, [rank], timeout_s)[0]
 
-    def call_ranks(self, per_rank_args: Sequence[tuple[tuple, dict]], method: str,
-                   timeout_s: float | None = None) -> list:
+    def call_ranks(self, per_rank_args: Sequence[tuple[tuple, dict]], method: Callable[..., R],
+                   timeout_s: float | None = None) -> list[R]:
         """Call ``method`` on every rank with its own ``(args, kwargs)``; the results in rank order."""
+        name = self.method_name(method)
         if len(per_rank_args) != self.world_size:
-            raise ValueError(f"{self.role}.{method}: {len(per_rank_args)} argument sets for {self.world_size} ranks")
-        refs = [self._submit(rank, method, a, k) for rank, (a, k) in enumerate(per_rank_args)]
-        return self._wait(refs, method, list(range(self.world_size)), timeout_s)
+            raise ValueError(f"{self.role}.{name}: {len(per_rank_args)} argument sets for {self.world_size} ranks")
+        refs = [self._submit(rank, name, a, k) for rank, (a, k) in enumerate(per_rank_args)]
+        return self._wait(refs, name, list(range(self.world_size)), timeout_s)
 
     def split_by_dp(self, batch: Batch) -> list[Batch]:
         """Rank r's piece: chunk ``dp_rank(r)`` of ``batch`` split into ``dp_size`` equal chunks."""
@@ -273,10 +351,12 @@ class WorkerGroup:
             return Batch.concat(picked)
         return picked
 
-    def call_dp(self, method: str, batch: Batch, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def call_dp(self, method: Callable[..., Any], batch: Batch, *args: Any, timeout_s: float | None = None,
+                **kwargs: Any) -> Any:
         """Split ``batch`` by DP rank, call ``method(piece, *args, **kwargs)`` on every rank, gather by DP rank."""
         import ray
 
+        self.method_name(method)  # before anything is put into the object store
         pieces = self.split_by_dp(batch)
         # One object per DP chunk, shared by the TP/PP/CP ranks of that replica.
         refs_by_dp = {}

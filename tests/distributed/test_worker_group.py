@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from megarl.controller import ResourcePool, make_placement  # noqa: E402
 from megarl.data import Batch  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
-from megarl.workers.base import Worker  # noqa: E402
+from megarl.workers.base import Worker, busy  # noqa: E402
 from megarl.workers.group import WorkerGroup, WorkerError  # noqa: E402
 
 ray = pytest.importorskip("ray")
@@ -34,6 +34,7 @@ class TPWorker(Worker):
     def setup_tp2(self):
         return self.init_parallel(ParallelDims(tp=2), backend="gloo", timeout_s=60)
 
+    @busy
     def compute(self, batch: Batch, scale: float) -> Batch:
         coord = self.coordinates()
         # A TP all-reduce proves the replica's ranks got the same chunk.
@@ -53,6 +54,9 @@ class TPWorker(Worker):
 class SideWorker(Worker):
     role = "ref"
 
+    def node_info(self) -> dict:
+        return super().node_info() | {"side": True}
+
     def gpu(self):
         return ray.get_gpu_ids(), os.getpid()
 
@@ -61,6 +65,23 @@ class SideWorker(Worker):
 
     def fail(self) -> None:
         raise ValueError("bad input")
+
+
+class OtherWorker(Worker):
+    """Never spawned: its methods share names with TPWorker's but are other functions."""
+
+    role = "critic"
+
+    def env(self) -> dict:
+        return {}
+
+    def compute(self, batch: Batch, scale: float) -> Batch:
+        return batch
+
+
+def ping(self) -> int:
+    """A function named like a Worker method, but not one."""
+    return -1
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +98,13 @@ def cluster():
 def tp_group(cluster):
     plan = make_placement(nodes=[4], actor=ParallelDims(tp=2), ref=ParallelDims(tp=1))
     group = WorkerGroup(TPWorker, cluster, args=("a",), num_gpus=plan.gpu_fraction("actor"), timeout_s=60)
-    group.call_all("setup_tp2")
+    group.call_all(TPWorker.setup_tp2)
     yield group
     group.shutdown()
 
 
 def test_env_and_coordinates_come_from_the_ranks(tp_group):
-    envs = tp_group.call_all("env")
+    envs = tp_group.call_all(TPWorker.env)
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]  # one node
@@ -95,7 +116,7 @@ def test_env_and_coordinates_come_from_the_ranks(tp_group):
                                                                           (2, 1, 0, 0), (3, 1, 1, 0)]
     assert tp_group.dp_size == 2
     assert tp_group.collect_ranks() == [0, 2]
-    assert tp_group.call_rank(3, "ping") == 3
+    assert tp_group.call_rank(3, TPWorker.ping) == 3
 
 
 def test_split_and_gather_by_dp_round_trip(tp_group):
@@ -104,28 +125,80 @@ def test_split_and_gather_by_dp_round_trip(tp_group):
                              "uid": [f"u{i}" for i in range(n)]}, meta={"step": 7})
     pieces = tp_group.split_by_dp(batch)
     assert [p["x"].tolist() for p in pieces] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
-    out = tp_group.call_dp("compute", batch, 2.0)
+    out = tp_group.call_dp(TPWorker.compute, batch, 2.0)
     assert out["y"].tolist() == [0, 2, 4, 6, 8, 10]
     assert out["dp"].tolist() == [0, 0, 0, 1, 1, 1]
     assert out["rank"].tolist() == [0, 0, 0, 2, 2, 2]  # TP rank 0 of each replica
     assert list(out["uid"]) == [f"u{i}" for i in range(n)]
+    assert all(s > 0 for s in tp_group.call_all(Worker.take_busy))  # @busy methods are called as themselves
+
+
+@pytest.fixture
+def submitted(tp_group, monkeypatch):
+    """What the group hands to Ray (actor calls and ray.put of call_dp's chunks); must stay empty."""
+    record = []
+    monkeypatch.setattr(tp_group, "_submit", lambda *args: record.append(("submit", args)))
+    monkeypatch.setattr(ray, "put", lambda *args, **kwargs: record.append(("put", args)))
+    return record
+
+
+def test_a_method_of_another_class_fails_before_anything_is_submitted(tp_group, submitted):
+    batch = Batch.from_dict({"x": torch.arange(4, dtype=torch.float32), "uid": list("abcd")})
+    listing = r"TPWorker's methods: compute, coordinates, env, init_parallel, node_info, ping, " \
+              r"rendezvous_address, setup_env, setup_tp2, slow_barrier, take_busy$"
+    with pytest.raises(TypeError, match=r"^actor: OtherWorker.compute is not a method of the group's worker class "
+                                        r"\S*TPWorker \(did you mean TPWorker.compute\?\). " + listing):
+        tp_group.call_dp(OtherWorker.compute, batch, 2.0)
+    with pytest.raises(TypeError, match=r"^actor: OtherWorker.env is not a method .*" + listing):
+        tp_group.call_all(OtherWorker.env)
+    with pytest.raises(TypeError, match=r"^actor: SideWorker.nap is not a method .*" + listing):
+        tp_group.call_rank(0, SideWorker.nap, 1.0)
+    with pytest.raises(TypeError, match=r"^actor: OtherWorker.env is not a method .*" + listing):
+        tp_group.call_ranks([((), {})] * 4, OtherWorker.env)
+    with pytest.raises(TypeError, match=r"^actor: ping is not a method .*did you mean TPWorker.ping"):
+        tp_group.call_all(ping)  # the right name is not enough
+    with pytest.raises(TypeError, match=r"^actor: len is not a method"):
+        tp_group.call_all(len)
+    with pytest.raises(AttributeError, match="slow_barier"):
+        tp_group.call_all(TPWorker.slow_barier)  # a typo fails where it is written
+    assert submitted == []
+
+
+def test_a_method_name_string_is_refused(tp_group, submitted):
+    batch = Batch.from_dict({"x": torch.arange(4, dtype=torch.float32), "uid": list("abcd")})
+    advice = r"pass the worker method itself, e.g. TPWorker.{} \(WorkerClass.method\), not a string\. " \
+             r"TPWorker's methods: compute, .*, take_busy$"
+    with pytest.raises(TypeError, match=r"^actor: got the method name 'compute'; " + advice.format("compute")):
+        tp_group.call_dp("compute", batch, 2.0)
+    with pytest.raises(TypeError, match=r"^actor: got the method name 'env'; " + advice.format("env")):
+        tp_group.call_all("env")
+    with pytest.raises(TypeError, match=advice.format("ping")):
+        tp_group.call_rank(0, "pnig")  # misspelt: the nearest method is suggested
+    with pytest.raises(TypeError, match=advice.format("<method>")):
+        tp_group.call_ranks([((), {})] * 4, "nothing_like_it")
+    assert submitted == []
 
 
 def test_colocated_worker_classes_share_bundles(cluster, tp_group):
     side = WorkerGroup(SideWorker, cluster, num_gpus=0.5, timeout_s=30)
     try:
-        side_gpus = [ids for ids, _ in side.call_all("gpu")]
+        side_gpus = [ids for ids, _ in side.call_all(SideWorker.gpu)]
         assert all(len(ids) == 1 for ids in side_gpus)
         # Rank r of both groups sits on bundle r: the same fake GPU.
-        actor_envs = tp_group.call_all("node_info")
+        actor_envs = tp_group.call_all(Worker.node_info)
         assert [[str(i) for i in ids] for ids in side_gpus] == [info["gpu_ids"] for info in actor_envs]
-        assert side.call_all("ping") == [0, 1, 2, 3]
+        assert side.call_all(SideWorker.ping) == [0, 1, 2, 3]
+        # The base method is accepted and dispatched by name: the subclass's override runs on the ranks.
+        assert all(info["side"] for info in side.call_all(Worker.node_info))
+        assert side.call_rank(1, SideWorker.node_info)["side"]
+        with pytest.raises(TypeError, match=r"^ref: TPWorker.env is not a method of the group's worker class"):
+            side.call_all(TPWorker.env)
         assert side.refresh_coordinates()[2].dp_rank == 2  # no parallel init: pure data parallel
         with pytest.raises(WorkerError, match=r"ref rank 0 failed in fail: ValueError: bad input"):
-            side.call_rank(0, "fail")
+            side.call_rank(0, SideWorker.fail)
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"ref.nap: ranks \[0, 1, 2, 3\] did not answer within 0 s"):
-            side.call_all("nap", 3.0, timeout_s=0.3)
+            side.call_all(SideWorker.nap, 3.0, timeout_s=0.3)
         assert time.monotonic() - start < 2
     finally:
         side.shutdown()
@@ -139,12 +212,12 @@ def test_killed_worker_ends_a_blocked_call_with_role_and_rank(tp_group):
     killer = threading.Timer(1.0, tp_group.kill_rank, args=(1,))
     killer.start()
     with pytest.raises(WorkerError, match=r"actor rank 1 died during slow_barrier") as info:
-        tp_group.call_all("slow_barrier", 3.0, timeout_s=60)
+        tp_group.call_all(TPWorker.slow_barrier, 3.0, timeout_s=60)
     killer.join()
     assert info.value.rank == 1 and info.value.role == "actor"
     assert time.monotonic() - refs_started < 1.0 + 5.0  # killed at 1 s; the others would wait 60 s
     # A call on the dead rank fails at once, too.
     start = time.monotonic()
     with pytest.raises(WorkerError, match="actor rank 1 died during ping"):
-        tp_group.call_rank(1, "ping", timeout_s=30)
+        tp_group.call_rank(1, Worker.ping, timeout_s=30)
     assert time.monotonic() - start < 5
