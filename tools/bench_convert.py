@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--shard-mb", type=int, default=128,
                         help="safetensors shard size in MB, for the input and the export (default: %(default)s)")
     args = parser.parse_args(argv)
-    from megarl.testing.spawn import run_ranks
+    from megarl.parallel.launch import run_ranks
 
     torch.set_num_threads(1)  # the ranks have one thread each; so has the reference
     world = args.tp * args.pp

@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--sample-ms", type=float, default=1.0,
                         help="RSS sampling interval of the memory measurement in ms (default: %(default)s)")
     args = parser.parse_args(argv)
-    from megarl.testing.spawn import run_ranks
+    from megarl.parallel.launch import run_ranks
 
     torch.set_num_threads(1)
     world = args.tp * args.pp

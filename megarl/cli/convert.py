@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one conversion; exit code 0 on success, 2 on a usage or input error, 1 on a rank failure."""
-    from megarl.testing.spawn import RankFailure
+    from megarl.parallel.launch import RankFailure
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -88,7 +88,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
                 force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
     """Convert an HF safetensors checkpoint into a Megatron distributed checkpoint."""
     from megarl.models import family_for
-    from megarl.testing.spawn import run_ranks
+    from megarl.parallel.launch import run_ranks
 
     hf_dir, out = Path(hf_dir), Path(out)
     if dtype not in DTYPES:
@@ -158,7 +158,7 @@ def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp
                 force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
     """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files."""
     from megarl.models import family_for
-    from megarl.testing.spawn import run_ranks
+    from megarl.parallel.launch import run_ranks
 
     mcore_dir, out = Path(mcore_dir), Path(out)
     meta = read_mcore_metadata(mcore_dir)

@@ -80,7 +80,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) ->
         if var not in os.environ:
             raise ValueError(
                 f"environment variable {var} is not set: start the process with torchrun, Ray "
-                "(megarl's worker groups set it) or megarl.testing.spawn"
+                "(megarl's worker groups set it) or megarl.parallel.launch"
             )
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import actor_jobs
 
 TEMPERATURE = 0.8

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import convert_jobs
 
 FAMILIES = ["llama", "qwen2", "qwen3"]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import critic_jobs as jobs
 
 

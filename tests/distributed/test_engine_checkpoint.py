@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import checkpoint_jobs
 from tests.distributed.checkpoint_jobs import LAST_STEP, SAVE_AFTER
 

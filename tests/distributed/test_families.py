@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 
 SMALL = dict(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=3, max_position_embeddings=512)
 

@@ -6,7 +6,7 @@ The same 2-rank job also checks the CPU model-parallel RNG tracker (dropout stre
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 
 VOCAB, PADDED = 37, 40  # 3 padded columns on the last shard
 TEMPERATURE = 0.6

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import engine_jobs
 
 

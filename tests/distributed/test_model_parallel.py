@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tests.distributed import parity_jobs
 
 FAMILIES = ["llama", "qwen2", "qwen3"]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 from tools.gguf_to_hf import gguf_to_hf, smollm2_gguf
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """Activation recomputation (full and selective) on CPU at TP=2: the same step as without it."""
 
-from megarl.testing.spawn import run_ranks
+from megarl.parallel.launch import run_ranks
 
 
 def _steps(path):

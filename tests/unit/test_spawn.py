@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megarl.testing.spawn import RankFailure, run_ranks
+from megarl.parallel.launch import RankFailure, run_ranks
 
 
 def _rank() -> int:

@@ -1,9 +1,12 @@
 """Run a function on N local gloo ranks, time-bounded, and bring back results or the failure.
 
-Used by the multi-process tests, the benchmarks in ``tools/`` and the CLIs that spawn
-their own ranks on CPU. Each rank is a fresh ``spawn``-ed process with ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, one torch thread,
-and the function's return value shipped back by value.
+Used by the converter jobs that spawn their own ranks on CPU (``megarl-convert``), the
+multi-process tests and the benchmarks in ``tools/``. Each rank is a fresh ``spawn``-ed
+process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+set, one torch thread, and the function's return value shipped back by value.
+
+Keep this module (and ``megarl/parallel/__init__.py``, which every rank runs first) free of
+heavy imports such as torch: a rank imports them before it can dump its stack on a timeout.
 
 Failure policy: the first rank that raises (or dies, or exits without reporting) ends the
 job; the others are killed (they would otherwise wait forever in a collective) and

@@ -1,1 +1,0 @@
-"""Helpers for tests, benchmarks and CLIs that run several local ranks."""
