@@ -1,6 +1,6 @@
 """Write synthetic 2-digit addition prompts for the tiny CPU recipe (train.parquet, test.parquet).
 
-The rows and their schema are defined in :mod:`megarl.data.synthetic`; this is its command line.
+The rows and their schema are defined in :mod:`megarl.warmstart.addition_data`; this is its command line.
 
 Usage::
 
@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from megarl.data.synthetic import NUM_PAIRS, make_addition_rows, make_row, write_addition_data
+from megarl.warmstart.addition_data import NUM_PAIRS, make_addition_rows, make_row, write_addition_data
 
 __all__ = ["NUM_PAIRS", "main", "make_addition_rows", "make_row", "write_addition_data"]
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import os
 import threading
 import weakref
@@ -38,15 +37,10 @@ from typing import Any
 
 import torch
 
+from megarl.models.sampling import derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams, tensor_digest
 
 _MAX_SEED = 2**63 - 1
-
-
-def derive_row_seed(seed: int, row: int) -> int:
-    """The seed of row ``row``'s sampling stream in a call seeded with ``seed`` (a stable hash)."""
-    digest = hashlib.blake2b(f"{int(seed)}:{int(row)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MAX_SEED
 
 
 def truncate_probs(probs_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -22,8 +22,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from megarl.models.sampling import derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
-from megarl.rollout.hf_engine import derive_row_seed
 
 SGLANG_VERSION = "0.5.23"
 FLATTENED_BUCKET = "flattened_bucket"

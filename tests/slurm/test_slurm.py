@@ -82,7 +82,7 @@ def slurm_env():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from megarl.data.synthetic import ensure_addition_data
+    from megarl.warmstart.addition_data import ensure_addition_data
     from megarl.models.tiny import save_tiny
 
     root = tmp_path_factory.mktemp("slurm_assets")

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
+from megarl.models.sampling import derive_row_seed
 from megarl.rollout.engine import FinishReason, SamplingParams
-from megarl.rollout.hf_engine import derive_row_seed
 from megarl.rollout.sglang_engine import generate_output_from_sglang, sglang_sampling_params
 
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,

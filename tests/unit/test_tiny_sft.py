@@ -1,4 +1,4 @@
-"""The tiny recipe's warm start (megarl.models.tiny_sft) and its data (megarl.data.synthetic).
+"""The tiny recipe's warm start (megarl.warmstart.sft) and its data (megarl.warmstart.addition_data).
 
 A model much smaller than the recipe's keeps every SFT here to a second or two.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.data import synthetic
-from megarl.models import tiny_sft
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
+from megarl.warmstart import addition_data
+from megarl.warmstart import sft as tiny_sft
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
 
@@ -24,7 +24,7 @@ SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """(train, test) parquet files with 64 and 8 addition problems."""
-    return synthetic.ensure_addition_data(tmp_path_factory.mktemp("addition"), num_train=64, num_test=8, seed=0)
+    return addition_data.ensure_addition_data(tmp_path_factory.mktemp("addition"), num_train=64, num_test=8, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -57,24 +57,24 @@ def count_trainings(monkeypatch):
 
 
 def test_ensure_addition_data_writes_once_then_reuses(tmp_path, caplog):
-    train, test = synthetic.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4)
-    rows = synthetic.make_addition_rows(20, 5, seed=4)
+    train, test = addition_data.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4)
+    rows = addition_data.make_addition_rows(20, 5, seed=4)
     assert pq.read_table(train).to_pylist() == rows["train"] and pq.read_table(test).to_pylist() == rows["test"]
     stamps = (train.stat().st_mtime_ns, test.stat().st_mtime_ns)
-    assert synthetic.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4) == (train, test)
+    assert addition_data.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4) == (train, test)
     assert (train.stat().st_mtime_ns, test.stat().st_mtime_ns) == stamps
 
     test.unlink()  # only the missing file is written again, with the same rows
-    synthetic.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4)
+    addition_data.ensure_addition_data(tmp_path / "d", num_train=20, num_test=5, seed=4)
     assert train.stat().st_mtime_ns == stamps[0] and pq.read_table(test).to_pylist() == rows["test"]
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["test.parquet", "train.parquet"]  # no temp files
 
-    with caplog.at_level(logging.WARNING, logger="megarl.data.synthetic"):
-        synthetic.ensure_addition_data(tmp_path / "d", num_train=30, num_test=5, seed=4)
+    with caplog.at_level(logging.WARNING, logger="megarl.warmstart.addition_data"):
+        addition_data.ensure_addition_data(tmp_path / "d", num_train=30, num_test=5, seed=4)
     assert "already exists with 20 rows, not the 30 asked for" in caplog.text
     assert pq.read_table(train).num_rows == 20
     with pytest.raises(ValueError, match="num_test >= 1"):
-        synthetic.ensure_addition_data(tmp_path / "e", num_train=20, num_test=0)
+        addition_data.ensure_addition_data(tmp_path / "e", num_train=20, num_test=0)
 
 
 # ---------------------------------------------------------------------------------- training
@@ -247,9 +247,6 @@ def test_reward_probe_samples_the_model_as_it_trains(tmp_path, answer_42, tokeni
 
 
 def test_accuracy_scores_responses_like_the_reward(tmp_path, data, monkeypatch):
-    from megarl.rollout.engine import FinishReason, GenerateOutput
-    from megarl.rollout.hf_engine import HFEngine
-
     path = sft(tmp_path / "model", data[0])
     untrained = tiny_sft.tiny_sft_accuracy(path, data[1], num=8, temperature=1.0, seed=3)
     assert 0.0 <= untrained <= 0.25 and untrained == tiny_sft.tiny_sft_accuracy(path, data[1], num=8,
@@ -257,14 +254,35 @@ def test_accuracy_scores_responses_like_the_reward(tmp_path, data, monkeypatch):
     answers = [row["reward_model"]["ground_truth"] for row in pq.read_table(data[1]).to_pylist()]
     tokenizer = build_tiny_tokenizer()
 
-    def answer_right_for_even_rows(self, input_ids, params, return_logprob=False):
-        assert params.temperature == 0.0 and len(input_ids) == 8
-        texts = [answers[i] if i % 2 == 0 else "12" for i in range(len(input_ids))]
-        return [GenerateOutput(tokenizer.encode(t + "<|im_end|>", add_special_tokens=False), FinishReason.STOP)
-                for t in texts]
+    def answer_right_for_even_rows(model, tok, prompt_ids, *, temperature, seed, max_new_tokens):
+        assert temperature == 0.0 and len(prompt_ids) == 8
+        texts = [answers[i] if i % 2 == 0 else "12" for i in range(len(prompt_ids))]
+        return [tokenizer.encode(t + "<|im_end|>", add_special_tokens=False) for t in texts]
 
-    monkeypatch.setattr(HFEngine, "generate", answer_right_for_even_rows)
+    monkeypatch.setattr(tiny_sft, "sample_responses", answer_right_for_even_rows)
     assert tiny_sft.tiny_sft_accuracy(path, data[1], num=8) == 0.5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_warm_start_samples_what_the_hf_engine_samples(data, tokenizer, temperature):
+    """The warm start's own sampler (below the rollout layer) returns the HF engine's tokens bit for bit:
+    the SFT stop check, and with it the cached model, depends on it."""
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.hf_engine import HFEngine
+
+    model = build_tiny_model(tokenizer, seed=0, **SMALL)
+    rows = tiny_sft.read_sft_rows([data[0]])
+    examples = tiny_sft.encode_sft_examples(rows, tokenizer)
+    tiny_sft.train_sft(model, examples, steps=30, lr=1e-2, batch_size=16, seed=0, progress=False)
+    prompt_ids = tiny_sft.encode_prompt_ids(rows, tokenizer)
+    prompt_ids[5] = prompt_ids[5][3:]  # rows of different lengths: left padding
+    for seed in (0, 11):
+        own = tiny_sft.sample_responses(model, tokenizer, prompt_ids, temperature=temperature, seed=seed)
+        engine = HFEngine(model, tokenizer).generate(
+            prompt_ids, SamplingParams(max_new_tokens=tiny_sft.MAX_NEW_TOKENS, temperature=temperature, seed=seed))
+        assert own == [output.output_ids for output in engine]
+    assert any(len(r) < tiny_sft.MAX_NEW_TOKENS for r in own)  # rows that stop early are compared too
+    assert temperature == 0 or len({tuple(r) for r in own}) > 1
 
 
 # ------------------------------------------------------------------------------------ config
