@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from megarl.config import ConfigError, load_config
-    from megarl.controller.plan import plan_run
+    from megarl.controller.preflight import plan_run
 
     try:
         plan = plan_run(load_config(args.overrides), check=False)

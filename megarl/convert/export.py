@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megarl.convert.hf_io import expected_shapes
 from megarl.convert.layout import ModelSizes, hf_split_dim, unfuse
-from megarl.convert.plan import Unit, build_plan, buckets, local_parameters
+from megarl.convert.param_map import Unit, build_plan, buckets, local_parameters
 from megarl.models.weights import Fuse
 
 NamedTensors = list[tuple[str, torch.Tensor]]

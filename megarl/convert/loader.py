@@ -8,7 +8,7 @@ import torch
 
 from megarl.convert.hf_io import HFCheckpoint
 from megarl.convert.layout import ModelSizes, fuse, hf_slices
-from megarl.convert.plan import local_parameters
+from megarl.convert.param_map import local_parameters
 from megarl.models.weights import WeightRule
 
 

@@ -1,4 +1,4 @@
-"""The pre-flight planner (megarl.controller.plan, megarl-plan): numbers checked against hand arithmetic.
+"""The pre-flight planner (megarl.controller.preflight, megarl-plan): numbers checked against hand arithmetic.
 
 The 7B numbers below are worked out from the published Qwen2.5-7B sizes and the recipe's settings,
 independently of the planner's code path (no weight rules, no placement helpers).
@@ -12,7 +12,7 @@ import pytest
 
 from megarl.cli.plan import main as plan_main
 from megarl.config import load_config
-from megarl.controller.plan import (
+from megarl.controller.preflight import (
     CUDA_CONTEXT_BYTES,
     activation_bytes_per_layer,
     chunks_in_flight,

@@ -1,5 +1,8 @@
 """The pre-flight plan: where every rank and engine runs, and what each GPU holds in each phase.
 
+Its text (the report ``megarl-plan`` prints, the refusal messages) is in
+:mod:`megarl.controller.preflight_report`, which this module imports (never the other way).
+
 Pure arithmetic on the config and the model's sizes (no Ray, no GPU, no weights): ``megarl-plan``
 prints it, and :func:`preflight` lets the trainer refuse a run before placing anything.
 
@@ -69,6 +72,7 @@ from typing import Any
 
 from megarl.config.schema import RunConfig
 from megarl.controller.placement import PlacementPlan, engine_replica, make_placement, megatron_coordinates
+from megarl.controller.preflight_report import ROWS, format_report, kv_problem, overflow_problem
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.models.weights import Split
 from megarl.parallel.dims import ParallelDims
@@ -83,11 +87,6 @@ LOGITS_BYTES_PER_ELEMENT = 14
 """Peak bytes per logit element while log-probs are computed (bf16 logits + three fp32 temporaries)."""
 ARR = "actor_rollout_ref"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "activations",
-        "logits", "forward", "critic_activations", "critic_forward", "engine_weights", "kv_cache",
-        "sync_buffers", "cuda_context")
-"""Memory rows of a GPU, in report order."""
 
 
 # ---------------------------------------------------------------------------------- activations
@@ -207,8 +206,6 @@ class RunPlan:
 
     def problems(self) -> list[str]:
         """Why the run does not fit (empty when it does), each naming the settings that would help."""
-        from megarl.controller.plan_report import kv_problem, overflow_problem
-
         out = []
         worst = self.worst
         if worst.peak > self.gpu_memory_bytes:
@@ -231,8 +228,6 @@ class RunPlan:
 
     def report(self) -> str:
         """The printable plan (placement, memory table, phase peaks, weight-sync volume)."""
-        from megarl.controller.plan_report import format_report
-
         return format_report(self)
 
 
@@ -423,7 +418,7 @@ class _MemoryModel:
     # ------------------------------------------------------------------------------ weight sync
     def _sync(self) -> tuple[SyncVolume, dict[int, int], int]:
         """The volume, the sync buffers per actor pipeline stage, and the sender's flat copy of a bucket."""
-        from megarl.convert.plan import Unit, buckets
+        from megarl.convert.param_map import Unit, buckets
 
         m, dims = self.model, self.actor_dims
         chunk_layers = m.num_layers // (dims.pp * dims.num_virtual_stages)

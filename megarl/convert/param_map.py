@@ -1,4 +1,4 @@
-"""The conversion plan: every Megatron parameter of a model, where it lives, what HF tensors it makes.
+"""The parameter map: every Megatron parameter of a model, where it lives, what HF tensors it makes.
 
 The plan is computed identically on every rank from the config and the layout alone (no
 communication), which is what lets the exporters agree on bucket boundaries and buffer

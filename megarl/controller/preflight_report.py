@@ -1,4 +1,4 @@
-"""The printable pre-flight plan and its refusal messages (``megarl.controller.plan``'s text side).
+"""The printable pre-flight plan and its refusal messages (:mod:`megarl.controller.preflight`'s text side).
 
 The report: the model, the placement (pools, roles and their TP/PP/DP groups, which layers each
 pipeline stage holds, each engine's GPUs and the rank that feeds it), then one memory column per
@@ -14,10 +14,14 @@ from typing import TYPE_CHECKING
 from megarl.controller.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
 
 if TYPE_CHECKING:
-    from megarl.controller.plan import GpuPlan, RunPlan
+    from megarl.controller.preflight import GpuPlan, RunPlan
 
 GiB = 1 << 30
 ARR = "actor_rollout_ref"
+ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "activations",
+        "logits", "forward", "critic_activations", "critic_forward", "engine_weights", "kv_cache",
+        "sync_buffers", "cuda_context")
+"""Memory rows of a GPU, in report order."""
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -153,8 +157,6 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def memory_table(plan: RunPlan) -> list[str]:
     """The per-kind memory table (GiB): rows, phase totals, peak vs the GPU, KV tokens."""
-    from megarl.controller.plan import ROWS
-
     kinds = plan.gpus
     names = _row_names(plan)
     header = ["GiB per GPU"] + [k.label for k in kinds]
