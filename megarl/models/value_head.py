@@ -30,6 +30,9 @@ class ValueHead(torch.nn.Module):
     values small.
     """
 
+    emits_values = True
+    """Marks this output layer as returning values, not logits (``megarl.parallel.pipeline.EMITS_VALUES``)."""
+
     def __init__(self, hidden_size: int, *, init_std: float, seed: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)

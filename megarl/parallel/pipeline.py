@@ -4,8 +4,12 @@
 as the layout says) over a list of micro-batches and computes, on the last pipeline stage,
 the per-token log-probability of the next token and the entropy from vocabulary-sharded
 logits. A ``loss_fn`` turns them into a scalar loss; without one it returns them. Chunks
-that end in a value head (a critic, see megarl.models.value_head) give per-token values
-instead, which a value ``loss_fn`` receives in the same way.
+whose output layer emits values (:data:`EMITS_VALUES`; megarl.models.value_head's critic head)
+give per-token values instead, which a value ``loss_fn`` receives in the same way.
+
+Process groups. Given the rank's :class:`~megarl.parallel.groups.ProcessGroups`, the schedule
+runs on those groups (Megatron's ``pg_collection`` and a p2p communicator on their pipeline
+group); without them it falls back to Megatron's global ``parallel_state``.
 
 Positions. RL batches hold left-padded prompts followed by right-padded responses, so each
 row's tokens are contiguous but start at different offsets. Megatron's RoPE numbers
@@ -22,16 +26,35 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megarl.parallel.logprob import vocab_parallel_logprobs
 
+if TYPE_CHECKING:
+    from megarl.parallel.groups import ProcessGroups
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 """``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``; loss already normalised."""
 ValueLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 """``loss_fn(values_BS, micro_batch) -> (loss, metrics)`` for chunks with a value head; normalised."""
+
+EMITS_VALUES = "emits_values"
+"""The attribute that marks a value output layer: a chunk whose ``output_layer`` has it set to True
+returns one value per position ([S, B, 1]) where a language model returns vocabulary logits. The
+model code sets it (``megarl.models.value_head.ValueHead``); this module only reads it."""
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):  # Megatron DDP / Float16Module wrappers
+        module = module.module
+    return module
+
+
+def emits_values(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    """True when one of these (possibly wrapped) chunks ends in an output layer marked :data:`EMITS_VALUES`."""
+    return any(getattr(getattr(_unwrap(c), "output_layer", None), EMITS_VALUES, False) is True for c in model_chunks)
 
 
 def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:
@@ -85,6 +108,7 @@ def forward_backward(
     forward_only: bool = False,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    groups: ProcessGroups | None = None,
     tp_group=None,
     return_logits: bool = False,
 ) -> list[dict[str, Any]]:
@@ -100,35 +124,53 @@ def forward_backward(
     vocabulary slice [B, S, V/tp], before temperature. Other stages get an empty list. Gradients accumulate in the chunks' parameters (or
     ``main_grad`` buffers with Megatron DDP, finalised across DP ranks at the end).
 
-    Chunks with a value head (a critic): position t's value is the head's output on the
-    hidden state of tokens up to t, float32 [B, S] in the caller's layout; ``loss_fn`` is a
-    :data:`ValueLossFn` and forward-only results are ``{"values": ...}``. ``temperature``
-    and ``vocab_size`` do not apply.
+    Chunks with a value head (a critic, :func:`emits_values`): position t's value is the head's
+    output on the hidden state of tokens up to t, float32 [B, S] in the caller's layout;
+    ``loss_fn`` is a :data:`ValueLossFn` and forward-only results are ``{"values": ...}``.
+    ``temperature`` and ``vocab_size`` do not apply.
+
+    ``groups``: this rank's process groups (what :func:`megarl.parallel.init_parallel` returned);
+    the pipeline size, TP group and the schedule's groups come from them. None: from Megatron's
+    global ``parallel_state`` (the TP group from ``tp_group`` when given).
     """
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
-
-    from megarl.models.value_head import has_value_head
 
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
     if return_logits and not forward_only:
         raise ValueError("return_logits=True is for forward_only=True runs")
     # Known on the last stage, the only one that calls the loss function.
-    value_head = has_value_head(model_chunks)
+    value_head = emits_values(model_chunks)
     if return_logits and value_head:
         raise ValueError("return_logits=True needs an LM head; these chunks end in a value head (a critic)")
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward without loss_fn computes nothing to differentiate: pass forward_only=True")
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = get_model_config(model_chunks[0])
+    if groups is None:
+        from megatron.core import parallel_state
+
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+        schedule, schedule_groups = get_forward_backward_func(), {}
+    else:
+        if tp_group is not None and tp_group is not groups.tp:
+            raise ValueError("forward_backward: tp_group is not groups.tp; pass groups alone")
+        pp, tp_group = groups.dims.pp, groups.tp
+        if len(model_chunks) != groups.dims.num_virtual_stages:
+            raise ValueError(f"forward_backward got {len(model_chunks)} model chunks for a layout with "
+                             f"{groups.dims.num_virtual_stages} virtual pipeline stages (parallel.vpp)")
+        schedule = get_forward_backward_func(pp_size=pp, vp_size=len(model_chunks) if len(model_chunks) > 1 else None)
+        schedule_groups = {"pg_collection": groups.collection}
+        if pp > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            schedule_groups["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=config)
     if len(model_chunks) > 1 and len(micro_batches) % pp != 0:
         raise ValueError(
             f"interleaved pipelining (parallel.vpp={len(model_chunks)}) needs a multiple of "
             f"parallel.pp={pp} micro-batches, got {len(micro_batches)}: split the batch into more micro-batches"
         )
-    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-    config = get_model_config(model_chunks[0])
     _set_finalize(config, model_chunks, forward_only)
 
     def loss_func(micro_batch, input_ids_BS, index_BS, logits_BSV):
@@ -177,7 +219,7 @@ def forward_backward(
     prepared = [(mb, _prepare(mb, shape)) for mb in micro_batches]
     num_chunks = len(model_chunks)
     iterators = [iter(prepared) for _ in range(num_chunks)]
-    return get_forward_backward_func()(
+    return schedule(
         forward_step_func=forward_step,
         data_iterator=iterators if num_chunks > 1 else iterators[0],
         model=list(model_chunks),
@@ -185,6 +227,7 @@ def forward_backward(
         seq_length=max_len,
         micro_batch_size=max_batch,
         forward_only=forward_only,
+        **schedule_groups,
     )
 
 

@@ -199,7 +199,8 @@ def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd, ref_step
     mbs = micro_batches()
     result = {"layout": layout, "rank": groups.rank, "last_stage": groups.is_last_stage}
 
-    fwd = forward_backward(chunks, mbs, forward_only=True, temperature=TEMPERATURE, vocab_size=VOCAB, return_logits=True)
+    fwd = forward_backward(chunks, mbs, forward_only=True, temperature=TEMPERATURE, vocab_size=VOCAB, return_logits=True,
+                           groups=groups)
     if groups.is_last_stage:
         logits_diff = logp_diff = 0.0
         for got, ref in zip(fwd, ref_fwd, strict=True):
@@ -211,13 +212,13 @@ def _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd, ref_step
 
     ddp_chunks = _wrap_ddp(chunks)
     my_mbs = mbs[groups.dp_rank :: groups.dims.dp]
-    forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB)
+    forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB, groups=groups)
     result.update(_gradient_diff(chunks, names, ref_grads, groups, tp, gated))
 
     # Again from the same weights, with the distributed optimizer (gradients reduce-scattered).
     chunks, names, gated = _load_chunks(family, cfg, groups, ref_weights)
     ddp_chunks = _wrap_ddp(chunks, distributed_optimizer=True)
-    forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB)
+    forward_backward(ddp_chunks, my_mbs, loss_fn=loss_fn, temperature=TEMPERATURE, vocab_size=VOCAB, groups=groups)
     result.update(_step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated))
     return result
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megarl.models.value_head import ValueHead, has_value_head, value_head_parameter_names
+from megarl.parallel.pipeline import emits_values
 from megarl.workers.critic import CriticPPOConfig
 
 
@@ -36,6 +37,7 @@ def test_value_head_is_found_through_wrappers():
 
     chunks = [Wrapper(torch.nn.Linear(4, 4)), Wrapper(Chunk())]
     assert has_value_head(chunks) and not has_value_head(chunks[:1])
+    assert emits_values(chunks) and not emits_values(chunks[:1])  # what the pipeline sees: values, not logits
     assert value_head_parameter_names(chunks) == {"output_layer.weight", "output_layer.bias"}
 
 
