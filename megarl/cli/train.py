@@ -30,12 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from megarl.config import ConfigError, load_config
-    from megarl.config.validate import validate
 
     try:
-        cfg = load_config(args.overrides)
-        validate(cfg)
-    except (ConfigError, ValueError) as error:
+        cfg = load_config(args.overrides)  # composed, built and validated
+    except ConfigError as error:
         print(f"megarl-train: invalid config: {error}", file=sys.stderr)
         return 2
     if args.print_config:

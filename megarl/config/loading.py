@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import RunConfig, register_schema
+from megarl.config.validate import validate
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The repository's ``configs/`` directory (Hydra YAML: ``config.yaml`` and its groups)."""
@@ -43,10 +44,16 @@ def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFI
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` (e.g. ``["recipe=qwen2_5_7b_grpo",
     "trainer.total_steps=10"]``) and return the typed :class:`RunConfig`.
 
-    Each section's own checks run here; cross-component checks are :func:`megarl.config.validate`.
+    Each section's own checks run while the dataclasses are built, then the cross-component checks
+    (:func:`megarl.config.validate.validate`), once: the returned config is ready to run.
     Raises :class:`ConfigError` (a ``ValueError``) naming the offending key.
     """
-    return to_run_config(compose_config(overrides, config_dir=config_dir, config_name=config_name))
+    cfg = to_run_config(compose_config(overrides, config_dir=config_dir, config_name=config_name))
+    try:
+        validate(cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    return cfg
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

@@ -26,7 +26,10 @@ from __future__ import annotations
 import logging
 
 from megarl.algo.advantages import uses_critic
-from megarl.config.schema import ActorConfig, CriticConfig, ParallelConfig, RunConfig
+from megarl.config.actor import ActorConfig
+from megarl.config.critic import CriticConfig
+from megarl.config.parallel import ParallelDims
+from megarl.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def _world_keys(cfg: RunConfig) -> str:
     return f"trainer.nnodes × trainer.n_gpus_per_node = {trainer.nnodes} × {trainer.n_gpus_per_node}"
 
 
-def _roles(cfg: RunConfig) -> list[tuple[str, ParallelConfig]]:
+def _roles(cfg: RunConfig) -> list[tuple[str, ParallelDims]]:
     """(key prefix, layout) of each Megatron role the run builds."""
     actor = cfg.actor_rollout_ref.actor
     roles = [(f"{ARR}.actor.parallel", actor.parallel)]  # the reference shares the actor's layout
@@ -58,7 +61,7 @@ def _roles(cfg: RunConfig) -> list[tuple[str, ParallelConfig]]:
     return roles
 
 
-def data_parallel_size(cfg: RunConfig, parallel: ParallelConfig) -> int:
+def data_parallel_size(cfg: RunConfig, parallel: ParallelDims) -> int:
     """``dp`` of a role: the world size over ``tp × pp × cp`` (call after :func:`validate`)."""
     return cfg.trainer.world_size // (parallel.tp * parallel.pp * parallel.cp)
 
@@ -180,10 +183,10 @@ def _check_engines(cfg: RunConfig) -> None:
         raise ValueError(f"{prefix}.response_length={rollout.response_length} differs from "
                          f"data.max_response_length={data.max_response_length}: set one value (leave "
                          f"{prefix}.response_length null to use data.max_response_length)")
-    width = cfg.rollout_config()
-    if rollout.max_model_len is not None and rollout.max_model_len <= width.prompt_length:
+    prompt_length, _ = cfg.rollout_widths()
+    if rollout.max_model_len is not None and rollout.max_model_len <= prompt_length:
         raise ValueError(f"{prefix}.max_model_len={rollout.max_model_len} leaves no room for a response after "
-                         f"the prompt width {width.prompt_length}: raise it or leave it null")
+                         f"the prompt width {prompt_length}: raise it or leave it null")
 
 
 def _check_memory_flags(cfg: RunConfig) -> None:

@@ -75,3 +75,12 @@ def throughput_metrics(timing: dict[str, float], *, num_tokens: int, num_ranks: 
     step = timing.get("step", 0.0)
     return {"perf/total_num_tokens": float(num_tokens), "perf/time_per_step": step,
             "perf/throughput": num_tokens / max(step, 1e-9) / max(num_ranks, 1)}
+
+
+def mean_dicts(outputs) -> dict[str, float]:
+    """Average the metric dicts of the DP replicas (``None`` entries skipped)."""
+    dicts = [o for o in (outputs if isinstance(outputs, list) else [outputs]) if o]
+    if not dicts:
+        return {}
+    keys = dicts[0].keys()
+    return {k: sum(float(d[k]) for d in dicts) / len(dicts) for k in keys}

@@ -47,8 +47,8 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
 Phases (colocated; what the trainer holds on the GPU in each, steady state):
 
 - ``rollout``: the engine (weights + KV) + the training state that is not offloaded
-  (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; the reference is offloaded
-  with the actor's parameters, as ``ActorWorker.offload`` does).
+  (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; the reference's weights with
+  ``ref.param_offload``, as ``ActorWorker.offload`` does).
 - ``log-probs``: everything onloaded + the forward's logits and one layer's activations; the engine
   too unless ``free_cache_engine``. ``values`` / ``update critic`` / ``update actor`` likewise.
 - ``weight sync``: everything onloaded (the actor is offloaded after the sync), the engines resumed
@@ -71,11 +71,11 @@ import math
 from typing import Any
 
 from megarl.config.schema import RunConfig
-from megarl.controller.placement import PlacementPlan, engine_replica, make_placement, megatron_coordinates
+from megarl.controller.placement import PlacementPlan, engine_replica, megatron_coordinates, placement_for
 from megarl.controller.preflight_report import ROWS, format_report, kv_problem, overflow_problem
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.models.weights import Split
-from megarl.parallel.dims import ParallelDims
+from megarl.config.parallel import ParallelDims
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = GiB // 2
@@ -231,27 +231,13 @@ class RunPlan:
         return format_report(self)
 
 
-def placement_for(cfg: RunConfig) -> PlacementPlan:
-    """The placement the trainer makes for ``cfg`` (``Trainer._place_workers``' arguments)."""
-    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
-    nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
-    engine_tp = 1 if arr.rollout.name == "hf" else arr.rollout.tensor_model_parallel_size
-    return make_placement(nodes=nodes, actor=arr.actor.parallel.to_dims(),
-                          critic=cfg.critic.parallel.to_dims() if cfg.critic.enable else None,
-                          engine_tp=engine_tp, engine_layout=arr.rollout.engine_layout,
-                          rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
-
-
 def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool = True) -> RunPlan:
     """The pre-flight plan of ``cfg``; with ``check``, raise ``ValueError`` (naming keys) when it does not fit.
 
-    Refuses first what does not factor: :func:`megarl.config.validate`, the placement, and the
+    ``cfg`` comes validated from :func:`megarl.config.load_config`. Refuses first what does not factor: the placement, and the
     model's heads and layers against each layout. ``gpu_memory_gb``: GiB per GPU, default
     ``trainer.gpu_memory_gb``.
     """
-    from megarl.config.validate import validate
-
-    validate(cfg)
     arr = cfg.actor_rollout_ref
     model = architecture_for(arr.model.path, key=f"{ARR}.model.path")
     critic_model = None
@@ -303,8 +289,8 @@ class _MemoryModel:
         self.arr = arr
         self.dtype_bytes = DTYPE_BYTES[arr.model.dtype]
         self.engine_bytes = DTYPE_BYTES[arr.rollout.dtype]
-        width = cfg.rollout_config()
-        self.seq = width.prompt_length + width.response_length
+        prompt_length, response_length = cfg.rollout_widths()
+        self.seq = prompt_length + response_length
         self.max_seq = min(arr.rollout.max_model_len or self.seq, self.seq)
         self.actor_dims: ParallelDims = placement.role("actor").dims
         self.critic_dims: ParallelDims | None = placement.role("critic").dims if critic_model else None
@@ -551,11 +537,11 @@ class _MemoryModel:
         arr = self.arr
         actor = arr.actor
         actor_full = {k: rows[k] for k in ("actor_weights", "actor_grads", "actor_optimizer")}
-        # The trainer offloads the reference together with the actor's parameters (ActorWorker.offload).
+        # The trainer offloads the reference's weights with ref.param_offload (ActorWorker.offload).
         actor_resident = {"actor_weights": 0 if actor.param_offload else rows["actor_weights"],
                           "actor_grads": 0 if actor.grad_offload else rows["actor_grads"],
                           "actor_optimizer": 0 if actor.optimizer_offload else rows["actor_optimizer"],
-                          "ref_weights": 0 if actor.param_offload else rows["ref_weights"]}
+                          "ref_weights": 0 if arr.ref.param_offload else rows["ref_weights"]}
         critic_full = {"critic_state": rows["critic_state"]}
         critic_resident = {"critic_state": rows.get("_critic_resident", 0)}
         kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}

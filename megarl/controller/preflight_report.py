@@ -254,8 +254,9 @@ def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
     offload = {"actor_weights": "param_offload", "actor_grads": "grad_offload", "actor_optimizer": "optimizer_offload",
                "ref_weights": "param_offload"}
     if row in offload:
-        if phase == "rollout" and not getattr(actor, offload[row]):
-            return f"set {a}.{offload[row]}=true"
+        section, prefix = (arr.ref, f"{ARR}.ref") if row == "ref_weights" else (actor, a)
+        if phase == "rollout" and not getattr(section, offload[row]):
+            return f"set {prefix}.{offload[row]}=true"
         return layout + (" or add nodes (trainer.nnodes: more DP ranks share it)" if row == "actor_optimizer" else "")
     if row == "critic_state":
         flags = [f"{c}.{k}=true" for k in ("param_offload", "grad_offload", "optimizer_offload")

@@ -55,6 +55,26 @@ class Tracking:
                      for k in CONSOLE_KEYS if k in scalars]
             self.console(f"step {step}: " + "  ".join(shown))
 
+    def log_generations(self, samples: Sequence[dict[str, Any]], step: int, *, tag: str = "val/generations") -> None:
+        """Log decoded samples (``input``, ``output``, ``score`` per sample; ``trainer.log_val_generations``):
+        a text table in TensorBoard, one ``generations.jsonl`` line per sample, and the console."""
+        if not samples:
+            return
+        if self._writer is not None:
+            header = "| input | output | score |\n|---|---|---|\n"
+            rows = "".join(f"| {_cell(s['input'])} | {_cell(s['output'])} | {float(s['score']):.4g} |\n" for s in samples)
+            self._writer.add_text(tag, header + rows, global_step=step)
+            self._writer.flush()
+        if "jsonl" in self.loggers:
+            with open(self.log_dir / "generations.jsonl", "a", encoding="utf-8") as f:
+                for sample in samples:
+                    f.write(json.dumps({"step": step, "tag": tag, **{k: _plain(v) for k, v in sample.items()}},
+                                       ensure_ascii=False) + "\n")
+        if "console" in self.loggers:
+            for sample in samples:
+                self.console(f"step {step} {tag}: {sample['input']!r} -> {sample['output']!r} "
+                             f"(score {float(sample['score']):.4g})")
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -62,6 +82,11 @@ class Tracking:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell (pipes escaped, newlines as <br>)."""
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
 
 
 def _json_number(value: float) -> float | str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
-from megarl.parallel.dims import ParallelDims
+from megarl.config.parallel import ParallelDims
 
 FORMAT = "megarl-mcore"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -14,7 +14,7 @@ import torch
 
 from megarl.convert.layout import ModelSizes, hf_slices
 from megarl.models.weights import WeightRule
-from megarl.parallel.dims import ParallelDims
+from megarl.config.parallel import ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megarl.models.family import ModelFamily
-from megarl.parallel.dims import ParallelDims
+from megarl.config.parallel import ParallelDims
 
 
 def build_gpt_model(

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.weights import WeightRule
-from megarl.parallel.dims import ParallelDims
+from megarl.config.parallel import ParallelDims
 
 # Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -89,6 +89,7 @@ class ModelFamily:
             pipeline_model_parallel_size=dims.pp,
             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp and dims.vpp > 1 else None,
             context_parallel_size=dims.cp,
+            sequence_parallel=dims.sequence_parallel,
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megarl.parallel.dims import MeshAxis, ParallelDims
+    from megarl.config.parallel import MeshAxis, ParallelDims
     from megarl.parallel.groups import ProcessGroups, destroy_parallel, init_parallel, set_seed
     from megarl.parallel.logprob import vocab_parallel_logprobs
     from megarl.parallel.pipeline import forward_backward
@@ -29,7 +29,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("MeshAxis", "ParallelDims"):
-        from megarl.parallel import dims as module
+        from megarl.config import parallel as module
     elif name in ("ProcessGroups", "destroy_parallel", "init_parallel", "set_seed"):
         from megarl.parallel import groups as module
     elif name == "vocab_parallel_logprobs":

@@ -15,20 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.parallel import cpu_support
-from megarl.parallel.dims import ParallelDims
 
 
-@dataclasses.dataclass(frozen=True)
-class ProcessGroups:
-    """This rank's place in the layout, and the process groups along each axis."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessGroups(Coordinates):
+    """This rank's place in the layout (:class:`Coordinates`), and the process groups along each axis."""
 
-    dims: ParallelDims
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    cp_rank: int
-    dp_rank: int
     collection: "object"
     """Megatron's ``ProcessGroupCollection`` for the same groups (pass it to Megatron APIs)."""
 
@@ -51,16 +45,6 @@ class ProcessGroups:
     def cp(self) -> dist.ProcessGroup:
         """Context-parallel group."""
         return self.collection.cp
-
-    @property
-    def is_first_stage(self) -> bool:
-        """True on the first pipeline stage (it holds the embedding)."""
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        """True on the last pipeline stage (it holds the output layer and computes losses)."""
-        return self.pp_rank == self.dims.pp - 1
 
 
 def default_backend() -> str:

@@ -1,9 +1,10 @@
 """Rollout: engine protocol, engines, rollout manager, multi-turn agent loop, tools.
 
-``SGLangEngine`` is imported from ``megarl.rollout.sglang_engine`` (it needs sglang).
+``SGLangEngine`` is imported from ``megarl.rollout.sglang_engine`` (it needs sglang). The rollout's
+settings are :class:`megarl.config.RolloutConfig` (``actor_rollout_ref.rollout``).
 """
 
-from megarl.rollout.agent_loop import AgentLoop, AgentLoopConfig, batch_from_requests, requests_from_batch
+from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
 from megarl.rollout.engine import (
     FinishReason,
     GenerateOutput,
@@ -13,15 +14,13 @@ from megarl.rollout.engine import (
     weight_update_session,
 )
 from megarl.rollout.hf_engine import HFEngine
-from megarl.rollout.manager import RolloutConfig, RolloutManager
+from megarl.rollout.manager import RolloutManager
 
 __all__ = [
     "AgentLoop",
-    "AgentLoopConfig",
     "FinishReason",
     "GenerateOutput",
     "HFEngine",
-    "RolloutConfig",
     "RolloutEngine",
     "RolloutManager",
     "SamplingParams",

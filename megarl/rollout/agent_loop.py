@@ -52,89 +52,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
 from megarl.data.chat import check_messages
-from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams
+from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, sampling_params_for
 from megarl.rollout.interaction import BaseInteraction
 from megarl.rollout.request import (
-    SANITY_CHECK_MODES,
     AsyncRolloutRequest,
     FinishReasonType,
     Message,
     RequestState,
     output_text,
 )
-from megarl.rollout.tool_parser import PARSERS, ToolCall, ToolCallError, get_tool_parser
+from megarl.rollout.tool_parser import ToolCall, ToolCallError, get_tool_parser
 from megarl.rollout.tools.base import BaseTool
 
 logger = logging.getLogger(__name__)
 
 _ACTIVE_STATES = (RequestState.RUNNING, RequestState.TOOL_CALLING, RequestState.INTERACTING)
-
-
-@dataclasses.dataclass(kw_only=True)
-class AgentLoopConfig:
-    """Settings of multi-turn rollouts (``rollout.*`` and ``rollout.multi_turn.*``)."""
-
-    prompt_length: int
-    """Token budget of a templated prompt, tool schemas included (``P``)."""
-    response_length: int
-    """Token budget of the whole multi-turn response: assistant, tool and user tokens (``R``)."""
-    max_model_len: int | None = None
-    """Cap on prompt + response tokens; None means ``prompt_length + response_length``."""
-    max_turns: int = 5
-    """Assistant generations per request."""
-    max_user_turns: int | None = None
-    """Tool-response turns plus interaction replies per request; None: no limit."""
-    tool_timeout_s: float | None = 30.0
-    """Per-call limit of ``tool.execute``; a call that takes longer answers with a timeout error. None: no limit."""
-    format: str = "hermes"
-    """Tool-call format of the model (see ``megarl.rollout.tool_parser.PARSERS``)."""
-    tokenization_sanity_check: str = "warn"
-    """``strict`` (a mismatch FAILS the request), ``warn`` (logged and counted) or ``off``."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 disables top-k."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Stop tokens besides EOS."""
-    seed: int | None = None
-    """Base seed; each request's turn gets its own seed derived from it. None: unseeded."""
-    return_logprob: bool = True
-    """Ask the engine for the log-prob of every generated token (``rollout_log_probs``)."""
-
-    def __post_init__(self) -> None:
-        if self.prompt_length < 1 or self.response_length < 1:
-            raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {self.prompt_length} "
-                             f"and {self.response_length}")
-        if self.max_model_len is not None and self.max_model_len <= self.prompt_length:
-            raise ValueError(f"rollout.max_model_len={self.max_model_len} leaves no room for a response after "
-                             f"prompt_length={self.prompt_length}")
-        if self.max_turns < 1:
-            raise ValueError(f"rollout.multi_turn.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_user_turns is not None and self.max_user_turns < 0:
-            raise ValueError(f"rollout.multi_turn.max_user_turns must be >= 0 or null, got {self.max_user_turns}")
-        if self.tool_timeout_s is not None and self.tool_timeout_s <= 0:
-            raise ValueError(f"rollout.multi_turn.tool_timeout_s must be > 0 or null, got {self.tool_timeout_s}")
-        if self.format not in PARSERS:
-            raise ValueError(f"rollout.multi_turn.format={self.format!r} is unknown; use one of {sorted(PARSERS)}")
-        if self.tokenization_sanity_check not in SANITY_CHECK_MODES:
-            raise ValueError(f"rollout.multi_turn.tokenization_sanity_check={self.tokenization_sanity_check!r} is "
-                             f"unknown; use one of {SANITY_CHECK_MODES}")
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        self.sampling_params()
-
-    @property
-    def effective_max_model_len(self) -> int:
-        """``max_model_len``, or ``prompt_length + response_length`` when unset (or larger)."""
-        total = self.prompt_length + self.response_length
-        return total if self.max_model_len is None else min(self.max_model_len, total)
-
-    def sampling_params(self) -> SamplingParams:
-        """The engine sampling settings (``max_new_tokens`` is narrowed per turn to the budget left)."""
-        return SamplingParams(max_new_tokens=self.response_length, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, seed=self.seed)
 
 
 def _turn_seed(seed: int, request: AsyncRolloutRequest) -> int:
@@ -148,7 +83,11 @@ class AgentLoop:
     Args:
         engine: a :class:`~megarl.rollout.engine.RolloutEngine` (``async_generate`` is used).
         tokenizer: the policy's tokenizer, with its chat template.
-        config: :class:`AgentLoopConfig`.
+        config: the run's ``actor_rollout_ref.rollout`` section: ``multi_turn.*`` (turn limits,
+            tool timeout, tool-call format, tokenization check), ``max_model_len``,
+            ``calculate_log_probs`` and the default sampling.
+        prompt_length, response_length: the widths ``P`` and ``R``
+            (:meth:`megarl.config.RunConfig.rollout_widths`).
         tools: ``{function_name: tool}`` (e.g. from :func:`megarl.rollout.tools.load_tools`).
             A request sees the tools named in its row's ``tools_kwargs``, or all of them when
             the row names none.
@@ -156,12 +95,23 @@ class AgentLoop:
             one named by ``interaction_kwargs["name"]`` (or the only one).
     """
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, config: AgentLoopConfig,
-                 tools: Mapping[str, BaseTool] | None = None,
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, config: RolloutConfig, *, prompt_length: int,
+                 response_length: int, tools: Mapping[str, BaseTool] | None = None,
                  interactions: Mapping[str, BaseInteraction] | None = None) -> None:
+        if prompt_length < 1 or response_length < 1:
+            raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {prompt_length} and "
+                             f"{response_length}")
+        if config.max_model_len is not None and config.max_model_len <= prompt_length:
+            raise ValueError(f"actor_rollout_ref.rollout.max_model_len={config.max_model_len} leaves no room for a "
+                             f"response after prompt_length={prompt_length}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
+        self.multi_turn = config.multi_turn
+        self.prompt_length, self.response_length = prompt_length, response_length
+        total = prompt_length + response_length
+        self.max_model_len = total if config.max_model_len is None else min(config.max_model_len, total)
+        """Cap on prompt + response tokens: ``max_model_len``, or ``P + R`` when unset (or larger)."""
         self.tools = dict(tools or {})
         self.interactions = dict(interactions or {})
         for name, tool in self.tools.items():
@@ -171,7 +121,7 @@ class AgentLoop:
         if clash:
             raise ValueError(f"names {clash} are both tools and interactions; their rewards would share "
                              f"reward_scores keys, rename the interaction")
-        self.parser = get_tool_parser(config.format)
+        self.parser = get_tool_parser(config.multi_turn.format)
         self._noted_ignored: set[str] = set()
 
     # ------------------------------------------------------------------------------ entry
@@ -187,7 +137,8 @@ class AgentLoop:
         requests = list(requests)
         for request in requests:
             self._check_request(request)
-        sampling = sampling_params or self.config.sampling_params()
+        sampling = sampling_params or sampling_params_for(self.config, max_new_tokens=self.response_length,
+                                                             seed=self.config.seed)
         tasks = [asyncio.ensure_future(self._run_request(request, sampling)) for request in requests]
         try:
             await asyncio.gather(*tasks)
@@ -241,17 +192,16 @@ class AgentLoop:
         return name, self.interactions[name]
 
     def _turn_limit_reached(self, request: AsyncRolloutRequest) -> bool:
-        limit = self.config.max_user_turns
-        return (request.num_assistant_turns >= self.config.max_turns
+        limit = self.multi_turn.max_user_turns
+        return (request.num_assistant_turns >= self.multi_turn.max_turns
                 or (limit is not None and request.num_user_turns >= limit))
 
     # ------------------------------------------------------------------------------ one request
 
     async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams) -> AsyncRolloutRequest:
         request.tool_schemas = [self.tools[name].get_openai_tool_schema() for name in self._tool_names(request)]
-        request.initialize(self.tokenizer, max_prompt_len=self.config.prompt_length,
-                           max_response_len=self.config.response_length,
-                           max_model_len=self.config.effective_max_model_len)
+        request.initialize(self.tokenizer, max_prompt_len=self.prompt_length, max_response_len=self.response_length,
+                           max_model_len=self.max_model_len)
         finish: FinishReasonType | None = None
         rewards: dict[str, float] = {}
         handlers = {RequestState.RUNNING: lambda: self._generate(request, sampling),
@@ -267,7 +217,7 @@ class AgentLoop:
         finally:
             await self._release(request)
         request.finalize(self.tokenizer, finish_reason=finish or FinishReasonType.ABORT, reward_scores=rewards,
-                         sanity_check=self.config.tokenization_sanity_check)
+                         sanity_check=self.multi_turn.tokenization_sanity_check)
         if request.state is RequestState.FAILED:
             logger.warning("rollout request %s (batch row %d, sample %d) FAILED: %s", request.request_id,
                            request.batch_data_id, request.rollout_offset, request.error)
@@ -301,14 +251,14 @@ class AgentLoop:
             sampling, max_new_tokens=min(sampling.max_new_tokens, budget),
             seed=None if sampling.seed is None else _turn_seed(sampling.seed, request))
         output = await self.engine.async_generate(request.generation_prompt_ids(self.tokenizer), params,
-                                                  return_logprob=self.config.return_logprob)
+                                                  return_logprob=self.config.calculate_log_probs)
         if output.finish_reason is FinishReason.ABORT:
             request.fail(f"the engine aborted turn {request.num_assistant_turns + 1}")
             return FinishReasonType.ABORT
         if len(output.output_ids) > params.max_new_tokens:
             raise ValueError(f"the engine returned {len(output.output_ids)} tokens for max_new_tokens="
                              f"{params.max_new_tokens}")
-        log_probs = output.output_logprobs if self.config.return_logprob else None
+        log_probs = output.output_logprobs if self.config.calculate_log_probs else None
         if output.finish_reason is FinishReason.LENGTH:
             request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs, complete=False)
             return FinishReasonType.LENGTH
@@ -356,10 +306,10 @@ class AgentLoop:
         kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         try:
             execution = tool.execute(request.instance_ids[call.name], call.arguments, **kwargs)
-            text, step_reward, metrics = await asyncio.wait_for(execution, timeout=self.config.tool_timeout_s)
+            text, step_reward, metrics = await asyncio.wait_for(execution, timeout=self.multi_turn.tool_timeout_s)
         except asyncio.TimeoutError:
             request.count("num_tool_timeouts")
-            return f"Error: tool {call.name!r} timed out after {self.config.tool_timeout_s} s."
+            return f"Error: tool {call.name!r} timed out after {self.multi_turn.tool_timeout_s} s."
         except Exception as exc:  # tool code is user code: contain its failure in this call's response
             request.count("num_tool_exceptions")
             logger.debug("tool %r raised for request %s", call.name, request.request_id, exc_info=True)

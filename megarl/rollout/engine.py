@@ -26,6 +26,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from megarl.config.common import check_sampling
+from megarl.config.rollout import RolloutConfig
+
 
 class FinishReason(str, enum.Enum):
     """Why a generation stopped (SGLang's ``meta_info.finish_reason.type``)."""
@@ -57,17 +60,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        check_sampling("rollout", self.temperature, self.top_p, self.top_k)
 
     @property
     def greedy(self) -> bool:
         """True when sampling is greedy (temperature 0)."""
         return self.temperature == 0
+
+
+def sampling_params_for(config: RolloutConfig, *, max_new_tokens: int, validate: bool = False,
+                        do_sample: bool | None = None, seed: int | None = None) -> SamplingParams:
+    """The engine request's sampling from the rollout section: training (``config``'s) or validation
+    (``config.val_kwargs``) sampling; greedy (temperature 0) when ``do_sample`` is False (default: the
+    section's ``do_sample``)."""
+    source = config.val_kwargs if validate else config
+    if not (source.do_sample if do_sample is None else do_sample):
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed)
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=source.temperature, top_p=source.top_p,
+                          top_k=source.top_k, seed=seed)
 
 
 @dataclasses.dataclass(frozen=True)

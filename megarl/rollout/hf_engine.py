@@ -74,6 +74,7 @@ class HFEngine:
         device: ``"cpu"`` or a CUDA device.
         seed: seeds the engine generator that row seeds are drawn from when a request has
             no ``SamplingParams.seed``.
+        trust_remote_code: allow model and tokenizer code from the model directory.
 
     Weight updates take full HF-named tensors (the names of ``model.named_parameters()``)
     only: the engine is one process, so there is no TP-sharded layout to accept. A tied
@@ -82,13 +83,15 @@ class HFEngine:
     """
 
     def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                 trust_remote_code: bool = False) -> None:
         if isinstance(model_path_or_model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
             if tokenizer is None:
-                tokenizer = AutoTokenizer.from_pretrained(model_path_or_model)
+                tokenizer = AutoTokenizer.from_pretrained(model_path_or_model, trust_remote_code=trust_remote_code)
         elif isinstance(model_path_or_model, torch.nn.Module):
             model = model_path_or_model
         else:

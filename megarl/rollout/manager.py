@@ -43,72 +43,12 @@ from typing import Any
 
 import torch
 
+from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.rollout.engine import GenerateOutput, RolloutEngine, SamplingParams
-from megarl.rollout.hf_engine import derive_row_seed
+from megarl.rollout.engine import GenerateOutput, RolloutEngine, SamplingParams, sampling_params_for
+from megarl.models.sampling import derive_row_seed
 
 _PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
-
-
-def _check_sampling(where: str, temperature: float, top_p: float, top_k: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"{where}.temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {top_k}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ValKwargs:
-    """Sampling for validation (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
-
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 disables top-k."""
-    do_sample: bool = False
-    """False means greedy whatever the temperature."""
-
-    def __post_init__(self) -> None:
-        _check_sampling("rollout.val_kwargs", self.temperature, self.top_p, self.top_k)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """Rollout settings, named as ``actor_rollout_ref.rollout.*``."""
-
-    n: int = 1
-    """Samples per prompt in training (validation and greedy rollouts use 1)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 disables top-k."""
-    do_sample: bool = True
-    """False means greedy (one sample per prompt); a batch's ``meta["do_sample"]`` overrides it."""
-    prompt_length: int = 1024
-    """P: prompts are left-padded to this width (``data.max_prompt_length``)."""
-    response_length: int = 1024
-    """R: max new tokens per trajectory; responses are right-padded to it (``data.max_response_length``)."""
-    val_kwargs: ValKwargs = dataclasses.field(default_factory=ValKwargs)
-    """Sampling for ``generate(..., validate=True)``."""
-    seed: int | None = None
-    """Seeds the engines' sampling per call (reproducible runs); None leaves it to each engine's own seed."""
-    calculate_log_probs: bool = True
-    """Return the engines' ``rollout_log_probs`` (diagnostics against the recomputed ``old_log_probs``)."""
-    multi_turn: bool = False
-    """``rollout.multi_turn.enable``: request-level rollouts through the agent loop (tools, interactions)."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        _check_sampling("rollout", self.temperature, self.top_p, self.top_k)
-        if self.prompt_length < 1:
-            raise ValueError(f"rollout.prompt_length must be >= 1, got {self.prompt_length}")
-        if self.response_length < 1:
-            raise ValueError(f"rollout.response_length must be >= 1, got {self.response_length}")
 
 
 class RolloutManager:
@@ -118,18 +58,16 @@ class RolloutManager:
         engines: engine replicas; each gets a contiguous share of the prompts.
         tokenizer: gives the pad id (``pad_token_id``, else ``eos_token_id``) and, for
             multi-turn, the chat template.
-        config: the rollout settings.
-        agent_loop_config: the ``megarl.rollout.agent_loop.AgentLoopConfig`` of multi-turn
-            rollouts (required when ``config.multi_turn``): turn limits, tool timeouts, the
-            tool-call format. Its ``prompt_length``, ``response_length`` and
-            ``return_logprob`` must agree with ``config``; its sampling settings are not used:
-            every call passes the manager's (training, validation or greedy) sampling, seeded
-            from ``config.seed``.
+        config: the run's ``actor_rollout_ref.rollout`` section: ``n``, training and validation
+            sampling, ``seed`` (the base of calls given no seed), ``calculate_log_probs``, and
+            ``multi_turn`` (``enable``: roll out through the agent loop, with its settings).
+        prompt_length, response_length: the widths ``P`` and ``R`` of the output
+            (:meth:`megarl.config.RunConfig.rollout_widths`).
         tools, interactions: passed to each ``AgentLoop``.
     """
 
     def __init__(self, engines: Sequence[RolloutEngine], tokenizer: Any, config: RolloutConfig, *,
-                 agent_loop_config: Any = None, tools: dict | None = None,
+                 prompt_length: int, response_length: int, tools: dict | None = None,
                  interactions: dict | None = None) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -137,12 +75,13 @@ class RolloutManager:
             if not isinstance(engine, RolloutEngine):
                 raise TypeError(f"RolloutManager: engine {i} ({type(engine).__name__}) does not implement "
                                 f"megarl.rollout.engine.RolloutEngine")
-        if config.multi_turn:
-            self._check_agent_loop_config(config, agent_loop_config)
+        if prompt_length < 1 or response_length < 1:
+            raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {prompt_length} and "
+                             f"{response_length}")
         self.engines = list(engines)
         self.tokenizer = tokenizer
         self.config = config
-        self.agent_loop_config = agent_loop_config
+        self.prompt_length, self.response_length = prompt_length, response_length
         self.tools = tools
         self.interactions = interactions
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -150,20 +89,6 @@ class RolloutManager:
             raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
         self.pad_token_id = int(pad)
         self._num_calls = 0
-
-    @staticmethod
-    def _check_agent_loop_config(config: RolloutConfig, agent_loop_config: Any) -> None:
-        if agent_loop_config is None:
-            raise ValueError("rollout.multi_turn.enable is set: RolloutManager needs agent_loop_config "
-                             "(a megarl.rollout.agent_loop.AgentLoopConfig)")
-        mismatched = [f"{name}: rollout {ours} vs agent loop {theirs}" for name, ours, theirs in (
-            ("prompt_length", config.prompt_length, agent_loop_config.prompt_length),
-            ("response_length", config.response_length, agent_loop_config.response_length),
-            ("calculate_log_probs/return_logprob", config.calculate_log_probs, agent_loop_config.return_logprob),
-        ) if ours != theirs]
-        if mismatched:
-            raise ValueError(f"RolloutManager: agent_loop_config disagrees with the rollout config "
-                             f"({'; '.join(mismatched)}); build both from the same settings")
 
     # ----------------------------------------------------------------------------- entry
 
@@ -186,12 +111,13 @@ class RolloutManager:
                           f"pop only the prompt tensors for rollout", stacklevel=2)
         do_sample = bool(batch.meta.get("do_sample", self.config.val_kwargs.do_sample if validate
                                         else self.config.do_sample))
-        params = self._sampling_params(validate=validate, do_sample=do_sample)
+        params = sampling_params_for(self.config, max_new_tokens=self.response_length, validate=validate,
+                                     do_sample=do_sample)
         n = 1 if validate or not do_sample else self.config.n
         call_seed = seed
         if call_seed is None and self.config.seed is not None:
             call_seed = derive_row_seed(self.config.seed, self._num_calls)
-        if self.config.multi_turn:
+        if self.config.multi_turn.enable:
             generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:
             generated = self._generate_batch_level(batch, params, n=n, call_seed=call_seed)
@@ -201,13 +127,6 @@ class RolloutManager:
         output.meta = {**batch.meta, "temperature": 1.0 if params.greedy else params.temperature,
                        "do_sample": do_sample, "validate": validate}
         return output
-
-    def _sampling_params(self, *, validate: bool, do_sample: bool) -> SamplingParams:
-        source = self.config.val_kwargs if validate else self.config
-        if not do_sample:
-            return SamplingParams(max_new_tokens=self.config.response_length, temperature=0.0)
-        return SamplingParams(max_new_tokens=self.config.response_length, temperature=source.temperature,
-                              top_p=source.top_p, top_k=source.top_k)
 
     # ----------------------------------------------------------------------------- batch level
 
@@ -222,9 +141,9 @@ class RolloutManager:
             ids = input_ids_BW[row][attention_mask_BW[row].bool()].tolist()
             if not ids:
                 raise ValueError(f"RolloutManager.generate: prompt {row} has no tokens (attention_mask all 0)")
-            if len(ids) > self.config.prompt_length:
+            if len(ids) > self.prompt_length:
                 raise ValueError(f"RolloutManager.generate: prompt {row} has {len(ids)} tokens, more than "
-                                 f"rollout.prompt_length={self.config.prompt_length}; filter or truncate prompts "
+                                 f"rollout.prompt_length={self.prompt_length}; filter or truncate prompts "
                                  f"to data.max_prompt_length")
             prompts.append(ids)
         return prompts
@@ -271,7 +190,7 @@ class RolloutManager:
 
     def _assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
         """Pad prompts left to P and responses right to R; build masks, positions and log-probs."""
-        num_rows, P, R = len(prompts), self.config.prompt_length, self.config.response_length
+        num_rows, P, R = len(prompts), self.prompt_length, self.response_length
         prompts_NP = torch.full((num_rows, P), self.pad_token_id, dtype=torch.long)
         prompt_mask_NP = torch.zeros((num_rows, P), dtype=torch.long)
         responses_NR = torch.full((num_rows, R), self.pad_token_id, dtype=torch.long)
@@ -322,7 +241,8 @@ class RolloutManager:
         shares = [requests[i * per_engine:(i + 1) * per_engine] for i in range(len(self.engines))]
 
         async def run_all() -> list:
-            loops = [agent_loop.AgentLoop(engine, self.tokenizer, self.agent_loop_config, tools=self.tools,
+            loops = [agent_loop.AgentLoop(engine, self.tokenizer, self.config, prompt_length=self.prompt_length,
+                                          response_length=self.response_length, tools=self.tools,
                                           interactions=self.interactions) for engine in self.engines]
             done = await asyncio.gather(*(loop.run(share, sampling_params=params)
                                           for loop, share in zip(loops, shares, strict=True) if share))
@@ -334,8 +254,8 @@ class RolloutManager:
         if got != expected:
             raise RuntimeError(f"the agent loop returned requests {got[:8]}... for {len(batch)} prompts x n={n}; "
                                f"expected each (batch_data_id, rollout_offset) exactly once")
-        return agent_loop.batch_from_requests(finished, prompt_length=self.config.prompt_length,
-                                              response_length=self.config.response_length,
+        return agent_loop.batch_from_requests(finished, prompt_length=self.prompt_length,
+                                              response_length=self.response_length,
                                               pad_token_id=self.pad_token_id)
 
 

@@ -37,13 +37,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megarl.config.rollout import SANITY_CHECK_MODES
 from megarl.data.chat import encode_prompt, render_prompt
 from megarl.rollout.tool_parser import ToolCall, ToolCallError
 
 logger = logging.getLogger(__name__)
-
-SANITY_CHECK_MODES = ("strict", "warn", "off")
-"""``tokenization_sanity_check``: a mismatch fails the request, is logged and counted, or is not checked."""
 
 _SENTINEL = "\x00megarl-content\x00"  # stands for an assistant message's content when measuring the template
 

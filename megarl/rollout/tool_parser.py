@@ -23,6 +23,8 @@ import dataclasses
 import json
 from typing import Any, NamedTuple
 
+from megarl.config.rollout import TOOL_CALL_FORMATS
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -120,12 +122,16 @@ class HermesToolParser:
 
 
 PARSERS = {"hermes": HermesToolParser, "qwen25": HermesToolParser}
-"""``rollout.multi_turn.format`` -> parser class (Qwen2.5 uses the Hermes format)."""
+"""``rollout.multi_turn.format`` -> parser class (Qwen2.5 uses the Hermes format); one per name of
+:data:`megarl.config.rollout.TOOL_CALL_FORMATS`, which the config checks the setting against."""
+if set(PARSERS) != set(TOOL_CALL_FORMATS):
+    raise ImportError(f"tool parsers {sorted(PARSERS)} and the config's TOOL_CALL_FORMATS "
+                      f"{sorted(TOOL_CALL_FORMATS)} disagree: keep them in step")
 
 
 def get_tool_parser(format: str) -> HermesToolParser:
     """The parser for a tool-call ``format`` name (see :data:`PARSERS`)."""
     if format not in PARSERS:
-        raise ValueError(f"tool-call format {format!r} is unknown; set the agent loop's `format` to one of "
+        raise ValueError(f"tool-call format {format!r} is unknown; set actor_rollout_ref.rollout.multi_turn.format to one of "
                          f"{sorted(PARSERS)}")
     return PARSERS[format]()

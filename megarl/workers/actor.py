@@ -10,13 +10,12 @@ Legend: N rows, P prompt width, R response width, S = P+R.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
+from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
 from megarl.workers.megatron_engine import MegatronEngine, StepResult
 from megarl.workers.micro import micro_batches, pad_responses
@@ -25,39 +24,6 @@ from megarl.workers.micro import micro_batches, pad_responses
 def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:
     """[N, S] next-token log-probs -> [N, R] log-probs of the response tokens."""
     return logp_NS[:, -response_length - 1 : -1]
-
-
-@dataclasses.dataclass(kw_only=True)
-class PPOConfig:
-    """The actor update (``actor_rollout_ref.actor.*``)."""
-
-    ppo_mini_batch_size: int
-    """Rows per mini-batch per optimizer step, across all DP ranks (after repeating by n)."""
-    ppo_micro_batch_size_per_gpu: int = 1
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    policy_loss_mode: str = "vanilla"
-    use_dynamic_bsz: bool = False
-    """Pack micro-batches by token count (``ppo_max_token_len_per_gpu``) instead of a row count."""
-    ppo_max_token_len_per_gpu: int = 16384
-    tis_cap: float | None = None
-    """Truncated importance weights ``min(pi_old / pi_rollout, tis_cap)`` on the surrogate; None: off."""
-    tis_level: str = "token"
-    shuffle: bool = False
-    """Shuffle rows between epochs (seeded by the step)."""
-
-    def __post_init__(self) -> None:
-        if self.ppo_mini_batch_size < 1 or self.ppo_micro_batch_size_per_gpu < 1 or self.ppo_epochs < 1:
-            raise ValueError(
-                "actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu and actor.ppo_epochs must be >= 1"
-            )
 
 
 class LogProbRole:
@@ -74,14 +40,10 @@ class LogProbRole:
         """Interleaved pipelines need a multiple of ``pp`` micro-batches."""
         return self.engine.groups.dims.pp if len(self.engine.chunks) > 1 else 1
 
-    @property
-    def is_output_rank(self) -> bool:
-        """True on the rank whose results stand for its DP replica (last stage, TP rank 0)."""
-        return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
 
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
                          micro_batch_size: int | None = None, max_token_len: int | None = None):
-        """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the output rank.
+        """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the collect rank.
 
         Micro-batches: ``max_token_len`` (token budget) or ``micro_batch_size`` rows, else this
         role's settings. Positions past a row's response are 0.
@@ -92,7 +54,7 @@ class LogProbRole:
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
                                       max_tokens=budget, multiple_of=self.micro_multiple)
         out = self.engine.forward_logprobs(micro, temperature=temperature)
-        if out is None or not self.is_output_rank:
+        if out is None or not self.engine.groups.is_collect_rank:
             return None
         result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R)}
         if with_entropy:
@@ -101,13 +63,23 @@ class LogProbRole:
 
 
 class ActorRole(LogProbRole):
-    """The policy: log-probs and the clipped PPO update over mini- and micro-batches."""
+    """The policy: log-probs and the clipped PPO update over mini- and micro-batches.
 
-    def __init__(self, engine: MegatronEngine, ppo: PPOConfig):
-        super().__init__(engine, micro_batch_size=ppo.ppo_micro_batch_size_per_gpu)
+    ``config`` is the run's ``actor_rollout_ref.actor`` section; ``rollout_n`` (samples per
+    prompt) turns its ``ppo_mini_batch_size`` (prompts) into trajectories. ``micro_batch_size`` /
+    ``max_token_len`` size the forward-only micro-batches of :meth:`compute_log_prob` (the run's
+    ``rollout.log_prob_*``); the update's micro-batches are the section's ``ppo_*`` settings.
+    """
+
+    def __init__(self, engine: MegatronEngine, config: ActorConfig, *, rollout_n: int = 1,
+                 micro_batch_size: int | None = None, max_token_len: int | None = None):
+        super().__init__(engine, micro_batch_size=micro_batch_size or config.ppo_micro_batch_size_per_gpu or 1,
+                         max_token_len=max_token_len)
         if engine.optimizer is None:
             raise ValueError("the actor needs a trainable engine: build it with optim=OptimConfig(...)")
-        self.ppo = ppo
+        self.config = config
+        self.mini_batch_rows = config.ppo_mini_batch_size * rollout_n
+        """Trajectories per optimizer step over all DP ranks."""
 
     def update(self, batch: Batch, *, temperature: float = 1.0, mask_key: str = "response_mask",
                seed: int = 0) -> list[StepResult]:
@@ -117,38 +89,38 @@ class ActorRole(LogProbRole):
         ``ppo_mini_batch_size / dp`` of them. Losses are normalised by the mini-batch's global
         count (all DP ranks), so the step does not depend on micro-batching or the layout.
         """
-        dp = self.engine.groups.dims.dp
-        if self.ppo.ppo_mini_batch_size % dp:
+        config, dp = self.config, self.engine.groups.dims.dp
+        if self.mini_batch_rows % dp:
             raise ValueError(
-                f"actor.ppo_mini_batch_size={self.ppo.ppo_mini_batch_size} is not divisible by the actor's "
-                f"data-parallel size {dp}"
+                f"actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over the "
+                f"actor's data-parallel size {dp}"
             )
-        local_mini = self.ppo.ppo_mini_batch_size // dp
+        local_mini = self.mini_batch_rows // dp
         if len(batch) % local_mini:
             raise ValueError(
                 f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
-                f"(actor.ppo_mini_batch_size={self.ppo.ppo_mini_batch_size} over dp={dp})"
+                f"(actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} over dp={dp})"
             )
         keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
-        if self.ppo.use_kl_loss:
+        if config.use_kl_loss:
             keys.append("ref_log_prob")
-        if self.ppo.tis_cap is not None:
+        if config.tis_cap is not None:
             if "rollout_log_probs" not in batch:
                 raise KeyError("actor.tis_cap is set but the batch has no rollout_log_probs: set "
                                "actor_rollout_ref.rollout.calculate_log_probs=true or actor.tis_cap=null")
             keys.append("rollout_log_probs")
         results = []
-        for epoch in range(self.ppo.ppo_epochs):
-            order = torch.arange(len(batch))
-            if self.ppo.shuffle:
-                order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-            shuffled = batch.reorder(order) if self.ppo.shuffle else batch
+        for epoch in range(config.ppo_epochs):
+            shuffled = batch
+            if config.shuffle:
+                generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+                shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
             for mini in shuffled.split(local_mini):
                 results.append(self._step(mini, keys, mask_key, temperature))
         return results
 
     def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
-        ppo = self.ppo
+        ppo = self.config
         norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64)
         dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
@@ -171,7 +143,7 @@ class ActorRole(LogProbRole):
             return loss, {**metrics, **{k: torch.tensor(v) for k, v in tis_metrics.items()}}
 
         micro, _ = micro_batches(mini, keys,
-                                 size=None if ppo.use_dynamic_bsz else self.micro_batch_size,
+                                 size=None if ppo.use_dynamic_bsz else ppo.ppo_micro_batch_size_per_gpu,
                                  max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
                                  multiple_of=self.micro_multiple)
         result = self.engine.train_step(micro, loss_fn, temperature=temperature)

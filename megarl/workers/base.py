@@ -9,32 +9,12 @@ and the group reads :meth:`Worker.coordinates` to dispatch by data-parallel rank
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import socket
 import time
 
-
-@dataclasses.dataclass(frozen=True)
-class Coordinates:
-    """A rank's place in its role's layout, as reported by the rank itself."""
-
-    rank: int
-    world_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-
-    @property
-    def is_collect_rank(self) -> bool:
-        """The rank whose output stands for its DP replica: TP rank 0, CP rank 0, last pipeline stage."""
-        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
+from megarl.config.parallel import Coordinates
 
 
 def _node_ip() -> str:
@@ -128,14 +108,9 @@ class Worker:
 
     def coordinates(self) -> Coordinates:
         """This rank's place: from its process groups after :meth:`init_parallel`, else pure data parallel."""
-        groups = self.groups
-        if groups is None:
-            return Coordinates(rank=self.rank, world_size=self.world_size, dp_rank=self.rank,
-                               dp_size=self.world_size)
-        dims = groups.dims
-        return Coordinates(rank=groups.rank, world_size=dims.world_size, tp_rank=groups.tp_rank, tp_size=dims.tp,
-                           pp_rank=groups.pp_rank, pp_size=dims.pp, cp_rank=groups.cp_rank, cp_size=dims.cp,
-                           dp_rank=groups.dp_rank, dp_size=dims.dp)
+        if self.groups is None:
+            return Coordinates.data_parallel(self.rank, self.world_size)
+        return self.groups.as_coordinates()
 
     def take_busy(self) -> float:
         """Seconds spent in :func:`busy` methods since the last call (the controller's overhead metric)."""

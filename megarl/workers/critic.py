@@ -11,67 +11,34 @@ Legend: N rows, P prompt width, R response width, S = P+R.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 import torch.distributed as dist
 
-from megarl.algo.losses import AGG_MODES, agg_norm, value_loss
+from megarl.algo.losses import agg_norm, value_loss
+from megarl.config.critic import CriticConfig
 from megarl.data.batch import Batch
 from megarl.workers.actor import response_slice
 from megarl.workers.micro import micro_batches, pad_responses
 from megarl.workers.megatron_engine import MegatronEngine, StepResult
 
-_VALUE_LOSS_DEFAULTS = inspect.signature(value_loss).parameters
-
-
-@dataclasses.dataclass(kw_only=True)
-class CriticPPOConfig:
-    """The critic update (``critic.*``; names as in megarl.config.schema.CriticConfig)."""
-
-    ppo_mini_batch_size: int
-    """Rows per mini-batch per optimizer step, across all DP ranks (after repeating by n)."""
-    ppo_micro_batch_size_per_gpu: int = 1
-    """Rows per forward/backward on one rank."""
-    forward_micro_batch_size_per_gpu: int = 1
-    """Rows per forward in :meth:`CriticRole.compute_values`."""
-    ppo_epochs: int = 1
-    cliprange_value: float | None = _VALUE_LOSS_DEFAULTS["cliprange_value"].default
-    """Value clipping around the old values; None: off."""
-    loss_agg_mode: str = _VALUE_LOSS_DEFAULTS["loss_agg_mode"].default
-    shuffle: bool = False
-    """Shuffle rows between epochs (seeded by the step)."""
-    use_dynamic_bsz: bool = False
-    """Pack micro-batches by token count (``ppo_max_token_len_per_gpu``) instead of a row count."""
-    ppo_max_token_len_per_gpu: int = 32768
-
-    def __post_init__(self) -> None:
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu",
-                     "ppo_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"critic.{name} must be >= 1, got {getattr(self, name)}")
-        if self.cliprange_value is not None and self.cliprange_value < 0:
-            raise ValueError(f"critic.cliprange_value must be >= 0 or null, got {self.cliprange_value}")
-        if self.loss_agg_mode not in AGG_MODES:
-            raise ValueError(f"critic.loss_agg_mode={self.loss_agg_mode!r}; use one of {AGG_MODES}")
-
-
 class CriticRole:
-    """The value model: response values and epochs × mini-batches × micro-batches of value-loss steps."""
+    """The value model: response values and epochs × mini-batches × micro-batches of value-loss steps.
 
-    def __init__(self, engine: MegatronEngine, config: CriticPPOConfig):
+    ``config`` is the run's ``critic`` section; ``rollout_n`` (samples per prompt) turns its
+    ``ppo_mini_batch_size`` (prompts) into trajectories.
+    """
+
+    def __init__(self, engine: MegatronEngine, config: CriticConfig, *, rollout_n: int = 1):
         if not engine.value_head:
             raise ValueError("the critic needs a value head: build its MegatronEngine with value_head=True")
         self.engine = engine
         self.config = config
-
-    @property
-    def is_output_rank(self) -> bool:
-        """True on the rank whose results stand for its DP replica (last stage, TP rank 0)."""
-        return self.engine.groups.is_last_stage and self.engine.groups.tp_rank == 0
+        self.mini_batch_rows = config.ppo_mini_batch_size * rollout_n
+        """Trajectories per optimizer step over all DP ranks."""
 
     def compute_values(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """``values`` float32 [N, R] of this DP rank's rows; None off the output rank.
+        """``values`` float32 [N, R] of this DP rank's rows; None off the collect rank.
 
         Needs ``input_ids``, ``attention_mask`` and ``responses`` (for R). Values at padded
         response positions are whatever the model says there: mask them with ``response_mask``.
@@ -82,7 +49,7 @@ class CriticRole:
                                       max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
                                       multiple_of=self._micro_multiple)
         out = self.engine.forward_values(micro)
-        if out is None or not self.is_output_rank:
+        if out is None or not self.engine.groups.is_collect_rank:
             return None
         R = batch["responses"].shape[1]
         return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R)}
@@ -98,7 +65,7 @@ class CriticRole:
         :meth:`compute_values`), ``returns`` and ``response_mask``, the same on every rank of a
         DP replica (every TP rank of the last stage computes the loss: different old values
         would silently split the replicated head). Every DP rank must hold the same number of
-        rows; each mini-batch takes ``ppo_mini_batch_size / dp`` of them. Losses are normalised
+        rows; each mini-batch takes ``mini_batch_rows / dp`` of them. Losses are normalised
         by the mini-batch's global count (all DP ranks), so a step does not depend on
         micro-batching or the layout. Each result's metrics hold ``vf_loss`` (the
         mini-batch loss), ``vf_clipfrac`` and ``vpred_mean`` (micro-batch means, averaged);
@@ -107,16 +74,16 @@ class CriticRole:
         """
         cfg = self.config
         dp = self.engine.groups.dims.dp
-        if cfg.ppo_mini_batch_size % dp:
+        if self.mini_batch_rows % dp:
             raise ValueError(
-                f"critic.ppo_mini_batch_size={cfg.ppo_mini_batch_size} is not divisible by the critic's "
-                f"data-parallel size {dp}"
+                f"critic.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over "
+                f"the critic's data-parallel size {dp}"
             )
-        local_mini = cfg.ppo_mini_batch_size // dp
+        local_mini = self.mini_batch_rows // dp
         if len(batch) % local_mini:
             raise ValueError(
                 f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
-                f"(critic.ppo_mini_batch_size={cfg.ppo_mini_batch_size} over dp={dp})"
+                f"(critic.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} over dp={dp})"
             )
         keys = ("input_ids", "attention_mask", "values", "returns", "response_mask")
         results = []

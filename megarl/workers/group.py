@@ -50,8 +50,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from megarl.config.parallel import Coordinates
 from megarl.data import Batch
-from megarl.workers.base import Coordinates, Worker
+from megarl.workers.base import Worker
 
 R = TypeVar("R")
 

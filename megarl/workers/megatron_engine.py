@@ -17,40 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.dims import ParallelDims
-
-
-@dataclasses.dataclass(kw_only=True)
-class OptimConfig:
-    """Optimizer and learning-rate schedule of a trainable role (``actor.optim.*``)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay (none on biases and norms)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    warmup_steps: int = 0
-    decay_steps: int | None = None
-    """Steps of decay after warm-up (None: constant after warm-up)."""
-    decay_style: str = "constant"
-    """``constant``, ``linear`` or ``cosine``."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
-        if self.decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optim.decay_style must be constant, linear or cosine, got {self.decay_style!r}")
-        if self.decay_style != "constant" and not self.decay_steps:
-            raise ValueError(f"optim.decay_style={self.decay_style!r} needs optim.decay_steps > 0")
+from megarl.config.model import OptimConfig
+from megarl.config.parallel import ParallelDims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +34,32 @@ class StepResult:
     """Per-micro-batch metrics of the loss function, averaged."""
 
 
+def _recompute_fields(recompute_granularity: str | None, recompute_num_layers: int) -> dict:
+    """``TransformerConfig`` fields of a role's activation recomputation (``full`` recomputes uniform blocks)."""
+    fields: dict = {}
+    if recompute_granularity:
+        fields["recompute_granularity"] = recompute_granularity
+        if recompute_granularity == "full":
+            fields.update(recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+    return fields
+
+
 class MegatronEngine:
     """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``.
 
     ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
     (megarl.models.value_head, seeded with ``seed``, untied from the embedding); the body
-    loads from ``hf_dir`` as for the actor.
+    loads from ``hf_dir`` as for the actor. ``dims`` (a role's ``parallel`` section) carries the
+    layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
+    (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
+    role's activation recomputation. ``transformer_overrides`` set other ``TransformerConfig``
+    fields directly (tests).
     """
 
     def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
-                 groups=None, value_head: bool = False, **transformer_overrides):
+                 groups=None, value_head: bool = False, recompute_granularity: str | None = None,
+                 recompute_num_layers: int = 1, trust_remote_code: bool = False, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -84,14 +67,16 @@ class MegatronEngine:
         from megarl.parallel import init_parallel
 
         self.hf_dir = str(hf_dir)
-        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir, trust_remote_code=trust_remote_code)
         self.family = family_for(self.hf_config)
         # A second role in the same process (same layout) passes the first one's groups.
         self.groups = init_parallel(dims, seed=seed) if groups is None else groups
         if groups is not None and groups.dims != dims.for_world(groups.dims.world_size):
             raise ValueError(f"MegatronEngine: groups were built for {groups.dims}, not {dims}")
         self.config = self.family.transformer_config(
-            self.hf_config, self.groups.dims, params_dtype=params_dtype, **transformer_overrides,
+            self.hf_config, self.groups.dims, params_dtype=params_dtype,
+            **_recompute_fields(recompute_granularity, recompute_num_layers),
+            **transformer_overrides,
         )
         self.value_head = value_head
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
@@ -156,7 +141,7 @@ class MegatronEngine:
             raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, tp_group=self.groups.tp)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups)
         return out if self.groups.is_last_stage else None
 
     def forward_values(self, micro_batches: Sequence[dict]) -> list[dict] | None:
@@ -169,7 +154,7 @@ class MegatronEngine:
         if not self.value_head:
             raise ValueError("forward_values needs a critic: build the MegatronEngine with value_head=True")
         with torch.no_grad():
-            out = forward_backward(self.chunks, micro_batches, forward_only=True, tp_group=self.groups.tp)
+            out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups)
         return out if self.groups.is_last_stage else None
 
     def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0) -> StepResult:
@@ -189,7 +174,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, tp_group=self.groups.tp)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups)
         loss, metrics = self._reduce_metrics(outputs, len(micro_batches))
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):

@@ -2,8 +2,9 @@
 
 Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` process; the frozen
 reference policy lives in the actor's processes (same layout, same ranks: verl's hybrid
-worker), so it costs no extra processes or process groups. A worker builds a :class:`MegatronEngine` for its role (``init_model``) and exposes
-the role's few plain methods; the controller calls them on every rank through a
+worker), so it costs no extra processes or process groups. A worker builds a
+:class:`MegatronEngine` for its role from the run's typed config sections (``init_model``,
+which receive them over Ray as they are) and exposes the role's few plain methods; the controller calls them on every rank through a
 ``WorkerGroup`` (``call_dp`` splits a batch by DP rank and gathers the outputs of each
 replica's collect rank). Outputs of the other ranks are ``None``.
 
@@ -14,39 +15,42 @@ its engines and verifies, after the session, that the engines hold bit-identical
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from megarl.config.actor import ActorConfig, RefConfig
+from megarl.config.critic import CriticConfig
+from megarl.config.model import ModelConfig, OptimConfig
+from megarl.config.parallel import Coordinates, ParallelDims
+from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.workers.base import Coordinates, Worker, busy
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"actor_rollout_ref.model.dtype={name!r} is unknown; use one of {sorted(DTYPES)}")
-    return DTYPES[name]
+from megarl.workers.actor import ActorRole, LogProbRole
+from megarl.workers.base import Worker, busy
+from megarl.workers.critic import CriticRole
+from megarl.workers.megatron_engine import MegatronEngine
 
 
-def _build_engine(model_path: str, parallel: dict, *, optim: dict | None, dtype: str, seed: int, **kwargs):
-    from megarl.parallel import ParallelDims
-    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+def torch_dtype(name: str) -> torch.dtype:
+    """``torch.<name>`` for a config dtype name (``float32``, ``bfloat16``, ``float16``; checked by the config)."""
+    return getattr(torch, name)
 
-    dims = ParallelDims(**{k: v for k, v in parallel.items() if k in ("tp", "pp", "cp", "dp", "vpp")})
-    params_dtype = _dtype(dtype)
-    overrides = {}
-    if params_dtype == torch.bfloat16:
-        overrides["bf16"] = True
-    elif params_dtype == torch.float16:
-        overrides["fp16"] = True
-    return MegatronEngine(model_path, dims, optim=None if optim is None else OptimConfig(**optim),
-                          params_dtype=params_dtype, seed=seed, **kwargs, **overrides)
+
+def _build_engine(model: ModelConfig, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
+                  seed: int, **kwargs) -> MegatronEngine:
+    """A role's :class:`MegatronEngine` from the run's model section (``path`` overrides its directory)."""
+    return MegatronEngine(path or model.local_path, dims, optim=optim, params_dtype=torch_dtype(model.dtype),
+                          seed=seed, trust_remote_code=model.trust_remote_code, **kwargs)
+
+
+def _log_prob_batches(section: RefConfig | RolloutConfig) -> dict[str, int | None]:
+    """Forward-only micro-batches of a section's ``log_prob_*`` settings: rows, or a token budget."""
+    budget = section.log_prob_max_token_len_per_gpu if section.log_prob_use_dynamic_bsz else None
+    return {"micro_batch_size": section.log_prob_micro_batch_size_per_gpu, "max_token_len": budget}
 
 
 def step_metrics(results, prefix: str) -> dict[str, float]:
@@ -93,12 +97,13 @@ class _MegatronWorker(Worker):
         load_engine(self.engine, directory, with_optimizer=with_optimizer, load_rng=load_rng)
 
     @busy
-    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
-        """Free GPU memory between phases (see :meth:`MegatronEngine.offload`); the reference too."""
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True,
+                ref_params: bool = False) -> None:
+        """Free GPU memory between phases (see :meth:`MegatronEngine.offload`); ``ref_params``: the reference's too."""
         self.engine.offload(params=params, grads=grads, optimizer=optimizer)
         ref = getattr(self, "ref", None)
-        if ref is not None:
-            ref.engine.offload(params=params)
+        if ref is not None and ref_params:
+            ref.engine.offload(params=True)
 
     @busy
     def onload(self) -> None:
@@ -119,32 +124,23 @@ class ActorWorker(_MegatronWorker):
 
     role = "actor"
 
-    def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
-                   seed: int = 1234, log_prob_micro_batch_size: int = 16,
-                   log_prob_max_token_len: int | None = None, transformer: dict | None = None) -> Coordinates:
-        from megarl.workers.actor import ActorRole, PPOConfig
-
-        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed,
-                                          **(transformer or {})))
-        self.actor = ActorRole(self.engine, PPOConfig(**ppo))
-        self.log_prob_micro_batch_size = log_prob_micro_batch_size
-        self.log_prob_max_token_len = log_prob_max_token_len
+    def init_model(self, *, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, seed: int) -> Coordinates:
+        """Build the policy from the run's sections (the log-prob recompute's micro-batches are ``rollout``'s)."""
+        engine = _build_engine(model, actor.parallel, optim=actor.optim, seed=seed,
+                               recompute_granularity=actor.recompute_granularity,
+                               recompute_num_layers=actor.recompute_num_layers)
+        coords = self._init(engine)
+        self.actor = ActorRole(engine, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords
 
-    def init_ref(self, *, model_path: str, dtype: str = "float32", seed: int = 1234,
-                 micro_batch_size: int = 16, max_token_len: int | None = None,
-                 transformer: dict | None = None) -> None:
+    def init_ref(self, *, model: ModelConfig, ref: RefConfig, seed: int) -> None:
         """Build the frozen reference policy in this process, on the actor's layout and groups.
 
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
         shards): a second Megatron model on the same process groups, never trained.
         """
-        from megarl.workers.actor import LogProbRole
-
-        parallel = dataclasses.asdict(self.engine.groups.dims)
-        ref = _build_engine(model_path, parallel, optim=None, dtype=dtype, seed=seed, groups=self.engine.groups,
-                            **(transformer or {}))
-        self.ref = LogProbRole(ref, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+        engine = _build_engine(model, self.engine.groups.dims, seed=seed, groups=self.engine.groups)
+        self.ref = LogProbRole(engine, **_log_prob_batches(ref))
 
     @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
@@ -155,9 +151,7 @@ class ActorWorker(_MegatronWorker):
     @busy
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
-        out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True,
-                                          micro_batch_size=self.log_prob_micro_batch_size,
-                                          max_token_len=self.log_prob_max_token_len)
+        out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True)
         if out is None:
             return None
         return Batch(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
@@ -199,7 +193,7 @@ class ActorWorker(_MegatronWorker):
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
         targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
         wanted = set(verify_names)
-        cast = _dtype(engine_dtype)
+        cast = torch_dtype(engine_dtype)
         expected: dict[str, str] = {}
         start = time.perf_counter()
         if targets:
@@ -256,13 +250,12 @@ class CriticWorker(_MegatronWorker):
 
     role = "critic"
 
-    def init_model(self, *, model_path: str, parallel: dict, optim: dict, ppo: dict, dtype: str = "float32",
-                   seed: int = 1234, transformer: dict | None = None) -> Coordinates:
-        from megarl.workers.critic import CriticPPOConfig, CriticRole
-
-        coords = self._init(_build_engine(model_path, parallel, optim=optim, dtype=dtype, seed=seed, value_head=True,
-                                          **(transformer or {})))
-        self.critic = CriticRole(self.engine, CriticPPOConfig(**ppo))
+    def init_model(self, *, model: ModelConfig, critic: CriticConfig, rollout_n: int, seed: int) -> Coordinates:
+        """Build the value model: ``critic.model_path`` (else the policy's directory) with a value head."""
+        path = str(Path(critic.model_path).expanduser()) if critic.model_path else None
+        engine = _build_engine(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True)
+        coords = self._init(engine)
+        self.critic = CriticRole(engine, critic, rollout_n=rollout_n)
         return coords
 
     @busy

@@ -18,6 +18,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from megarl.config.model import ModelConfig
+from megarl.config.rollout import RolloutConfig
 from megarl.rollout.engine import GenerateOutput, NamedTensors, SamplingParams
 from megarl.workers.base import Worker, busy
 
@@ -39,6 +41,13 @@ def flatten_bucket(named_tensors: NamedTensors, dtype=None) -> tuple[list[str], 
     return [name for name, _ in named_tensors], [tuple(t.shape) for t in tensors], flat
 
 
+SGLANG_BASE_PORT = 30000
+"""Port of engine 0's SGLang server (SGLang's own default)."""
+SGLANG_PORT_STRIDE = 97
+"""Ports between consecutive engines: SGLang opens a few ports above its own (scheduler, detokenizer, NCCL),
+so engines on one node must not take neighbouring ports."""
+
+
 class RolloutWorker(Worker):
     """One rollout engine replica (``rollout.name``: ``hf`` or ``sglang``)."""
 
@@ -48,13 +57,16 @@ class RolloutWorker(Worker):
         self.replica = replica
         self.engine = None
 
-    def init_engine(self, *, name: str, model_path: str, dtype: str = "float32", seed: int = 0,
-                    tp_size: int = 1, gpu_memory_utilization: float = 0.5, device: str = "cpu",
-                    engine_kwargs: dict[str, Any] | None = None) -> dict:
-        """Build the engine; returns its description (name, dtype, device)."""
+    def init_engine(self, *, rollout: RolloutConfig, model: ModelConfig, tp_size: int = 1, seed: int = 0,
+                    device: str = "cpu") -> dict:
+        """Build the engine of ``rollout.name`` for the policy ``model``; returns its description.
+
+        ``tp_size``: the engine's GPUs (``sglang``); ``seed``: the engine's own sampling seed (used by
+        requests that carry none); ``device``: ``trainer.device``.
+        """
         import torch
 
-        if name == "hf":
+        if rollout.name == "hf":
             from transformers.utils import logging as hf_logging
 
             from megarl.rollout.hf_engine import HFEngine
@@ -63,16 +75,19 @@ class RolloutWorker(Worker):
 
             if device == "cuda":
                 device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-            self.engine = HFEngine(model_path, dtype=getattr(torch, dtype), device=device, seed=seed)
-        elif name == "sglang":
+            self.engine = HFEngine(model.local_path, dtype=getattr(torch, rollout.dtype), device=device, seed=seed,
+                                   trust_remote_code=model.trust_remote_code)
+        elif rollout.name == "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
 
-            self.engine = SGLangEngine(model_path, tp_size=tp_size, mem_fraction_static=gpu_memory_utilization,
-                                       dtype=dtype, random_seed=seed, port=30000 + 97 * self.replica,
-                                       **(engine_kwargs or {}))
+            self.engine = SGLangEngine(model.local_path, tp_size=tp_size,
+                                       mem_fraction_static=rollout.gpu_memory_utilization, dtype=rollout.dtype,
+                                       random_seed=seed, port=SGLANG_BASE_PORT + SGLANG_PORT_STRIDE * self.replica,
+                                       trust_remote_code=model.trust_remote_code,
+                                       disable_cuda_graph=rollout.enforce_eager)
         else:
-            raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is unknown; use 'hf' or 'sglang'")
-        return {"name": name, "dtype": dtype, "device": str(device), "replica": self.replica}
+            raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; use 'hf' or 'sglang'")
+        return {"name": rollout.name, "dtype": rollout.dtype, "device": str(device), "replica": self.replica}
 
     # -------------------------------------------------------------------- the engine protocol
     @busy
@@ -120,12 +135,13 @@ class RolloutWorker(Worker):
 class RemoteEngine:
     """The engine protocol on the driver, forwarded to a :class:`RolloutWorker` actor.
 
-    ``generate`` blocks on the worker (the manager runs replicas in threads);
+    ``generate`` blocks on the worker (the manager runs replicas in threads) for at most ``timeout_s``
+    (``trainer.worker_timeout_s``);
     ``async_generate`` awaits the worker's coroutine, so the agent loop keeps many requests
     in flight per engine. Worker failures surface as Ray errors naming the actor.
     """
 
-    def __init__(self, handle, *, replica: int = 0, timeout_s: float = 1800.0):
+    def __init__(self, handle, *, replica: int = 0, timeout_s: float):
         self.handle = handle
         self.replica = replica
         self.timeout_s = timeout_s

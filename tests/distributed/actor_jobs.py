@@ -11,7 +11,8 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8):
 
     from megarl.algo.advantages import compute
     from megarl.data.dataset import collate
-    from megarl.rollout import HFEngine, RolloutConfig, RolloutManager
+    from megarl.config import RolloutConfig
+    from megarl.rollout import HFEngine, RolloutManager
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     rows = []
@@ -20,8 +21,9 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         rows.append({"input_ids": torch.tensor(ids), "index": i})
     prompts = collate(rows, pad_token_id=tokenizer.pad_token_id, pad_to=24)
-    config = RolloutConfig(n=n, temperature=temperature, prompt_length=24, response_length=10, seed=3)
-    batch = RolloutManager([HFEngine(hf_dir, tokenizer, seed=3)], tokenizer, config).generate(prompts)
+    config = RolloutConfig(n=n, temperature=temperature, seed=3)
+    batch = RolloutManager([HFEngine(hf_dir, tokenizer, seed=3)], tokenizer, config, prompt_length=24,
+                           response_length=10).generate(prompts)
     batch["uid"] = __import__("numpy").repeat(__import__("numpy").arange(4), n).astype(object)
     # A fake outcome reward: 1 when the first response token id is even.
     scores = torch.zeros_like(batch["rollout_log_probs"])
@@ -35,12 +37,14 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8):
 def actor_job(hf_dir: str, batch, temperature: float) -> dict:
     from megarl.algo.mismatch import mismatch_metrics
     from megarl.parallel import ParallelDims
-    from megarl.workers.actor import ActorRole, PPOConfig
-    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+    from megarl.config import ActorConfig
+    from megarl.workers.actor import ActorRole
+    from megarl.config import OptimConfig
+    from megarl.workers.megatron_engine import MegatronEngine
 
     engine = MegatronEngine(hf_dir, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=2e-3, clip_grad=1.0))
-    actor = ActorRole(engine, PPOConfig(ppo_mini_batch_size=len(batch) // 2, ppo_micro_batch_size_per_gpu=2,
-                                        ppo_epochs=2, entropy_coeff=0.0))
+    actor = ActorRole(engine, ActorConfig(ppo_mini_batch_size=len(batch) // 2, ppo_micro_batch_size_per_gpu=2,
+                                          ppo_epochs=2, entropy_coeff=0.0))
     before = actor.compute_log_prob(batch, temperature=temperature)
     old = before["log_probs"] if before is not None else torch.zeros_like(batch["rollout_log_probs"])
     src = torch.distributed.get_global_rank(engine.groups.pp, engine.groups.dims.pp - 1)

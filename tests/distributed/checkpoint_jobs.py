@@ -69,7 +69,8 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
     from megarl.controller.checkpoint import CheckpointManager, load_trainer_state
     from megarl.parallel import ParallelDims
     from megarl.workers import checkpoint as ckpt
-    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+    from megarl.config import OptimConfig
+    from megarl.workers.megatron_engine import MegatronEngine
 
     manager = CheckpointManager(root, max_to_keep=2)
     dims = ParallelDims(tp=2, pp=2)

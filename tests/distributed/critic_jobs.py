@@ -60,7 +60,7 @@ def _engine(hf_dir, tp, pp, **kwargs):
 
 
 def _optim():
-    from megarl.workers.megatron_engine import OptimConfig
+    from megarl.config import OptimConfig
 
     # eps = 1e-3 keeps Adam's first step well-conditioned for layout comparisons (see parity_jobs).
     return OptimConfig(lr=LR, eps=1e-3, clip_grad=1.0, weight_decay=0.01)
@@ -103,18 +103,19 @@ def _layout(hf_dir, batch, tp, pp, ckpt_dir=None) -> dict:
     """Values, one update (+ checkpoint save and learning at TP2×PP2) at one layout."""
     from megarl.convert import save_dist_checkpoint
     from megarl.data.batch import Batch
-    from megarl.workers.critic import CriticPPOConfig, CriticRole
+    from megarl.config import CriticConfig
+    from megarl.workers.critic import CriticRole
     from megarl.workers.megatron_workers import step_metrics
 
     engine = _engine(hf_dir, tp, pp, optim=_optim())
     groups = engine.groups
     mine = Batch(tensors=batch).shard(groups.dp_rank, groups.dims.dp)
-    config = CriticPPOConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=1,
-                             forward_micro_batch_size_per_gpu=2, cliprange_value=CLIPRANGE)
+    config = CriticConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=1,
+                          forward_micro_batch_size_per_gpu=2, cliprange_value=CLIPRANGE)
     critic = CriticRole(engine, config)
     full = engine.forward_values([{k: mine[k][i:i + 3] for k in ("input_ids", "attention_mask")}
                                   for i in range(0, len(mine), 3)])
-    out = {"rank": groups.rank, "dp_rank": groups.dp_rank, "output_rank": critic.is_output_rank,
+    out = {"rank": groups.rank, "dp_rank": groups.dp_rank, "output_rank": groups.is_collect_rank,
            "values_full": torch.cat([o["values"] for o in full]) if full is not None else None,
            "values": (critic.compute_values(mine) or {}).get("values"),
            "head_before": _head(engine)}
@@ -128,8 +129,8 @@ def _layout(hf_dir, batch, tp, pp, ckpt_dir=None) -> dict:
     out["values_saved"] = None if values is None else values["values"]
     # Learning: fixed returns, old values refreshed before every update call.
     mine["returns"] = mine["learn_returns"]
-    learn = CriticPPOConfig(ppo_mini_batch_size=NUM_ROWS // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
-                            cliprange_value=0.5, shuffle=True)
+    learn = CriticConfig(ppo_mini_batch_size=NUM_ROWS // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
+                         cliprange_value=0.5, shuffle=True)
     critic = CriticRole(engine, learn)
     losses, steps = [], []
     for call in range(LEARN_CALLS + 1):
@@ -146,13 +147,14 @@ def _reload(hf_dir, ckpt_dir, batch) -> dict:
     """The TP2×PP2 checkpoint loaded into a fresh TP1 critic (random body: no HF weights)."""
     from megarl.convert import load_dist_checkpoint
     from megarl.data.batch import Batch
-    from megarl.workers.critic import CriticPPOConfig, CriticRole
+    from megarl.config import CriticConfig
+    from megarl.workers.critic import CriticRole
 
     engine = _engine(hf_dir, 1, 1, load_weights=False)
     mine = Batch(tensors=batch).shard(engine.groups.dp_rank, engine.groups.dims.dp)
     before = _weights(engine)
     load_dist_checkpoint(engine.chunks, ckpt_dir)
-    critic = CriticRole(engine, CriticPPOConfig(ppo_mini_batch_size=NUM_ROWS, forward_micro_batch_size_per_gpu=4))
+    critic = CriticRole(engine, CriticConfig(ppo_mini_batch_size=NUM_ROWS, forward_micro_batch_size_per_gpu=4))
     return {"dp_rank": engine.groups.dp_rank, "before": before, "weights": _weights(engine),
             "values": critic.compute_values(mine)["values"]}
 

@@ -45,7 +45,8 @@ def _rows(batch, rows):
 def engine_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
     from megarl.algo.losses import agg_norm, policy_loss
     from megarl.parallel import ParallelDims
-    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+    from megarl.config import OptimConfig
+    from megarl.workers.megatron_engine import MegatronEngine
 
     global_norm = agg_norm(batch["loss_mask"], "token-mean")
     out = {}

@@ -7,14 +7,16 @@ def _steps(path):
     import torch
 
     from megarl.parallel import ParallelDims
-    from megarl.workers.megatron_engine import MegatronEngine, OptimConfig
+    from megarl.config import OptimConfig
+    from megarl.workers.megatron_engine import MegatronEngine
 
     results = {}
     for granularity in (None, "full", "selective"):
-        overrides = {} if granularity is None else {"recompute_granularity": granularity}
-        if granularity == "full":
-            overrides.update(recompute_method="uniform", recompute_num_layers=1)
-        engine = MegatronEngine(path, ParallelDims(tp=2), optim=OptimConfig(lr=1e-3), seed=1, **overrides)
+        # The actor's settings (actor.recompute_granularity / recompute_num_layers) as the worker passes them.
+        engine = MegatronEngine(path, ParallelDims(tp=2), optim=OptimConfig(lr=1e-3), seed=1,
+                                recompute_granularity=granularity, recompute_num_layers=1)
+        expected = {None: None, "full": "uniform", "selective": None}[granularity]
+        assert (engine.config.recompute_granularity, engine.config.recompute_method) == (granularity, expected)
         ids = torch.randint(0, 400, (4, 24), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
         mask[0, :5] = 0  # a left-padded row

@@ -9,6 +9,7 @@ tokenising the final messages with the chat template in one go.
 """
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -18,7 +19,9 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.agent_loop import AgentLoop, AgentLoopConfig, batch_from_requests, requests_from_batch
+from megarl.config import MultiTurnConfig, RolloutConfig
+from megarl.rollout.engine import sampling_params_for
+from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
 from megarl.rollout.interaction import Gsm8kInteraction
 from megarl.rollout.request import AsyncRolloutRequest, FinishReasonType, Message, RequestState
 from megarl.rollout.tools import BaseTool, load_tools
@@ -93,13 +96,30 @@ def request(question=Q1, *, offset=0, row=0, tools_kwargs=None, interaction_kwar
                                tools_kwargs=tools_kwargs, interaction_kwargs=interaction_kwargs or {})
 
 
-def make_loop(tok, scripts, *, tools=None, interactions=None, **config):
-    config = {"prompt_length": 512, "response_length": 256, "tokenization_sanity_check": "strict", **config}
+MULTI_TURN_KEYS = {f.name for f in dataclasses.fields(MultiTurnConfig)}
+
+
+def rollout_config(**settings) -> RolloutConfig:
+    """A rollout section from flat settings: ``multi_turn.*`` names go into ``multi_turn``."""
+    settings = {"tokenization_sanity_check": "strict", **settings}
+    multi_turn = {k: settings.pop(k) for k in list(settings) if k in MULTI_TURN_KEYS}
+    return RolloutConfig(multi_turn=MultiTurnConfig(enable=True, **multi_turn), **settings)
+
+
+def make_loop(tok, scripts, *, tools=None, interactions=None, prompt_length=512, response_length=256,
+              stop_token_ids=(), **settings):
     engine = ScriptedEngine(tok, scripts)
-    return AgentLoop(engine, tok, AgentLoopConfig(**config), tools=tools, interactions=interactions), engine
+    loop = AgentLoop(engine, tok, rollout_config(**settings), prompt_length=prompt_length,
+                     response_length=response_length, tools=tools, interactions=interactions)
+    if stop_token_ids:  # a sampling setting of the request, not of the loop
+        base = sampling_params_for(loop.config, max_new_tokens=response_length)
+        loop.test_sampling = dataclasses.replace(base, stop_token_ids=tuple(stop_token_ids))
+    return loop, engine
 
 
 def run(loop, requests, **kwargs):
+    if getattr(loop, "test_sampling", None) is not None:
+        kwargs.setdefault("sampling_params", loop.test_sampling)
     return asyncio.run(loop.run(requests, **kwargs))
 
 
@@ -447,17 +467,18 @@ def test_run_refuses_config_mistakes(tok):
     with pytest.raises(ValueError, match="AgentLoop.run takes PENDING requests"):
         run(loop, [done])
     engine = ScriptedEngine(tok, {})
-    config = AgentLoopConfig(prompt_length=8, response_length=8)
+    config = rollout_config()
     with pytest.raises(ValueError, match="key tools by their function name"):
-        AgentLoop(engine, tok, config, tools={"other": gsm8k_tools()[GSM8K]})
+        AgentLoop(engine, tok, config, prompt_length=8, response_length=8, tools={"other": gsm8k_tools()[GSM8K]})
     with pytest.raises(ValueError, match="both tools and interactions"):
-        AgentLoop(engine, tok, config, tools=gsm8k_tools(), interactions={GSM8K: Gsm8kInteraction({})})
+        AgentLoop(engine, tok, config, prompt_length=8, response_length=8, tools=gsm8k_tools(),
+                  interactions={GSM8K: Gsm8kInteraction({})})
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"response_length": 0}, "response_length must be >= 1"),
     ({"max_model_len": 8}, "leaves no room for a response"),
-    ({"max_turns": 0}, "max_turns must be >= 1"),
+    ({"max_turns": 0}, "max_turns must be > 0"),
     ({"max_user_turns": -1}, "max_user_turns must be >= 0"),
     ({"tool_timeout_s": 0}, "tool_timeout_s must be > 0"),
     ({"format": "llama3"}, "format='llama3' is unknown"),
@@ -465,8 +486,9 @@ def test_run_refuses_config_mistakes(tok):
     ({"top_p": 0}, "top_p must be in"),
 ])
 def test_config_validation(overrides, message):
+    widths = {"prompt_length": 8, "response_length": overrides.pop("response_length", 8)}
     with pytest.raises(ValueError, match=message):
-        AgentLoopConfig(**{"prompt_length": 8, "response_length": 8, **overrides})
+        AgentLoop(ScriptedEngine(None, {}), None, rollout_config(**overrides), **widths)
 
 
 def test_sampling_override_and_max_model_len(tok):

@@ -7,13 +7,23 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from megarl.config import CONFIG_DIR, SCHEMA_NAME, ConfigError, RunConfig, load_config, validate
-from megarl.config.schema import ActorConfig, DataConfig, RolloutSection, TrainerConfig
-from megarl.config.validate import data_parallel_size
-from megarl.parallel.dims import ParallelDims
-from megarl.rollout.agent_loop import AgentLoopConfig
-from megarl.rollout.manager import RolloutConfig
-from megarl.workers.megatron_engine import OptimConfig
+from megarl.config import (
+    CONFIG_DIR,
+    SCHEMA_NAME,
+    ActorConfig,
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    ParallelDims,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    compose_config,
+    data_parallel_size,
+    load_config,
+    to_run_config,
+    validate,
+)
 
 RECIPES = sorted(path.stem for path in (CONFIG_DIR / "recipe").glob("*.yaml"))
 ARR = "actor_rollout_ref"
@@ -29,14 +39,28 @@ def test_every_recipe_composes_and_validates(recipe):
     cfg = load_config([f"recipe={recipe}"])
     assert isinstance(cfg, RunConfig)
     assert cfg.recipe == recipe
-    validate(cfg)
     actor = cfg.actor_rollout_ref.actor
-    dims = actor.parallel.to_dims().for_world(cfg.trainer.world_size)
+    assert isinstance(actor.parallel, ParallelDims)  # the schema's section is the layout the workers use
+    dims = actor.parallel.for_world(cfg.trainer.world_size)
     assert dims.world_size == cfg.trainer.world_size
     assert data_parallel_size(cfg, actor.parallel) == dims.dp
     assert isinstance(actor.optim, OptimConfig)
-    assert isinstance(cfg.rollout_config(), RolloutConfig)
-    assert isinstance(cfg.agent_loop_config(), AgentLoopConfig)
+    assert isinstance(cfg.actor_rollout_ref.rollout, RolloutConfig)
+    prompt_length, response_length = cfg.rollout_widths()
+    assert prompt_length >= cfg.data.max_prompt_length and response_length == cfg.data.max_response_length
+
+
+def test_load_config_validates_once(monkeypatch):
+    """``load_config`` runs the cross-component checks; nothing after it (the pre-flight) repeats them."""
+    import megarl.config.loading as loading
+    from megarl.controller.preflight import plan_run
+
+    calls = []
+    monkeypatch.setattr(loading, "validate", lambda cfg: calls.append(cfg))
+    cfg = load_config(["recipe=qwen2_5_7b_grpo"])
+    assert len(calls) == 1
+    plan_run(cfg, check=False)
+    assert len(calls) == 1
 
 
 def test_recipe_layouts():
@@ -96,7 +120,7 @@ def test_defaults_come_from_the_dataclasses_without_yaml():
     assert schema.trainer.save_freq == -1
     assert schema.actor_rollout_ref.actor.optim.lr == OptimConfig().lr
     assert schema.actor_rollout_ref.actor.parallel.tp == ParallelDims().tp
-    assert schema.actor_rollout_ref.rollout.n == RolloutConfig(prompt_length=1, response_length=1).n
+    assert schema.actor_rollout_ref.rollout.n == RolloutConfig().n
     assert OmegaConf.is_missing(schema.data, "train_files")  # the one thing a recipe must say
     assert TrainerConfig().world_size == 8
     cfg = OmegaConf.to_object(OmegaConf.merge(schema, {"data": {"train_files": ["x.parquet"]},
@@ -180,9 +204,11 @@ RULE_CASES = [
 
 @pytest.mark.parametrize("name, overrides, key", RULE_CASES, ids=[case[0] for case in RULE_CASES])
 def test_cross_component_rule_names_the_key(name, overrides, key):
-    cfg = _cfg(*overrides)  # each section is fine on its own
+    cfg = to_run_config(compose_config(overrides))  # each section is fine on its own
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(cfg)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(overrides)  # which validates
 
 
 def test_fixed_variants_of_the_rules_pass():
@@ -202,13 +228,14 @@ def test_sections_check_themselves_without_hydra():
         ActorConfig(ppo_micro_batch_size_per_gpu=None)
     ActorConfig(ppo_micro_batch_size_per_gpu=None, use_dynamic_bsz=True)
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.gpu_memory_utilization"):
-        RolloutSection(gpu_memory_utilization=1.5)
+        RolloutConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match=r"trainer\.resume_from_path"):
         TrainerConfig(resume_mode="resume_path")
 
 
 def test_rollout_widths_default_to_data_lengths():
     cfg = load_config(["data.max_prompt_length=48", "data.max_response_length=12"])
-    rollout = cfg.rollout_config()
-    assert (rollout.prompt_length, rollout.response_length) == (48, 12)
-    assert dataclasses.replace(rollout).val_kwargs.temperature == 0.0
+    assert cfg.rollout_widths() == (48, 12)
+    cfg = load_config(["data.max_prompt_length=48", f"{ARR}.rollout.prompt_length=60"])
+    assert cfg.rollout_widths()[0] == 60
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0

@@ -93,8 +93,9 @@ def test_7b_phases_and_sync_volume(plan_7b):
     gpu, sender = _kinds(plan_7b)["actor, engine"], _kinds(plan_7b)["actor, engine, sender"]
     r = gpu.rows
     state = r["actor_weights"] + r["actor_grads"] + r["actor_optimizer"] + r["ref_weights"]
-    # No offload flags: the training state stays during the rollout, beside the engine.
-    assert gpu.phases["rollout"] == state + r["engine_weights"] + r["kv_cache"] + r["cuda_context"]
+    # Only ref.param_offload: the actor's training state stays during the rollout, beside the engine;
+    # the reference's weights wait in host memory.
+    assert gpu.phases["rollout"] == state - r["ref_weights"] + r["engine_weights"] + r["kv_cache"] + r["cuda_context"]
     assert gpu.phases["log-probs"] == state + r["forward"] + r["cuda_context"]  # engine released
     assert gpu.phases["update actor"] == state + r["activations"] + r["logits"] + r["cuda_context"]
     assert gpu.peak_phase == "log-probs"

@@ -3,7 +3,6 @@
 import asyncio
 import copy
 import importlib.util
-import types
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ from megarl.data.dataset import collate
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.engine import GenerateOutput, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
-from megarl.rollout.manager import RolloutConfig, RolloutManager, ValKwargs
+from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
+from megarl.rollout.manager import RolloutManager
 from tests.unit.test_hf_engine import eos_prone
 
 P, R = 24, 10
@@ -41,7 +41,7 @@ def batch(tokenizer):
 
 def make_manager(model, tokenizer, num_engines=2, **config):
     engines = [HFEngine(copy.deepcopy(model), tokenizer, seed=i) for i in range(num_engines)]
-    return RolloutManager(engines, tokenizer, RolloutConfig(prompt_length=P, response_length=R, **config))
+    return RolloutManager(engines, tokenizer, RolloutConfig(**config), prompt_length=P, response_length=R)
 
 
 def record_calls(engine):
@@ -151,22 +151,24 @@ def test_input_checks(model, tokenizer, batch):
     manager = make_manager(model, tokenizer, num_engines=1)
     with pytest.raises(KeyError, match="attention_mask"):
         manager.generate(batch.select("input_ids"))
-    short = RolloutManager(manager.engines, tokenizer, RolloutConfig(prompt_length=4, response_length=R))
+    short = RolloutManager(manager.engines, tokenizer, RolloutConfig(), prompt_length=4, response_length=R)
     with pytest.raises(ValueError, match="more than rollout.prompt_length=4"):
         short.generate(batch)
     with pytest.warns(UserWarning, match="does not carry input tensors"):
         manager.generate(batch.union(Batch(tensors={"extra": torch.zeros(len(batch))})))
     with pytest.raises(ValueError, match="at least one engine"):
-        RolloutManager([], tokenizer, RolloutConfig())
+        RolloutManager([], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
     with pytest.raises(TypeError, match="does not implement"):
-        RolloutManager([object()], tokenizer, RolloutConfig())
+        RolloutManager([object()], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
+    with pytest.raises(ValueError, match="response_length must be >= 1"):
+        RolloutManager(manager.engines, tokenizer, RolloutConfig(), prompt_length=P, response_length=0)
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"n": 0}, "rollout.n must be >= 1"), ({"top_p": 0.0}, r"rollout.top_p must be in \(0, 1\]"),
+    ({"n": 0}, "rollout.n must be > 0"), ({"top_p": 0.0}, r"rollout.top_p must be in \(0, 1\]"),
     ({"top_k": 0}, "rollout.top_k must be -1"), ({"temperature": -1.0}, "rollout.temperature must be >= 0"),
-    ({"response_length": 0}, "rollout.response_length must be >= 1"),
-    ({"prompt_length": 0}, "rollout.prompt_length must be >= 1"),
+    ({"response_length": 0}, "rollout.response_length must be > 0"),
+    ({"prompt_length": 0}, "rollout.prompt_length must be > 0"),
 ])
 def test_config_checks(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -203,16 +205,12 @@ def chat_batch(tokenizer):
 @pytest.mark.skipif(importlib.util.find_spec("megarl.rollout.agent_loop") is None,
                     reason="megarl.rollout.agent_loop is not there yet")
 def test_multi_turn_runs_the_agent_loop_on_every_engine(model, tokenizer, chat_batch):
-    from megarl.rollout.agent_loop import AgentLoopConfig
-
     n, temperature, R_turns = 2, 0.9, 16
     engines = [HFEngine(copy.deepcopy(model), tokenizer, seed=i) for i in range(2)]
     calls = [record_rows(engine) for engine in engines]
-    config = RolloutConfig(n=n, temperature=temperature, prompt_length=P, response_length=R_turns, seed=0,
-                           multi_turn=True)
-    manager = RolloutManager(engines, tokenizer, config,
-                             agent_loop_config=AgentLoopConfig(prompt_length=P, response_length=R_turns,
-                                                               tokenization_sanity_check="off"))
+    config = RolloutConfig(n=n, temperature=temperature, seed=0,
+                           multi_turn=MultiTurnConfig(enable=True, tokenization_sanity_check="off"))
+    manager = RolloutManager(engines, tokenizer, config, prompt_length=P, response_length=R_turns)
     out = manager.generate(chat_batch)
     B, N = len(chat_batch), len(chat_batch) * n
     # Each engine served half of the requests, their first turns in one batch.
@@ -242,16 +240,6 @@ def test_multi_turn_runs_the_agent_loop_on_every_engine(model, tokenizer, chat_b
     out = manager.generate(chat_batch, validate=True)
     assert len(out) == B and out.meta["validate"] is True
     assert all(p.greedy for c in calls for _, p in c)
-
-
-def test_multi_turn_needs_a_matching_agent_loop_config(model, tokenizer):
-    engines = [HFEngine(model, tokenizer)]
-    with pytest.raises(ValueError, match="needs agent_loop_config"):
-        RolloutManager(engines, tokenizer, RolloutConfig(multi_turn=True))
-    other = types.SimpleNamespace(prompt_length=P, response_length=R + 1, return_logprob=True)
-    with pytest.raises(ValueError, match=f"response_length: rollout {R} vs agent loop {R + 1}"):
-        RolloutManager(engines, tokenizer, RolloutConfig(prompt_length=P, response_length=R, multi_turn=True),
-                       agent_loop_config=other)
 
 
 def test_generate_refuses_a_running_event_loop():

@@ -1,7 +1,10 @@
 """The parallel layout of one model: tensor, pipeline, context and data parallel degrees.
 
-``ParallelDims`` is a plain value: it knows nothing about processes. It checks that its
-degrees factor the world size and, when they do not, says which setting to change.
+``ParallelDims`` is a plain value: it knows nothing about processes. It is the ``parallel``
+section of each Megatron role in the run config (``actor_rollout_ref.actor.parallel``,
+``critic.parallel``) and travels as it is to the workers, which build their process groups
+from it (:func:`megarl.parallel.init_parallel`; ``megarl.parallel`` re-exports it). It checks
+that its degrees factor the world size and, when they do not, says which setting to change.
 Everything that needs the layout receives a ``ParallelDims``; nothing reads it from globals.
 """
 
@@ -20,9 +23,9 @@ class MeshAxis(str, enum.Enum):
     DP = "dp"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class ParallelDims:
-    """Degrees of parallelism for one model replica set.
+    """Degrees of parallelism for one model replica set (``<role>.parallel.*``).
 
     ``dp`` may be left ``None`` and derived from the world size with :meth:`for_world`.
     ``vpp`` is the number of virtual pipeline chunks per pipeline rank (interleaved 1F1B);
@@ -39,6 +42,8 @@ class ParallelDims:
     """Data-parallel degree; ``None`` until bound to a world size."""
     vpp: int | None = None
     """Virtual pipeline chunks per pipeline rank; needs ``pp > 1``."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside the TP group (needs ``tp > 1``)."""
 
     def __post_init__(self) -> None:
         for axis in ("tp", "pp", "cp"):
@@ -55,6 +60,8 @@ class ParallelDims:
                     f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp > 1 "
                     "or parallel.vpp to null"
                 )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=True needs parallel.tp > 1; set it to false")
 
     @property
     def model_parallel_size(self) -> int:
@@ -114,3 +121,69 @@ class ParallelDims:
                 f"the model's {num_layers} layers do not split evenly into parallel.pp × parallel.vpp = "
                 f"{stages} pipeline chunks: choose pp × vpp dividing {num_layers}"
             )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Coordinates:
+    """A rank's place in its role's layout: the value workers report to the controller over Ray.
+
+    :class:`megarl.parallel.ProcessGroups` is a ``Coordinates`` that also holds the process groups.
+    """
+
+    dims: ParallelDims
+    """The role's layout, ``dp`` bound to its world size."""
+    rank: int
+    """Global rank within the role."""
+    tp_rank: int = 0
+    pp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the role."""
+        return self.dims.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (it holds the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (it holds the output layer and computes losses)."""
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """The rank whose outputs stand for its data-parallel replica: TP rank 0, CP rank 0, last pipeline stage.
+
+        The one definition: worker groups gather from it, roles return their results on it.
+        """
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.is_last_stage
+
+    def as_coordinates(self) -> "Coordinates":
+        """A plain :class:`Coordinates` (drops what a subclass adds, e.g. process groups that cannot be pickled)."""
+        return Coordinates(dims=self.dims, rank=self.rank, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                           cp_rank=self.cp_rank, dp_rank=self.dp_rank)
+
+    @classmethod
+    def data_parallel(cls, rank: int, world_size: int) -> "Coordinates":
+        """Rank ``rank`` of ``world_size`` ranks that are all data-parallel replicas (no model parallelism)."""
+        return cls(dims=ParallelDims(dp=world_size), rank=rank, dp_rank=rank)

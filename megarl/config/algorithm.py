@@ -1,0 +1,102 @@
+"""Advantages and the in-reward KL (``algorithm.*``), and rewards (``reward_model.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megarl.algo.advantages import ESTIMATORS, gae_advantage, grpo_outcome_advantage
+from megarl.algo.kl import KL_KINDS, build_kl_controller
+from megarl.config.common import check_choice, check_positive, default_of
+
+KL_CTRL_TYPES = ("fixed", "adaptive")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CustomRewardFunction:
+    """A scoring function named by file or module (``reward_model.custom_reward_function.*``)."""
+
+    path: str | None = None
+    """Python file or dotted module holding the function; None: score with the ``data_source`` registry."""
+    name: str = "compute_score"
+    """Function in ``path`` with verl's signature ``(data_source, solution_str, ground_truth, extra_info)``."""
+    reward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments bound to every call."""
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"reward_model.custom_reward_function.name={self.name!r} is not a function name")
+        if self.reward_kwargs and self.path is None:
+            raise ValueError("reward_model.custom_reward_function.reward_kwargs are set but no "
+                             "reward_model.custom_reward_function.path: set the path or drop the kwargs")
+
+    def spec(self) -> str | None:
+        """``"path:name"`` for :func:`megarl.reward.registry.load_function`; None without a path."""
+        return None if self.path is None else f"{self.path}:{self.name}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardConfig:
+    """Rule-based rewards (``reward_model.*``): the ``data_source`` registry or a custom function."""
+
+    custom_reward_function: CustomRewardFunction = dataclasses.field(default_factory=CustomRewardFunction)
+    """A custom scoring function replacing the registry."""
+    scorer_kwargs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per ``data_source`` settings of registered scorers, e.g. ``{"openai/gsm8k": {"method": "flexible"}}``."""
+    num_examine: int = 0
+    """Decoded samples per ``data_source`` logged per training step."""
+
+    def __post_init__(self) -> None:
+        if self.num_examine < 0:
+            raise ValueError(f"reward_model.num_examine must be >= 0, got {self.num_examine}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class KLControlConfig:
+    """The in-reward KL coefficient's controller (``algorithm.kl_ctrl.*``)."""
+
+    type: str = default_of(build_kl_controller, "type")
+    """``fixed`` or ``adaptive``."""
+    kl_coef: float = default_of(build_kl_controller, "kl_coef")
+    """Initial (fixed: constant) coefficient beta."""
+    target_kl: float = default_of(build_kl_controller, "target_kl")
+    """KL the adaptive controller aims for."""
+    horizon: float = default_of(build_kl_controller, "horizon")
+    """Adaptive controller's horizon in trajectories."""
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.kl_ctrl.type", self.type, KL_CTRL_TYPES)
+        if self.kl_coef < 0:
+            raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
+        check_positive("algorithm.kl_ctrl.target_kl", self.target_kl)
+        check_positive("algorithm.kl_ctrl.horizon", self.horizon)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantages and the in-reward KL (``algorithm.*``)."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator (``megarl.algo.advantages.ESTIMATORS``); ``gae`` needs the critic."""
+    gamma: float = default_of(gae_advantage, "gamma")
+    """Discount factor."""
+    lam: float = default_of(gae_advantage, "lam")
+    """GAE's lambda."""
+    whiten: bool = default_of(gae_advantage, "whiten")
+    """Whiten GAE advantages over the batch."""
+    norm_adv_by_std_in_grpo: bool = default_of(grpo_outcome_advantage, "norm_adv_by_std_in_grpo")
+    """Divide GRPO advantages by the group's std (False: Dr. GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract ``beta * KL(pi_old || pi_ref)`` from the token rewards; needs the reference model."""
+    kl_penalty: str = "kl"
+    """KL estimator of the in-reward penalty (``megarl.algo.kl.KL_KINDS``)."""
+    kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
+    """The in-reward KL coefficient's controller."""
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(sorted(ESTIMATORS)))
+        check_choice("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"algorithm.lam must be in [0, 1], got {self.lam}")

@@ -1,0 +1,92 @@
+"""The policy model (``actor_rollout_ref.model.*``) and the optimizer of a trainable role (``<role>.optim.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from omegaconf import MISSING
+
+from megarl.config.common import DTYPES, check_choice, check_positive
+
+MODEL_INITS = ("pretrained", "tiny_sft")
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model (``actor_rollout_ref.model.*``)."""
+
+    path: str = MISSING
+    """HF model directory (or hub id already in the local cache); with ``init=tiny_sft``, where the tiny model is cached."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; None: ``path``."""
+    init: str = "pretrained"
+    """``pretrained``: load ``path``. ``tiny_sft``: build ``megarl.models.tiny``'s Qwen2 model and tokenizer,
+    warm-start it by SFT on ``data.train_files`` and cache it at ``path`` (reused when present)."""
+    sft_steps: int = 300
+    """SFT steps of the ``tiny_sft`` warm start (at most that many when ``sft_stop_reward`` is set)."""
+    sft_lr: float = 1e-3
+    """Learning rate of the ``tiny_sft`` warm start."""
+    sft_stop_reward: float | None = None
+    """``tiny_sft``: end the SFT at the first check (every 25 steps) where the sampled (T=1) reward on the first
+    256 training prompts reaches this, so GRPO starts from it; None: run all ``sft_steps``."""
+    dtype: str = "bfloat16"
+    """Compute dtype of the policy: ``float32``, ``bfloat16`` or ``float16`` (master weights stay fp32)."""
+    trust_remote_code: bool = False
+    """Allow model and tokenizer code from the model directory (passed to every transformers loader)."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.model"
+        check_choice(f"{p}.init", self.init, MODEL_INITS)
+        check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        check_positive(f"{p}.sft_steps", self.sft_steps)
+        check_positive(f"{p}.sft_lr", self.sft_lr)
+        if self.sft_stop_reward is not None and not 0.0 < self.sft_stop_reward <= 1.0:
+            raise ValueError(f"{p}.sft_stop_reward={self.sft_stop_reward!r} must be in (0, 1]; "
+                             f"set it to null to run all sft_steps")
+
+    @property
+    def local_path(self) -> str:
+        """``path`` with ``~`` expanded."""
+        return str(Path(self.path).expanduser())
+
+    @property
+    def local_tokenizer_path(self) -> str:
+        """``tokenizer_path`` (else ``path``) with ``~`` expanded."""
+        return str(Path(self.tokenizer_path or self.path).expanduser())
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule of a trainable role (``<role>.optim.*``)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (none on biases and norms)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's beta1 and beta2."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    decay_steps: int | None = None
+    """Steps of decay after warm-up (None: constant after warm-up)."""
+    decay_style: str = "constant"
+    """``constant``, ``linear`` or ``cosine``."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        check_choice("optim.decay_style", self.decay_style, DECAY_STYLES)
+        if self.decay_style != "constant" and not self.decay_steps:
+            raise ValueError(f"optim.decay_style={self.decay_style!r} needs optim.decay_steps > 0")

@@ -1,0 +1,153 @@
+"""Generation engines and sampling (``actor_rollout_ref.rollout.*``).
+
+:class:`megarl.rollout.RolloutManager`, the multi-turn :class:`megarl.rollout.AgentLoop` and
+the rollout workers take :class:`RolloutConfig` as it is. The prompt and response widths
+``P`` and ``R`` default to ``data.*``: :meth:`megarl.config.RunConfig.rollout_widths` resolves
+them, and the manager receives them next to the section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.config.common import DTYPES, check_choice, check_micro_batches, check_positive, check_sampling
+
+ROLLOUT_NAMES = ("hf", "sglang")
+ENGINE_LAYOUTS = ("per_replica", "per_tp_group")
+TOOL_CALL_FORMATS = ("hermes", "qwen25")
+"""Tool-call formats the agent loop parses (``megarl.rollout.tool_parser.PARSERS`` has one parser per name)."""
+SANITY_CHECK_MODES = ("strict", "warn", "off")
+"""``multi_turn.tokenization_sanity_check``: a mismatch FAILS the request, is logged and counted, or is not checked."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ValKwargs:
+    """Validation sampling (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """-1 disables top-k."""
+    do_sample: bool = False
+    """False means greedy whatever the temperature."""
+
+    def __post_init__(self) -> None:
+        check_sampling("actor_rollout_ref.rollout.val_kwargs", self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MultiTurnConfig:
+    """Request-level multi-turn rollouts with tools (``actor_rollout_ref.rollout.multi_turn.*``)."""
+
+    enable: bool = False
+    """Roll out through the agent loop (tools, interactions); needs ``data.return_raw_chat``."""
+    max_turns: int = 5
+    """Assistant generations per request."""
+    max_user_turns: int | None = None
+    """Tool-response turns plus interaction replies per request; None: no limit."""
+    tool_config_path: str | None = None
+    """YAML listing the tools (e.g. ``configs/tools/gsm8k_tool_config.yaml``); None: no tools."""
+    interaction_config_path: str | None = None
+    """YAML listing the interactions (simulated users); None: none."""
+    format: str = "hermes"
+    """Tool-call format of the model (:data:`TOOL_CALL_FORMATS`)."""
+    tool_timeout_s: float | None = 30.0
+    """Per-call limit of ``tool.execute``; a call that takes longer answers with a timeout error. None: no limit."""
+    tokenization_sanity_check: str = "warn"
+    """``strict``, ``warn`` or ``off``: compare incremental tokenization with a full re-tokenization."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout.multi_turn"
+        check_positive(f"{p}.max_turns", self.max_turns)
+        check_choice(f"{p}.format", self.format, TOOL_CALL_FORMATS)
+        check_choice(f"{p}.tokenization_sanity_check", self.tokenization_sanity_check, SANITY_CHECK_MODES)
+        check_positive(f"{p}.tool_timeout_s", self.tool_timeout_s, allow_none=True)
+        if self.max_user_turns is not None and self.max_user_turns < 0:
+            raise ValueError(f"{p}.max_user_turns must be >= 0 or null, got {self.max_user_turns}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation engines and sampling (``actor_rollout_ref.rollout.*``)."""
+
+    name: str = "hf"
+    """Engine: ``hf`` (HF transformers, one process per engine; CPU or GPU) or ``sglang`` (GPU)."""
+    tensor_model_parallel_size: int | None = None
+    """GPUs per SGLang engine; None: the actor's ``parallel.tp`` (TP-matched engines). The ``hf`` engine is
+    never sharded: leave it null there."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may take (weights + KV cache)."""
+    dtype: str = "bfloat16"
+    """Engine weights' dtype."""
+    enforce_eager: bool = True
+    """SGLang: no CUDA graphs (``disable_cuda_graph``). The ``hf`` engine never captures graphs: leave it true."""
+    free_cache_engine: bool = True
+    """Release the KV cache after generation so training gets the memory back (needs ``enforce_eager``)."""
+    n: int = 1
+    """Samples per prompt in training (GRPO's group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """-1 disables top-k."""
+    do_sample: bool = True
+    """False means greedy (one sample per prompt); a batch's ``meta["do_sample"]`` overrides it."""
+    prompt_length: int | None = None
+    """Prompt width ``P``; None: ``data.max_prompt_length``."""
+    response_length: int | None = None
+    """Response width ``R``; None: ``data.max_response_length``."""
+    max_model_len: int | None = None
+    """Engine context cap; None: ``P + R``."""
+    seed: int | None = None
+    """Base seed of the engines' sampling (each call's seed is derived from it and the step); None:
+    ``trainer.seed``."""
+    calculate_log_probs: bool = True
+    """Return the engines' log-probs (mismatch diagnostics and ``actor.tis_cap``)."""
+    log_prob_micro_batch_size_per_gpu: int | None = 16
+    """Trajectories per forward of the actor's log-prob recompute on one rank."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Pack the recompute's micro-batches by token count (``log_prob_max_token_len_per_gpu``)."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one recompute micro-batch on one rank, with ``log_prob_use_dynamic_bsz``."""
+    engine_layout: str = "per_replica"
+    """TP-matched SGLang engines with pipeline parallelism: ``per_replica`` (one engine per actor DP replica,
+    on its first TP group) or ``per_tp_group`` (one on every TP group: every GPU generates, each holds the
+    whole model at the engine TP)."""
+    pool_nodes: list[int] | None = None
+    """Disaggregated rollout (with ``hybrid_engine=false``): the engines' own pool, GPUs per node (on cpu:
+    worker slots on this machine), e.g. ``[8, 8]``; None: engines share the actor's GPUs."""
+    bucket_mb: int = 512
+    """Weight sync: MiB of HF tensors per bucket streamed from the actor into the engines."""
+    verify_weights: int = 8
+    """Weight sync: tensors whose SHA-1 is compared between trainer and engines after every sync
+    (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
+    val_kwargs: ValKwargs = dataclasses.field(default_factory=ValKwargs)
+    """Validation sampling."""
+    multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout"
+        check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)
+        check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        check_positive(f"{p}.n", self.n)
+        check_sampling(p, self.temperature, self.top_p, self.top_k)
+        for key in ("tensor_model_parallel_size", "prompt_length", "response_length", "max_model_len"):
+            check_positive(f"{p}.{key}", getattr(self, key), allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_positive(f"{p}.bucket_mb", self.bucket_mb)
+        check_choice(f"{p}.engine_layout", self.engine_layout, ENGINE_LAYOUTS)
+        if self.pool_nodes is not None and (not self.pool_nodes or any(n < 1 for n in self.pool_nodes)):
+            raise ValueError(f"{p}.pool_nodes={self.pool_nodes} must list a positive number per node, e.g. [8]")
+        if self.verify_weights < -1:
+            raise ValueError(f"{p}.verify_weights must be -1 (all), 0 (off) or a count, got {self.verify_weights}")
+        check_micro_batches(f"{p}.log_prob", self.log_prob_micro_batch_size_per_gpu, self.log_prob_use_dynamic_bsz,
+                            self.log_prob_max_token_len_per_gpu)
+        if self.max_model_len is not None and self.prompt_length is not None and \
+                self.max_model_len <= self.prompt_length:
+            raise ValueError(f"{p}.max_model_len={self.max_model_len} leaves no room for a response after "
+                             f"{p}.prompt_length={self.prompt_length}: raise it or leave it null")

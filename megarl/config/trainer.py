@@ -1,0 +1,103 @@
+"""The run: length, machines, checkpoints, validation, logging (``trainer.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.config.common import check_choice, check_positive
+
+DEVICES = ("cpu", "cuda")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "tensorboard", "jsonl")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig:
+    """The run: length, machines, checkpoints, validation, logging (``trainer.*``)."""
+
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_steps: int | None = None
+    """Training steps; None: ``total_epochs`` × batches per epoch. When set it wins over ``total_epochs``."""
+    device: str = "cuda"
+    """``cuda`` (GPU workers, NCCL) or ``cpu`` (gloo workers; for tests and the tiny recipe)."""
+    nnodes: int = 1
+    """Machines, with ``device=cuda``."""
+    n_gpus_per_node: int = 8
+    """GPUs per machine, with ``device=cuda``."""
+    n_cpu_ranks: int = 2
+    """Worker processes (gloo ranks) on this machine, with ``device=cpu``: the CPU world size."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB (2^30 bytes), with ``device=cuda``: what ``megarl-plan`` and the trainer's
+    pre-flight check (``megarl.controller.preflight``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
+    which CUDA reports about 79.2 as usable; set less to keep headroom."""
+    seed: int = 1
+    """Seed of data order, sampling and initialization."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+    balance_batch: bool = True
+    """Reorder trajectories so each data-parallel rank gets a similar token count."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Validate once and stop."""
+    test_freq: int = -1
+    """Validate every this many steps (and at the last one); -1: never during training."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (and at the last one); -1: never."""
+    default_local_dir: str = "checkpoints"
+    """Checkpoint root: ``<default_local_dir>/<project_name>/<experiment_name>/global_step_<k>``."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Checkpoints kept; older ones are deleted. None: keep all."""
+    resume_mode: str = "auto"
+    """``auto`` (latest checkpoint if any), ``disable`` or ``resume_path``."""
+    resume_from_path: str | None = None
+    """Checkpoint directory to resume from, with ``resume_mode=resume_path``."""
+    export_hf: bool = False
+    """Also write HF-format weights with each checkpoint."""
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "tensorboard"])
+    """Metric sinks: ``console``, ``tensorboard``, ``jsonl``."""
+    log_dir: str = "runs"
+    """Root of TensorBoard and jsonl logs: ``<log_dir>/<project_name>/<experiment_name>``."""
+    project_name: str = "megarl"
+    """Project name (log and checkpoint folders)."""
+    experiment_name: str = "default"
+    """Experiment name (log and checkpoint folders)."""
+    rollout_data_dir: str | None = None
+    """Write each step's trajectories as jsonl here; None: off."""
+    log_val_generations: int = 0
+    """Validation samples (prompt, response, score) logged per validation to the console, TensorBoard (text)
+    and jsonl sinks; 0: none."""
+    worker_timeout_s: float = 1800.0
+    """Longest a single worker call may take (one generation, update, sync or checkpoint save) before the
+    run fails naming the rank that did not answer: a rank hung in a collective would otherwise stall the run
+    for ever. Raise it for very large models or slow file systems."""
+
+    def __post_init__(self) -> None:
+        check_positive("trainer.total_epochs", self.total_epochs)
+        check_positive("trainer.total_steps", self.total_steps, allow_none=True)
+        check_choice("trainer.device", self.device, DEVICES)
+        check_positive("trainer.nnodes", self.nnodes)
+        check_positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
+        check_positive("trainer.n_cpu_ranks", self.n_cpu_ranks)
+        check_positive("trainer.gpu_memory_gb", self.gpu_memory_gb)
+        check_choice("trainer.resume_mode", self.resume_mode, RESUME_MODES)
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        for key in ("test_freq", "save_freq"):
+            value = getattr(self, key)
+            if value == 0 or value < -1:
+                raise ValueError(f"trainer.{key} must be -1 (off) or >= 1, got {value}")
+        if self.critic_warmup < 0:
+            raise ValueError(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        check_positive("trainer.max_actor_ckpt_to_keep", self.max_actor_ckpt_to_keep, allow_none=True)
+        if self.log_val_generations < 0:
+            raise ValueError(f"trainer.log_val_generations must be >= 0, got {self.log_val_generations}")
+        check_positive("trainer.worker_timeout_s", self.worker_timeout_s)
+        for name in self.logger:
+            check_choice("trainer.logger", name, LOGGERS)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks shared by the colocated roles: ``nnodes × n_gpus_per_node`` on cuda, ``n_cpu_ranks`` on cpu."""
+        return self.n_cpu_ranks if self.device == "cpu" else self.nnodes * self.n_gpus_per_node

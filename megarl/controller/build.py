@@ -1,0 +1,234 @@
+"""Build a run's parts: the policy's directory, data, rewards, Ray, and the roles (placement → resource pools →
+actor with the reference, critic, rollout engines) with the driver's rollout manager.
+
+:func:`build_roles` is the one place that turns the config's typed sections and the placement
+plan into running workers; the :class:`~megarl.controller.trainer.Trainer` only drives them.
+Each worker receives the sections it needs as they are (``ActorWorker.init_model(model=...,
+actor=..., rollout=...)``); nothing is repacked into dicts.
+
+Sharing a bundle: colocated roles (actor with its reference, the engines, the critic) split each
+bundle's CPU and GPU evenly (Ray accounting only: they run one phase at a time), so ``k`` colocated
+roles take ``1/k`` each. Disaggregated engines (``hybrid_engine=false``) own their pool's bundles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from megarl.config.schema import RunConfig
+from megarl.config.validate import data_parallel_size
+from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, engine_tp_of, placement_for
+from megarl.data.dataset import PromptDataset
+from megarl.warmstart.addition_data import ensure_addition_data
+from megarl.warmstart.sft import ensure_tiny_sft
+from megarl.models.sampling import derive_seed
+from megarl.reward import RewardManager
+from megarl.rollout.interaction import load_interactions
+from megarl.rollout.manager import RolloutManager
+from megarl.rollout.tools.registry import load_tools
+from megarl.workers.group import WorkerGroup
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker
+from megarl.workers.rollout_worker import RemoteEngine, RolloutWorker
+
+SEED_STREAM_ROLLOUT = 1
+"""``derive_seed(rollout seed, SEED_STREAM_ROLLOUT, step)`` seeds a training step's generation."""
+SEED_STREAM_VALIDATION = 2
+"""``derive_seed(rollout seed, SEED_STREAM_VALIDATION, step, round)`` seeds a validation round."""
+SEED_STREAM_ENGINE = 7
+"""``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)`` seeds engine ``i``'s own generator."""
+
+
+@dataclasses.dataclass
+class Roles:
+    """The running workers of a run and how they are wired."""
+
+    plan: PlacementPlan
+    """Where every role sits (``megarl.controller.placement``)."""
+    pools: dict
+    """Ray placement groups by pool name (``global``, and ``rollout`` when disaggregated)."""
+    actor: WorkerGroup
+    """The policy's ranks (the reference lives in the same processes)."""
+    critic: WorkerGroup | None
+    """The value model's ranks (PPO with GAE), else None."""
+    rollout: WorkerGroup
+    """One worker per rollout engine."""
+    engines: list[RemoteEngine]
+    """The engines as the rollout manager sees them."""
+    engines_by_replica: list[list]
+    """For each actor DP replica, the Ray handles of the engines it streams weights into."""
+    weight_names: list[str]
+    """Every HF tensor name of the policy, in export order."""
+
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        """Every worker group, in the order they were built."""
+        return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
+
+    def shutdown(self) -> None:
+        """Kill every worker and give the pools' resources back."""
+        for group in self.groups:
+            group.shutdown()
+        for pool in self.pools.values():
+            pool.remove()
+
+
+def build_roles(cfg: RunConfig) -> Roles:
+    """Place and start every role of ``cfg`` (Ray must be running); on failure nothing is left running."""
+    plan = placement_for(cfg)
+    trainer = cfg.trainer
+    pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
+    built: list[WorkerGroup] = []
+    try:
+        separate = not cfg.actor_rollout_ref.hybrid_engine
+        colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
+        actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
+        built.append(actor)
+        critic = None
+        if cfg.critic.enable:
+            critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
+            built.append(critic)
+        rollout_pool = pools["rollout"] if separate else pools["global"]
+        rollout = _build_engines(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated)
+        built.append(rollout)
+        engines = [RemoteEngine(h, replica=i, timeout_s=trainer.worker_timeout_s)
+                   for i, h in enumerate(rollout.actors)]
+        dp = data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel)
+        # TP-matched engines serve the replica on whose GPUs they sit; others are dealt round-robin.
+        owner = [engine_replica(e, dp) for e in plan.engines]
+        by_replica = [[h for h, d in zip(rollout.actors, owner) if d == replica] for replica in range(dp)]
+        names = actor.call_rank(0, ActorWorker.weight_names)
+    except BaseException:
+        for group in built:
+            group.shutdown()
+        for pool in pools.values():
+            pool.remove()
+        raise
+    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
+                 engines_by_replica=by_replica, weight_names=names)
+
+
+def _group(cfg: RunConfig, worker_cls, pool, share: float, **kwargs) -> WorkerGroup:
+    gpu = 0.0 if cfg.trainer.device == "cpu" else share
+    return WorkerGroup(worker_cls, pool, num_cpus=share, num_gpus=gpu, timeout_s=cfg.trainer.worker_timeout_s,
+                       **kwargs)
+
+
+def _build_actor(cfg: RunConfig, pool, share: float) -> WorkerGroup:
+    arr, seed = cfg.actor_rollout_ref, cfg.trainer.seed
+    group = _group(cfg, ActorWorker, pool, share, role="actor")
+    try:
+        group.call_all(ActorWorker.init_model, model=arr.model, actor=arr.actor, rollout=arr.rollout, seed=seed)
+        group.refresh_coordinates()
+        if cfg.needs_ref:
+            group.call_all(ActorWorker.init_ref, model=arr.model, ref=arr.ref, seed=seed)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
+    arr = cfg.actor_rollout_ref
+    group = _group(cfg, CriticWorker, pool, share, role="critic")
+    try:
+        group.call_all(CriticWorker.init_model, model=arr.model, critic=cfg.critic, rollout_n=arr.rollout.n,
+                       seed=cfg.trainer.seed)
+        group.refresh_coordinates()
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _build_engines(cfg: RunConfig, plan: PlacementPlan, pool, share: float) -> WorkerGroup:
+    """One :class:`RolloutWorker` per engine placement, on the first bundle it serves."""
+    arr = cfg.actor_rollout_ref
+    group = _group(cfg, RolloutWorker, pool, share, role="rollout", bundles=[e.bundles[0] for e in plan.engines])
+    try:
+        group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, tp_size=engine_tp_of(cfg),
+                                    seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i),
+                                    device=cfg.trainer.device))
+                          for i in range(len(plan.engines))], RolloutWorker.init_engine)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def build_rollout_manager(cfg: RunConfig, engines, tokenizer) -> RolloutManager:
+    """The driver's rollout manager over ``engines``, with the tools and interactions of ``multi_turn``."""
+    rollout = cfg.actor_rollout_ref.rollout
+    multi_turn = rollout.multi_turn
+    tools = interactions = None
+    if multi_turn.enable and multi_turn.tool_config_path:
+        tools = load_tools(multi_turn.tool_config_path)
+    if multi_turn.enable and multi_turn.interaction_config_path:
+        interactions = load_interactions(multi_turn.interaction_config_path)
+    prompt_length, response_length = cfg.rollout_widths()
+    return RolloutManager(engines, tokenizer, rollout, prompt_length=prompt_length, response_length=response_length,
+                          tools=tools, interactions=interactions)
+
+
+def prepare_policy(cfg: RunConfig) -> None:
+    """Make sure the policy's HF directory exists: build and cache the tiny SFT warm start for
+    ``model.init=tiny_sft`` (writing the addition data first when a data file is missing), else check it."""
+    model, data = cfg.actor_rollout_ref.model, cfg.data
+    if model.init == "tiny_sft":
+        train = [Path(f).expanduser() for f in data.train_files]
+        val = [Path(f).expanduser() for f in data.val_files]
+        if not all(p.exists() for p in train + val):
+            ensure_addition_data(train[0].parent)
+        ensure_tiny_sft(model.local_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
+                        seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward)
+    elif not Path(model.local_path).is_dir():
+        raise ValueError(f"actor_rollout_ref.model.path={model.path!r} is not a directory; give an HF model "
+                         f"directory (convert hub checkpoints with megarl-convert) or use model.init=tiny_sft")
+
+
+def build_datasets(cfg: RunConfig, tokenizer, console=print) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training and validation prompt sets (``data.*``); the count of dropped over-long prompts is reported."""
+    kwargs = cfg.data.dataset_kwargs()
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        kwargs["return_raw_chat"] = True
+    train = PromptDataset(cfg.data.train_files, tokenizer, **kwargs)
+    val = PromptDataset(cfg.data.val_files, tokenizer, **kwargs) if cfg.data.val_files else None
+    for name, ds in (("train", train), ("val", val)):
+        if ds is not None and ds.num_filtered_overlong:
+            console(f"{name} data: {ds.num_filtered_overlong} of {ds.num_rows_read} prompts were longer than "
+                    f"data.max_prompt_length={cfg.data.max_prompt_length} and were dropped")
+    return train, val
+
+
+def build_reward_managers(cfg: RunConfig, tokenizer) -> tuple[RewardManager, RewardManager]:
+    """Training and validation reward managers (``reward_model.*``); validation logs one sample per source."""
+    reward = cfg.reward_model
+    custom = reward.custom_reward_function
+
+    def manager(num_examine: int) -> RewardManager:
+        return RewardManager(tokenizer, compute_score=custom.spec(), reward_kwargs=custom.reward_kwargs or None,
+                             scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine)
+
+    return manager(reward.num_examine), manager(1)  # verl logs one decoded sample per data source in validation
+
+
+def init_ray(cfg: RunConfig) -> bool:
+    """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
+    a no-op when Ray is up. Returns True when this call started Ray (the caller then stops it)."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    trainer = cfg.trainer
+    env = {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+    elif trainer.device == "cpu":
+        ray.init(num_cpus=max(trainer.n_cpu_ranks, os.cpu_count() or 1), num_gpus=0, include_dashboard=False,
+                 runtime_env={"env_vars": env}, logging_level=logging.WARNING, log_to_driver=True)
+    else:
+        ray.init(runtime_env={"env_vars": env}, include_dashboard=False, logging_level=logging.WARNING)
+    return True
