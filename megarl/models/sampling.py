@@ -1,25 +1,31 @@
-"""Seeded sampling from a transformers causal LM: per-row seed streams and a plain generation loop.
+"""Seeded sampling from a transformers causal LM: per-row seed streams and megarl's one sampling loop.
 
 :func:`derive_row_seed` is the one definition of how a call's seed becomes the seed of row ``i``'s
 sampling stream. The rollout engines (``HFEngine``, ``SGLangEngine``'s ``sampling_seed``), the
 rollout manager and the trainer derive their seeds with it.
 
-:func:`generate` is a small batched sampling loop (temperature or greedy; no top-k / top-p, no
-stop strings, no log-probs) for code that sits below the rollout engines: the tiny model's warm
-start (:mod:`megarl.warmstart.sft`) measures its sampled reward with it. For the same model,
-prompts and ``SamplingParams(max_new_tokens, temperature, seed)`` it returns the tokens
-``megarl.rollout.hf_engine.HFEngine.generate`` returns, bit for bit: the same left padding, position
-ids, KV cache, fp32 logits, stop ids and exponential race with one ``torch.Generator`` per row
-seeded with ``derive_row_seed(seed, row)`` (``tests/unit/test_tiny_sft.py`` checks it). Keep the two
-in step.
+This module owns the sampling loop, :func:`sample_continuations`: left-padded prompts
+(:func:`left_pad`, position ids from the mask), one prefill then one token per step with a KV
+cache (:func:`last_logits`, fp32 logits), temperature or greedy, top-k / top-p
+(:func:`truncate_probs`), an exponential race with one ``torch.Generator`` per row
+(:func:`sample_tokens`), stop ids, per-row token budgets and per-token log-probs
+``log_softmax(logits / T)`` before truncation. Its callers:
+
+- ``megarl.rollout.hf_engine.HFEngine`` (the CPU rollout engine) runs it for every batch and keeps
+  the engine's concerns: batching and locking, weight updates, sessions, row seeds drawn from its
+  generator, ``GenerateOutput`` assembly;
+- :func:`generate`, a plain token-ids front for code below the rollout engines: the tiny model's
+  warm start (:mod:`megarl.warmstart.sft`) measures its sampled reward with it, and so gets the
+  tokens ``HFEngine.generate`` returns for the same seed (``tests/unit/test_tiny_sft.py`` checks it).
 
 Shape legend: ``B`` rows, ``L`` tokens (padded prompt plus generated so far), ``V`` vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -61,33 +67,145 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def sample_tokens(logits_BV: torch.Tensor, temperature: float,
-                  generators: Sequence[torch.Generator] | None) -> torch.Tensor:
-    """Next token per row: argmax when ``temperature`` is 0, else a draw from ``softmax(logits / T)``.
+def truncate_probs(probs_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``probs_BV`` with the tokens outside top-k, then outside the top-p nucleus, set to 0.
 
-    The draw is an exponential race (argmax of ``p_i / E_i`` with ``E_i ~ Exp(1)``), one noise row
-    per generator, so every row's stream is its own.
+    Top-p keeps a token when the probability mass strictly before it (in descending order)
+    is at most ``top_p``, so the most likely token is always kept (SGLang's rule). The result
+    is not renormalised; sampling from it is proportional. ``top_k=-1`` and ``top_p=1`` return
+    ``probs_BV`` itself.
+    """
+    if top_k == -1 and top_p >= 1.0:
+        return probs_BV
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+    keep_BV = torch.ones_like(sorted_BV, dtype=torch.bool)
+    if top_k != -1:
+        keep_BV[:, top_k:] = False
+    if top_p < 1.0:
+        keep_BV &= (sorted_BV.cumsum(dim=-1) - sorted_BV) <= top_p
+    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV * keep_BV)
+
+
+def sample_tokens(logits_BV: torch.Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
+                  generators: Sequence[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row and its log-prob ``log_softmax(logits / T)`` (``T = 1`` when greedy).
+
+    ``temperature=0`` is greedy (argmax; ``generators`` unused). Otherwise row ``b`` draws from
+    ``softmax(logits / T)`` truncated by :func:`truncate_probs` with an exponential race: the
+    argmax of ``p_i / E_i`` with ``E_i ~ Exp(1)`` samples ``i`` with probability proportional to
+    ``p_i``, and the noise of row ``b`` comes from ``generators[b]``, so every row's stream is
+    its own. The log-prob is that of the full tempered distribution, before truncation: the
+    number the trainer recomputes as ``old_log_probs``.
     """
     if temperature == 0:
-        return logits_BV.argmax(dim=-1)
-    probs_BV = torch.log_softmax(logits_BV / temperature, dim=-1).exp()
-    noise_BV = torch.stack([torch.empty(logits_BV.shape[-1], device=logits_BV.device).exponential_(generator=g)
-                            for g in generators])
-    return (probs_BV / noise_BV.clamp(min=torch.finfo(noise_BV.dtype).tiny)).argmax(dim=-1)
+        tokens_B = logits_BV.argmax(dim=-1)
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    else:
+        logprobs_BV = torch.log_softmax(logits_BV / temperature, dim=-1)
+        probs_BV = truncate_probs(logprobs_BV.exp(), top_k, top_p)
+        noise_BV = torch.stack([torch.empty(logits_BV.shape[-1], device=logits_BV.device).exponential_(generator=g)
+                                for g in generators])
+        tokens_B = (probs_BV / noise_BV.clamp(min=torch.finfo(noise_BV.dtype).tiny)).argmax(dim=-1)
+    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids_BL, attention_mask_BL, position_ids_BL)`` of the prompts left-padded to the longest.
+
+    Padding holds ``pad_token_id`` under mask 0; position ids count the real tokens from 0 (padding
+    gets 0), so a row's positions do not depend on how much it was padded.
+    """
+    num_rows, width = len(prompts), max(len(p) for p in prompts)
+    input_ids_BL = torch.full((num_rows, width), int(pad_token_id), dtype=torch.long)
+    attention_mask_BL = torch.zeros((num_rows, width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids_BL[row, width - len(ids):] = torch.tensor([int(t) for t in ids], dtype=torch.long)
+        attention_mask_BL[row, width - len(ids):] = 1
+    input_ids_BL, attention_mask_BL = input_ids_BL.to(device), attention_mask_BL.to(device)
+    position_ids_BL = (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids_BL, attention_mask_BL, position_ids_BL
+
+
+def last_logits(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
+                position_ids_BL: torch.Tensor, cache: Any) -> torch.Tensor:
+    """``logits_BV`` (fp32) at the last position of one forward that extends the KV ``cache``.
+
+    ``attention_mask_BL`` covers the cached tokens plus ``input_ids_BL``; ``position_ids_BL`` only
+    the new ones.
+    """
+    return model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL,
+                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+
+
+@dataclasses.dataclass
+class Continuation:
+    """One row's sampled continuation."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Sampled ids, ending with the stop id when one was sampled."""
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    """``log_softmax(logits / T)`` at each sampled id (``T = 1`` when greedy), see :func:`sample_tokens`."""
+    stopped: bool = False
+    """True when the row ended on a stop id, False when it used up its token budget."""
 
 
 @torch.no_grad()
+def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
+                         max_new_tokens: Sequence[int], row_seeds: Sequence[int], stop_token_ids: Collection[int],
+                         pad_token_id: int, temperature: float, top_k: int = -1,
+                         top_p: float = 1.0) -> list[Continuation]:
+    """The sampling loop: one continuation per prompt, the prompts sampled together.
+
+    One prefill over the batch left-padded with ``pad_token_id`` (:func:`left_pad`), then one
+    token per step with a KV cache, until every row has sampled one of ``stop_token_ids`` or its
+    ``max_new_tokens[row]`` tokens. Row ``row`` samples (:func:`sample_tokens`) from a
+    ``torch.Generator`` seeded with ``row_seeds[row]``; ``temperature=0`` is greedy. Prompts are
+    not checked (callers do: non-empty, ids in the vocabulary, within the model's context).
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    input_ids_BL, attention_mask_BL, position_ids_BL = left_pad(prompts, pad_token_id, device)
+    num_rows = len(prompts)
+    generators = None
+    if temperature != 0:
+        generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in row_seeds]
+    stop_ids = {int(t) for t in stop_token_ids}
+
+    cache = DynamicCache(config=model.config)
+    logits_BV = last_logits(model, input_ids_BL, attention_mask_BL, position_ids_BL, cache)
+    next_position_B1 = position_ids_BL[:, -1:] + 1
+    rows = [Continuation() for _ in range(num_rows)]
+    finished = [False] * num_rows
+    while True:
+        tokens_B, logprobs_B = sample_tokens(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p,
+                                             generators=generators)
+        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+        for row, continuation in enumerate(rows):
+            if finished[row]:
+                continue
+            continuation.token_ids.append(tokens[row])
+            continuation.logprobs.append(logprobs[row])
+            continuation.stopped = tokens[row] in stop_ids
+            finished[row] = continuation.stopped or len(continuation.token_ids) == max_new_tokens[row]
+        if all(finished):
+            return rows
+        # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
+        attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
+        logits_BV = last_logits(model, tokens_B[:, None], attention_mask_BL, next_position_B1, cache)
+        next_position_B1 = next_position_B1 + 1
+
+
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
              seed: int, stop_token_ids: Sequence[int]) -> list[list[int]]:
     """One continuation per prompt (token ids, ending with the stop token when one was sampled).
 
-    The prompts are sampled together: one prefill over the left-padded batch (padded with
-    ``stop_token_ids[0]``), then one token per step with a KV cache, until every row has sampled a
-    stop token or ``max_new_tokens`` tokens. Row ``i`` samples from a generator seeded with
-    ``derive_row_seed(seed, i)``; ``temperature=0`` is greedy.
+    :func:`sample_continuations` with every row limited to ``max_new_tokens``, padding with
+    ``stop_token_ids[0]`` and row ``i`` seeded with ``derive_row_seed(seed, i)``: the tokens
+    ``HFEngine.generate`` returns for ``SamplingParams(max_new_tokens, temperature, seed)`` with
+    these stop ids as its EOS ids. ``temperature=0`` is greedy.
     """
-    from transformers import DynamicCache
-
     if max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"generate needs max_new_tokens >= 1 and temperature >= 0, got {max_new_tokens} and "
                          f"{temperature}")
@@ -97,39 +215,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     if max(len(p) for p in prompts) + max_new_tokens > context:
         raise ValueError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens plus max_new_tokens="
                          f"{max_new_tokens} exceeds the model's context of {context} (max_position_embeddings)")
-    device = next(model.parameters()).device
-    num_rows, width = len(prompts), max(len(p) for p in prompts)
-    input_ids_BL = torch.full((num_rows, width), int(stop_token_ids[0]), dtype=torch.long)
-    attention_mask_BL = torch.zeros((num_rows, width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids_BL[row, width - len(ids):] = torch.tensor([int(t) for t in ids], dtype=torch.long)
-        attention_mask_BL[row, width - len(ids):] = 1
-    input_ids_BL, attention_mask_BL = input_ids_BL.to(device), attention_mask_BL.to(device)
-    position_ids_BL = (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
-    generators = None
-    if temperature != 0:
-        generators = [torch.Generator(device=device).manual_seed(derive_row_seed(seed, row)) for row in range(num_rows)]
-    stop_ids = {int(t) for t in stop_token_ids}
-
-    cache = DynamicCache(config=model.config)
-    logits_BV = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL,
-                      past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-    next_position_B1 = position_ids_BL[:, -1:] + 1
-    outputs: list[list[int]] = [[] for _ in range(num_rows)]
-    finished = [False] * num_rows
-    while True:
-        tokens_B = sample_tokens(logits_BV, temperature, generators)
-        tokens = tokens_B.tolist()
-        for row in range(num_rows):
-            if finished[row]:
-                continue
-            outputs[row].append(tokens[row])
-            finished[row] = tokens[row] in stop_ids or len(outputs[row]) == max_new_tokens
-        if all(finished):
-            return outputs
-        # Finished rows keep being fed (their tokens are ignored) so the batch stays rectangular.
-        attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
-        logits_BV = model(input_ids=tokens_B[:, None], attention_mask=attention_mask_BL,
-                          position_ids=next_position_B1, past_key_values=cache, use_cache=True,
-                          logits_to_keep=1).logits[:, -1].float()
-        next_position_B1 = next_position_B1 + 1
+    continuations = sample_continuations(
+        model, prompts, max_new_tokens=[max_new_tokens] * len(prompts),
+        row_seeds=[derive_row_seed(seed, row) for row in range(len(prompts))], stop_token_ids=stop_token_ids,
+        pad_token_id=stop_token_ids[0], temperature=temperature)
+    return [continuation.token_ids for continuation in continuations]

@@ -1,10 +1,13 @@
 """A rollout engine on Hugging Face transformers: the CPU stand-in for SGLang.
 
-:class:`HFEngine` implements :class:`~megarl.rollout.engine.RolloutEngine` with its own
-sampling loop over the model's forward (left-padded batch, attention mask, position ids from
-the mask, a KV cache), so each returned log-prob comes from the very logits that sampled
-the token: ``log_softmax(logits / T)`` at the sampled id, before top-k / top-p truncation
-(``T = 1`` when greedy). Those are the numbers the trainer recomputes as ``old_log_probs``.
+:class:`HFEngine` implements :class:`~megarl.rollout.engine.RolloutEngine` over megarl's one
+sampling loop, :func:`megarl.models.sampling.sample_continuations` (left-padded batch, attention
+mask, position ids from the mask, a KV cache, fp32 logits, top-k / top-p, stop ids), so each
+returned log-prob comes from the very logits that sampled the token: ``log_softmax(logits / T)``
+at the sampled id, before top-k / top-p truncation (``T = 1`` when greedy). Those are the numbers
+the trainer recomputes as ``old_log_probs``. This module adds the engine around the loop:
+request checks, row seeds, batching of concurrent requests, locking, weight updates, sessions,
+memory release and ``GenerateOutput`` assembly.
 
 Randomness. Every row of a call samples from its own ``torch.Generator``:
 
@@ -20,8 +23,6 @@ What a row samples does not depend on the other rows of its batch except through
 floating-point effects: a different batch pads the row differently, which can change its
 logits in the last bits and, rarely, a sampled token. Outputs are therefore reproducible for
 the same inputs, not promised identical across batch compositions.
-
-Shape legend: ``B`` rows, ``L`` tokens (padded prompt plus generated so far), ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -37,28 +38,8 @@ from typing import Any
 
 import torch
 
-from megarl.models.sampling import derive_row_seed
+from megarl.models.sampling import MAX_SEED, derive_row_seed, eos_token_ids, sample_continuations
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams, tensor_digest
-
-_MAX_SEED = 2**63 - 1
-
-
-def truncate_probs(probs_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``probs_BV`` with the tokens outside top-k, then outside the top-p nucleus, set to 0.
-
-    Top-p keeps a token when the probability mass strictly before it (in descending order)
-    is at most ``top_p``, so the most likely token is always kept (SGLang's rule). The result
-    is not renormalised; sampling from it is proportional.
-    """
-    if top_k == -1 and top_p >= 1.0:
-        return probs_BV
-    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-    keep_BV = torch.ones_like(sorted_BV, dtype=torch.bool)
-    if top_k != -1:
-        keep_BV[:, top_k:] = False
-    if top_p < 1.0:
-        keep_BV &= (sorted_BV.cumsum(dim=-1) - sorted_BV) <= top_p
-    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV * keep_BV)
 
 
 class HFEngine:
@@ -101,7 +82,7 @@ class HFEngine:
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.tokenizer = tokenizer
-        self.eos_token_ids = self._eos_token_ids(self.model, tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self._pad_id = self.eos_token_ids[0]
@@ -119,24 +100,6 @@ class HFEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _RequestBatcher] = (
             weakref.WeakKeyDictionary())
-
-    @staticmethod
-    def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
-        ids: list[int] = []
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            ids.append(int(tokenizer.eos_token_id))
-        # Like SGLang: the tokenizer's EOS plus the model's (config and generation config, where
-        # chat models often list several, e.g. <|im_end|> and <|endoftext|>).
-        generation_config = model.generation_config
-        for configured in (model.config.eos_token_id,
-                           None if generation_config is None else generation_config.eos_token_id):
-            for eos in [] if configured is None else [configured] if isinstance(configured, int) else configured:
-                if int(eos) not in ids:
-                    ids.append(int(eos))
-        if not ids:
-            raise ValueError("HFEngine needs an EOS token id: pass a tokenizer with eos_token set or a model "
-                             "whose config has eos_token_id")
-        return tuple(ids)
 
     # ----------------------------------------------------------------------------- generate
 
@@ -173,7 +136,7 @@ class HFEngine:
 
     def _draw_row_seeds(self, num_rows: int) -> list[int]:
         with self._seed_lock:
-            return torch.randint(_MAX_SEED, (num_rows,), generator=self._seed_generator).tolist()
+            return torch.randint(MAX_SEED, (num_rows,), generator=self._seed_generator).tolist()
 
     def _check_prompts(self, input_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         if not isinstance(params, SamplingParams):
@@ -206,81 +169,26 @@ class HFEngine:
             raise RuntimeError("HFEngine cannot generate while its memory is released; call "
                                "resume_memory_occupation() first")
 
-    @torch.no_grad()
     def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
                        row_seeds: list[int], row_max_new_tokens: list[int] | None = None) -> list[GenerateOutput]:
-        """The sampling loop: one prefill over the left-padded batch, then one token per step.
+        """Run one batch through :func:`~megarl.models.sampling.sample_continuations`, under the engine lock.
 
         ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
         ``params.max_new_tokens``) limits each row, so requests of different budgets share a batch.
+        Generation stops at ``params.stop_token_ids`` and, unless ``params.ignore_eos``, at the
+        engine's EOS ids; prompts are padded with the first EOS id.
         """
-        from transformers import DynamicCache
-
         limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
-
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         with self._lock:
             self._check_can_generate()
-            num_rows, width = len(prompts), max(len(p) for p in prompts)
-            input_ids_BL = torch.full((num_rows, width), self._pad_id, dtype=torch.long)
-            attention_mask_BL = torch.zeros((num_rows, width), dtype=torch.long)
-            for row, ids in enumerate(prompts):
-                input_ids_BL[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-                attention_mask_BL[row, width - len(ids):] = 1
-            input_ids_BL, attention_mask_BL = input_ids_BL.to(self.device), attention_mask_BL.to(self.device)
-            position_ids_BL = (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
-            generators = None
-            if not params.greedy:
-                generators = [torch.Generator(device=self.device).manual_seed(s) for s in row_seeds]
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-
-            cache = DynamicCache(config=self.model.config)
-            logits_BV = self.model(input_ids=input_ids_BL, attention_mask=attention_mask_BL,
-                                   position_ids=position_ids_BL, past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1).logits[:, -1].float()
-            next_position_B1 = position_ids_BL[:, -1:] + 1
-            output_ids: list[list[int]] = [[] for _ in range(num_rows)]
-            output_logprobs: list[list[float]] = [[] for _ in range(num_rows)]
-            finish: list[FinishReason | None] = [None] * num_rows
-            while True:
-                tokens_B, logprobs_B = self._sample(logits_BV, params, generators)
-                tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-                for row in range(num_rows):
-                    if finish[row] is not None:
-                        continue
-                    output_ids[row].append(tokens[row])
-                    output_logprobs[row].append(logprobs[row])
-                    if tokens[row] in stop_ids:
-                        finish[row] = FinishReason.STOP
-                    elif len(output_ids[row]) == limits[row]:
-                        finish[row] = FinishReason.LENGTH
-                if all(f is not None for f in finish):
-                    break
-                # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
-                attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
-                logits_BV = self.model(input_ids=tokens_B[:, None], attention_mask=attention_mask_BL,
-                                       position_ids=next_position_B1, past_key_values=cache, use_cache=True,
-                                       logits_to_keep=1).logits[:, -1].float()
-                next_position_B1 = next_position_B1 + 1
-        return [GenerateOutput(output_ids=output_ids[row], finish_reason=finish[row],
-                               output_logprobs=output_logprobs[row] if return_logprob else None)
-                for row in range(num_rows)]
-
-    @staticmethod
-    def _sample(logits_BV: torch.Tensor, params: SamplingParams,
-                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token per row and its ``log_softmax(logits / T)`` (``T = 1`` when greedy), fp32."""
-        if params.greedy:
-            tokens_B = logits_BV.argmax(dim=-1)
-            logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-        else:
-            logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
-            probs_BV = truncate_probs(logprobs_BV.exp(), params.top_k, params.top_p)
-            # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability
-            # proportional to p_i; one noise row per generator keeps every row's stream its own.
-            noise_BV = torch.stack([torch.empty(logits_BV.shape[-1], device=logits_BV.device)
-                                    .exponential_(generator=g) for g in generators])
-            tokens_B = (probs_BV / noise_BV.clamp(min=torch.finfo(noise_BV.dtype).tiny)).argmax(dim=-1)
-        return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+            rows = sample_continuations(self.model, prompts, max_new_tokens=limits, row_seeds=row_seeds,
+                                        stop_token_ids=stop_ids, pad_token_id=self._pad_id,
+                                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        return [GenerateOutput(output_ids=row.token_ids,
+                               finish_reason=FinishReason.STOP if row.stopped else FinishReason.LENGTH,
+                               output_logprobs=row.logprobs if return_logprob else None)
+                for row in rows]
 
     # ----------------------------------------------------------------------------- weights
 

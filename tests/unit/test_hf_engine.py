@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from megarl.models.sampling import derive_row_seed
+from megarl.models.sampling import derive_row_seed, truncate_probs
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, update_weights, weight_update_session
-from megarl.rollout.hf_engine import HFEngine, truncate_probs
+from megarl.rollout.hf_engine import HFEngine
 
 TEXTS = ["What is 3 + 4?", "Hi", "The quick brown fox jumps over the lazy dog.", "#### 12"]
 

@@ -265,8 +265,10 @@ def test_accuracy_scores_responses_like_the_reward(tmp_path, data, monkeypatch):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_warm_start_samples_what_the_hf_engine_samples(data, tokenizer, temperature):
-    """The warm start's own sampler (below the rollout layer) returns the HF engine's tokens bit for bit:
-    the SFT stop check, and with it the cached model, depends on it."""
+    """The warm start's sampler (models.sampling.generate, below the rollout layer) returns the HF engine's
+    tokens bit for bit: both run models.sampling.sample_continuations, and this checks that generate feeds
+    it the engine's row seeds, padding and stop ids. The SFT stop check, and with it the cached model,
+    depends on it."""
     from megarl.rollout.engine import SamplingParams
     from megarl.rollout.hf_engine import HFEngine
 
