@@ -41,7 +41,7 @@ from megarl.controller.build import (
     init_ray,
     prepare_policy,
 )
-from megarl.controller.checkpoint import CheckpointManager, load_trainer_state, resolve_resume
+from megarl.controller.run_checkpoints import CheckpointManager, load_trainer_state, resolve_resume
 from megarl.controller.metrics import data_metrics, mean_dicts, throughput_metrics, timer, timing_metrics
 from megarl.controller.preflight import preflight
 from megarl.controller.tracking import Tracking, dump_generations

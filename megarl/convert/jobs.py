@@ -123,7 +123,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
 def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: str) -> int:
     from transformers import AutoConfig
 
-    from megarl.convert.checkpoint import save_dist_checkpoint
+    from megarl.convert.dist_checkpoint import save_dist_checkpoint
     from megarl.convert.loader import load_hf_into
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import destroy_parallel, init_parallel
@@ -191,7 +191,7 @@ def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, 
     from tqdm import tqdm
     from transformers import AutoConfig
 
-    from megarl.convert.checkpoint import load_dist_checkpoint
+    from megarl.convert.dist_checkpoint import load_dist_checkpoint
     from megarl.convert.export import WeightExporter
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import destroy_parallel, init_parallel

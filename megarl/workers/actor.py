@@ -1,6 +1,6 @@
 """The actor and reference roles on one rank: response log-probs and the PPO update.
 
-Both wrap a :class:`MegatronEngine`. Batches follow seeds-digest §1.4: ``input_ids`` /
+Both wrap a :class:`ShardedModel`. Batches follow seeds-digest §1.4: ``input_ids`` /
 ``attention_mask`` are [N, P+R] (left-padded prompt ‖ right-padded response), and response
 fields (``old_log_probs``, ``advantages``, ``response_mask``, ...) are [N, R]. The log-prob
 of response token j sits at sequence position P+j-1 (it is predicted from what precedes it).
@@ -17,7 +17,7 @@ from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
 from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
-from megarl.workers.megatron_engine import MegatronEngine, StepResult
+from megarl.workers.sharded_model import ShardedModel, StepResult
 from megarl.workers.micro import micro_batches, pad_responses
 
 
@@ -29,8 +29,8 @@ def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:
 class LogProbRole:
     """Frozen or trainable model that computes response log-probs (the reference uses only this)."""
 
-    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int = 1, max_token_len: int | None = None):
-        self.engine = engine
+    def __init__(self, model: ShardedModel, *, micro_batch_size: int = 1, max_token_len: int | None = None):
+        self.model = model
         self.micro_batch_size = micro_batch_size
         self.max_token_len = max_token_len
         """Token budget of a forward micro-batch (dynamic batch size); None: ``micro_batch_size`` rows."""
@@ -38,7 +38,7 @@ class LogProbRole:
     @property
     def micro_multiple(self) -> int:
         """Interleaved pipelines need a multiple of ``pp`` micro-batches."""
-        return self.engine.groups.dims.pp if len(self.engine.chunks) > 1 else 1
+        return self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1
 
 
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
@@ -53,8 +53,8 @@ class LogProbRole:
         micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
                                       max_tokens=budget, multiple_of=self.micro_multiple)
-        out = self.engine.forward_logprobs(micro, temperature=temperature)
-        if out is None or not self.engine.groups.is_collect_rank:
+        out = self.model.forward_logprobs(micro, temperature=temperature)
+        if out is None or not self.model.groups.is_collect_rank:
             return None
         result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R)}
         if with_entropy:
@@ -71,12 +71,12 @@ class ActorRole(LogProbRole):
     ``rollout.log_prob_*``); the update's micro-batches are the section's ``ppo_*`` settings.
     """
 
-    def __init__(self, engine: MegatronEngine, config: ActorConfig, *, rollout_n: int = 1,
+    def __init__(self, model: ShardedModel, config: ActorConfig, *, rollout_n: int = 1,
                  micro_batch_size: int | None = None, max_token_len: int | None = None):
-        super().__init__(engine, micro_batch_size=micro_batch_size or config.ppo_micro_batch_size_per_gpu or 1,
+        super().__init__(model, micro_batch_size=micro_batch_size or config.ppo_micro_batch_size_per_gpu or 1,
                          max_token_len=max_token_len)
-        if engine.optimizer is None:
-            raise ValueError("the actor needs a trainable engine: build it with optim=OptimConfig(...)")
+        if model.optimizer is None:
+            raise ValueError("the actor needs a trainable model: build it with optim=OptimConfig(...)")
         self.config = config
         self.mini_batch_rows = config.ppo_mini_batch_size * rollout_n
         """Trajectories per optimizer step over all DP ranks."""
@@ -89,7 +89,7 @@ class ActorRole(LogProbRole):
         ``ppo_mini_batch_size / dp`` of them. Losses are normalised by the mini-batch's global
         count (all DP ranks), so the step does not depend on micro-batching or the layout.
         """
-        config, dp = self.config, self.engine.groups.dims.dp
+        config, dp = self.config, self.model.groups.dims.dp
         if self.mini_batch_rows % dp:
             raise ValueError(
                 f"actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over the "
@@ -122,7 +122,7 @@ class ActorRole(LogProbRole):
     def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
         ppo = self.config
         norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64)
-        dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
+        dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 
         def loss_fn(logp_BS, entropy_BS, mb):
@@ -146,9 +146,9 @@ class ActorRole(LogProbRole):
                                  size=None if ppo.use_dynamic_bsz else ppo.ppo_micro_batch_size_per_gpu,
                                  max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
                                  multiple_of=self.micro_multiple)
-        result = self.engine.train_step(micro, loss_fn, temperature=temperature)
-        # pg_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
+        result = self.model.train_step(micro, loss_fn, temperature=temperature)
+        # pg_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over all micro-batches of all DP ranks, the mini-batch value is their sum.
         if "pg_loss" in result.metrics:
-            result.metrics["pg_loss"] *= self.engine.last_num_micro_batches
+            result.metrics["pg_loss"] *= self.model.last_num_micro_batches
         return result

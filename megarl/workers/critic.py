@@ -1,6 +1,6 @@
 """The critic role on one rank: response values and the clipped value-loss update (PPO with GAE).
 
-Wraps a :class:`MegatronEngine` built with ``value_head=True``. Batches follow the actor's
+Wraps a :class:`ShardedModel` built with ``value_head=True``. Batches follow the actor's
 layout (megarl.workers.actor): ``input_ids`` / ``attention_mask`` [N, P+R], response fields
 [N, R]. The value of response token j is the value at sequence position P+j-1: the state
 before token j is generated, the same slice as the actor's log-prob of token j.
@@ -20,7 +20,7 @@ from megarl.config.critic import CriticConfig
 from megarl.data.batch import Batch
 from megarl.workers.actor import response_slice
 from megarl.workers.micro import micro_batches, pad_responses
-from megarl.workers.megatron_engine import MegatronEngine, StepResult
+from megarl.workers.sharded_model import ShardedModel, StepResult
 
 class CriticRole:
     """The value model: response values and epochs × mini-batches × micro-batches of value-loss steps.
@@ -29,10 +29,10 @@ class CriticRole:
     ``ppo_mini_batch_size`` (prompts) into trajectories.
     """
 
-    def __init__(self, engine: MegatronEngine, config: CriticConfig, *, rollout_n: int = 1):
-        if not engine.value_head:
-            raise ValueError("the critic needs a value head: build its MegatronEngine with value_head=True")
-        self.engine = engine
+    def __init__(self, model: ShardedModel, config: CriticConfig, *, rollout_n: int = 1):
+        if not model.value_head:
+            raise ValueError("the critic needs a value head: build its ShardedModel with value_head=True")
+        self.model = model
         self.config = config
         self.mini_batch_rows = config.ppo_mini_batch_size * rollout_n
         """Trajectories per optimizer step over all DP ranks."""
@@ -48,15 +48,15 @@ class CriticRole:
                                       size=None if cfg.use_dynamic_bsz else cfg.forward_micro_batch_size_per_gpu,
                                       max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
                                       multiple_of=self._micro_multiple)
-        out = self.engine.forward_values(micro)
-        if out is None or not self.engine.groups.is_collect_rank:
+        out = self.model.forward_values(micro)
+        if out is None or not self.model.groups.is_collect_rank:
             return None
         R = batch["responses"].shape[1]
         return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R)}
 
     @property
     def _micro_multiple(self) -> int:
-        return self.engine.groups.dims.pp if len(self.engine.chunks) > 1 else 1
+        return self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1
 
     def update(self, batch: Batch, *, seed: int = 0) -> list[StepResult]:
         """Value-loss epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
@@ -73,7 +73,7 @@ class CriticRole:
         ``critic/*`` and adds ``critic/grad_norm`` and ``critic/lr``.
         """
         cfg = self.config
-        dp = self.engine.groups.dims.dp
+        dp = self.model.groups.dims.dp
         if self.mini_batch_rows % dp:
             raise ValueError(
                 f"critic.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over "
@@ -99,7 +99,7 @@ class CriticRole:
     def _step(self, mini: Batch, keys) -> StepResult:
         cfg = self.config
         norm = torch.tensor(agg_norm(mini["response_mask"], cfg.loss_agg_mode), dtype=torch.float64)
-        dist.all_reduce(norm, group=self.engine.groups.dp)  # the mini-batch's count over all DP ranks
+        dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 
         def loss_fn(values_BS, mb):
@@ -113,8 +113,8 @@ class CriticRole:
                                  size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
                                  max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
                                  multiple_of=self._micro_multiple)
-        result = self.engine.train_step(micro, loss_fn)
-        # vf_loss is each micro-batch's share of the mini-batch loss: the engine averaged the
+        result = self.model.train_step(micro, loss_fn)
+        # vf_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).
         metrics = {**result.metrics, "vf_loss": result.loss}
         return dataclasses.replace(result, metrics=metrics)

@@ -3,7 +3,7 @@
 Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` process; the frozen
 reference policy lives in the actor's processes (same layout, same ranks: verl's hybrid
 worker), so it costs no extra processes or process groups. A worker builds a
-:class:`MegatronEngine` for its role from the run's typed config sections (``init_model``,
+:class:`ShardedModel` for its role from the run's typed config sections (``init_model``,
 which receive them over Ray as they are) and exposes the role's few plain methods; the controller calls them on every rank through a
 ``WorkerGroup`` (``call_dp`` splits a batch by DP rank and gathers the outputs of each
 replica's collect rank). Outputs of the other ranks are ``None``.
@@ -32,7 +32,7 @@ from megarl.data.batch import Batch
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole
-from megarl.workers.megatron_engine import MegatronEngine
+from megarl.workers.sharded_model import ShardedModel
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -40,10 +40,10 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _build_engine(model: ModelConfig, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
-                  seed: int, **kwargs) -> MegatronEngine:
-    """A role's :class:`MegatronEngine` from the run's model section (``path`` overrides its directory)."""
-    return MegatronEngine(path or model.local_path, dims, optim=optim, params_dtype=torch_dtype(model.dtype),
+def _build_sharded(model: ModelConfig, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
+                  seed: int, **kwargs) -> ShardedModel:
+    """A role's :class:`ShardedModel` from the run's model section (``path`` overrides its directory)."""
+    return ShardedModel(path or model.local_path, dims, optim=optim, params_dtype=torch_dtype(model.dtype),
                           seed=seed, trust_remote_code=model.trust_remote_code, **kwargs)
 
 
@@ -75,48 +75,49 @@ def step_metrics(results, prefix: str) -> dict[str, float]:
 
 
 class _MegatronWorker(Worker):
-    """Common parts: the engine, coordinates, checkpoints."""
+    """Common parts: the role's sharded model, coordinates, checkpoints."""
 
-    engine = None
+    sharded = None
+    """This rank's :class:`ShardedModel` of the role."""
 
-    def _init(self, engine) -> Coordinates:
-        self.engine = engine
-        self.groups = engine.groups
+    def _init(self, sharded: ShardedModel) -> Coordinates:
+        self.sharded = sharded
+        self.groups = sharded.groups
         return self.coordinates()
 
     @busy
     def save_checkpoint(self, directory: str, *, with_optimizer: bool = True) -> None:
-        from megarl.workers.checkpoint import save_engine
+        from megarl.workers.model_checkpoint import save_model
 
-        save_engine(self.engine, directory, with_optimizer=with_optimizer)
+        save_model(self.sharded, directory, with_optimizer=with_optimizer)
 
     @busy
     def load_checkpoint(self, directory: str, *, with_optimizer: bool = True, load_rng: bool = True) -> None:
-        from megarl.workers.checkpoint import load_engine
+        from megarl.workers.model_checkpoint import load_model
 
-        load_engine(self.engine, directory, with_optimizer=with_optimizer, load_rng=load_rng)
+        load_model(self.sharded, directory, with_optimizer=with_optimizer, load_rng=load_rng)
 
     @busy
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True,
                 ref_params: bool = False) -> None:
-        """Free GPU memory between phases (see :meth:`MegatronEngine.offload`); ``ref_params``: the reference's too."""
-        self.engine.offload(params=params, grads=grads, optimizer=optimizer)
+        """Free GPU memory between phases (see :meth:`ShardedModel.offload`); ``ref_params``: the reference's too."""
+        self.sharded.offload(params=params, grads=grads, optimizer=optimizer)
         ref = getattr(self, "ref", None)
         if ref is not None and ref_params:
-            ref.engine.offload(params=True)
+            ref.model.offload(params=True)
 
     @busy
     def onload(self) -> None:
-        self.engine.onload()
+        self.sharded.onload()
         ref = getattr(self, "ref", None)
         if ref is not None:
-            ref.engine.onload()
+            ref.model.onload()
 
     @busy
     def export_hf(self, directory: str) -> None:
-        from megarl.workers.checkpoint import export_hf
+        from megarl.workers.model_checkpoint import export_hf
 
-        export_hf(self.engine, directory)
+        export_hf(self.sharded, directory)
 
 
 class ActorWorker(_MegatronWorker):
@@ -126,11 +127,11 @@ class ActorWorker(_MegatronWorker):
 
     def init_model(self, *, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, seed: int) -> Coordinates:
         """Build the policy from the run's sections (the log-prob recompute's micro-batches are ``rollout``'s)."""
-        engine = _build_engine(model, actor.parallel, optim=actor.optim, seed=seed,
+        sharded = _build_sharded(model, actor.parallel, optim=actor.optim, seed=seed,
                                recompute_granularity=actor.recompute_granularity,
                                recompute_num_layers=actor.recompute_num_layers)
-        coords = self._init(engine)
-        self.actor = ActorRole(engine, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
+        coords = self._init(sharded)
+        self.actor = ActorRole(sharded, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords
 
     def init_ref(self, *, model: ModelConfig, ref: RefConfig, seed: int) -> None:
@@ -139,8 +140,8 @@ class ActorWorker(_MegatronWorker):
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
         shards): a second Megatron model on the same process groups, never trained.
         """
-        engine = _build_engine(model, self.engine.groups.dims, seed=seed, groups=self.engine.groups)
-        self.ref = LogProbRole(engine, **_log_prob_batches(ref))
+        sharded = _build_sharded(model, self.sharded.groups.dims, seed=seed, groups=self.sharded.groups)
+        self.ref = LogProbRole(sharded, **_log_prob_batches(ref))
 
     @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
@@ -169,7 +170,7 @@ class ActorWorker(_MegatronWorker):
     # ---------------------------------------------------------------------------- weight sync
     def weight_names(self) -> list[str]:
         """Every HF tensor name the export yields, in export order."""
-        return [name for unit in self.engine.exporter().units for name in unit.hf_names]
+        return [name for unit in self.sharded.exporter().units for name in unit.hf_names]
 
     @busy
     def sync_weights(self, engines: Sequence[Sequence[Any]], *, bucket_bytes: int, engine_dtype: str,
@@ -189,7 +190,7 @@ class ActorWorker(_MegatronWorker):
         from megarl.rollout.engine import tensor_digest
         from megarl.workers.rollout_worker import flatten_bucket
 
-        groups = self.engine.groups
+        groups = self.sharded.groups
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
         targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
         wanted = set(verify_names)
@@ -199,7 +200,7 @@ class ActorWorker(_MegatronWorker):
         if targets:
             ray.get([e.begin_weight_update.remote() for e in targets])
         delivered, buckets, in_flight = 0, 0, []
-        for bucket in self.engine.exporter().iter_full(bucket_bytes):
+        for bucket in self.sharded.exporter().iter_full(bucket_bytes):
             if not targets:
                 continue
             # Arguments are serialised at submission, so the exporter may reuse its buffer as soon
@@ -253,9 +254,9 @@ class CriticWorker(_MegatronWorker):
     def init_model(self, *, model: ModelConfig, critic: CriticConfig, rollout_n: int, seed: int) -> Coordinates:
         """Build the value model: ``critic.model_path`` (else the policy's directory) with a value head."""
         path = str(Path(critic.model_path).expanduser()) if critic.model_path else None
-        engine = _build_engine(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True)
-        coords = self._init(engine)
-        self.critic = CriticRole(engine, critic, rollout_n=rollout_n)
+        sharded = _build_sharded(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True)
+        coords = self._init(sharded)
+        self.critic = CriticRole(sharded, critic, rollout_n=rollout_n)
         return coords
 
     @busy

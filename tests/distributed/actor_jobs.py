@@ -40,15 +40,15 @@ def actor_job(hf_dir: str, batch, temperature: float) -> dict:
     from megarl.config import ActorConfig
     from megarl.workers.actor import ActorRole
     from megarl.config import OptimConfig
-    from megarl.workers.megatron_engine import MegatronEngine
+    from megarl.workers.sharded_model import ShardedModel
 
-    engine = MegatronEngine(hf_dir, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=2e-3, clip_grad=1.0))
-    actor = ActorRole(engine, ActorConfig(ppo_mini_batch_size=len(batch) // 2, ppo_micro_batch_size_per_gpu=2,
+    sharded = ShardedModel(hf_dir, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=2e-3, clip_grad=1.0))
+    actor = ActorRole(sharded, ActorConfig(ppo_mini_batch_size=len(batch) // 2, ppo_micro_batch_size_per_gpu=2,
                                           ppo_epochs=2, entropy_coeff=0.0))
     before = actor.compute_log_prob(batch, temperature=temperature)
     old = before["log_probs"] if before is not None else torch.zeros_like(batch["rollout_log_probs"])
-    src = torch.distributed.get_global_rank(engine.groups.pp, engine.groups.dims.pp - 1)
-    torch.distributed.broadcast(old, src=src, group=engine.groups.pp)  # old_log_probs on every stage
+    src = torch.distributed.get_global_rank(sharded.groups.pp, sharded.groups.dims.pp - 1)
+    torch.distributed.broadcast(old, src=src, group=sharded.groups.pp)  # old_log_probs on every stage
     batch["old_log_probs"] = old
     steps = actor.update(batch, temperature=temperature)
     after = actor.compute_log_prob(batch, temperature=temperature)

@@ -1,10 +1,10 @@
-"""Rank-side job for the engine checkpoint tests: save, crash, resume, reload at another layout.
+"""Rank-side job for the model checkpoint tests: save, crash, resume, reload at another layout.
 
 One 4-rank job at TP=2×PP=2: an uninterrupted run takes steps 1..5 and checkpoints after
 step 2 through the CheckpointManager; a save of step 5 crashes after its model part is
-written; a fresh engine (weights from the original HF directory) loads the latest
+written; a fresh sharded model (weights from the original HF directory) loads the latest
 checkpoint and retakes steps 3..5. Then TP=1×PP=2×DP=2 loads the weights alone, takes a
-step, saves, and a fresh engine at that layout resumes from it (DP-sharded optimizer state).
+step, saves, and a fresh sharded model at that layout resumes from it (DP-sharded optimizer state).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tests.distributed.engine_jobs import NUM_ROWS, _rows, make_batch
+from tests.distributed.sharded_model_jobs import NUM_ROWS, _rows, make_batch
 
 SAVE_AFTER, LAST_STEP = 2, 5
 OPTIM = dict(lr=1e-3, eps=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="cosine", decay_steps=8, min_lr=1e-4)
@@ -37,17 +37,17 @@ def _draw_rng() -> list[float]:
     return draws
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
-    return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(engine.module_chunks) for n, p in c.named_parameters()}
+def _params(sharded) -> dict[str, torch.Tensor]:
+    return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(sharded.module_chunks) for n, p in c.named_parameters()}
 
 
-def _hf_weights(engine) -> dict[str, torch.Tensor] | None:
+def _hf_weights(sharded) -> dict[str, torch.Tensor] | None:
     """Full HF tensors (collective), kept on rank 0."""
-    weights = {n: t.clone() for b in engine.exporter().iter_full(1 << 22) for n, t in b}
-    return weights if engine.groups.rank == 0 else None
+    weights = {n: t.clone() for b in sharded.exporter().iter_full(1 << 22) for n, t in b}
+    return weights if sharded.groups.rank == 0 else None
 
 
-def _step(engine, step: int, vocab_size: int) -> dict:
+def _step(sharded, step: int, vocab_size: int) -> dict:
     """One PPO-like step on data fixed by ``step`` (the same in every run)."""
     from megarl.algo.losses import agg_norm, policy_loss
 
@@ -60,41 +60,41 @@ def _step(engine, step: int, vocab_size: int) -> dict:
                            global_norm=global_norm, entropy_BT=entropy_BS, entropy_coeff=0.01)
 
     rows = [{**_rows(batch, slice(i, i + 1)), "old_logp": old_logp[i : i + 1]} for i in range(NUM_ROWS)]
-    groups = engine.groups
-    result = engine.train_step(rows[groups.dp_rank :: groups.dims.dp], loss_fn)
+    groups = sharded.groups
+    result = sharded.train_step(rows[groups.dp_rank :: groups.dims.dp], loss_fn)
     return {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr, "applied": result.applied}
 
 
 def checkpoint_job(hf_dir: str, root: str) -> dict:
-    from megarl.controller.checkpoint import CheckpointManager, load_trainer_state
+    from megarl.controller.run_checkpoints import CheckpointManager, load_trainer_state
     from megarl.parallel import ParallelDims
-    from megarl.workers import checkpoint as ckpt
+    from megarl.workers import model_checkpoint as ckpt
     from megarl.config import OptimConfig
-    from megarl.workers.megatron_engine import MegatronEngine
+    from megarl.workers.sharded_model import ShardedModel
 
     manager = CheckpointManager(root, max_to_keep=2)
     dims = ParallelDims(tp=2, pp=2)
 
     # ---------------------------------------------------------------- uninterrupted run
-    engine = MegatronEngine(hf_dir, dims, optim=OptimConfig(**OPTIM))
-    rank = engine.groups.rank
+    sharded = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM))
+    rank = sharded.groups.rank
     out: dict = {"rank": rank}
-    vocab = engine.hf_config.vocab_size
+    vocab = sharded.hf_config.vocab_size
     run = {}
     for step in range(1, LAST_STEP + 1):
-        run[step] = _step(engine, step, vocab)
+        run[step] = _step(sharded, step, vocab)
         if step == SAVE_AFTER:
             tmp = _broadcast_object(str(manager.begin(step)) if rank == 0 else None)
-            out["save_s"] = ckpt.save_engine(engine, f"{tmp}/actor")
-            out["export_s"] = ckpt.export_hf(engine, f"{tmp}/actor_hf")
-            out["hf_at_save"] = _hf_weights(engine)
+            out["save_s"] = ckpt.save_model(sharded, f"{tmp}/actor")
+            out["export_s"] = ckpt.export_hf(sharded, f"{tmp}/actor_hf")
+            out["hf_at_save"] = _hf_weights(sharded)
             dist.barrier()
             if rank == 0:
                 manager.commit(step, tmp, {"data": {"epoch": 0, "position": 7}, "kl_coef": 0.05})
             dist.barrier()
             out["rng_after_save"] = _draw_rng()
     out["run"] = run
-    out["params"] = _params(engine)
+    out["params"] = _params(sharded)
 
     # ----------------------------------- a save that dies after the model part is written
     tmp = _broadcast_object(str(manager.begin(LAST_STEP)) if rank == 0 else None)
@@ -105,7 +105,7 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
 
     ckpt._save_rng = crash
     try:
-        ckpt.save_engine(engine, f"{tmp}/actor")
+        ckpt.save_model(sharded, f"{tmp}/actor")
         out["crash_raised"] = False
     except RuntimeError:
         out["crash_raised"] = True
@@ -122,8 +122,8 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
 
     # ------------------------------------------------------------------------- resume
     latest = _broadcast_object(str(manager.latest()) if rank == 0 else None)
-    fresh = MegatronEngine(hf_dir, dims, optim=OptimConfig(**OPTIM))
-    out["load_s"] = ckpt.load_engine(fresh, f"{latest}/actor")
+    fresh = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM))
+    out["load_s"] = ckpt.load_model(fresh, f"{latest}/actor")
     out["rng_after_load"] = _draw_rng()
     out["trainer_state"] = load_trainer_state(latest)
     out["resumed"] = {step: _step(fresh, step, vocab) for step in range(SAVE_AFTER + 1, LAST_STEP + 1)}
@@ -134,21 +134,21 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
 
     # ------------------- the weights alone at another layout (TP1×PP2×DP2), then a DP-sharded resume
     other_dims = ParallelDims(tp=1, pp=2)
-    other = MegatronEngine(hf_dir, other_dims, optim=OptimConfig(**OPTIM))
+    other = ShardedModel(hf_dir, other_dims, optim=OptimConfig(**OPTIM))
     try:
-        ckpt.load_engine(other, f"{latest}/actor")
+        ckpt.load_model(other, f"{latest}/actor")
         out["layout_error"] = None
     except ValueError as error:
         out["layout_error"] = str(error)
-    out["load_other_layout_s"] = ckpt.load_engine(other, f"{latest}/actor", with_optimizer=False, load_rng=False)
+    out["load_other_layout_s"] = ckpt.load_model(other, f"{latest}/actor", with_optimizer=False, load_rng=False)
     out["hf_other_layout"] = _hf_weights(other)
     _step(other, SAVE_AFTER + 1, vocab)
     dp_dir = _broadcast_object(str(manager.begin(SAVE_AFTER + 1)) if rank == 0 else None)
-    ckpt.save_engine(other, dp_dir)
+    ckpt.save_model(other, dp_dir)
     out["dp_run"] = _step(other, SAVE_AFTER + 2, vocab)
     dp_params = _params(other)
-    other = MegatronEngine(hf_dir, other_dims, optim=OptimConfig(**OPTIM))
-    ckpt.load_engine(other, dp_dir)
+    other = ShardedModel(hf_dir, other_dims, optim=OptimConfig(**OPTIM))
+    ckpt.load_model(other, dp_dir)
     out["dp_resumed"] = _step(other, SAVE_AFTER + 2, vocab)
     out["dp_params_equal"] = all(torch.equal(dp_params[n], t) for n, t in _params(other).items())
     return out

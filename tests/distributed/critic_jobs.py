@@ -2,7 +2,7 @@
 
 One 4-rank job builds the critic at TP1 (DP4), then at TP2×PP2 (DP1), then loads the
 TP2×PP2 checkpoint at TP1. The pytest process computes the reference values with HF
-transformers (the head is deterministic: ``ValueHead`` seeded like the engine).
+transformers (the head is deterministic: ``ValueHead`` seeded like the sharded model).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 NUM_ROWS, PROMPT, RESPONSE = 8, 6, 6
-SEED = 1234  # MegatronEngine's default seed, which seeds the value head
+SEED = 1234  # ShardedModel's default seed, which seeds the value head
 CLIPRANGE = 0.2
 LR = 3e-3
 LEARN_CALLS = 3  # update() calls toward fixed returns (2 epochs × 2 mini-batches each)
@@ -35,7 +35,7 @@ def make_batch(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def head_init(hidden_size: int, init_std: float) -> dict[str, torch.Tensor]:
-    """The value head every engine starts from (seeded, layout-independent)."""
+    """The value head every sharded model starts from (seeded, layout-independent)."""
     from megarl.models.value_head import ValueHead
 
     head = ValueHead(hidden_size, init_std=init_std, seed=SEED)
@@ -52,11 +52,11 @@ def hf_values(model, batch, head) -> torch.Tensor:
     return (out.hidden_states[-1].float() @ head["weight"].T + head["bias"]).squeeze(-1)
 
 
-def _engine(hf_dir, tp, pp, **kwargs):
+def _sharded(hf_dir, tp, pp, **kwargs):
     from megarl.parallel import ParallelDims
-    from megarl.workers.megatron_engine import MegatronEngine
+    from megarl.workers.sharded_model import ShardedModel
 
-    return MegatronEngine(hf_dir, ParallelDims(tp=tp, pp=pp), seed=SEED, value_head=True, **kwargs)
+    return ShardedModel(hf_dir, ParallelDims(tp=tp, pp=pp), seed=SEED, value_head=True, **kwargs)
 
 
 def _optim():
@@ -66,7 +66,7 @@ def _optim():
     return OptimConfig(lr=LR, eps=1e-3, clip_grad=1.0, weight_decay=0.01)
 
 
-def _on_replica(engine, value):
+def _on_replica(sharded, value):
     """The output rank's ``value`` on every rank of its model replica (TP × PP)."""
     from megatron.core import parallel_state
 
@@ -75,20 +75,20 @@ def _on_replica(engine, value):
     return next(v for v in gathered if v is not None)
 
 
-def _weights(engine) -> dict[str, torch.Tensor]:
+def _weights(sharded) -> dict[str, torch.Tensor]:
     """Full body weights (HF names, on every rank) and the head (on last-stage ranks)."""
-    out = {n: t.clone() for bucket in engine.exporter().iter_full(1 << 22) for n, t in bucket}
-    head = _head(engine)
+    out = {n: t.clone() for bucket in sharded.exporter().iter_full(1 << 22) for n, t in bucket}
+    head = _head(sharded)
     if head is not None:
         out.update({f"head.{k}": v for k, v in head.items()})
     return out
 
 
-def _head(engine) -> dict[str, torch.Tensor] | None:
+def _head(sharded) -> dict[str, torch.Tensor] | None:
     """This rank's value head (last stage only)."""
-    if not engine.groups.is_last_stage:
+    if not sharded.groups.is_last_stage:
         return None
-    head = engine.module_chunks[-1].output_layer
+    head = sharded.module_chunks[-1].output_layer
     return {"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}
 
 
@@ -107,34 +107,34 @@ def _layout(hf_dir, batch, tp, pp, ckpt_dir=None) -> dict:
     from megarl.workers.critic import CriticRole
     from megarl.workers.megatron_workers import step_metrics
 
-    engine = _engine(hf_dir, tp, pp, optim=_optim())
-    groups = engine.groups
+    sharded = _sharded(hf_dir, tp, pp, optim=_optim())
+    groups = sharded.groups
     mine = Batch(tensors=batch).shard(groups.dp_rank, groups.dims.dp)
     config = CriticConfig(ppo_mini_batch_size=NUM_ROWS, ppo_micro_batch_size_per_gpu=1,
                           forward_micro_batch_size_per_gpu=2, cliprange_value=CLIPRANGE)
-    critic = CriticRole(engine, config)
-    full = engine.forward_values([{k: mine[k][i:i + 3] for k in ("input_ids", "attention_mask")}
+    critic = CriticRole(sharded, config)
+    full = sharded.forward_values([{k: mine[k][i:i + 3] for k in ("input_ids", "attention_mask")}
                                   for i in range(0, len(mine), 3)])
     out = {"rank": groups.rank, "dp_rank": groups.dp_rank, "output_rank": groups.is_collect_rank,
            "values_full": torch.cat([o["values"] for o in full]) if full is not None else None,
            "values": (critic.compute_values(mine) or {}).get("values"),
-           "head_before": _head(engine)}
+           "head_before": _head(sharded)}
     (step,) = critic.update(mine)
     out.update(applied=step.applied, loss=step.loss, grad_norm=step.grad_norm, lr=step.lr,
-               metrics=step.metrics, named=step_metrics([step], "critic"), weights=_weights(engine))
+               metrics=step.metrics, named=step_metrics([step], "critic"), weights=_weights(sharded))
     if ckpt_dir is None:
         return out
-    save_dist_checkpoint(engine.chunks, ckpt_dir)
+    save_dist_checkpoint(sharded.chunks, ckpt_dir)
     values = critic.compute_values(mine)
     out["values_saved"] = None if values is None else values["values"]
     # Learning: fixed returns, old values refreshed before every update call.
     mine["returns"] = mine["learn_returns"]
     learn = CriticConfig(ppo_mini_batch_size=NUM_ROWS // 2, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
                          cliprange_value=0.5, shuffle=True)
-    critic = CriticRole(engine, learn)
+    critic = CriticRole(sharded, learn)
     losses, steps = [], []
     for call in range(LEARN_CALLS + 1):
-        values = _on_replica(engine, critic.compute_values(mine))["values"]
+        values = _on_replica(sharded, critic.compute_values(mine))["values"]
         mine["values"] = values
         losses.append(_vf_loss(values, mine))
         if call < LEARN_CALLS:
@@ -150,12 +150,12 @@ def _reload(hf_dir, ckpt_dir, batch) -> dict:
     from megarl.config import CriticConfig
     from megarl.workers.critic import CriticRole
 
-    engine = _engine(hf_dir, 1, 1, load_weights=False)
-    mine = Batch(tensors=batch).shard(engine.groups.dp_rank, engine.groups.dims.dp)
-    before = _weights(engine)
-    load_dist_checkpoint(engine.chunks, ckpt_dir)
-    critic = CriticRole(engine, CriticConfig(ppo_mini_batch_size=NUM_ROWS, forward_micro_batch_size_per_gpu=4))
-    return {"dp_rank": engine.groups.dp_rank, "before": before, "weights": _weights(engine),
+    sharded = _sharded(hf_dir, 1, 1, load_weights=False)
+    mine = Batch(tensors=batch).shard(sharded.groups.dp_rank, sharded.groups.dims.dp)
+    before = _weights(sharded)
+    load_dist_checkpoint(sharded.chunks, ckpt_dir)
+    critic = CriticRole(sharded, CriticConfig(ppo_mini_batch_size=NUM_ROWS, forward_micro_batch_size_per_gpu=4))
+    return {"dp_rank": sharded.groups.dp_rank, "before": before, "weights": _weights(sharded),
             "values": critic.compute_values(mine)["values"]}
 
 

@@ -113,7 +113,7 @@ def test_dist_checkpoint_round_trips_bit_exact_at_another_layout(results):
         assert set(reload["weights"]) == set(saved)
         for name, tensor in saved.items():
             assert torch.equal(reload["weights"][name], tensor), name
-        # a fresh engine without HF weights differed before loading: the checkpoint did the work
+        # a fresh sharded model without HF weights differed before loading: the checkpoint did the work
         assert not torch.equal(reload["before"]["head.weight"], saved["head.weight"])
         assert not torch.equal(reload["before"]["model.layers.0.mlp.down_proj.weight"],
                                saved["model.layers.0.mlp.down_proj.weight"])

@@ -8,15 +8,15 @@ def _steps(path):
 
     from megarl.parallel import ParallelDims
     from megarl.config import OptimConfig
-    from megarl.workers.megatron_engine import MegatronEngine
+    from megarl.workers.sharded_model import ShardedModel
 
     results = {}
     for granularity in (None, "full", "selective"):
         # The actor's settings (actor.recompute_granularity / recompute_num_layers) as the worker passes them.
-        engine = MegatronEngine(path, ParallelDims(tp=2), optim=OptimConfig(lr=1e-3), seed=1,
+        sharded = ShardedModel(path, ParallelDims(tp=2), optim=OptimConfig(lr=1e-3), seed=1,
                                 recompute_granularity=granularity, recompute_num_layers=1)
         expected = {None: None, "full": "uniform", "selective": None}[granularity]
-        assert (engine.config.recompute_granularity, engine.config.recompute_method) == (granularity, expected)
+        assert (sharded.config.recompute_granularity, sharded.config.recompute_method) == (granularity, expected)
         ids = torch.randint(0, 400, (4, 24), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
         mask[0, :5] = 0  # a left-padded row
@@ -26,8 +26,8 @@ def _steps(path):
             valid = mb["attention_mask"][:, 1:].float()
             return -(logp_BS[:, :-1] * valid).sum() / 90.0, {}
 
-        result = engine.train_step(micro, loss_fn)
-        weights = torch.cat([p.detach().reshape(-1).float() for p in engine.module_chunks[0].parameters()])
+        result = sharded.train_step(micro, loss_fn)
+        weights = torch.cat([p.detach().reshape(-1).float() for p in sharded.module_chunks[0].parameters()])
         results[str(granularity)] = (result.loss, result.grad_norm, weights)
     return results
 

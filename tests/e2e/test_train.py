@@ -22,7 +22,7 @@ import torch  # noqa: E402
 ray = pytest.importorskip("ray")
 
 from megarl.config import load_config  # noqa: E402
-from megarl.controller.checkpoint import CheckpointManager  # noqa: E402
+from megarl.controller.run_checkpoints import CheckpointManager  # noqa: E402
 from megarl.controller.trainer import Trainer  # noqa: E402
 from megarl.workers.group import WorkerError  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""The Megatron engine: log-probs equal HF transformers', and a PPO step is layout-invariant."""
+"""The sharded model: log-probs equal HF transformers', and a PPO step is layout-invariant."""
 
 import pytest
 import torch
 
 from megarl.parallel.launch import run_ranks
-from tests.distributed import engine_jobs
+from tests.distributed import sharded_model_jobs
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +15,12 @@ def results(tmp_path_factory):
 
     hf_dir = save_tiny(tmp_path_factory.mktemp("tiny") / "model", num_layers=2)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    batch = engine_jobs.make_batch(model.config.vocab_size)
-    expected = engine_jobs.hf_logprobs(model, batch)
-    return run_ranks(engine_jobs.engine_job, 4, str(hf_dir), batch, timeout_s=300), batch, expected
+    batch = sharded_model_jobs.make_batch(model.config.vocab_size)
+    expected = sharded_model_jobs.hf_logprobs(model, batch)
+    return run_ranks(sharded_model_jobs.sharded_model_job, 4, str(hf_dir), batch, timeout_s=300), batch, expected
 
 
-@pytest.mark.parametrize("layout", engine_jobs.LAYOUTS)
+@pytest.mark.parametrize("layout", sharded_model_jobs.LAYOUTS)
 def test_logprobs_equal_hf_transformers(results, layout):
     ranks, batch, expected = results
     valid = batch["attention_mask"].bool().clone()
@@ -50,5 +50,5 @@ def test_ppo_step_is_the_same_at_every_layout(results):
 def test_nan_loss_skips_the_update(results):
     ranks, *_ = results
     for r in ranks:
-        for layout in engine_jobs.LAYOUTS:
+        for layout in sharded_model_jobs.LAYOUTS:
             assert r[layout]["nan_applied"] is False and r[layout]["nan_unchanged"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megarl.workers.checkpoint import check_schedule, read_engine_metadata
+from megarl.workers.model_checkpoint import check_schedule, read_model_metadata
 
 SCHEDULE = {"max_lr": 1e-3, "lr_warmup_steps": 1, "num_steps": 2, "lr_decay_style": "cosine", "lr_decay_steps": 9,
             "min_lr": 1e-4, "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 1}
@@ -12,12 +12,12 @@ SCHEDULE = {"max_lr": 1e-3, "lr_warmup_steps": 1, "num_steps": 2, "lr_decay_styl
 
 def test_an_interrupted_role_save_is_refused(tmp_path):
     (tmp_path / "dist").mkdir()
-    (tmp_path / "dist" / "metadata.json").write_text("{}")  # the model part landed, engine.json did not
-    with pytest.raises(ValueError, match="not a complete engine checkpoint.*interrupted"):
-        read_engine_metadata(tmp_path)
-    (tmp_path / "engine.json").write_text(json.dumps({"format": "something-else"}))
+    (tmp_path / "dist" / "metadata.json").write_text("{}")  # the model part landed, model.json did not
+    with pytest.raises(ValueError, match="not a complete model checkpoint.*interrupted"):
+        read_model_metadata(tmp_path)
+    (tmp_path / "model.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(ValueError, match="format 'something-else'"):
-        read_engine_metadata(tmp_path)
+        read_model_metadata(tmp_path)
 
 
 def test_a_changed_schedule_names_the_setting():

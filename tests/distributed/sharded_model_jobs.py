@@ -1,4 +1,4 @@
-"""Rank-side job for the Megatron engine tests: log-probs vs HF, and one PPO step at two layouts."""
+"""Rank-side job for the sharded model tests: log-probs vs HF, and one PPO step at two layouts."""
 
 from __future__ import annotations
 
@@ -42,19 +42,19 @@ def _rows(batch, rows):
     return {k: v[rows] for k, v in batch.items()}
 
 
-def engine_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
+def sharded_model_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
     from megarl.algo.losses import agg_norm, policy_loss
     from megarl.parallel import ParallelDims
     from megarl.config import OptimConfig
-    from megarl.workers.megatron_engine import MegatronEngine
+    from megarl.workers.sharded_model import ShardedModel
 
     global_norm = agg_norm(batch["loss_mask"], "token-mean")
     out = {}
     for tp, pp in layouts:
-        engine = MegatronEngine(hf_dir, ParallelDims(tp=tp, pp=pp), optim=OptimConfig(lr=1e-3, eps=1e-3, clip_grad=1.0))
-        groups = engine.groups
+        sharded = ShardedModel(hf_dir, ParallelDims(tp=tp, pp=pp), optim=OptimConfig(lr=1e-3, eps=1e-3, clip_grad=1.0))
+        groups = sharded.groups
         micro = [_rows(batch, slice(i, i + 2)) for i in range(0, NUM_ROWS, 2)]
-        fwd = engine.forward_logprobs(micro, temperature=1.0)
+        fwd = sharded.forward_logprobs(micro, temperature=1.0)
         logp = torch.cat([o["logp"] for o in fwd]) if fwd is not None else None
         old_logp = (logp if logp is not None else torch.zeros(NUM_ROWS, SEQ)) + batch["old_logp_shift"]
         if pp > 1:  # the last stage owns the log-probs; the loss needs them on the last stage only
@@ -68,14 +68,14 @@ def engine_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
 
         rows = [{**_rows(batch, slice(i, i + 1)), "old_logp": old_logp[i : i + 1]} for i in range(NUM_ROWS)]
         mine = rows[groups.dp_rank :: groups.dims.dp]
-        step = engine.train_step(mine, loss_fn)
-        weights = {n: t.clone() for b in engine.exporter().iter_full(1 << 22) for n, t in b}
+        step = sharded.train_step(mine, loss_fn)
+        weights = {n: t.clone() for b in sharded.exporter().iter_full(1 << 22) for n, t in b}
 
         def nan_loss(logp_BS, entropy_BS, mb):
             return logp_BS.sum() * float("nan"), {}
 
-        skipped = engine.train_step(mine, nan_loss)
-        after_nan = {n: t.clone() for b in engine.exporter().iter_full(1 << 22) for n, t in b}
+        skipped = sharded.train_step(mine, nan_loss)
+        after_nan = {n: t.clone() for b in sharded.exporter().iter_full(1 << 22) for n, t in b}
         out[(tp, pp)] = {
             "logp": logp, "loss": step.loss, "grad_norm": step.grad_norm, "applied": step.applied,
             "lr": step.lr, "metrics": step.metrics, "weights": weights if groups.rank == 0 else None,

@@ -1,7 +1,9 @@
-"""One model role on this rank: Megatron chunks, and for trainable roles DDP, optimizer and schedule.
+"""A role's sharded model on this rank: Megatron chunks, and for trainable roles DDP, optimizer and schedule.
 
-The actor, reference and critic workers are small classes around a ``MegatronEngine``
-(HOUSE_STYLE: no god worker). The engine knows nothing about RL: it computes per-token
+"Sharded model" is the training side (this rank's TP/PP shard of the actor, reference or critic);
+"engine" always means a rollout engine (``megarl.rollout``). The actor, reference and critic
+workers are small classes around a ``ShardedModel`` (HOUSE_STYLE: no god worker). It knows
+nothing about RL: it computes per-token
 log-probs (or, for a critic built with ``value_head=True``, per-token values) over
 micro-batches and takes optimizer steps on a loss function it is given.
 
@@ -44,7 +46,7 @@ def _recompute_fields(recompute_granularity: str | None, recompute_num_layers: i
     return fields
 
 
-class MegatronEngine:
+class ShardedModel:
     """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``.
 
     ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
@@ -72,7 +74,7 @@ class MegatronEngine:
         # A second role in the same process (same layout) passes the first one's groups.
         self.groups = init_parallel(dims, seed=seed) if groups is None else groups
         if groups is not None and groups.dims != dims.for_world(groups.dims.world_size):
-            raise ValueError(f"MegatronEngine: groups were built for {groups.dims}, not {dims}")
+            raise ValueError(f"ShardedModel: groups were built for {groups.dims}, not {dims}")
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
@@ -152,7 +154,7 @@ class MegatronEngine:
         from megarl.parallel import forward_backward
 
         if not self.value_head:
-            raise ValueError("forward_values needs a critic: build the MegatronEngine with value_head=True")
+            raise ValueError("forward_values needs a critic: build the ShardedModel with value_head=True")
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups)
         return out if self.groups.is_last_stage else None
@@ -169,7 +171,7 @@ class MegatronEngine:
         from megarl.parallel import forward_backward
 
         if self.optimizer is None:
-            raise ValueError("train_step on a frozen role: build the MegatronEngine with optim=OptimConfig(...)")
+            raise ValueError("train_step on a frozen role: build the ShardedModel with optim=OptimConfig(...)")
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 
-from megarl.controller import checkpoint as cm
-from megarl.controller.checkpoint import CheckpointManager, load_trainer_state, resolve_resume
+from megarl.controller import run_checkpoints as cm
+from megarl.controller.run_checkpoints import CheckpointManager, load_trainer_state, resolve_resume
 
 
 def _save(manager: CheckpointManager, step: int, **state):

@@ -58,7 +58,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint(job):
     step_dir = Path(root) / f"global_step_{SAVE_AFTER}"
     assert (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVE_AFTER)
     assert sorted(p.name for p in (step_dir / "actor" / "rng").iterdir()) == [f"rank_{r:05d}.pt" for r in range(4)]
-    assert (step_dir / "actor" / "engine.json").exists() and (step_dir / "actor" / "dist" / "metadata.json").exists()
+    assert (step_dir / "actor" / "model.json").exists() and (step_dir / "actor" / "dist" / "metadata.json").exists()
 
 
 def test_hf_export_holds_the_saved_weights(job):

@@ -3,8 +3,8 @@
 Layout under the checkpoint root (``trainer.default_local_dir/<project>/<experiment>``)::
 
     global_step_<k>/
-        actor/  critic/         role checkpoints (megarl.workers.checkpoint.save_engine)
-        actor_hf/               optional HF export (megarl.workers.checkpoint.export_hf)
+        actor/  critic/         role checkpoints (megarl.workers.model_checkpoint.save_model)
+        actor_hf/               optional HF export (megarl.workers.model_checkpoint.export_hf)
         trainer_state.json      step, data position, KL coefficient, ... (the trainer's dict)
     latest_checkpointed_iteration.txt   the step of the newest committed checkpoint (verl's name)
 

@@ -1,4 +1,4 @@
-"""Save and restore a trainable ``MegatronEngine``: weights, optimizer, LR schedule and RNG streams.
+"""Save and restore a trainable ``ShardedModel``: weights, optimizer, LR schedule and RNG streams.
 
 Collective: every rank of the role calls each function with the same directory. A role's
 checkpoint directory holds
@@ -7,21 +7,21 @@ checkpoint directory holds
   ``with_optimizer=False``, the optimizer state;
 - ``rng/rank_<r>.pt``: rank r's generators (Python, NumPy, torch, CUDA when present, and
   Megatron's model-parallel tracker);
-- ``engine.json``: the layout it was saved at, the optimizer's sharding type, the LR
+- ``model.json``: the layout it was saved at, the optimizer's sharding type, the LR
   schedule's state. Rank 0 writes it last, after every rank finished, so a directory with
-  ``engine.json`` is complete (the controller's temporary-directory rename adds atomicity).
+  ``model.json`` is complete (the controller's temporary-directory rename adds atomicity).
 
 Layouts. The model part is layout-independent: it loads at any TP/PP/VPP. The optimizer
 part is stored as Megatron's ``dp_reshardable`` distributed-optimizer format (the default of
 Megatron's own training loop; fully parallel, no gather; on CPU the other formats fail: the
 model-space default at save, ``fully_reshardable`` and ``dp_zero_gather_scatter`` when loading
 torch Adam's state); it and the RNG streams belong to
-ranks, so they load only at the layout they were saved at (``load_engine`` says so, naming
-both layouts). Resuming at a new layout: ``load_engine(..., with_optimizer=False,
+ranks, so they load only at the layout they were saved at (``load_model`` says so, naming
+both layouts). Resuming at a new layout: ``load_model(..., with_optimizer=False,
 load_rng=False)``.
 
 Torch-Adam fallback (no Apex/TE, i.e. CPU), three snags of Megatron 0.16.1 that
-``load_engine`` works around: the distributed optimizer cannot describe the state of an
+``load_model`` works around: the distributed optimizer cannot describe the state of an
 optimizer that never stepped (it asserts one ``step`` per parameter), so the state is
 allocated first; its ``dp_reshardable`` loader restores Adam's ``step`` and then overwrites
 it with the pre-load value, and gives every parameter one shared ``step`` tensor (torch's
@@ -44,16 +44,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT = "megarl-engine"
+FORMAT = "megarl-model"
 VERSION = 1
 SHARDING_TYPE = "dp_reshardable"
-ENGINE_FILE = "engine.json"
+METADATA_FILE = "model.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 
 
-def _layout(engine) -> dict:
-    dims = engine.groups.dims
+def _layout(model) -> dict:
+    dims = model.groups.dims
     return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp}
 
 
@@ -61,21 +61,21 @@ def _optimizer_metadata() -> dict:
     return {"distrib_optim_sharding_type": SHARDING_TYPE}
 
 
-def _sharded_state(engine, *, with_optimizer: bool, is_loading: bool) -> dict:
+def _sharded_state(model, *, with_optimizer: bool, is_loading: bool) -> dict:
     """Model (and optimizer) sharded state dict in the keys Megatron's training uses."""
-    from megarl.convert.checkpoint import model_sharded_state_dict
+    from megarl.convert.dist_checkpoint import model_sharded_state_dict
 
-    state = model_sharded_state_dict(engine.chunks)
+    state = model_sharded_state_dict(model.chunks)
     if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(
+        state["optimizer"] = model.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=_optimizer_metadata(),
         )
     return state
 
 
-def _inner_optimizers(engine) -> list:
+def _inner_optimizers(model) -> list:
     """The torch optimizers inside Megatron's (chained) optimizer."""
-    optimizer = engine.optimizer
+    optimizer = model.optimizer
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
@@ -121,46 +121,46 @@ def _save_rng(directory: Path, rank: int) -> None:
     _write_durably(directory / RNG_DIR / f"rank_{rank:05d}.pt", buffer.getvalue())
 
 
-def save_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = True) -> float:
-    """Write ``engine``'s weights, optimizer, schedule and RNG states into ``directory``.
+def save_model(model, directory: str | os.PathLike, *, with_optimizer: bool = True) -> float:
+    """Write ``model``'s weights, optimizer, schedule and RNG states into ``directory``.
 
     Collective over the role's ranks. Returns the seconds it took on this rank.
     """
     from megatron.core import dist_checkpointing
 
-    from megarl.convert.checkpoint import use_in_process_results_queue
+    from megarl.convert.dist_checkpoint import use_in_process_results_queue
 
     started = time.monotonic()
-    if with_optimizer and engine.optimizer is None:
-        raise ValueError("save_engine(with_optimizer=True) on a frozen role: it has no optimizer")
+    if with_optimizer and model.optimizer is None:
+        raise ValueError("save_model(with_optimizer=True) on a frozen role: it has no optimizer")
     directory = Path(directory)
-    rank = engine.groups.rank
+    rank = model.groups.rank
     for sub in (DIST_DIR, RNG_DIR):  # every rank: the directory may be on a file system of its own node
         (directory / sub).mkdir(parents=True, exist_ok=True)
     dist.barrier()
     use_in_process_results_queue()
-    dist_checkpointing.save(_sharded_state(engine, with_optimizer=with_optimizer, is_loading=False),
+    dist_checkpointing.save(_sharded_state(model, with_optimizer=with_optimizer, is_loading=False),
                             str(directory / DIST_DIR))
     _save_rng(directory, rank)
-    dist.barrier()  # every rank's files are written before engine.json marks the directory complete
+    dist.barrier()  # every rank's files are written before model.json marks the directory complete
     if rank == 0:
         meta = {
-            "format": FORMAT, "version": VERSION, "family": engine.family.name,
-            "world_size": dist.get_world_size(), "layout": _layout(engine),
+            "format": FORMAT, "version": VERSION, "family": model.family.name,
+            "world_size": dist.get_world_size(), "layout": _layout(model),
             "with_optimizer": with_optimizer,
             "optimizer_sharding_type": SHARDING_TYPE if with_optimizer else None,
-            "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+            "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
         }
-        _write_durably(directory / ENGINE_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+        _write_durably(directory / METADATA_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     dist.barrier()
     return time.monotonic() - started
 
 
-def read_engine_metadata(directory: str | os.PathLike) -> dict:
-    """The ``engine.json`` of a role checkpoint written by :func:`save_engine`."""
-    path = Path(directory) / ENGINE_FILE
+def read_model_metadata(directory: str | os.PathLike) -> dict:
+    """The ``model.json`` of a role checkpoint written by :func:`save_model`."""
+    path = Path(directory) / METADATA_FILE
     if not path.exists() or not (Path(directory) / DIST_DIR / "metadata.json").exists():
-        raise ValueError(f"{directory} is not a complete engine checkpoint (expected {ENGINE_FILE} and "
+        raise ValueError(f"{directory} is not a complete model checkpoint (expected {METADATA_FILE} and "
                          f"{DIST_DIR}/metadata.json); was its save interrupted?")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
@@ -172,14 +172,14 @@ def _describe(layout: dict) -> str:
     return "TP{tp}×PP{pp}×VPP{vpp}×CP{cp}×DP{dp} on {world_size} ranks".format(**layout)
 
 
-def _check_same_layout(engine, meta: dict, directory) -> None:
+def _check_same_layout(model, meta: dict, directory) -> None:
     saved = {**meta["layout"], "world_size": meta["world_size"]}
-    current = {**_layout(engine), "world_size": dist.get_world_size()}
+    current = {**_layout(model), "world_size": dist.get_world_size()}
     if saved != current:
         raise ValueError(
             f"{directory} was saved at {_describe(saved)} but this role runs at {_describe(current)}: "
             "optimizer and RNG states load only at the layout they were saved at. Resume at that layout, "
-            "or load the weights alone with load_engine(..., with_optimizer=False, load_rng=False)"
+            "or load the weights alone with load_model(..., with_optimizer=False, load_rng=False)"
         )
 
 
@@ -198,13 +198,13 @@ def check_schedule(saved: dict, current: dict, directory) -> None:
     if changed:
         raise ValueError(
             f"{directory} was saved with other learning-rate schedule settings ({'; '.join(changed)}): "
-            "resume with the saved settings, or load the weights alone with load_engine(..., with_optimizer=False)"
+            "resume with the saved settings, or load the weights alone with load_model(..., with_optimizer=False)"
         )
 
 
-def _allocate_optimizer_state(engine) -> None:
+def _allocate_optimizer_state(model) -> None:
     """Give a never-stepped torch Adam zero state, so Megatron can describe it for loading."""
-    for inner in _inner_optimizers(engine):
+    for inner in _inner_optimizers(model):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue  # Apex/TE FusedAdam: Megatron handles a fresh state itself
         for group in inner.param_groups:
@@ -217,7 +217,7 @@ def _allocate_optimizer_state(engine) -> None:
                     }
 
 
-def _restore_step_tensors(engine) -> None:
+def _restore_step_tensors(model) -> None:
     """Give each parameter its own ``step`` tensor holding the checkpoint's step (torch-Adam fallback).
 
     Megatron keeps torch Adam's per-parameter ``step`` out of the checkpoint's tensors and in
@@ -225,7 +225,7 @@ def _restore_step_tensors(engine) -> None:
     the restored one, and it gives every parameter the same tensor, which torch's per-tensor
     Adam increments once per parameter per step. The param groups hold the right value.
     """
-    for inner in _inner_optimizers(engine):
+    for inner in _inner_optimizers(model):
         for group in inner.param_groups:
             if "step" not in group:
                 continue
@@ -235,9 +235,9 @@ def _restore_step_tensors(engine) -> None:
                     state["step"] = state["step"].new_tensor(float(group["step"]))
 
 
-def load_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = True,
+def load_model(model, directory: str | os.PathLike, *, with_optimizer: bool = True,
                 load_rng: bool = True) -> float:
-    """Restore what :func:`save_engine` wrote into ``engine`` (collective). Returns the seconds taken.
+    """Restore what :func:`save_model` wrote into ``model`` (collective). Returns the seconds taken.
 
     The weights load at any layout; the optimizer, schedule and RNG streams only at the
     layout they were saved at (a ``ValueError`` names both otherwise).
@@ -246,32 +246,32 @@ def load_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = 
 
     started = time.monotonic()
     directory = Path(directory)
-    meta = read_engine_metadata(directory)
-    if meta["family"] != engine.family.name:
-        raise ValueError(f"{directory} holds a {meta['family']} model, this role a {engine.family.name} model")
+    meta = read_model_metadata(directory)
+    if meta["family"] != model.family.name:
+        raise ValueError(f"{directory} holds a {meta['family']} model, this role a {model.family.name} model")
     if with_optimizer:
-        if engine.optimizer is None:
-            raise ValueError("load_engine(with_optimizer=True) on a frozen role: it has no optimizer")
+        if model.optimizer is None:
+            raise ValueError("load_model(with_optimizer=True) on a frozen role: it has no optimizer")
         if not meta["with_optimizer"]:
             raise ValueError(f"{directory} was saved without optimizer state: pass with_optimizer=False")
         if meta["optimizer_sharding_type"] != SHARDING_TYPE:
             raise ValueError(f"{directory}: optimizer sharding type {meta['optimizer_sharding_type']!r} "
                              f"is not {SHARDING_TYPE!r}")
     if with_optimizer or load_rng:
-        _check_same_layout(engine, meta, directory)
-    if with_optimizer and engine.scheduler is not None and meta["scheduler"] is not None:
-        check_schedule(meta["scheduler"], engine.scheduler.state_dict(), directory)
-    rng_file = directory / RNG_DIR / f"rank_{engine.groups.rank:05d}.pt"
+        _check_same_layout(model, meta, directory)
+    if with_optimizer and model.scheduler is not None and meta["scheduler"] is not None:
+        check_schedule(meta["scheduler"], model.scheduler.state_dict(), directory)
+    rng_file = directory / RNG_DIR / f"rank_{model.groups.rank:05d}.pt"
     if load_rng and not rng_file.exists():  # checked before any collective: no rank is left waiting
-        raise ValueError(f"{directory} has no RNG state for rank {engine.groups.rank} ({rng_file})")
+        raise ValueError(f"{directory} has no RNG state for rank {model.groups.rank} ({rng_file})")
     if with_optimizer:
-        _allocate_optimizer_state(engine)
-    sharded = _sharded_state(engine, with_optimizer=with_optimizer, is_loading=True)
+        _allocate_optimizer_state(model)
+    sharded = _sharded_state(model, with_optimizer=with_optimizer, is_loading=True)
     with warnings.catch_warnings():
         # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*(load_state_dict|DTensor).*")
         state = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
-    modules = [c.module if hasattr(c, "module") else c for c in engine.chunks]
+    modules = [c.module if hasattr(c, "module") else c for c in model.chunks]
     keys = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
     for module, key in zip(modules, keys, strict=True):
         module.load_state_dict(state[key], strict=False)
@@ -279,17 +279,17 @@ def load_engine(engine, directory: str | os.PathLike, *, with_optimizer: bool = 
         # With fp32 params the distributed optimizer's main params are views of the model's
         # leaf parameters: Megatron copies into them in place, which autograd refuses outside no_grad.
         with torch.no_grad():
-            engine.optimizer.load_state_dict(state["optimizer"])
-        _restore_step_tensors(engine)
-        if engine.scheduler is not None and meta["scheduler"] is not None:
-            engine.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
+            model.optimizer.load_state_dict(state["optimizer"])
+        _restore_step_tensors(model)
+        if model.scheduler is not None and meta["scheduler"] is not None:
+            model.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
     if load_rng:
         _set_rng_state(torch.load(rng_file, weights_only=False))
     dist.barrier()
     return time.monotonic() - started
 
 
-def export_hf(engine, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+def export_hf(model, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
               bucket_bytes: int = 256 * 2**20) -> float:
     """Write the current weights as an HF safetensors checkpoint with config and tokenizer files.
 
@@ -302,9 +302,9 @@ def export_hf(engine, directory: str | os.PathLike, *, max_shard_bytes: int = 5 
 
     started = time.monotonic()
     directory = Path(directory)
-    exporter = engine.exporter()
+    exporter = model.exporter()
     writer = None
-    if engine.groups.rank == 0:
+    if model.groups.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         writer = ShardedWriter(directory, max_shard_bytes)
     for bucket in exporter.iter_full(bucket_bytes):
@@ -313,8 +313,8 @@ def export_hf(engine, directory: str | os.PathLike, *, max_shard_bytes: int = 5 
                 writer.add(name, tensor)  # copies: the bucket's views are reused
     if writer is not None:
         writer.close()
-        copy_side_files(engine.hf_dir, directory)
-        hf_config = AutoConfig.from_pretrained(engine.hf_dir)
+        copy_side_files(model.hf_dir, directory)
+        hf_config = AutoConfig.from_pretrained(model.hf_dir)
         hf_config.dtype = exporter.dtype
         hf_config.save_pretrained(directory)
     dist.barrier()
