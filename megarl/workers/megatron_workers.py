@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from megarl.config.actor import ActorConfig, RefConfig
@@ -28,10 +29,14 @@ from megarl.config.critic import CriticConfig
 from megarl.config.model import ModelConfig, OptimConfig
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.config.rollout import RolloutConfig
+from megarl.convert.export import split_flat
 from megarl.data.batch import Batch
+from megarl.rollout.engine import tensor_digest
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole
+from megarl.workers.model_checkpoint import export_hf, load_model, save_model
+from megarl.workers.rollout_worker import flatten_bucket
 from megarl.workers.sharded_model import ShardedModel
 
 
@@ -87,14 +92,10 @@ class _MegatronWorker(Worker):
 
     @busy
     def save_checkpoint(self, directory: str, *, with_optimizer: bool = True) -> None:
-        from megarl.workers.model_checkpoint import save_model
-
         save_model(self.sharded, directory, with_optimizer=with_optimizer)
 
     @busy
     def load_checkpoint(self, directory: str, *, with_optimizer: bool = True, load_rng: bool = True) -> None:
-        from megarl.workers.model_checkpoint import load_model
-
         load_model(self.sharded, directory, with_optimizer=with_optimizer, load_rng=load_rng)
 
     @busy
@@ -115,8 +116,6 @@ class _MegatronWorker(Worker):
 
     @busy
     def export_hf(self, directory: str) -> None:
-        from megarl.workers.model_checkpoint import export_hf
-
         export_hf(self.sharded, directory)
 
 
@@ -184,12 +183,6 @@ class ActorWorker(_MegatronWorker):
         dtype) is compared with what each engine holds after the session; a difference
         raises. Returns the sender's statistics (``None`` on other ranks).
         """
-        import ray
-
-        from megarl.convert.export import split_flat
-        from megarl.rollout.engine import tensor_digest
-        from megarl.workers.rollout_worker import flatten_bucket
-
         groups = self.sharded.groups
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
         targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
