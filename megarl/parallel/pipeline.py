@@ -47,6 +47,7 @@ model code sets it (``megarl.models.value_head.ValueHead``); this module only re
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under Megatron's DDP / Float16Module wrappers."""
     while hasattr(module, "module"):  # Megatron DDP / Float16Module wrappers
         module = module.module
     return module
@@ -97,6 +98,7 @@ def _prepare(micro_batch: dict, shape: tuple[int, int] | None) -> tuple[torch.Te
 
 
 def _unalign(aligned_BS: torch.Tensor, index_BS: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`left_align`'s gather: put each row's values back at their original positions."""
     return torch.zeros_like(aligned_BS).scatter(1, index_BS, aligned_BS)
 
 
@@ -121,8 +123,9 @@ def forward_backward(
     On the last pipeline stage the result list holds, per micro-batch, ``loss_fn``'s metrics
     (with ``loss``), or ``{"logp": ..., "entropy": ...}`` [B, S] when ``loss_fn`` is None.
     With ``return_logits`` (forward only) the results also hold ``logits``: this TP rank's
-    vocabulary slice [B, S, V/tp], before temperature. Other stages get an empty list. Gradients accumulate in the chunks' parameters (or
-    ``main_grad`` buffers with Megatron DDP, finalised across DP ranks at the end).
+    vocabulary slice [B, S, V/tp], before temperature. Other stages get an empty list.
+    Gradients accumulate in the chunks' parameters (or ``main_grad`` buffers with Megatron
+    DDP, finalised across DP ranks at the end).
 
     Chunks with a value head (a critic, :func:`emits_values`): position t's value is the head's
     output on the hidden state of tokens up to t, float32 [B, S] in the caller's layout;
@@ -133,9 +136,39 @@ def forward_backward(
     the pipeline size, TP group and the schedule's groups come from them. None: from Megatron's
     global ``parallel_state`` (the TP group from ``tp_group`` when given).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
+    value_head = _check_request(model_chunks, micro_batches, loss_fn, forward_only, return_logits)
+    config = get_model_config(model_chunks[0])
+    pp, tp_group, schedule, schedule_groups = _resolve_schedule(model_chunks, config, groups, tp_group)
+    _check_interleaving(len(model_chunks), len(micro_batches), pp)
+    _set_finalize(config, model_chunks, forward_only)
+    if value_head:
+        loss_func = functools.partial(_value_loss, loss_fn)
+    else:
+        loss_func = functools.partial(_lm_loss, loss_fn, temperature, tp_group, vocab_size, return_logits)
+    prepared, max_batch, max_len = _prepare_micro_batches(micro_batches, pp)
+    iterators = [iter(prepared) for _ in range(len(model_chunks))]
+    return schedule(
+        forward_step_func=functools.partial(_forward_step, loss_func),
+        data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+        model=list(model_chunks),
+        num_microbatches=len(micro_batches),
+        seq_length=max_len,
+        micro_batch_size=max_batch,
+        forward_only=forward_only,
+        **schedule_groups,
+    )
+
+
+def _check_request(
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict],
+    loss_fn: LossFn | ValueLossFn | None,
+    forward_only: bool,
+    return_logits: bool,
+) -> bool:
+    """Raise ``ValueError`` on a call :func:`forward_backward` cannot run; return :func:`emits_values`."""
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
     if return_logits and not forward_only:
@@ -146,89 +179,129 @@ def forward_backward(
         raise ValueError("return_logits=True needs an LM head; these chunks end in a value head (a critic)")
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward without loss_fn computes nothing to differentiate: pass forward_only=True")
-    config = get_model_config(model_chunks[0])
+    return value_head
+
+
+def _resolve_schedule(
+    model_chunks: Sequence[torch.nn.Module], config, groups: ProcessGroups | None, tp_group
+) -> tuple[int, Any, Callable, dict[str, Any]]:
+    """The pipeline size, TP group, Megatron schedule and the schedule's group arguments.
+
+    From ``groups`` when given (Megatron's ``pg_collection``, and with PP > 1 a p2p communicator
+    on ``groups.pp``); otherwise from Megatron's global ``parallel_state`` (``tp_group`` if given).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     if groups is None:
         from megatron.core import parallel_state
 
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-        schedule, schedule_groups = get_forward_backward_func(), {}
-    else:
-        if tp_group is not None and tp_group is not groups.tp:
-            raise ValueError("forward_backward: tp_group is not groups.tp; pass groups alone")
-        pp, tp_group = groups.dims.pp, groups.tp
-        if len(model_chunks) != groups.dims.num_virtual_stages:
-            raise ValueError(f"forward_backward got {len(model_chunks)} model chunks for a layout with "
-                             f"{groups.dims.num_virtual_stages} virtual pipeline stages (parallel.vpp)")
-        schedule = get_forward_backward_func(pp_size=pp, vp_size=len(model_chunks) if len(model_chunks) > 1 else None)
-        schedule_groups = {"pg_collection": groups.collection}
-        if pp > 1:
-            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        return pp, tp_group, get_forward_backward_func(), {}
+    if tp_group is not None and tp_group is not groups.tp:
+        raise ValueError("forward_backward: tp_group is not groups.tp; pass groups alone")
+    pp, tp_group = groups.dims.pp, groups.tp
+    if len(model_chunks) != groups.dims.num_virtual_stages:
+        raise ValueError(f"forward_backward got {len(model_chunks)} model chunks for a layout with "
+                         f"{groups.dims.num_virtual_stages} virtual pipeline stages (parallel.vpp)")
+    schedule = get_forward_backward_func(pp_size=pp, vp_size=len(model_chunks) if len(model_chunks) > 1 else None)
+    schedule_groups = {"pg_collection": groups.collection}
+    if pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-            schedule_groups["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=config)
-    if len(model_chunks) > 1 and len(micro_batches) % pp != 0:
+        schedule_groups["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=config)
+    return pp, tp_group, schedule, schedule_groups
+
+
+def _check_interleaving(num_chunks: int, num_micro_batches: int, pp: int) -> None:
+    """Interleaved 1F1B (several chunks per rank) needs a multiple of ``pp`` micro-batches."""
+    if num_chunks > 1 and num_micro_batches % pp != 0:
         raise ValueError(
-            f"interleaved pipelining (parallel.vpp={len(model_chunks)}) needs a multiple of "
-            f"parallel.pp={pp} micro-batches, got {len(micro_batches)}: split the batch into more micro-batches"
+            f"interleaved pipelining (parallel.vpp={num_chunks}) needs a multiple of "
+            f"parallel.pp={pp} micro-batches, got {num_micro_batches}: split the batch into more micro-batches"
         )
-    _set_finalize(config, model_chunks, forward_only)
 
-    def loss_func(micro_batch, input_ids_BS, index_BS, logits_BSV):
-        labels_BS = torch.roll(input_ids_BS, shifts=-1, dims=1)
-        logp_BS, entropy_BS = vocab_parallel_logprobs(
-            logits_BSV, labels_BS, temperature, tp_group=tp_group, vocab_size=vocab_size
-        )
-        # Back to the caller's layout (and shape, if the pipeline padded it).
-        B, S = micro_batch["input_ids"].shape
-        logp_BS = _unalign(logp_BS, index_BS)[:B, :S]
-        entropy_BS = _unalign(entropy_BS, index_BS)[:B, :S]
-        if loss_fn is None:
-            outputs = {"logp": logp_BS.detach(), "entropy": entropy_BS.detach()}
-            if return_logits:
-                outputs["logits"] = torch.zeros_like(logits_BSV).scatter(
-                    1, index_BS.unsqueeze(-1).expand_as(logits_BSV), logits_BSV.detach()
-                )[:B, :S]
-            zero = logits_BSV.new_zeros((), dtype=torch.float32)
-            return zero, torch.tensor(0, dtype=torch.int), outputs
-        loss, metrics = loss_fn(logp_BS, entropy_BS, micro_batch)
-        metrics = {"loss": loss.detach(), **metrics}
-        # The count returned here would make Megatron divide the loss; megarl's losses are
-        # already normalised (see finalize in _set_finalize), so it is only informational.
-        return loss, torch.tensor(0, dtype=torch.int), metrics
 
-    def value_loss_func(micro_batch, input_ids_BS, index_BS, values_BS1):
-        B, S = micro_batch["input_ids"].shape
-        values_BS = _unalign(values_BS1.squeeze(-1).float(), index_BS)[:B, :S]
-        if loss_fn is None:
-            zero = values_BS.new_zeros(())
-            return zero, torch.tensor(0, dtype=torch.int), {"values": values_BS.detach()}
-        loss, metrics = loss_fn(values_BS, micro_batch)
-        return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach(), **metrics}
+def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int) -> tuple[list, int, int]:
+    """Each micro-batch with its model inputs (:func:`_prepare`), and the largest B and S.
 
-    def forward_step(data_iterator, model):
-        micro_batch, (input_ids_BS, position_ids_BS, index_BS) = next(data_iterator)
-        output = model(input_ids_BS, position_ids_BS, None)
-        func = value_loss_func if value_head else loss_func
-        return output, functools.partial(func, micro_batch, input_ids_BS, index_BS)
-
+    Pipeline stages exchange activations of one fixed shape per call (no shape exchange
+    before every send), so with PP > 1 every micro-batch is padded to the largest.
+    """
     max_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
     max_batch = max(mb["input_ids"].shape[0] for mb in micro_batches)
-    # Pipeline stages exchange activations of one fixed shape per call (no shape exchange
-    # before every send), so every micro-batch is padded to the largest.
     shape = (max_batch, max_len) if pp > 1 else None
-    prepared = [(mb, _prepare(mb, shape)) for mb in micro_batches]
-    num_chunks = len(model_chunks)
-    iterators = [iter(prepared) for _ in range(num_chunks)]
-    return schedule(
-        forward_step_func=forward_step,
-        data_iterator=iterators if num_chunks > 1 else iterators[0],
-        model=list(model_chunks),
-        num_microbatches=len(micro_batches),
-        seq_length=max_len,
-        micro_batch_size=max_batch,
-        forward_only=forward_only,
-        **schedule_groups,
+    return [(mb, _prepare(mb, shape)) for mb in micro_batches], max_batch, max_len
+
+
+def _forward_step(loss_func: Callable, data_iterator, model: torch.nn.Module):
+    """Megatron's forward step: run ``model`` on the next prepared micro-batch.
+
+    Returns the chunk's output and the loss function bound to that micro-batch's inputs, which
+    Megatron calls with the output on the last stage.
+    """
+    micro_batch, (input_ids_BS, position_ids_BS, index_BS) = next(data_iterator)
+    output = model(input_ids_BS, position_ids_BS, None)
+    return output, functools.partial(loss_func, micro_batch, input_ids_BS, index_BS)
+
+
+def _lm_loss(
+    loss_fn: LossFn | None,
+    temperature: float,
+    tp_group,
+    vocab_size: int | None,
+    return_logits: bool,
+    micro_batch: dict,
+    input_ids_BS: torch.Tensor,
+    index_BS: torch.Tensor,
+    logits_BSV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Megatron's loss function for a language model: log-probs and entropy, then ``loss_fn``.
+
+    Returns ``(loss, count, outputs)``. Without ``loss_fn`` the loss is 0 and the outputs are the
+    log-probs and entropy (and with ``return_logits`` the logits) in the caller's layout.
+    """
+    labels_BS = torch.roll(input_ids_BS, shifts=-1, dims=1)
+    logp_BS, entropy_BS = vocab_parallel_logprobs(
+        logits_BSV, labels_BS, temperature, tp_group=tp_group, vocab_size=vocab_size
     )
+    # Back to the caller's layout (and shape, if the pipeline padded it).
+    B, S = micro_batch["input_ids"].shape
+    logp_BS = _unalign(logp_BS, index_BS)[:B, :S]
+    entropy_BS = _unalign(entropy_BS, index_BS)[:B, :S]
+    if loss_fn is None:
+        outputs = {"logp": logp_BS.detach(), "entropy": entropy_BS.detach()}
+        if return_logits:
+            outputs["logits"] = torch.zeros_like(logits_BSV).scatter(
+                1, index_BS.unsqueeze(-1).expand_as(logits_BSV), logits_BSV.detach()
+            )[:B, :S]
+        zero = logits_BSV.new_zeros((), dtype=torch.float32)
+        return zero, torch.tensor(0, dtype=torch.int), outputs
+    loss, metrics = loss_fn(logp_BS, entropy_BS, micro_batch)
+    metrics = {"loss": loss.detach(), **metrics}
+    # The count returned here would make Megatron divide the loss; megarl's losses are
+    # already normalised (see finalize in _set_finalize), so it is only informational.
+    return loss, torch.tensor(0, dtype=torch.int), metrics
+
+
+def _value_loss(
+    loss_fn: ValueLossFn | None,
+    micro_batch: dict,
+    input_ids_BS: torch.Tensor,
+    index_BS: torch.Tensor,
+    values_BS1: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Megatron's loss function for a value head: float32 values [B, S] in the caller's layout, then ``loss_fn``.
+
+    Returns ``(loss, count, outputs)``; without ``loss_fn`` the loss is 0 and the outputs are the values.
+    """
+    B, S = micro_batch["input_ids"].shape
+    values_BS = _unalign(values_BS1.squeeze(-1).float(), index_BS)[:B, :S]
+    if loss_fn is None:
+        zero = values_BS.new_zeros(())
+        return zero, torch.tensor(0, dtype=torch.int), {"values": values_BS.detach()}
+    loss, metrics = loss_fn(values_BS, micro_batch)
+    return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach(), **metrics}
 
 
 def _set_finalize(config, model_chunks, forward_only: bool) -> None:
