@@ -9,6 +9,7 @@ response), so advantages are non-zero and every update moves the policy.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -84,7 +85,8 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     """
     root = assets["root"]
     full = _run(_config(assets, "grpo", "trainer.total_steps=4", "trainer.test_freq=4", "trainer.save_freq=4",
-                        "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}"))
+                        "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
+                        "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3, 4]
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -101,6 +103,11 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert "val/reward/mean" in last and 0 <= last["val/reward/mean"] <= 1
     assert (root / "grpo" / "dumps" / "4.jsonl").read_text().count("\n") == 16
     assert any((root / "grpo" / "runs" / "megarl" / "grpo").glob("events.out.tfevents.*"))
+    # trainer.log_val_generations=3: the first three validation samples of the step-4 validation.
+    generations = root / "grpo" / "runs" / "megarl" / "grpo" / "generations.jsonl"
+    logged = [json.loads(line) for line in generations.read_text().splitlines()]
+    assert [row["step"] for row in logged] == [4, 4, 4]
+    assert all(row["input"] and 0 <= row["score"] <= 1 for row in logged)
     saved = CheckpointManager(full.run_dir).latest()
     assert saved.name == "global_step_4"
     # The HF export of the final weights loads in transformers and differs from the initial model.
