@@ -15,14 +15,22 @@ temporary directory, renames it to ``global_step_<k>`` and only then replaces th
 a ``.tmp_global_step_*`` directory that nothing points to; the previous checkpoint stays
 the latest. ``clean_stale`` removes such debris at start-up. The temporary directory sits
 under the root, so workers on other machines need the root on a shared file system.
+
+A run owns its root: :class:`RunLock` holds an exclusive ``flock`` on ``<root>/.run.lock`` for
+the run's life (the kernel drops it when the process ends, however it ends), and the trainer
+takes it before anything else touches the directory. A second run into the same root refuses
+at once, naming the holder's PID and host, so ``clean_stale`` never removes a live run's save.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +40,49 @@ STEP_PREFIX = "global_step_"
 TMP_PREFIX = ".tmp_" + STEP_PREFIX
 OLD_PREFIX = ".old_" + STEP_PREFIX
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+LOCK_NAME = ".run.lock"
+
+
+class RunDirectoryInUse(RuntimeError):
+    """Another live run holds the checkpoint directory's lock."""
+
+
+class RunLock:
+    """An exclusive lock on a run's checkpoint root, held from :meth:`acquire` to :meth:`release` (or exit).
+
+    The lock file records the holder (PID, host, start time) for the refusal message; the lock
+    itself is the open file's ``flock``, so a killed run leaves no stale lock behind.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser()
+        self.path = self.root / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        """Take the lock or raise :class:`RunDirectoryInUse` naming the directory and the holder."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirectoryInUse(
+                f"checkpoint directory {self.root} is in use by another run ({holder}); give this run its own "
+                f"trainer.experiment_name or trainer.default_local_dir, or stop that run first") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock back (idempotent)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def step_dir_name(step: int) -> str:
@@ -170,7 +221,10 @@ class CheckpointManager:
         return fallback
 
     def clean_stale(self) -> list[Path]:
-        """Remove temporary directories left by interrupted saves; returns what was removed."""
+        """Remove temporary directories left by interrupted saves; returns what was removed.
+
+        Call it only while holding the root's :class:`RunLock`: then no live run owns that debris.
+        """
         if not self.root.is_dir():
             return []
         removed = []

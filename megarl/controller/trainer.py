@@ -41,7 +41,7 @@ from megarl.controller.build import (
     init_ray,
     prepare_policy,
 )
-from megarl.controller.run_checkpoints import CheckpointManager, load_trainer_state, resolve_resume
+from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.metrics import data_metrics, mean_dicts, throughput_metrics, timer, timing_metrics
 from megarl.controller.preflight import preflight
 from megarl.controller.tracking import Tracking, dump_generations
@@ -79,11 +79,14 @@ class Trainer:
         self.use_ref = cfg.needs_ref
         self.roles: Roles | None = None
         self._started_ray = False
+        self._run_lock: RunLock | None = None
 
     # ================================================================================ set-up
     def setup(self) -> None:
         """Everything before the first step: model, data, Ray, workers, resume, first weight sync."""
         cfg = self.cfg
+        # The run owns its checkpoint directory from here on: a second run into it refuses before any work.
+        self._run_lock = RunLock(self.run_dir).acquire()
         prepare_policy(cfg)
         # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
         self.preflight_plan = preflight(cfg)
@@ -421,3 +424,6 @@ class Trainer:
             self.roles = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
