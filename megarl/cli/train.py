@@ -40,11 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
 
+    from megarl.controller.run_checkpoints import RunDirectoryInUse
     from megarl.controller.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
         trainer.fit()
+    except RunDirectoryInUse as error:
+        print(f"megarl-train: {error}", file=sys.stderr)
+        return 2
     finally:
         trainer.shutdown()
     print(f"TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.log_dir})")

@@ -48,8 +48,12 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, name: str, *extra: str):
+    return load_config(_overrides(assets, name, *extra))
+
+
+def _overrides(assets, name: str, *extra: str) -> list[str]:
     root = assets["root"]
-    return load_config([
+    return [
         "actor_rollout_ref.model.init=pretrained", f"actor_rollout_ref.model.path={assets['model']}",
         f"data.train_files=[{assets['train']}]", f"data.val_files=[{assets['test']}]",
         "data.train_batch_size=4", "data.val_batch_size=8", "data.max_response_length=8",
@@ -60,7 +64,7 @@ def _config(assets, name: str, *extra: str):
         "reward_model.custom_reward_function.name=digit_share",
         "trainer.logger=[jsonl,tensorboard]", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", f"trainer.default_local_dir={root / name / 'ckpt'}",
-        f"trainer.log_dir={root / name / 'runs'}", f"trainer.experiment_name={name}", *extra])
+        f"trainer.log_dir={root / name / 'runs'}", f"trainer.experiment_name={name}", *extra]
 
 
 def _run(cfg) -> Trainer:
@@ -240,3 +244,35 @@ def test_multi_turn_grpo_with_tools(assets, tmp_path):
     assert metrics["response_length/mean"] > 0
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert metrics["weight_sync/verified_engines"] == 2
+
+
+def test_two_runs_into_one_directory(assets):
+    """Two real megarl-train runs into one checkpoint directory: the second refuses at once, naming the first
+    run's PID; the first run is untouched and finishes with its checkpoints (issue 12, item 1)."""
+    import subprocess
+    import sys
+
+    from megarl.controller.run_checkpoints import LOCK_NAME
+
+    overrides = _overrides(assets, "shared", "trainer.total_steps=2", "trainer.save_freq=1")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "megarl.cli.train", *overrides]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = assets["root"] / "shared" / "ckpt" / "megarl" / "shared" / LOCK_NAME
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and f"pid {first.pid} " in lock.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took its directory"
+            time.sleep(0.2)
+        start = time.monotonic()
+        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"in use by another run (pid {first.pid} on host" in second.stderr
+        assert time.monotonic() - start < 60  # refused before any model, data or Ray work
+        assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    finally:
+        first.kill()
+        first.wait()
+    manager = CheckpointManager(assets["root"] / "shared" / "ckpt" / "megarl" / "shared")
+    assert manager.latest().name == "global_step_2" and manager.steps() == [1, 2]
