@@ -188,6 +188,36 @@ def prepare_policy(cfg: RunConfig) -> None:
     elif not Path(model.local_path).is_dir():
         raise ValueError(f"actor_rollout_ref.model.path={model.path!r} is not a directory; give an HF model "
                          f"directory (convert hub checkpoints with megarl-convert) or use model.init=tiny_sft")
+    elif model.tokenizer_path is None:
+        check_model_directory(model.local_path, "actor_rollout_ref.model.path")
+    else:
+        check_model_directory(model.local_path, "actor_rollout_ref.model.path", parts=("config", "weights"))
+        check_model_directory(model.local_tokenizer_path, "actor_rollout_ref.model.tokenizer_path",
+                              parts=("tokenizer",))
+    if cfg.critic.enable and cfg.critic.model_path is not None:
+        check_model_directory(str(Path(cfg.critic.model_path).expanduser()), "critic.model_path",
+                              parts=("config", "weights"))
+
+
+MODEL_FILES = {
+    "config": ("config.json",),
+    "weights": ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json"),
+    "tokenizer": ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"),
+}
+"""What an HF model directory must hold, by part: any one of the patterns."""
+
+
+def check_model_directory(path: str, key: str, *, parts=("config", "weights", "tokenizer")) -> None:
+    """Refuse an HF directory that lacks a config, weights or a tokenizer, naming ``key`` and what is missing
+    (transformers' own errors for an empty directory name neither the setting nor the file)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{key}={path!r} is not a directory")
+    missing = [part for part in parts if not any(any(directory.glob(p)) for p in MODEL_FILES[part])]
+    if missing:
+        wanted = "; ".join(f"{part}: one of {', '.join(MODEL_FILES[part])}" for part in missing)
+        raise ValueError(f"{key}={path!r} has no {' / '.join(missing)} ({wanted}); point {key} at an HF model "
+                         f"directory (megarl-convert mcore-to-hf writes one)")
 
 
 def build_datasets(cfg: RunConfig, tokenizer, console=print) -> tuple[PromptDataset, PromptDataset | None]:
