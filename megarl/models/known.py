@@ -10,8 +10,16 @@ they are HF configs good for counting parameters and KV-cache bytes, not for loa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 1 << 17, "num_attention_heads": 1 << 12,
+               "num_key_value_heads": 1 << 12, "intermediate_size": 1 << 20, "vocab_size": 1 << 23, "head_dim": 1 << 12}
+"""Largest accepted value of each size field. Far above any published dense model (≤ 128 layers, hidden ≤ 25,600,
+vocabularies ≤ 262,144); a value past it is a typo or a corrupt file, and would make transformers' config
+classes and the planner build per-layer lists of that length (10⁸ layers hung inside the HF config)."""
+REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": dict(
@@ -56,6 +64,23 @@ def known_config(name: str):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+def check_sizes(fields: dict[str, Any], *, source: str, key: str) -> None:
+    """Refuse a config whose size fields are missing, not positive integers, past :data:`SIZE_LIMITS`, or
+    with attention heads that key/value heads do not divide; the error names ``key``, the file and the field."""
+    for name, limit in SIZE_LIMITS.items():
+        if name not in fields or fields[name] is None:
+            if name in REQUIRED_SIZES:
+                raise ValueError(f"{key}: {source} has no {name}; an HF causal-LM config needs it")
+            continue
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ValueError(f"{key}: {source} has {name}={value!r}; it must be an integer from 1 to {limit}")
+    heads, kv_heads = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"{key}: {source} has num_attention_heads={heads} not divisible by "
+                         f"num_key_value_heads={kv_heads}")
+
+
 def resolve_hf_config(path: str, *, key: str):
     """``(hf_config, source)`` for the model at ``path``: its ``config.json`` when the directory exists
     here, else the known architecture its name matches. ``key`` names the setting in errors."""
@@ -63,7 +88,13 @@ def resolve_hf_config(path: str, *, key: str):
     if (local / "config.json").is_file():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(local)), f"{local / 'config.json'}"
+        source = str(local / "config.json")
+        try:
+            fields = json.loads((local / "config.json").read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{key}: {source} is not readable JSON: {error}") from error
+        check_sizes(fields.get("text_config", fields) if isinstance(fields, dict) else {}, source=source, key=key)
+        return AutoConfig.from_pretrained(str(local)), source
     name = known_name(str(path))
     if name is None:
         raise ValueError(

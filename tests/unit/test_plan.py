@@ -7,6 +7,7 @@ independently of the planner's code path (no weight rules, no placement helpers)
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -295,3 +296,32 @@ def test_engines_on_every_tp_group_are_fed_by_the_replica_they_sit_on():
     assert plan.sync.senders == {0: 4 * plan.sync.model_bytes, 8: 4 * plan.sync.model_bytes}
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.engine_layout"):
         load_config(["actor_rollout_ref.rollout.engine_layout=per_gpu"])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 0, "hidden_size=0; it must be an integer from 1 to"),
+    ("num_hidden_layers", 10**8, "num_hidden_layers=100000000; it must be an integer from 1 to 1024"),
+    ("num_hidden_layers", 10**6, "num_hidden_layers=1000000"),
+    ("vocab_size", "many", "vocab_size='many'"),
+    ("num_key_value_heads", 3, "num_attention_heads=28 not divisible by num_key_value_heads=3"),
+    ("intermediate_size", None, "has no intermediate_size"),
+])
+def test_architecture_values_are_checked_before_planning(tmp_path, field, value, message):
+    """Issue 12, item 4: a broken config.json is refused at once, naming the key, the file and the field
+    (hidden_size 0 was a ZeroDivisionError; 10⁶ layers took 156 s; 10⁸ hung inside transformers' config)."""
+    import json
+    import time
+
+    from megarl.models.known import KNOWN_ARCHITECTURES
+
+    fields = dict(KNOWN_ARCHITECTURES["Qwen2.5-7B"])
+    fields[field] = value
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(fields))
+    cfg = load_config(["recipe=qwen2_5_7b_grpo", f"actor_rollout_ref.model.path={model}"])
+    start = time.monotonic()
+    key = r"actor_rollout_ref\.model\.path: .*config\.json (has )?"
+    with pytest.raises(ValueError, match=key + re.escape(message)):
+        plan_run(cfg)
+    assert time.monotonic() - start < 2
