@@ -19,12 +19,13 @@ import os
 from pathlib import Path
 
 import ray
+import torch
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, engine_tp_of, placement_for
 from megarl.data.dataset import PromptDataset
-from megarl.warmstart.addition_data import ensure_addition_data
+from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
 from megarl.warmstart.sft import ensure_tiny_sft
 from megarl.models.sampling import derive_seed
 from megarl.reward import RewardManager
@@ -175,20 +176,24 @@ def build_rollout_manager(cfg: RunConfig, engines, tokenizer) -> RolloutManager:
 
 
 def prepare_policy(cfg: RunConfig) -> None:
-    """Make sure the policy's HF directory exists: build and cache the tiny SFT warm start for
-    ``model.init=tiny_sft`` (writing the addition data first when a data file is missing), else check it."""
-    model, data = cfg.actor_rollout_ref.model, cfg.data
+    """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
+    model's directories (and the critic's), refuse missing data files naming the key, and for
+    ``model.init=tiny_sft`` write the addition data at its default paths and build the cached SFT warm start."""
+    model = cfg.actor_rollout_ref.model
+    if model.init != "tiny_sft":
+        _check_model_directories(cfg)
+    train = _check_data(cfg)
     if model.init == "tiny_sft":
-        train = [Path(f).expanduser() for f in data.train_files]
-        val = [Path(f).expanduser() for f in data.val_files]
-        if not all(p.exists() for p in train + val):
-            ensure_addition_data(train[0].parent)
         ensure_tiny_sft(model.local_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
                         seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward)
-    elif not Path(model.local_path).is_dir():
+
+
+def _check_model_directories(cfg: RunConfig) -> None:
+    model = cfg.actor_rollout_ref.model
+    if not Path(model.local_path).is_dir():
         raise ValueError(f"actor_rollout_ref.model.path={model.path!r} is not a directory; give an HF model "
                          f"directory (convert hub checkpoints with megarl-convert) or use model.init=tiny_sft")
-    elif model.tokenizer_path is None:
+    if model.tokenizer_path is None:
         check_model_directory(model.local_path, "actor_rollout_ref.model.path")
     else:
         check_model_directory(model.local_path, "actor_rollout_ref.model.path", parts=("config", "weights"))
@@ -197,6 +202,26 @@ def prepare_policy(cfg: RunConfig) -> None:
     if cfg.critic.enable and cfg.critic.model_path is not None:
         check_model_directory(str(Path(cfg.critic.model_path).expanduser()), "critic.model_path",
                               parts=("config", "weights"))
+
+
+def _check_data(cfg: RunConfig) -> list[Path]:
+    """The training files; a missing data file is an error naming its key, except the tiny recipe's own
+    default files, which are written (never anywhere else: a typo must not fill with addition problems)."""
+    data = cfg.data
+    train = [Path(f).expanduser() for f in data.train_files]
+    val = [Path(f).expanduser() for f in data.val_files]
+    missing = [(key, p) for key, files in (("data.train_files", train), ("data.val_files", val))
+               for p in files if not p.is_file()]
+    defaults = {(Path(ADDITION_DATA_DIR) / name).resolve() for name in ADDITION_DATA_FILES}
+    tiny = cfg.actor_rollout_ref.model.init == "tiny_sft"
+    if missing and tiny and all(p.resolve() in defaults for _, p in missing):
+        ensure_addition_data(ADDITION_DATA_DIR)
+    elif missing:
+        key, path = missing[0]
+        raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing parquet "
+                         f"files (tools/ converts GSM8K; the tiny recipe writes its own only at "
+                         f"{ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
+    return train
 
 
 MODEL_FILES = {
@@ -218,6 +243,21 @@ def check_model_directory(path: str, key: str, *, parts=("config", "weights", "t
         wanted = "; ".join(f"{part}: one of {', '.join(MODEL_FILES[part])}" for part in missing)
         raise ValueError(f"{key}={path!r} has no {' / '.join(missing)} ({wanted}); point {key} at an HF model "
                          f"directory (megarl-convert mcore-to-hf writes one)")
+
+
+def check_run_inputs(cfg: RunConfig) -> None:
+    """What the config names outside itself, checked before anything is placed: the machine has the
+    ``trainer.device`` it asks for (a local cluster only; with ``RAY_ADDRESS`` the cluster decides), and
+    the multi-turn tool and interaction files exist. Each error names the key."""
+    if cfg.trainer.device == "cuda" and not os.environ.get("RAY_ADDRESS") and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but this machine has no usable CUDA GPU and RAY_ADDRESS names no "
+                         "cluster: set trainer.device=cpu (with trainer.n_cpu_ranks), or run on GPU machines")
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable:
+        for key, path in (("tool_config_path", multi_turn.tool_config_path),
+                          ("interaction_config_path", multi_turn.interaction_config_path)):
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r} does not exist")
 
 
 def build_datasets(cfg: RunConfig, tokenizer, console=print) -> tuple[PromptDataset, PromptDataset | None]:

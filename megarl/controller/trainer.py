@@ -35,6 +35,7 @@ from megarl.controller.build import (
     SEED_STREAM_VALIDATION,
     Roles,
     build_datasets,
+    check_run_inputs,
     build_reward_managers,
     build_roles,
     build_rollout_manager,
@@ -87,6 +88,9 @@ class Trainer:
         cfg = self.cfg
         # The run owns its checkpoint directory from here on: a second run into it refuses before any work.
         self._run_lock = RunLock(self.run_dir).acquire()
+        # Everything the config names outside itself is checked before a model is built or a worker placed.
+        check_run_inputs(cfg)
+        self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
         prepare_policy(cfg)
         # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
         self.preflight_plan = preflight(cfg)
@@ -123,8 +127,7 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict(), "recipe": self.cfg.recipe}
 
     def _maybe_resume(self) -> None:
-        trainer = self.cfg.trainer
-        path = resolve_resume(self.run_dir, trainer.resume_mode, trainer.resume_from_path)
+        path = self._resume_from
         if path is None:
             return
         state = load_trainer_state(path)

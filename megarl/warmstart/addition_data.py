@@ -34,6 +34,12 @@ NUM_PAIRS = (MAX_OPERAND - MIN_OPERAND + 1) ** 2
 """Distinct problems available (8100)."""
 
 
+ADDITION_DATA_DIR = "data/addition"
+"""Where the tiny recipe's data lives (relative to the run's directory): ``data.train_files`` / ``val_files``."""
+ADDITION_DATA_FILES = ("train.parquet", "test.parquet")
+"""The files :func:`ensure_addition_data` writes there."""
+
+
 def make_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
     """The parquet row asking for ``a + b``."""
     question = format_question(a, b)
@@ -104,7 +110,7 @@ def ensure_addition_data(directory: str | os.PathLike, *, num_train: int = 2000,
     if num_test < 1:
         raise ValueError(f"ensure_addition_data needs num_test >= 1 (it returns a test file), got {num_test}")
     out = Path(directory).expanduser()
-    paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
+    paths = {"train": out / ADDITION_DATA_FILES[0], "test": out / ADDITION_DATA_FILES[1]}
     wanted = {"train": num_train, "test": num_test}
     missing = [split for split, path in paths.items() if not path.exists()]
     if missing:
