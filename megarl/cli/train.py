@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from megarl.controller.run_checkpoints import RunDirectoryInUse
-    from megarl.controller.trainer import Trainer
+    from megarl.controller.trainer import RunInputError, Trainer
 
     trainer = Trainer(cfg)
     try:
         trainer.fit()
-    except RunDirectoryInUse as error:
+    except (RunDirectoryInUse, RunInputError) as error:
         print(f"megarl-train: {error}", file=sys.stderr)
         return 2
     finally:

@@ -56,6 +56,11 @@ from megarl.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger("megarl.train")
 
+
+class RunInputError(ValueError):
+    """Something the config names outside itself (model or data files, the resume path, the machine) is wrong;
+    raised before anything is placed, with the key to change."""
+
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "old_log_probs",
               "advantages", "ref_log_prob", "rollout_log_probs")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "values", "returns")
@@ -89,9 +94,12 @@ class Trainer:
         # The run owns its checkpoint directory from here on: a second run into it refuses before any work.
         self._run_lock = RunLock(self.run_dir).acquire()
         # Everything the config names outside itself is checked before a model is built or a worker placed.
-        check_run_inputs(cfg)
-        self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
-        prepare_policy(cfg)
+        try:
+            check_run_inputs(cfg)
+            self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+            prepare_policy(cfg)
+        except ValueError as error:
+            raise RunInputError(str(error)) from error
         # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
         self.preflight_plan = preflight(cfg)
         model = cfg.actor_rollout_ref.model

@@ -276,3 +276,22 @@ def test_two_runs_into_one_directory(assets):
         first.wait()
     manager = CheckpointManager(assets["root"] / "shared" / "ckpt" / "megarl" / "shared")
     assert manager.latest().name == "global_step_2" and manager.steps() == [1, 2]
+
+
+def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
+    """Issue 12, item 3 end to end: megarl-train on an empty model directory exits 2 within seconds, naming the
+    key and the missing files (it used to fail inside transformers with "need sentencepiece or tiktoken")."""
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    overrides = _overrides(assets, "empty", f"actor_rollout_ref.model.path={empty}")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"actor_rollout_ref.model.path={str(empty)!r} has no config / weights / tokenizer" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert time.monotonic() - start < 60
