@@ -145,25 +145,9 @@ class Coordinates:
         return self.dims.world_size
 
     @property
-    def tp_size(self) -> int:
-        return self.dims.tp
-
-    @property
-    def pp_size(self) -> int:
-        return self.dims.pp
-
-    @property
-    def cp_size(self) -> int:
-        return self.dims.cp
-
-    @property
     def dp_size(self) -> int:
+        """Data-parallel replicas of the role."""
         return self.dims.dp
-
-    @property
-    def is_first_stage(self) -> bool:
-        """True on the first pipeline stage (it holds the embedding)."""
-        return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:

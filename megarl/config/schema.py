@@ -87,6 +87,15 @@ class RunConfig:
                 rollout.response_length or self.data.max_response_length)
 
     @property
+    def engine_tp(self) -> int:
+        """GPUs per rollout engine: 1 for the (unsharded) ``hf`` engine, else ``rollout.tensor_model_parallel_size``
+        or the actor's TP (TP-matched engines)."""
+        rollout = self.actor_rollout_ref.rollout
+        if rollout.name == "hf":
+            return 1
+        return rollout.tensor_model_parallel_size or self.actor_rollout_ref.actor.parallel.tp
+
+    @property
     def rollout_seed(self) -> int:
         """Base seed of the engines' sampling: ``rollout.seed``, else ``trainer.seed``."""
         seed = self.actor_rollout_ref.rollout.seed

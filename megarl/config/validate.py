@@ -155,7 +155,7 @@ def _check_engines(cfg: RunConfig) -> None:
     else:
         if trainer.device != "cuda":
             raise ValueError(f"{prefix}.name={rollout.name} needs trainer.device=cuda; on cpu set {prefix}.name=hf")
-        engine_tp = rollout.tensor_model_parallel_size or cfg.actor_rollout_ref.actor.parallel.tp
+        engine_tp = cfg.engine_tp
         if trainer.world_size % engine_tp != 0:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the world size "
                              f"{trainer.world_size} ({_world_keys(cfg)}): choose a divisor of it")
@@ -171,7 +171,7 @@ def _check_engines(cfg: RunConfig) -> None:
         raise ValueError(f"{prefix}.pool_nodes={rollout.pool_nodes} is for disaggregated engines: set "
                          f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")
     if rollout.pool_nodes is not None and rollout.name != "hf":
-        engine_tp = rollout.tensor_model_parallel_size or cfg.actor_rollout_ref.actor.parallel.tp
+        engine_tp = cfg.engine_tp
         if any(n % engine_tp for n in rollout.pool_nodes):
             raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the GPUs per node of "
                              f"{prefix}.pool_nodes={rollout.pool_nodes}")

@@ -23,7 +23,7 @@ import torch
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
-from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, engine_tp_of, placement_for
+from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.data.dataset import PromptDataset
 from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
 from megarl.warmstart.sft import ensure_tiny_sft
@@ -151,7 +151,7 @@ def _build_engines(cfg: RunConfig, plan: PlacementPlan, pool, share: float) -> W
     arr = cfg.actor_rollout_ref
     group = _group(cfg, RolloutWorker, pool, share, role="rollout", bundles=[e.bundles[0] for e in plan.engines])
     try:
-        group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, tp_size=engine_tp_of(cfg),
+        group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, tp_size=cfg.engine_tp,
                                     seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i),
                                     device=cfg.trainer.device))
                           for i in range(len(plan.engines))], RolloutWorker.init_engine)

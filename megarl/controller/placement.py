@@ -388,22 +388,13 @@ class ResourcePool:
         return f"ResourcePool({self.name!r}, nodes={list(self.spec.nodes)}, use_gpu={self.use_gpu})"
 
 
-def engine_tp_of(cfg: RunConfig) -> int:
-    """GPUs per rollout engine: 1 for the (unsharded) ``hf`` engine, else ``rollout.tensor_model_parallel_size``
-    or the actor's TP (TP-matched engines)."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name == "hf":
-        return 1
-    return rollout.tensor_model_parallel_size or cfg.actor_rollout_ref.actor.parallel.tp
-
-
 def placement_for(cfg: RunConfig) -> PlacementPlan:
     """The placement of a run: the training pool (``trainer.*``), the actor (with the reference) and critic
     layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
     return make_placement(nodes=nodes, actor=arr.actor.parallel,
-                          critic=cfg.critic.parallel if cfg.critic.enable else None, engine_tp=engine_tp_of(cfg),
+                          critic=cfg.critic.parallel if cfg.critic.enable else None, engine_tp=cfg.engine_tp,
                           engine_layout=arr.rollout.engine_layout,
                           rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
 

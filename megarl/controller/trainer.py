@@ -35,10 +35,10 @@ from megarl.controller.build import (
     SEED_STREAM_VALIDATION,
     Roles,
     build_datasets,
-    check_run_inputs,
     build_reward_managers,
     build_roles,
     build_rollout_manager,
+    check_run_inputs,
     init_ray,
     prepare_policy,
 )
