@@ -7,7 +7,12 @@ Per-token estimators of KL(pi || pi_ref) from the log-probs of the sampled token
 - ``abs``: ``|d|``;
 - ``mse`` / ``k2``: ``0.5 * d**2``;
 - ``low_var_kl`` / ``k3``: ``exp(-d) + d - 1``, with ``-d`` clamped to [-20, 20] and the
-  result clamped to [-10, 10] (non-negative, low variance).
+  result clamped to [-10, 10] (non-negative, low variance);
+- any of these with a ``+`` suffix (``k1+``, ``k3+``, ``low_var_kl+``, ``abs+``, ...):
+  straight-through, as verl's ``kl_penalty``: the value is the base kind's, the gradient is
+  k2's, ``d`` (``0.5*d**2 - (0.5*d**2).detach() + base.detach()``). k1 and k3 estimate the KL
+  without bias but their expected gradient is not the KL's; k2's gradient is.
+  ``k2+`` / ``mse+`` equal ``k2``.
 
 The KL penalty inside the reward (``algorithm.use_kl_in_reward``, §3.2) subtracts
 ``beta * kl`` from the token-level scores, where ``beta`` comes from a fixed or an adaptive
@@ -26,16 +31,27 @@ import torch
 
 from megarl.algo.masked import masked_mean
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+BASE_KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = BASE_KL_KINDS + tuple(f"{kind}+" for kind in BASE_KL_KINDS)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate of the policy against the reference; same shape as ``logp``.
 
     ``kind`` is one of ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3`` (the
-    settings ``algorithm.kl_penalty`` and ``actor.kl_loss_type``). The full-vocabulary KL
-    (``full``) needs the whole distributions and is not supported by this estimator.
+    settings ``algorithm.kl_penalty`` and ``actor.kl_loss_type``), or one of them followed by
+    ``+``: the base kind's value with k2's gradient ``logp - ref_logp`` (straight-through). The
+    full-vocabulary KL (``full``) needs the whole distributions and is not supported by this estimator.
     """
+    if kind.endswith("+") and kind[:-1] in BASE_KL_KINDS:
+        forward = _kl_forward(logp, ref_logp, kind[:-1])
+        backward = 0.5 * (logp - ref_logp).square()
+        return backward - backward.detach() + forward.detach()
+    return _kl_forward(logp, ref_logp, kind)
+
+
+def _kl_forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """The estimator ``kind`` without a ``+`` suffix, value and gradient."""
     d = logp - ref_logp
     if kind in ("kl", "k1"):
         return d

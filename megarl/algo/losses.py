@@ -9,6 +9,7 @@ mini-batch** (all micro-batches, all data-parallel ranks):
 mode                         numerator (this micro-batch)            global_norm (whole mini-batch)
 ============================ ======================================= ===============================
 ``token-mean``               sum of loss over valid tokens           number of valid tokens
+``token-sum``                sum of loss over valid tokens           none (1): the plain global sum
 ``seq-mean-token-sum``       sum of loss over valid tokens           number of sequences
 ``seq-mean-token-mean``      sum over rows of each row's token mean  number of sequences
 ``seq-mean-token-sum-norm``  sum of loss over valid tokens           sequences x max response length
@@ -21,6 +22,13 @@ token-budget packing, DP ranks), as long as every piece is given the same ``glob
 local values with one all-reduce. megarl's Megatron models sum gradients over DP ranks
 (``calculate_per_token_loss``; see megarl.parallel.pipeline), so the loss needs no rescaling.
 "Sequences" counts rows with at least one valid token, so all-masked padding rows change nothing.
+
+``token-sum`` (verl 0.9's mode of that name) is not normalised at all: the mini-batch loss is the
+sum of the per-token losses over every valid token of all micro-batches and DP ranks, so its
+scale grows with the batch and the response lengths. verl multiplies each rank's local sum by
+the DP size to undo the gradient averaging of DDP/FSDP; megarl's DP reduction already sums, so
+the local sum is used as it is. :func:`agg_norm` gives 0 for it (additive, so the all-reduced
+value stays 0) and :func:`agg_loss` ignores ``global_norm`` for it.
 
 Shape legend: ``B`` rows (trajectories) of this micro-batch, ``T`` response tokens.
 """
@@ -35,7 +43,7 @@ from megarl.algo.masked import masked_mean, masked_sum, masked_var
 __all__ = ["AGG_MODES", "POLICY_LOSS_MODES", "agg_norm", "agg_loss", "policy_loss", "ppo_clip_losses",
            "gspo_losses", "value_loss", "explained_variance", "kl_penalty"]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSS_MODES = ("vanilla", "gspo")
 
 
@@ -49,7 +57,8 @@ def agg_norm(mask_BT: torch.Tensor, mode: str, norm_length: int | None = None) -
     """The normaliser of ``mode`` over the rows of ``mask_BT`` (pass a whole mini-batch's mask).
 
     Valid tokens for ``token-mean``; sequences with a valid token for the ``seq-mean-*`` modes;
-    times ``norm_length`` for ``seq-mean-token-sum-norm``. ``norm_length`` defaults to
+    times ``norm_length`` for ``seq-mean-token-sum-norm``; 0 for ``token-sum``, which has no
+    normaliser (:func:`agg_loss` ignores it). ``norm_length`` defaults to
     ``mask_BT.shape[-1]``; pass ``data.max_response_length`` when micro-batches are padded to
     different lengths. Additive over rows: the DP-global value is the sum over ranks.
     """
@@ -57,6 +66,8 @@ def agg_norm(mask_BT: torch.Tensor, mode: str, norm_length: int | None = None) -
     valid_BT = mask_BT.bool()
     if mode == "token-mean":
         return float(valid_BT.sum())
+    if mode == "token-sum":
+        return 0.0
     num_seqs = float(valid_BT.any(dim=-1).sum())
     if mode == "seq-mean-token-sum-norm":
         return num_seqs * float(mask_BT.shape[-1] if norm_length is None else norm_length)
@@ -71,6 +82,7 @@ def agg_loss(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
     ``None`` uses this micro-batch's own, which makes the result the plain mean of this piece
     (right for metrics, not for gradients accumulated over several pieces). A normaliser
     below 1 (a mini-batch without valid tokens) is treated as 1, so the loss is 0, not NaN.
+    ``token-sum`` returns the plain masked sum whatever ``global_norm`` is.
     """
     _check_mode(mode)
     if global_norm is None:
@@ -81,6 +93,8 @@ def agg_loss(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str,
         numerator = masked_mean(loss_BT, mask_BT, dim=-1).sum()
     else:
         numerator = masked_sum(loss_BT, mask_BT)
+    if mode == "token-sum":
+        return numerator
     denominator = torch.as_tensor(global_norm, dtype=numerator.dtype, device=numerator.device).clamp(min=1)
     return numerator / denominator
 

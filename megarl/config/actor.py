@@ -36,10 +36,12 @@ class ActorConfig:
     """Shuffle the trajectories between epochs (seeded by the step)."""
     policy_loss_mode: str = default_of(policy_loss, "policy_loss_mode")
     """Surrogate: ``vanilla`` (PPO clip) or ``gspo``."""
-    clip_ratio_low: float = default_of(policy_loss, "clip_ratio_low")
-    """Lower clip: the ratio is clipped at ``1 - clip_ratio_low``."""
-    clip_ratio_high: float = default_of(policy_loss, "clip_ratio_high")
-    """Upper clip: the ratio is clipped at ``1 + clip_ratio_high`` (DAPO's clip-higher when larger)."""
+    clip_ratio: float = default_of(policy_loss, "clip_ratio_low")
+    """Symmetric PPO clip (verl's ``clip_ratio``, 0.2): used for ``clip_ratio_low`` / ``clip_ratio_high`` left unset."""
+    clip_ratio_low: float | None = None
+    """Lower clip: the ratio is clipped at ``1 - clip_ratio_low``; None: clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip: the ratio is clipped at ``1 + clip_ratio_high`` (DAPO clip-higher if larger); None: clip_ratio."""
     clip_ratio_c: float | None = default_of(policy_loss, "clip_ratio_c")
     """Dual-clip bound for negative advantages (> 1); None turns dual clip off."""
     loss_agg_mode: str = default_of(policy_loss, "loss_agg_mode")
@@ -82,9 +84,14 @@ class ActorConfig:
         check_choice(f"{p}.kl_loss_type", self.kl_loss_type, KL_KINDS)
         check_choice(f"{p}.tis_level", self.tis_level, TIS_LEVELS)
         check_positive(f"{p}.tis_cap", self.tis_cap, allow_none=True)
-        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
-            raise ValueError(f"{p}.clip_ratio_low must be in [0, 1) and {p}.clip_ratio_high >= 0, got "
-                             f"{self.clip_ratio_low} and {self.clip_ratio_high}")
+        low, high = self.clip_range
+        low_key = f"{p}.clip_ratio_low" if self.clip_ratio_low is not None else f"{p}.clip_ratio (clip_ratio_low: null)"
+        high_key = (f"{p}.clip_ratio_high" if self.clip_ratio_high is not None
+                    else f"{p}.clip_ratio (clip_ratio_high: null)")
+        if not 0 <= low < 1:
+            raise ValueError(f"{low_key} must be in [0, 1) (the ratio is clipped at 1 - it), got {low}")
+        if not high >= 0:
+            raise ValueError(f"{high_key} must be >= 0 (the ratio is clipped at 1 + it), got {high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(f"{p}.clip_ratio_c={self.clip_ratio_c} must be > 1 (or null to turn dual clip off)")
         if self.kl_loss_coef < 0:
@@ -92,6 +99,16 @@ class ActorConfig:
         if self.recompute_granularity is not None:
             check_choice(f"{p}.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         check_positive(f"{p}.recompute_num_layers", self.recompute_num_layers)
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(low, high)`` clip ratios in use: ``clip_ratio_low`` / ``clip_ratio_high``, each ``clip_ratio`` when None.
+
+        As verl: ``clip_ratio_low if clip_ratio_low is not None else clip_ratio``, the same for high.
+        """
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
 
 
 @dataclasses.dataclass(kw_only=True)

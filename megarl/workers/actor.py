@@ -134,7 +134,7 @@ class ActorRole(LogProbRole):
             loss, metrics = policy_loss(
                 response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb[mask_key],
                 loss_agg_mode=ppo.loss_agg_mode, global_norm=global_norm, policy_loss_mode=ppo.policy_loss_mode,
-                clip_ratio_low=ppo.clip_ratio_low, clip_ratio_high=ppo.clip_ratio_high,
+                clip_ratio_low=ppo.clip_range[0], clip_ratio_high=ppo.clip_range[1],
                 clip_ratio_c=ppo.clip_ratio_c, entropy_BT=response_slice(entropy_BS, response_length),
                 entropy_coeff=ppo.entropy_coeff, ref_logp_BT=mb.get("ref_log_prob"),
                 kl_loss_coef=ppo.kl_loss_coef if ppo.use_kl_loss else 0.0, kl_loss_type=ppo.kl_loss_type,

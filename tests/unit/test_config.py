@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+from megarl.algo.losses import policy_loss
 from megarl.config import (
     CONFIG_DIR,
     SCHEMA_NAME,
@@ -239,3 +241,75 @@ def test_rollout_widths_default_to_data_lengths():
     cfg = load_config(["data.max_prompt_length=48", f"{ARR}.rollout.prompt_length=60"])
     assert cfg.rollout_widths()[0] == 60
     assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0
+
+
+# ------------------------------------------------------------------------------------------ verl options
+
+def test_clip_ratio_is_the_fallback_of_unset_clip_ratio_low_and_high():
+    assert ActorConfig().clip_range == (0.2, 0.2)  # the default is unchanged: low = high = 0.2
+    assert ActorConfig().clip_ratio_low is None and ActorConfig().clip_ratio_high is None
+    assert ActorConfig(clip_ratio=0.3).clip_range == (0.3, 0.3)
+    assert ActorConfig(clip_ratio=0.3, clip_ratio_high=0.28).clip_range == (0.3, 0.28)
+    assert ActorConfig(clip_ratio=0.3, clip_ratio_low=0.1, clip_ratio_high=0.5).clip_range == (0.1, 0.5)
+    assert ActorConfig(clip_ratio=0.3, clip_ratio_low=0.0).clip_range == (0.0, 0.3)  # 0 is a value, not unset
+
+    # One row, ratios exp(+-0.4) = 1.4918, 0.6703 with advantages +1, -1: clipped at 1.3 / 0.7 by 0.3,
+    # at 1.2 / 0.8 by the default 0.2. Loss = mean(-1.3, 0.7) = -0.3 vs mean(-1.2, 0.8) = -0.2.
+    old = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    logp = old + torch.tensor([[0.4, -0.4]], dtype=torch.float64)
+    adv, mask = torch.tensor([[1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2)
+
+    def loss_of(actor: ActorConfig) -> float:
+        low, high = actor.clip_range
+        loss, _ = policy_loss(logp, old, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
+                              clip_ratio_c=actor.clip_ratio_c)
+        return float(loss)
+
+    assert loss_of(ActorConfig(clip_ratio=0.3)) == loss_of(ActorConfig(clip_ratio_low=0.3, clip_ratio_high=0.3))
+    assert loss_of(ActorConfig(clip_ratio=0.3)) == pytest.approx(-0.3, abs=1e-12)
+    assert loss_of(ActorConfig()) == pytest.approx(-0.2, abs=1e-12)
+    # Explicit low/high win over clip_ratio: low 0.1 -> 0.9 for the negative token, high 0.5 -> 1.4918 unclipped.
+    explicit = loss_of(ActorConfig(clip_ratio=0.3, clip_ratio_low=0.1, clip_ratio_high=0.5))
+    assert explicit == pytest.approx((-1.4918247 + 0.9) / 2, abs=1e-6)
+    assert explicit == loss_of(ActorConfig(clip_ratio_low=0.1, clip_ratio_high=0.5))
+
+
+def test_clip_ratio_from_the_command_line_and_its_errors():
+    actor = load_config([f"{ARR}.actor.clip_ratio=0.3"]).actor_rollout_ref.actor
+    assert actor.clip_range == (0.3, 0.3)
+    actor = load_config([f"{ARR}.actor.clip_ratio=0.3", f"{ARR}.actor.clip_ratio_high=0.28"]).actor_rollout_ref.actor
+    assert actor.clip_range == (0.3, 0.28)
+    assert load_config([]).actor_rollout_ref.actor.clip_range == (0.2, 0.2)
+    with pytest.raises(ValueError, match=rf"{ARR}\.actor\.clip_ratio \(clip_ratio_low: null\) must be in \[0, 1\)"):
+        load_config([f"{ARR}.actor.clip_ratio=1.5"])
+    with pytest.raises(ValueError, match=rf"{ARR}\.actor\.clip_ratio_low must be in \[0, 1\)"):
+        load_config([f"{ARR}.actor.clip_ratio_low=1.0"])
+    with pytest.raises(ValueError, match=rf"{ARR}\.actor\.clip_ratio \(clip_ratio_high: null\) must be >= 0"):
+        ActorConfig(clip_ratio=-0.1, clip_ratio_low=0.2)
+    with pytest.raises(ValueError, match=rf"{ARR}\.actor\.clip_ratio_high must be >= 0"):
+        ActorConfig(clip_ratio_high=-0.1)
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k2+", "k3+", "low_var_kl+", "abs+", "kl+", "mse+"])
+def test_straight_through_kl_kinds_are_accepted(kind):
+    cfg = load_config([f"{ARR}.actor.kl_loss_type={kind}", f"algorithm.kl_penalty={kind}"])
+    assert cfg.actor_rollout_ref.actor.kl_loss_type == kind and cfg.algorithm.kl_penalty == kind
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{ARR}.actor.kl_loss_type=k4+", f"{ARR}.actor.kl_loss_type"),
+    (f"{ARR}.actor.kl_loss_type=full+", f"{ARR}.actor.kl_loss_type"),
+    ("algorithm.kl_penalty=k3++", "algorithm.kl_penalty"),
+    (f"{ARR}.actor.loss_agg_mode=token-summ", f"{ARR}.actor.loss_agg_mode"),
+    ("critic.loss_agg_mode=sum", "critic.loss_agg_mode"),
+])
+def test_unknown_kl_kind_or_agg_mode_names_the_setting(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + r"=.*is unknown"):
+        load_config([override])
+
+
+def test_token_sum_is_accepted_for_actor_and_critic():
+    cfg = load_config(["recipe=qwen2_5_7b_ppo", f"{ARR}.actor.loss_agg_mode=token-sum",
+                       "critic.loss_agg_mode=token-sum"])
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-sum"
+    assert cfg.critic.loss_agg_mode == "token-sum"

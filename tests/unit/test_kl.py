@@ -49,6 +49,89 @@ def test_unknown_or_full_kind_is_refused():
         kl_penalty(T([0.0]), T([0.0]), "k4")
 
 
+STRAIGHT_THROUGH = ["kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+
+
+def test_every_kind_has_a_straight_through_variant():
+    assert set(STRAIGHT_THROUGH) <= set(kl.KL_KINDS)
+    assert set(kl.KL_KINDS) == set(kl.BASE_KL_KINDS) | {f"{kind}+" for kind in kl.BASE_KL_KINDS}
+
+
+@pytest.mark.parametrize("kind", STRAIGHT_THROUGH)
+def test_straight_through_kind_has_the_base_value_and_the_k2_gradient(kind):
+    gen = torch.Generator().manual_seed(len(kind))
+    ref = torch.randn(64, generator=gen, dtype=torch.float64) * 0.5 - 1.0
+    logp0 = ref + torch.randn(64, generator=gen, dtype=torch.float64) * 0.7
+    logp, ref_g = logp0.clone().requires_grad_(), ref.clone().requires_grad_()
+    value = kl_penalty(logp, ref_g, kind)
+    base = kl_penalty(logp0, ref, kind[:-1])
+    assert torch.equal(value.detach(), base)  # exactly the base kind's value
+    value.sum().backward()
+    close(logp.grad, logp0 - ref, atol=1e-12)   # d/dlogp of 0.5 * d^2
+    close(ref_g.grad, ref - logp0, atol=1e-12)
+    # Weighted sum: the gradient is weight * d per token, as for k2 itself.
+    weights = torch.rand(64, generator=gen, dtype=torch.float64)
+    logp_k2 = logp0.clone().requires_grad_()
+    (kl_penalty(logp_k2, ref, "k2") * weights).sum().backward()
+    logp_st = logp0.clone().requires_grad_()
+    (kl_penalty(logp_st, ref, kind) * weights).sum().backward()
+    close(logp_st.grad, logp_k2.grad, atol=1e-12)
+
+
+def test_straight_through_hand_cases():
+    # d = [0.2, -0.5, -30]: k1+ value d, k3+ value [0.0187308, 0.1487213, 10 (clamped)], abs+ |d|;
+    # the gradient is d in every case, also where k3's value is clamped (as in verl).
+    ref = T([-1.0, -1.0, 0.0], dtype=torch.float64)
+    d = T([0.2, -0.5, -30.0], dtype=torch.float64)
+    for kind, expected in [("k1+", [0.2, -0.5, -30.0]), ("k3+", [0.0187308, 0.1487213, 10.0]),
+                           ("low_var_kl+", [0.0187308, 0.1487213, 10.0]), ("abs+", [0.2, 0.5, 30.0]),
+                           ("k2+", [0.02, 0.125, 450.0])]:
+        logp = (ref + d).requires_grad_()
+        value = kl_penalty(logp, ref, kind)
+        close(value.detach(), expected)
+        value.sum().backward()
+        close(logp.grad, d, atol=1e-12)
+    # Plain k3 has a different gradient: 1 - exp(-d) = 0.1812692 at d = 0.2.
+    logp = (ref[:1] + d[:1]).requires_grad_()
+    kl_penalty(logp, ref[:1], "k3").sum().backward()
+    close(logp.grad, [0.1812692])
+
+
+def test_straight_through_kind_in_the_reward_penalty_and_the_kl_loss():
+    # In the reward the value is all that counts: k3+ gives k3's rewards and metrics.
+    batch_plain, batch_st = kl_batch(), kl_batch()
+    plain = kl.apply_kl_penalty(batch_plain, kl.build_kl_controller("fixed", kl_coef=0.1), kind="k3")
+    st = kl.apply_kl_penalty(batch_st, kl.build_kl_controller("fixed", kl_coef=0.1), kind="k3+")
+    assert plain == st
+    assert torch.equal(batch_plain["token_level_rewards"], batch_st["token_level_rewards"])
+    # As the actor's KL loss: same loss value as k3, gradient of the KL term = coef * d / tokens.
+    from megarl.algo.losses import policy_loss
+
+    ref = T([[-1.0, -1.2, -0.4]], dtype=torch.float64)
+    d = T([[0.2, -0.5, 0.3]], dtype=torch.float64)
+    mask = T([[1, 1, 0]])
+    zeros = torch.zeros(1, 3, dtype=torch.float64)
+    losses = {}
+    for kind in ("k3", "k3+"):
+        logp = (ref + d).requires_grad_()
+        loss, _ = policy_loss(logp, logp.detach(), zeros, mask, ref_logp_BT=ref, kl_loss_coef=0.1,
+                              kl_loss_type=kind)
+        loss.backward()
+        losses[kind] = (loss.detach(), logp.grad)
+    close(losses["k3+"][0], losses["k3"][0])
+    close(losses["k3+"][0], 0.1 * (0.0187308 + 0.1487213) / 2)
+    close(losses["k3+"][1], [[0.1 * 0.2 / 2, 0.1 * -0.5 / 2, 0.0]], atol=1e-12)
+
+
+def test_unknown_straight_through_kind_is_refused():
+    with pytest.raises(ValueError, match=r"unknown KL kind 'k4\+'.*kl_loss_type"):
+        kl_penalty(T([0.0]), T([0.0]), "k4+")
+    with pytest.raises(ValueError, match=r"unknown KL kind 'full\+'"):
+        kl_penalty(T([0.0]), T([0.0]), "full+")
+    with pytest.raises(ValueError, match=r"unknown KL kind 'k3\+\+'"):
+        kl_penalty(T([0.0]), T([0.0]), "k3++")
+
+
 def test_fixed_controller():
     ctrl = kl.build_kl_controller("fixed", kl_coef=0.05)
     ctrl.update(current_kl=10.0, n_steps=100)

@@ -28,6 +28,7 @@ MASK = T([[1, 1, 0], [1, 0, 0]])
 
 @pytest.mark.parametrize("mode, expected", [
     ("token-mean", 7 / 3),                 # (1 + 2 + 4) / 3 valid tokens
+    ("token-sum", 7.0),                    # 1 + 2 + 4, no normaliser
     ("seq-mean-token-sum", 3.5),           # (3 + 4) / 2 sequences
     ("seq-mean-token-mean", 2.75),         # (1.5 + 4) / 2 sequences
     ("seq-mean-token-sum-norm", 7 / 6),    # (3 + 4) / (2 sequences * 3 max length)
@@ -50,6 +51,47 @@ def test_agg_norm_and_a_given_global_norm():
     close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_norm=T(5.0)), 1.1)
     # No valid token anywhere: 0, not NaN.
     close(agg_loss(LOSS, torch.zeros(2, 3), "token-mean"), 0.0)
+
+
+def test_token_sum_is_the_global_sum_of_token_losses():
+    # No normaliser: agg_norm is 0 (additive, so a DP all-reduce keeps it 0) and agg_loss ignores
+    # any global_norm it is given: 1 + 2 + 4 = 7 in every case.
+    assert agg_norm(MASK, "token-sum") == 0.0
+    close(agg_loss(LOSS, MASK, "token-sum", global_norm=agg_norm(MASK, "token-sum")), 7.0)
+    close(agg_loss(LOSS, MASK, "token-sum", global_norm=10), 7.0)
+    close(agg_loss(LOSS, torch.zeros(2, 3), "token-sum"), 0.0)
+    # A [4, 3] batch: valid tokens 1 2 | 4 | 7 8 9 | (none) -> 31. Micro-batches of 1, 2 and 3+1 rows
+    # with the whole batch's norm add up to it; so do two DP ranks whose norms are all-reduced.
+    loss = torch.arange(1.0, 13.0).reshape(4, 3)
+    mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    norm = agg_norm(mask, "token-sum")
+    close(agg_loss(loss, mask, "token-sum", norm), 31.0)
+    for pieces in ([[0], [1], [2], [3]], [[0, 1], [2, 3]], [[3, 0, 2], [1]]):
+        close(sum(agg_loss(loss[p], mask[p], "token-sum", norm) for p in pieces), 31.0)
+    ranks = [[0, 1], [2, 3]]
+    dp_norm = sum(agg_norm(mask[r], "token-sum") for r in ranks)
+    assert dp_norm == norm == 0.0
+    close(sum(agg_loss(loss[r], mask[r], "token-sum", dp_norm) for r in ranks), 31.0)
+    # verl scales each rank's local sum by dp_size because DDP/FSDP average over ranks; the averaged
+    # value is the same global sum that megarl's summing DP reduction gets from the plain local sums.
+    close(sum(agg_loss(loss[r], mask[r], "token-sum") * len(ranks) for r in ranks) / len(ranks), 31.0)
+    # value_loss: 0.5 * the summed squared errors; errors 1 and 2 on valid tokens -> 0.5 * 5 = 2.5.
+    values = T([[1.0, 2.0, 9.0]])
+    vloss, metrics = value_loss(values, values, torch.zeros(1, 3), T([[1, 1, 0]]), cliprange_value=None,
+                                loss_agg_mode="token-sum", global_norm=0.0)
+    close(vloss, 2.5)
+    close(metrics["vf_loss"], 2.5)
+
+
+def test_token_sum_policy_gradient_is_the_sum_of_per_token_gradients():
+    # Unclipped ratio 1 (logp == old): d(-A * ratio)/d logp = -A on each valid token, unscaled.
+    logp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = T([[1.0, -2.0, 5.0], [0.5, 3.0, 4.0]], dtype=torch.float64)
+    loss, metrics = policy_loss(logp, logp.detach(), adv, MASK, loss_agg_mode="token-sum", global_norm=0.0)
+    close(loss, -(1.0 - 2.0 + 0.5))  # = 0.5
+    close(metrics["pg_loss"], 0.5)
+    loss.backward()
+    close(logp.grad, [[-1.0, 2.0, 0.0], [-0.5, 0.0, 0.0]])
 
 
 def test_agg_errors_name_the_setting():
