@@ -6,15 +6,36 @@ Layout under the checkpoint root (``trainer.default_local_dir/<project>/<experim
         actor/  critic/         role checkpoints (megarl.workers.model_checkpoint.save_model)
         actor_hf/               optional HF export (megarl.workers.model_checkpoint.export_hf)
         trainer_state.json      step, data position, KL coefficient, ... (the trainer's dict)
+        manifest.json           every other file: relative path, size, SHA-256 (see below)
     latest_checkpointed_iteration.txt   the step of the newest committed checkpoint (verl's name)
 
 A save goes ``begin(k)`` → workers write into the temporary directory it returns →
-``commit(k, tmp, trainer_state)``. ``commit`` writes ``trainer_state.json`` into the
-temporary directory, renames it to ``global_step_<k>`` and only then replaces the pointer
+``commit(k, tmp, trainer_state)``. ``commit`` writes ``trainer_state.json`` and then
+``manifest.json`` into the temporary directory, renames it to ``global_step_<k>`` and only then replaces the pointer
 (write a temporary file, ``os.replace``). A crash at any point before the rename leaves
 a ``.tmp_global_step_*`` directory that nothing points to; the previous checkpoint stays
 the latest. ``clean_stale`` removes such debris at start-up. The temporary directory sits
 under the root, so workers on other machines need the root on a shared file system.
+
+The manifest catches what the rename cannot: a file truncated, lost or altered after the
+commit (a full disk on a copy, a partial ``rsync``, bit rot). ``commit`` records every file's
+size and SHA-256 (of the whole file up to 64 MiB; of 8 evenly spaced 1 MiB blocks, first and
+last included, above that, plus the size) and writes the manifest durably before the
+rename. :func:`verify_checkpoint` checks sizes (a ``stat`` per file) and, when asked,
+contents. :meth:`CheckpointManager.steps` and :func:`is_complete` check sizes;
+:meth:`CheckpointManager.latest` and :func:`resolve_resume` check contents too, so
+``resume_mode=auto`` skips a damaged checkpoint with a warning that names the file and
+the earlier checkpoint used instead, and ``resume_path`` refuses it naming the file.
+Checkpoints written before the manifest existed have none: they count as complete when
+their trainer state reads (unverified; the model loader names a truncated shard itself).
+
+Cost (measured on 2 CPU cores): the tiny recipe's checkpoint (11 files, 11 MB) takes 15-30 ms
+to hash at commit and about 15 ms to verify at resume (sizes alone: 0.1 ms).
+Hashing every byte runs at about 1.2 GB/s on one core, which for a 70B model with its
+optimizer (about 1 TB) would be some 15 minutes per save and per resume, reading everything
+back from a shared file system; hence the sampled hash above 64 MiB: at most 8 MiB read per
+file, with sizes catching truncation exactly and the blocks catching rewritten headers,
+tails and stretches of zeros. Files are hashed on a few threads (hashlib releases the GIL).
 
 A run owns its root: :class:`RunLock` holds an exclusive ``flock`` on ``<root>/.run.lock`` for
 the run's life (the kernel drops it when the process ends, however it ends), and the trainer
@@ -25,6 +46,7 @@ at once, naming the holder's PID and host, so ``clean_stale`` never removes a li
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -32,6 +54,7 @@ import shutil
 import socket
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 POINTER_NAME = "latest_checkpointed_iteration.txt"
@@ -41,6 +64,13 @@ TMP_PREFIX = ".tmp_" + STEP_PREFIX
 OLD_PREFIX = ".old_" + STEP_PREFIX
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 LOCK_NAME = ".run.lock"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "megarl-checkpoint-manifest"
+FULL_HASH_BYTES = 64 * 2**20
+"""Files up to this size are hashed whole; larger ones by :data:`SAMPLE_BLOCKS` blocks."""
+SAMPLE_BLOCK_BYTES = 2**20
+SAMPLE_BLOCKS = 8
+_HASH_THREADS = 4
 
 
 class RunDirectoryInUse(RuntimeError):
@@ -90,16 +120,100 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
 
 
-def is_complete(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a committed checkpoint: a directory with a readable trainer state."""
-    state = Path(path) / TRAINER_STATE_NAME
+def _file_digest(path: Path, size: int, full_bytes: int, block_bytes: int, blocks: int) -> str:
+    """SHA-256 of the whole file up to ``full_bytes``; above, of ``blocks`` evenly spaced blocks and the size."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= full_bytes:
+            while chunk := f.read(4 * 2**20):
+                digest.update(chunk)
+        else:
+            digest.update(f"sampled {size} {block_bytes} {blocks}".encode())
+            last = size - block_bytes
+            for k in range(blocks):
+                f.seek(last * k // (blocks - 1))
+                digest.update(f.read(block_bytes))
+    return digest.hexdigest()
+
+
+def _digests(root: Path, sizes: dict[str, int], scheme: dict) -> dict[str, str]:
+    args = (scheme["full_hash_bytes"], scheme["sample_block_bytes"], scheme["sample_blocks"])
+    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, max(1, len(sizes)))) as pool:
+        futures = {rel: pool.submit(_file_digest, root / rel, size, *args) for rel, size in sizes.items()}
+        return {rel: future.result() for rel, future in futures.items()}
+
+
+def build_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of every file under ``directory`` (but a manifest itself): size and SHA-256 by relative path."""
+    directory = Path(directory)
+    sizes = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.relative_to(directory).as_posix() != MANIFEST_NAME:
+            sizes[path.relative_to(directory).as_posix()] = path.stat().st_size
+    scheme = {"hash": "sha256", "full_hash_bytes": FULL_HASH_BYTES, "sample_block_bytes": SAMPLE_BLOCK_BYTES,
+              "sample_blocks": SAMPLE_BLOCKS}
+    digests = _digests(directory, sizes, scheme)
+    return {"format": MANIFEST_FORMAT, "version": 1, **scheme,
+            "files": {rel: {"size": size, "sha256": digests[rel]} for rel, size in sizes.items()}}
+
+
+def _trainer_state_problem(path: Path) -> str | None:
+    state = path / TRAINER_STATE_NAME
     if not state.is_file():
-        return False
+        return f"it has no {TRAINER_STATE_NAME} (its save was interrupted)"
     try:
         json.loads(state.read_text())
-    except (OSError, ValueError):
-        return False
-    return True
+    except (OSError, ValueError) as error:
+        return f"its {TRAINER_STATE_NAME} is unreadable ({error})"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, *, content: bool = True) -> str | None:
+    """What is wrong with the committed checkpoint ``path``, or None when it verifies.
+
+    Checks that the trainer state reads and that every file the manifest lists exists with
+    its recorded size and, with ``content``, its recorded hash. The answer names the file,
+    relative to ``path``. A checkpoint without a manifest (written before manifests existed)
+    verifies when its trainer state reads.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "it is not a directory" if path.exists() else "it does not exist"
+    problem = _trainer_state_problem(path)
+    if problem is not None:
+        return problem
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.exists():
+        return None  # written before manifests: unverified, but complete
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("hash") != "sha256":
+            raise ValueError(f"format {manifest.get('format')!r}, hash {manifest.get('hash')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"its {MANIFEST_NAME} is unreadable ({error})"
+    sizes = {}
+    for rel, entry in sorted(files.items()):
+        file = path / rel
+        if not file.is_file():
+            return f"file {rel} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            how = "truncated" if size < entry["size"] else "grown"
+            return f"file {rel} has {size} bytes where the manifest records {entry['size']} ({how})"
+        sizes[rel] = size
+    if content:
+        digests = _digests(path, sizes, manifest)
+        for rel in sizes:
+            if digests[rel] != files[rel]["sha256"]:
+                return f"file {rel} does not hold what was saved (its SHA-256 differs from the manifest's)"
+    return None
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a committed checkpoint: a directory with a readable trainer state whose files all
+    have the sizes its manifest records (no content hashing: see :func:`verify_checkpoint`)."""
+    return verify_checkpoint(path, content=False) is None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -151,13 +265,16 @@ class CheckpointManager:
         """Make ``tmp`` the checkpoint of ``step`` and point ``latest`` at it; then apply retention.
 
         ``trainer_state`` must be JSON-serialisable (it is written as ``trainer_state.json``).
-        An existing checkpoint of the same step is replaced.
+        The manifest of every file in ``tmp`` is written next to it. An existing checkpoint of
+        the same step is replaced.
         """
         tmp = Path(tmp)
         if not tmp.is_dir():
             raise ValueError(f"commit: {tmp} is not a directory (was it returned by begin()?)")
         text = json.dumps({"step": step, **trainer_state}, indent=2, sort_keys=True) + "\n"
         _write_file_durably(tmp / TRAINER_STATE_NAME, text)
+        manifest = build_manifest(tmp)
+        _write_file_durably(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         _fsync_dir(tmp)
         final = self.path(step)
         old = None
@@ -203,22 +320,49 @@ class CheckpointManager:
             shutil.rmtree(self.path(step))
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` points to, or (with a warning) the newest complete one; None if none."""
+        """The checkpoint ``latest`` points to, or (with a warning) the newest one that verifies; None if none.
+
+        The pointed checkpoint is verified in full (sizes and contents, :func:`verify_checkpoint`).
+        When it is missing, incomplete or damaged, the warning names it, what is wrong (the file)
+        and the checkpoint used instead, checking the others newest first.
+        """
         pointed = None
         if self.pointer.exists():
             text = self.pointer.read_text().strip()
             if text.isdigit():
                 pointed = self.path(int(text))
-                if is_complete(pointed):
+                problem = verify_checkpoint(pointed)
+                if problem is None:
                     return pointed
-        steps = self.steps()
-        if pointed is None and not self.pointer.exists() and not steps:
-            return None
-        fallback = self.path(steps[-1]) if steps else None
-        problem = (f"points to {pointed.name}, which is missing or incomplete" if pointed is not None
-                   else "is missing or unreadable")
-        warnings.warn(f"{self.pointer} {problem}; using {fallback or 'no checkpoint'} instead", stacklevel=2)
+        if pointed is None and not self.pointer.exists() and not any(
+                (self.path(step) / TRAINER_STATE_NAME).exists() for step in self._step_dirs()):
+            return None  # nothing was ever committed here
+        if pointed is not None:
+            what = ("missing or incomplete" if not pointed.is_dir() or _trainer_state_problem(pointed)
+                    else "damaged")
+            problems = [f"{self.pointer} points to {pointed.name}, which is {what}: {problem}"]
+        else:
+            problems = [f"{self.pointer} is missing or unreadable"]
+        fallback = None
+        for step in sorted(self._step_dirs(), reverse=True):
+            candidate = self.path(step)
+            if candidate == pointed:
+                continue
+            problem = verify_checkpoint(candidate)
+            if problem is None:
+                fallback = candidate
+                break
+            if (candidate / MANIFEST_NAME).exists():  # committed, then damaged: worth saying
+                problems.append(f"checkpoint {candidate.name} is damaged: {problem}")
+        using = (f"using {fallback} instead, the newest checkpoint that verifies" if fallback is not None
+                 else "using no checkpoint instead (none verifies): the run starts from scratch")
+        warnings.warn(f"{'; '.join(problems)}; {using}", stacklevel=2)
         return fallback
+
+    def _step_dirs(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return [int(m.group(1)) for e in self.root.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir()]
 
     def clean_stale(self) -> list[Path]:
         """Remove temporary directories left by interrupted saves; returns what was removed.
@@ -243,14 +387,20 @@ def load_trainer_state(path: str | os.PathLike) -> dict:
     state = Path(path) / TRAINER_STATE_NAME
     if not state.is_file():
         raise ValueError(f"{path} is not a complete checkpoint: it has no {TRAINER_STATE_NAME}")
-    return json.loads(state.read_text())
+    try:
+        return json.loads(state.read_text())
+    except ValueError as error:
+        raise ValueError(f"{state} of checkpoint {path} is unreadable ({error}); resume from another "
+                         "checkpoint") from error
 
 
 def resolve_resume(root: str | os.PathLike, mode: str, path: str | os.PathLike | None = None) -> Path | None:
     """The checkpoint to resume from (verl's ``trainer.resume_mode``), or None to start fresh.
 
-    ``auto``: the latest checkpoint under ``root`` if any; ``disable``: None;
-    ``resume_path``: ``path``, which must be a committed ``global_step_<k>`` directory.
+    ``auto``: the latest checkpoint under ``root`` that verifies, if any (a damaged newer one is
+    skipped with a warning naming it, its file and the checkpoint used instead); ``disable``:
+    None; ``resume_path``: ``path``, which must be a committed ``global_step_<k>`` directory that
+    verifies (a ``ValueError`` names the file otherwise).
     """
     if mode == "disable":
         return None
@@ -265,7 +415,11 @@ def resolve_resume(root: str | os.PathLike, mode: str, path: str | os.PathLike |
         raise ValueError(f"trainer.resume_from_path={path} must be a {STEP_PREFIX}<k> checkpoint directory")
     if not path.is_dir():
         raise ValueError(f"trainer.resume_from_path={path} does not exist")
-    if not is_complete(path):
+    if _trainer_state_problem(path) is not None:
         raise ValueError(f"trainer.resume_from_path={path} is incomplete (no readable {TRAINER_STATE_NAME}): "
                          "its save was interrupted; pick another checkpoint")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"trainer.resume_from_path={path} is damaged: {problem}; pick another checkpoint under "
+                         f"{path.parent} (or resume_mode=auto, which takes the newest that verifies)")
     return path

@@ -36,6 +36,49 @@ def use_in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def dist_checkpoint_problem(directory: str | os.PathLike) -> str | None:
+    """What makes the torch_dist checkpoint in ``directory`` unloadable, read from its metadata alone; None if nothing.
+
+    Reads ``.metadata`` (the tensors' shapes and where their bytes are) and checks that every
+    data file it names exists and reaches the last byte of its last tensor, and that
+    ``common.pt`` loads: a truncated or missing file is named, without reading any tensor.
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = Path(directory)
+    if not (directory / "metadata.json").is_file():
+        return f"{directory} has no metadata.json (not a Megatron distributed checkpoint, or its save was interrupted)"
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - pickle reports a damaged file in many ways
+        return f"file {directory / '.metadata'} is unreadable ({type(error).__name__}: {error}; truncated?)"
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"file {file} is missing"
+        size = file.stat().st_size
+        if size < end:
+            return f"file {file} has {size} bytes but its tensors reach byte {end} (truncated)"
+    common = directory / "common.pt"
+    if common.is_file():
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as error:  # noqa: BLE001 - as above
+            return f"file {common} is unreadable ({type(error).__name__}: {error}; truncated?)"
+    return None
+
+
+def read_dist_metadata(directory: str | os.PathLike):
+    """The torch_dist ``.metadata`` of ``directory`` (tensor shapes and storage), read without loading tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(directory)).read_metadata()
+
+
 def save_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     """Save this rank's chunks into ``directory`` (collective: every rank of the model calls it)."""
     from megatron.core import dist_checkpointing
@@ -51,6 +94,9 @@ def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
 
     if not (Path(directory) / "metadata.json").exists():
         raise ValueError(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
+    problem = dist_checkpoint_problem(directory)  # the same answer on every rank: none is left waiting
+    if problem is not None:
+        raise ValueError(f"checkpoint {directory} cannot be loaded: {problem}")
     sharded = model_sharded_state_dict(model_chunks)
     with warnings.catch_warnings():
         # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.

@@ -11,6 +11,11 @@ checkpoint directory holds
   schedule's state. Rank 0 writes it last, after every rank finished, so a directory with
   ``model.json`` is complete (the controller's temporary-directory rename adds atomicity).
 
+Damaged files. ``load_model`` checks, before any collective load, that every data file of
+``dist/`` reaches the end its metadata records and that the RNG files read; a truncated or
+unreadable file is refused on every rank, naming the file and the checkpoint directory
+(the controller's manifest, ``megarl.controller.run_checkpoints``, catches it earlier).
+
 Layouts. The model part is layout-independent: it loads at any TP/PP/VPP. The optimizer
 part is stored as Megatron's ``dp_reshardable`` distributed-optimizer format (the default of
 Megatron's own training loop; fully parallel, no gather; on CPU the other formats fail: the
@@ -162,7 +167,11 @@ def read_model_metadata(directory: str | os.PathLike) -> dict:
     if not path.exists() or not (Path(directory) / DIST_DIR / "metadata.json").exists():
         raise ValueError(f"{directory} is not a complete model checkpoint (expected {METADATA_FILE} and "
                          f"{DIST_DIR}/metadata.json); was its save interrupted?")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"file {path} of checkpoint {directory} is unreadable ({error}; truncated?): "
+                         "resume from another checkpoint") from error
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
@@ -264,6 +273,7 @@ def load_model(model, directory: str | os.PathLike, *, with_optimizer: bool = Tr
     rng_file = directory / RNG_DIR / f"rank_{model.groups.rank:05d}.pt"
     if load_rng and not rng_file.exists():  # checked before any collective: no rank is left waiting
         raise ValueError(f"{directory} has no RNG state for rank {model.groups.rank} ({rng_file})")
+    rng_state = _check_files(model, directory, rng_file if load_rng else None)
     if with_optimizer:
         _allocate_optimizer_state(model)
     sharded = _sharded_state(model, with_optimizer=with_optimizer, is_loading=True)
@@ -284,9 +294,35 @@ def load_model(model, directory: str | os.PathLike, *, with_optimizer: bool = Tr
         if model.scheduler is not None and meta["scheduler"] is not None:
             model.scheduler.load_state_dict(copy.deepcopy(meta["scheduler"]))
     if load_rng:
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(rng_state)
     dist.barrier()
     return time.monotonic() - started
+
+
+def _check_files(model, directory: Path, rng_file: Path | None) -> dict | None:
+    """Refuse, on every rank, a checkpoint with a truncated or unreadable file (named); returns this rank's RNG state.
+
+    Rank 0 checks the distributed checkpoint's files against its metadata
+    (:func:`~megarl.convert.dist_checkpoint.dist_checkpoint_problem`), each rank reads its RNG
+    file; one small collective shares the answers, so every rank raises the same error before
+    the collective load instead of some ranks waiting in it.
+    """
+    from megarl.convert.dist_checkpoint import dist_checkpoint_problem
+
+    problem = dist_checkpoint_problem(directory / DIST_DIR) if model.groups.rank == 0 else None
+    rng_state = None
+    if rng_file is not None:
+        try:
+            rng_state = torch.load(rng_file, weights_only=False)
+        except Exception as error:  # noqa: BLE001 - torch.load reports a damaged file in many ways
+            problem = problem or f"file {rng_file} is unreadable ({type(error).__name__}: {error}; truncated?)"
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise ValueError(f"checkpoint {directory} cannot be loaded: {first}. It was damaged after it was saved: "
+                         "resume from another checkpoint")
+    return rng_state
 
 
 def export_hf(model, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,

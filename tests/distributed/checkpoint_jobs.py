@@ -151,4 +151,24 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
     ckpt.load_model(other, dp_dir)
     out["dp_resumed"] = _step(other, SAVE_AFTER + 2, vocab)
     out["dp_params_equal"] = all(torch.equal(dp_params[n], t) for n, t in _params(other).items())
+
+    # ------------- damaged files (issue 12): every rank refuses before the collective load, naming the file
+    from pathlib import Path
+
+    out["damaged"] = {}
+    for name in ("rng/rank_00001.pt", "dist/__0_0.distcp"):
+        file = Path(dp_dir) / name
+        original = file.read_bytes()
+        dist.barrier()
+        if rank == 0:
+            file.write_bytes(original[: len(original) // 2])
+        dist.barrier()
+        try:
+            ckpt.load_model(other, dp_dir)
+            out["damaged"][name] = None
+        except ValueError as error:
+            out["damaged"][name] = str(error)
+        dist.barrier()
+        if rank == 0:
+            file.write_bytes(original)
     return out

@@ -93,3 +93,12 @@ def test_dp_sharded_optimizer_resumes_exactly(job):
     for r in ranks:
         assert r["dp_resumed"] == r["dp_run"] and r["dp_run"]["applied"]
         assert r["dp_params_equal"]
+
+
+def test_a_truncated_file_is_named_on_every_rank(job):
+    ranks, *_ = job
+    for r in ranks:
+        for name, error in r["damaged"].items():
+            assert error is not None, (r["rank"], name)
+            assert f"/{name} " in error and "truncated" in error and "resume from another checkpoint" in error
+            assert "cannot be loaded" in error and ".tmp_global_step_3" in error  # the checkpoint directory

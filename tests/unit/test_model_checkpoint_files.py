@@ -26,3 +26,21 @@ def test_a_changed_schedule_names_the_setting():
         check_schedule(SCHEDULE, {**SCHEDULE, "max_lr": 2e-3}, "ckpt")
     with pytest.raises(ValueError, match=r"optim\.decay_style: saved 'cosine', now 'linear'"):
         check_schedule(SCHEDULE, {**SCHEDULE, "lr_decay_style": "linear"}, "ckpt")
+
+
+def test_a_truncated_model_json_names_the_file(tmp_path):
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "metadata.json").write_text("{}")
+    (tmp_path / "model.json").write_text('{"format": "megarl-mo')
+    with pytest.raises(ValueError, match=r"file .*model\.json of checkpoint .* is unreadable .*truncated"):
+        read_model_metadata(tmp_path)
+
+
+def test_a_truncated_dist_file_is_named_from_the_metadata(tmp_path):
+    """The torch_dist checkpoint's files are checked against the byte ranges its .metadata records."""
+    from megarl.convert.dist_checkpoint import dist_checkpoint_problem
+
+    assert "has no metadata.json" in dist_checkpoint_problem(tmp_path)
+    (tmp_path / "metadata.json").write_text("{}")
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95")  # a pickle cut short
+    assert "file " + str(tmp_path / ".metadata") + " is unreadable" in dist_checkpoint_problem(tmp_path)

@@ -202,3 +202,121 @@ def test_a_run_owns_its_directory(tmp_path):
         cm.RunLock(root).acquire()  # a second lock in the same process is refused too
     lock.release()
     cm.RunLock(root).acquire().release()
+
+
+# ---------------------------------------------------------------------- manifest (issue 12: truncated files)
+def _save_model_like(manager: CheckpointManager, step: int):
+    """A checkpoint with shard-like files in sub-directories, like the trainer's."""
+    tmp = manager.begin(step)
+    (tmp / "actor" / "dist").mkdir(parents=True)
+    (tmp / "actor" / "dist" / "__0_0.distcp").write_bytes(bytes(range(256)) * 40 * step)
+    (tmp / "actor" / "model.json").write_text('{"format": "megarl-model"}')
+    return manager.commit(step, tmp, {"global_step": step})
+
+
+def test_commit_writes_a_manifest_of_every_file(tmp_path):
+    final = _save_model_like(CheckpointManager(tmp_path), 1)
+    manifest = cm.json.loads((final / cm.MANIFEST_NAME).read_text())
+    assert sorted(manifest["files"]) == ["actor/dist/__0_0.distcp", "actor/model.json", "trainer_state.json"]
+    assert manifest["files"]["actor/dist/__0_0.distcp"]["size"] == 256 * 40
+    assert cm.verify_checkpoint(final) is None and cm.is_complete(final)
+
+
+def test_a_truncated_file_makes_auto_resume_fall_back_and_say_so(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save_model_like(manager, 1)
+    newest = _save_model_like(manager, 2)
+    shard = newest / "actor" / "dist" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert manager.steps() == [1]  # sizes are checked when listing
+    with pytest.warns(UserWarning) as caught:
+        assert resolve_resume(tmp_path, "auto") == tmp_path / "global_step_1"
+    (message,) = [str(w.message) for w in caught]
+    assert "points to global_step_2, which is damaged" in message
+    assert "file actor/dist/__0_0.distcp has 1000 bytes where the manifest records 20480 (truncated)" in message
+    assert f"using {tmp_path / 'global_step_1'} instead" in message
+    # the same check refuses the damaged checkpoint when it is named explicitly
+    with pytest.raises(ValueError, match=r"trainer\.resume_from_path=.*global_step_2 is damaged: file "
+                                         r"actor/dist/__0_0\.distcp has 1000 bytes.*pick another checkpoint"):
+        resolve_resume(tmp_path, "resume_path", newest)
+    assert resolve_resume(tmp_path, "resume_path", tmp_path / "global_step_1") == tmp_path / "global_step_1"
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("altered", r"file actor/dist/__0_0\.distcp does not hold what was saved \(its SHA-256 differs"),
+    ("missing", r"file actor/model\.json is missing"),
+    ("manifest", r"its manifest\.json is unreadable"),
+])
+def test_altered_missing_or_unreadable_files_are_named(tmp_path, damage, problem):
+    manager = CheckpointManager(tmp_path)
+    _save_model_like(manager, 1)
+    newest = _save_model_like(manager, 2)
+    if damage == "altered":  # same size, other bytes: only the hash sees it
+        shard = newest / "actor" / "dist" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[5000] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "missing":
+        (newest / "actor" / "model.json").unlink()
+    else:
+        (newest / cm.MANIFEST_NAME).write_text('{"files": ')
+    with pytest.warns(UserWarning, match=f"global_step_2, which is damaged: {problem}.*using .*global_step_1"):
+        assert manager.latest() == tmp_path / "global_step_1"
+    with pytest.raises(ValueError, match=f"resume_from_path=.*global_step_2 is damaged: {problem}"):
+        resolve_resume(tmp_path, "resume_path", newest)
+
+
+def test_every_damaged_checkpoint_is_named_and_none_left_starts_fresh(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        _save_model_like(manager, step)
+    for step in (2, 3):
+        (tmp_path / f"global_step_{step}" / "actor" / "model.json").write_text("{}")
+    with pytest.warns(UserWarning, match=r"global_step_3, which is damaged: file actor/model\.json has 2 bytes.*"
+                                         r"checkpoint global_step_2 is damaged: file actor/model\.json.*"
+                                         r"using .*global_step_1 instead"):
+        assert manager.latest() == tmp_path / "global_step_1"
+    (tmp_path / "global_step_1" / "trainer_state.json").write_text("{")
+    with pytest.warns(UserWarning, match="none verifies.*starts from scratch"):
+        assert manager.latest() is None
+
+
+def test_large_files_are_hashed_by_sampled_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(cm, "FULL_HASH_BYTES", 4096)
+    monkeypatch.setattr(cm, "SAMPLE_BLOCK_BYTES", 512)
+    manager = CheckpointManager(tmp_path)
+    final = _save_model_like(manager, 1)  # a 10240-byte shard: 8 blocks of 512 bytes, ends included
+    manifest = cm.json.loads((final / cm.MANIFEST_NAME).read_text())
+    assert (manifest["full_hash_bytes"], manifest["sample_block_bytes"]) == (4096, 512)
+    shard = final / "actor" / "dist" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last byte is in the last block
+    shard.write_bytes(bytes(data))
+    assert "SHA-256 differs" in cm.verify_checkpoint(final)
+    monkeypatch.undo()  # the manifest's own scheme is used, whatever the module's constants are now
+    assert "SHA-256 differs" in cm.verify_checkpoint(final)
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cm.verify_checkpoint(final) is None
+
+
+def test_a_checkpoint_without_manifest_still_resolves(tmp_path):
+    """Checkpoints written before manifests existed: complete when the trainer state reads (unverified)."""
+    manager = CheckpointManager(tmp_path)
+    _save_model_like(manager, 1)
+    legacy = _save_model_like(manager, 2)
+    (legacy / cm.MANIFEST_NAME).unlink()
+    shard = legacy / "actor" / "dist" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:10])  # nothing to check it against: the model loader names it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert manager.steps() == [1, 2] and manager.latest() == legacy
+        assert resolve_resume(tmp_path, "auto") == legacy
+        assert resolve_resume(tmp_path, "resume_path", legacy) == legacy
+
+
+def test_an_unreadable_trainer_state_names_the_file(tmp_path):
+    final = _save_model_like(CheckpointManager(tmp_path), 1)
+    (final / "trainer_state.json").write_text('{"global_step": ')
+    with pytest.raises(ValueError, match=r"trainer_state\.json of checkpoint .*global_step_1 is unreadable"):
+        load_trainer_state(final)
