@@ -54,7 +54,9 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call format of the model (:data:`TOOL_CALL_FORMATS`)."""
     tool_timeout_s: float | None = 30.0
-    """Per-call limit of ``tool.execute``; a call that takes longer answers with a timeout error. None: no limit."""
+    """Limit of every tool and interaction hook call (create, execute, calc_reward, release, ...): an ``execute``
+    that takes longer answers the model with a timeout error, any other hook fails its request; each expiry is
+    counted (``multi_turn/num_timeouts/<hook>``). None: no limit."""
     tokenization_sanity_check: str = "warn"
     """``strict``, ``warn`` or ``off``: compare incremental tokenization with a full re-tokenization."""
 
@@ -128,9 +130,15 @@ class RolloutConfig:
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools."""
+    max_failed_frac: float = 0.5
+    """A training step or validation round in which more than this share of the rollouts FAILED (finish reason
+    ``abort``: an overlong prompt, a tool's set-up or reward error or time-out, an engine abort) stops the run,
+    naming the most common reasons. Below it, failed rollouts train with an all-zero loss mask. 1.0: never stop."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
+        if not 0 <= self.max_failed_frac <= 1:
+            raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
         check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)
         check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.n", self.n)

@@ -29,8 +29,9 @@ from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILE
 from megarl.warmstart.sft import ensure_tiny_sft
 from megarl.models.sampling import derive_seed
 from megarl.reward import RewardManager
-from megarl.rollout.interaction import load_interactions
+from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
+from megarl.rollout.tools.base import BaseTool
 from megarl.rollout.tools.registry import load_tools
 from megarl.workers.group import WorkerGroup
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
@@ -161,18 +162,34 @@ def _build_engines(cfg: RunConfig, plan: PlacementPlan, pool, share: float) -> W
     return group
 
 
-def build_rollout_manager(cfg: RunConfig, engines, tokenizer) -> RolloutManager:
-    """The driver's rollout manager over ``engines``, with the tools and interactions of ``multi_turn``."""
-    rollout = cfg.actor_rollout_ref.rollout
-    multi_turn = rollout.multi_turn
-    tools = interactions = None
+@dataclasses.dataclass
+class AgentPlugins:
+    """The multi-turn tools and interactions (user code the driver's agent loop calls), loaded once."""
+
+    tools: dict[str, BaseTool] | None = None
+    interactions: dict[str, BaseInteraction] | None = None
+
+    def tool_schemas(self) -> dict[str, dict]:
+        """``{function_name: OpenAI schema}`` of the tools (the prompt-length filter counts them)."""
+        return {name: tool.get_openai_tool_schema() for name, tool in (self.tools or {}).items()}
+
+
+def load_agent_plugins(cfg: RunConfig) -> AgentPlugins:
+    """The tools and interactions of ``actor_rollout_ref.rollout.multi_turn`` (none unless it is enabled)."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    plugins = AgentPlugins()
     if multi_turn.enable and multi_turn.tool_config_path:
-        tools = load_tools(multi_turn.tool_config_path)
+        plugins.tools = load_tools(multi_turn.tool_config_path)
     if multi_turn.enable and multi_turn.interaction_config_path:
-        interactions = load_interactions(multi_turn.interaction_config_path)
+        plugins.interactions = load_interactions(multi_turn.interaction_config_path)
+    return plugins
+
+
+def build_rollout_manager(cfg: RunConfig, engines, tokenizer, plugins: AgentPlugins) -> RolloutManager:
+    """The driver's rollout manager over ``engines``, with the multi-turn tools and interactions."""
     prompt_length, response_length = cfg.rollout_widths()
-    return RolloutManager(engines, tokenizer, rollout, prompt_length=prompt_length, response_length=response_length,
-                          tools=tools, interactions=interactions)
+    return RolloutManager(engines, tokenizer, cfg.actor_rollout_ref.rollout, prompt_length=prompt_length,
+                          response_length=response_length, tools=plugins.tools, interactions=plugins.interactions)
 
 
 def prepare_policy(cfg: RunConfig) -> None:
@@ -260,17 +277,29 @@ def check_run_inputs(cfg: RunConfig) -> None:
                 raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r} does not exist")
 
 
-def build_datasets(cfg: RunConfig, tokenizer, console=print) -> tuple[PromptDataset, PromptDataset | None]:
-    """The training and validation prompt sets (``data.*``); the count of dropped over-long prompts is reported."""
+def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = None,
+                   console=print) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training and validation prompt sets (``data.*``); the count of dropped over-long prompts is reported.
+
+    With multi-turn tools, a prompt's length counts the tool schemas the chat template adds to it. A set left
+    without any prompt is an error naming its key."""
     kwargs = cfg.data.dataset_kwargs()
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         kwargs["return_raw_chat"] = True
-    train = PromptDataset(cfg.data.train_files, tokenizer, **kwargs)
-    val = PromptDataset(cfg.data.val_files, tokenizer, **kwargs) if cfg.data.val_files else None
-    for name, ds in (("train", train), ("val", val)):
-        if ds is not None and ds.num_filtered_overlong:
-            console(f"{name} data: {ds.num_filtered_overlong} of {ds.num_rows_read} prompts were longer than "
-                    f"data.max_prompt_length={cfg.data.max_prompt_length} and were dropped")
+    schemas = plugins.tool_schemas() if plugins is not None else {}
+    counted = f" (the {len(schemas)} tool schemas included)" if schemas else ""
+    train = PromptDataset(cfg.data.train_files, tokenizer, tool_schemas=schemas, **kwargs)
+    val = PromptDataset(cfg.data.val_files, tokenizer, tool_schemas=schemas, **kwargs) if cfg.data.val_files else None
+    for key, ds in (("data.train_files", train), ("data.val_files", val)):
+        if ds is None or not ds.num_filtered_overlong:
+            continue
+        if len(ds) == 0:
+            shortest = min(p.num_tokens for p in ds.filtered_overlong)
+            raise ValueError(f"every one of the {ds.num_rows_read} prompts of {key} is longer than "
+                             f"data.max_prompt_length={cfg.data.max_prompt_length}{counted}: the shortest has "
+                             f"{shortest} tokens; raise data.max_prompt_length")
+        console(f"{key}: {ds.num_filtered_overlong} of {ds.num_rows_read} prompts were longer than "
+                f"data.max_prompt_length={cfg.data.max_prompt_length}{counted} and were dropped")
     return train, val
 
 

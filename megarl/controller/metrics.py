@@ -84,3 +84,54 @@ def mean_dicts(outputs) -> dict[str, float]:
         return {}
     keys = dicts[0].keys()
     return {k: sum(float(d[k]) for d in dicts) / len(dicts) for k in keys}
+
+
+PER_REQUEST_COUNTS = ("num_assistant_turns", "num_user_turns")
+"""Multi-turn request metrics that describe one conversation (reported as mean and max, not summed)."""
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """Finish-reason shares (``rollout/finish_<reason>_frac``) and, for multi-turn rollouts, the requests'
+    counters summed over the batch (``multi_turn/<counter>``: tool calls, each kind of tool error, hook
+    time-outs ``multi_turn/num_timeouts/<hook>``...) with turn counts as mean and max."""
+    metrics: dict[str, float] = {}
+    if "finish_reason" in batch:
+        reasons = [str(r) for r in batch["finish_reason"]]
+        metrics.update({f"rollout/finish_{kind}_frac": reasons.count(kind) / len(reasons)
+                        for kind in sorted(set(reasons))})
+    if "metrics" in batch:
+        rows = list(batch["metrics"])
+        for key in sorted({key for row in rows for key in row}):
+            values = [float(row.get(key, 0.0)) for row in rows]
+            if key in PER_REQUEST_COUNTS:
+                metrics[f"multi_turn/{key}/mean"] = sum(values) / len(values)
+                metrics[f"multi_turn/{key}/max"] = max(values)
+            else:
+                metrics[f"multi_turn/{key}"] = sum(values)
+    return metrics
+
+
+class RolloutFailureError(RuntimeError):
+    """More rollouts of a step failed than ``actor_rollout_ref.rollout.max_failed_frac`` allows."""
+
+
+def check_failed_rollouts(batch: Batch, max_failed_frac: float, where: str) -> int:
+    """The number of FAILED rollouts (finish reason ``abort``) in ``batch``; raises :class:`RolloutFailureError`
+    naming ``where``, the setting and the most common reasons when their share exceeds ``max_failed_frac``."""
+    if "finish_reason" not in batch:
+        return 0
+    failed = [i for i, reason in enumerate(batch["finish_reason"]) if str(reason) == "abort"]
+    total = len(batch["finish_reason"])
+    if len(failed) <= max_failed_frac * total:
+        return len(failed)
+    errors = [str(batch["rollout_error"][i]) or "the engine aborted" for i in failed] if "rollout_error" in batch \
+        else ["the engine aborted"] * len(failed)
+    counts: dict[str, int] = {}
+    for error in errors:
+        counts[error] = counts.get(error, 0) + 1
+    common = sorted(counts.items(), key=lambda item: -item[1])[:3]
+    reasons = "; ".join(f"{n}x: {error}" for error, n in common)
+    more = f"; and {len(counts) - 3} other reasons" if len(counts) > 3 else ""
+    raise RolloutFailureError(f"{where}: {len(failed)} of {total} rollouts failed, more than "
+                              f"actor_rollout_ref.rollout.max_failed_frac={max_failed_frac}. Reasons: "
+                              f"{reasons}{more}")

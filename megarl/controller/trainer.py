@@ -40,16 +40,26 @@ from megarl.controller.build import (
     build_rollout_manager,
     check_run_inputs,
     init_ray,
+    load_agent_plugins,
     prepare_policy,
 )
-from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
-from megarl.controller.metrics import data_metrics, mean_dicts, throughput_metrics, timer, timing_metrics
+from megarl.controller.metrics import (
+    check_failed_rollouts,
+    data_metrics,
+    mean_dicts,
+    rollout_metrics,
+    throughput_metrics,
+    timer,
+    timing_metrics,
+)
 from megarl.controller.preflight import preflight
+from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.tracking import Tracking, dump_generations
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.models.sampling import derive_seed
+from megarl.rollout.manager import RolloutManager
 from megarl.workers.base import Worker
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker, verify_sample
 from megarl.workers.rollout_worker import RolloutWorker
@@ -84,6 +94,7 @@ class Trainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
         self.roles: Roles | None = None
+        self.rollout_manager: RolloutManager | None = None
         self._started_ray = False
         self._run_lock: RunLock | None = None
 
@@ -98,6 +109,7 @@ class Trainer:
             check_run_inputs(cfg)
             self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
             prepare_policy(cfg)
+            self.plugins = load_agent_plugins(cfg)
         except ValueError as error:
             raise RunInputError(str(error)) from error
         # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
@@ -105,7 +117,10 @@ class Trainer:
         model = cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(model.local_tokenizer_path,
                                                        trust_remote_code=model.trust_remote_code)
-        self.train_set, self.val_set = build_datasets(cfg, self.tokenizer, console=self.console)
+        try:
+            self.train_set, self.val_set = build_datasets(cfg, self.tokenizer, self.plugins, console=self.console)
+        except ValueError as error:
+            raise RunInputError(str(error)) from error
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
@@ -116,7 +131,7 @@ class Trainer:
         self.actor_wg, self.critic_wg, self.rollout_wg = self.roles.actor, self.roles.critic, self.roles.rollout
         self.weight_names = self.roles.weight_names
         self.actor_dp = self.actor_wg.dp_size
-        self.rollout_manager = build_rollout_manager(cfg, self.engines, self.tokenizer)
+        self.rollout_manager = build_rollout_manager(cfg, self.engines, self.tokenizer, self.plugins)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(type=kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
                                            horizon=kl.horizon)
@@ -319,17 +334,13 @@ class Trainer:
         return metrics
 
     def _rollout_metrics(self, batch: Batch, step: int) -> dict[str, float]:
-        """Finish reasons of the step's trajectories; aborted ones (failed requests) are counted and reported."""
-        if "finish_reason" not in batch:
-            return {}
-        reasons = [str(r) for r in batch["finish_reason"]]
-        metrics = {f"rollout/finish_{kind}_frac": reasons.count(kind) / len(reasons)
-                   for kind in sorted(set(reasons))}
-        aborted = reasons.count("abort")
-        if aborted:
-            self.console(f"step {step}: {aborted} of {len(reasons)} rollouts failed (finish reason 'abort'; the "
+        """Finish reasons and multi-turn counters of the step's trajectories; failed ones are counted and
+        reported, and too many of them stop the run (``rollout.max_failed_frac``)."""
+        failed = check_failed_rollouts(batch, self.cfg.actor_rollout_ref.rollout.max_failed_frac, f"step {step}")
+        if failed:
+            self.console(f"step {step}: {failed} of {len(batch)} rollouts failed (finish reason 'abort'; the "
                          f"rollout log says why); they train with an all-zero loss mask")
-        return metrics
+        return rollout_metrics(batch)
 
     def _overhead(self, timing: dict[str, float]) -> dict[str, float]:
         """Worker compute per role (the busiest rank) and the rest of the step: the controller's overhead."""
@@ -369,6 +380,8 @@ class Trainer:
             out = self.rollout_manager.generate(
                 prompts, validate=True,
                 seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION, self.global_step, round_))
+            check_failed_rollouts(out, self.cfg.actor_rollout_ref.rollout.max_failed_frac,
+                                  f"validation at step {self.global_step}, round {round_}")
             token_scores, _ = self.val_reward_fn(out)
             for source, score in zip(out["data_source"], token_scores.sum(-1).tolist()):
                 scores.setdefault(str(source), []).append(score)
@@ -430,6 +443,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Kill the workers and give the resources back (and stop Ray if this trainer started it)."""
+        if self.rollout_manager is not None:
+            self.rollout_manager.close()
+            self.rollout_manager = None
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None

@@ -8,8 +8,17 @@ without adding special tokens again (the template already placed them), as verl 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+
+def row_tool_names(configured: Sequence[str], tools_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """The tools a row's conversation is given: those its ``tools_kwargs`` names, or every configured tool
+    when it names none (in the order of ``configured``). The agent loop shows their schemas to the model, and
+    the prompt-length filter counts them."""
+    if not tools_kwargs:
+        return list(configured)
+    return [name for name in configured if name in tools_kwargs]
 
 
 def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from megarl.data.batch import Batch
-from megarl.data.chat import check_messages, encode_prompt, encode_prompts, render_prompt
+from megarl.data.chat import check_messages, encode_prompt, encode_prompts, render_prompt, row_tool_names
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +133,16 @@ class PromptDataset(torch.utils.data.Dataset):
         need_tools_kwargs: the default of the per-row ``extra_info.need_tools_kwargs`` flag; rows
             that need tools kwargs but have none are counted and reported.
         apply_chat_template_kwargs: extra arguments of ``apply_chat_template`` (e.g. ``tools``).
+        tool_schemas: ``{function_name: OpenAI schema}`` of the multi-turn tools: the length filter
+            renders each prompt with the schemas of the tools its row is given
+            (:func:`megarl.data.chat.row_tool_names`), as the agent loop will.
     """
 
     def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, *,
                  max_prompt_length: int = 1024, truncation: str = "error", filter_overlong_prompts: bool = True,
                  prompt_key: str = "prompt", return_raw_chat: bool = False, return_full_prompt: bool = False,
-                 need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+                 tool_schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         if max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if truncation not in TRUNCATION_MODES:
@@ -156,6 +160,10 @@ class PromptDataset(torch.utils.data.Dataset):
         self.return_full_prompt = return_full_prompt
         self.need_tools_kwargs = need_tools_kwargs
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.tool_schemas = dict(tool_schemas or {})
+        if self.tool_schemas and "tools" in self.apply_chat_template_kwargs:
+            raise ValueError("data.apply_chat_template_kwargs.tools and multi-turn tools are both set; the agent "
+                             "loop shows the tool config's schemas: drop apply_chat_template_kwargs.tools")
         self.pad_token_id = self._pad_token_id(tokenizer)
 
         self._tables = [self._read(path) for path in self.data_files]
@@ -202,8 +210,19 @@ class PromptDataset(torch.utils.data.Dataset):
                              f"(put per-row extras under extra_info)")
         return table
 
-    def _templated(self, messages: list[dict[str, Any]]) -> str:
-        return render_prompt(self.tokenizer, messages, **self.apply_chat_template_kwargs)
+    def _templated(self, messages: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None = None) -> str:
+        kwargs = dict(self.apply_chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        return render_prompt(self.tokenizer, messages, **kwargs)
+
+    def _row_tools(self, extra_infos: list[Any] | None, row: int, where: str) -> list[Mapping[str, Any]]:
+        """The schemas of the tools row ``row`` is given (none without multi-turn tools)."""
+        if not self.tool_schemas:
+            return []
+        info = _extra_info(extra_infos[row] if extra_infos is not None else None, where)
+        names = row_tool_names(list(self.tool_schemas), _clean_tools_kwargs(info.get("tools_kwargs"), where))
+        return [self.tool_schemas[name] for name in names]
 
     def _select_rows(self) -> None:
         """Check every prompt and keep the rows that fit (all rows when not filtering)."""
@@ -212,9 +231,11 @@ class PromptDataset(torch.utils.data.Dataset):
             prompts = table.column(self.prompt_key).to_pylist()
             checked = [check_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
             if self.filter_overlong_prompts:
+                infos = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
                 lengths = []
                 for start in range(0, len(checked), _ENCODE_CHUNK):
-                    texts = [self._templated(m) for m in checked[start:start + _ENCODE_CHUNK]]
+                    rows = range(start, min(start + _ENCODE_CHUNK, len(checked)))
+                    texts = [self._templated(checked[r], self._row_tools(infos, r, f"{path} row {r}")) for r in rows]
                     lengths.extend(len(ids) for ids in encode_prompts(self.tokenizer, texts))
             else:
                 lengths = [0] * len(checked)
@@ -268,7 +289,7 @@ class PromptDataset(torch.utils.data.Dataset):
         where = f"{self.data_files[file_number]} row {row}"
         record = self._tables[file_number].slice(row, 1).to_pylist()[0]
         messages = check_messages(record.pop(self.prompt_key), where)
-        text = self._templated(messages)
+        text = self._templated(messages, self._row_tools([record.get("extra_info")], 0, where))
         ids = truncate_ids(encode_prompt(self.tokenizer, text), self.max_prompt_length, self.truncation, where)
         extra_info = _extra_info(record.get("extra_info"), where)
         index = extra_info.get("index")

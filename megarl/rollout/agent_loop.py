@@ -25,13 +25,18 @@ that limit, or tool/user tokens that leave no room for another turn, end the con
 Tool calls: every ``<tool_call>`` block of a turn gets one tool response, in order. Blocks that
 do not parse and calls of tools the request was not given get an error message as their
 response (counted in ``metrics``); the well-formed calls run concurrently
-(``asyncio.gather``), each under ``tool_timeout_s``. A tool that raises or times out also
-answers with an error message: the request goes on, and the model sees what went wrong. These
-are the containment boundaries for tool and interaction code (user code, so any ``Exception``
-is caught there): a failing ``create``/``start_interaction``, ``calc_reward``/
-``calculate_score`` or ``generate_response`` FAILS its request only (its rewards cannot be
-trusted); other requests are unaffected. Engine exceptions are not request-specific: they
-cancel the run and propagate (tool instances are still released).
+(``asyncio.gather``). A tool that raises or times out also answers with an error message:
+the request goes on, and the model sees what went wrong. These are the containment boundaries
+for tool and interaction code (user code, so any ``Exception`` is caught there): a failing
+``create``/``start_interaction``, ``calc_reward``/``calculate_score`` (or a non-finite reward)
+or ``generate_response`` FAILS its request only (its rewards cannot be trusted); other requests
+are unaffected. Engine exceptions are not request-specific: they cancel the run and propagate
+(tool instances are still released).
+
+Every tool and interaction hook runs through a :class:`~megarl.rollout.hooks.HookRunner`: on a
+thread and event loop of its own (a blocking tool cannot stall generation), each call bounded
+by ``multi_turn.tool_timeout_s``. An expired call counts as ``num_timeouts/<hook>`` in the
+request's metrics and is handled like an exception of that hook.
 
 :func:`requests_from_batch` turns a prompt batch into requests (``n`` adjacent samples per
 prompt) and :func:`batch_from_requests` turns finished requests into the rollout fields of
@@ -46,6 +51,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,8 +60,9 @@ import torch
 
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.data.chat import check_messages
+from megarl.data.chat import check_messages, row_tool_names
 from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, sampling_params_for
+from megarl.rollout.hooks import HookRunner, HookTimeout
 from megarl.rollout.interaction import BaseInteraction
 from megarl.rollout.request import (
     AsyncRolloutRequest,
@@ -93,11 +100,15 @@ class AgentLoop:
             the row names none.
         interactions: ``{name: interaction}``; a request with ``interaction_kwargs`` uses the
             one named by ``interaction_kwargs["name"]`` (or the only one).
+        hooks: runs the tool and interaction hooks (shared by the loops of one rollout manager,
+            so a tool's hooks stay on one event loop across steps); None: each :meth:`run` uses
+            a runner of its own with ``multi_turn.tool_timeout_s``.
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, config: RolloutConfig, *, prompt_length: int,
                  response_length: int, tools: Mapping[str, BaseTool] | None = None,
-                 interactions: Mapping[str, BaseInteraction] | None = None) -> None:
+                 interactions: Mapping[str, BaseInteraction] | None = None,
+                 hooks: HookRunner | None = None) -> None:
         if prompt_length < 1 or response_length < 1:
             raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {prompt_length} and "
                              f"{response_length}")
@@ -122,6 +133,7 @@ class AgentLoop:
             raise ValueError(f"names {clash} are both tools and interactions; their rewards would share "
                              f"reward_scores keys, rename the interaction")
         self.parser = get_tool_parser(config.multi_turn.format)
+        self.hooks = hooks
         self._noted_ignored: set[str] = set()
 
     # ------------------------------------------------------------------------------ entry
@@ -139,7 +151,9 @@ class AgentLoop:
             self._check_request(request)
         sampling = sampling_params or sampling_params_for(self.config, max_new_tokens=self.response_length,
                                                              seed=self.config.seed)
-        tasks = [asyncio.ensure_future(self._run_request(request, sampling)) for request in requests]
+        own_hooks = self.hooks is None
+        hooks = HookRunner(self.multi_turn.tool_timeout_s) if own_hooks else self.hooks
+        tasks = [asyncio.ensure_future(self._run_request(request, sampling, hooks)) for request in requests]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -147,6 +161,9 @@ class AgentLoop:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            if own_hooks:
+                hooks.close()
         return sorted(requests, key=lambda r: (r.batch_data_id, r.rollout_offset))
 
     def _check_request(self, request: AsyncRolloutRequest) -> None:
@@ -172,9 +189,7 @@ class AgentLoop:
             logger.warning(message)
 
     def _tool_names(self, request: AsyncRolloutRequest) -> list[str]:
-        if not request.tools_kwargs:
-            return list(self.tools)
-        return [name for name in self.tools if name in request.tools_kwargs]
+        return row_tool_names(list(self.tools), request.tools_kwargs)
 
     def _interaction_for(self, request: AsyncRolloutRequest) -> tuple[str, BaseInteraction] | None:
         """The request's ``(name, interaction)``, or None when it has none."""
@@ -198,24 +213,35 @@ class AgentLoop:
 
     # ------------------------------------------------------------------------------ one request
 
-    async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams) -> AsyncRolloutRequest:
+    async def _hook(self, hooks: HookRunner, request: AsyncRolloutRequest, owner: str, hook: str,
+                    function: Any, *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)`` of tool/interaction ``owner`` through ``hooks``; an expiry is counted
+        as ``num_timeouts/<hook>`` and raised as :class:`HookTimeout`."""
+        try:
+            return await hooks.call(f"{owner!r} {hook}", function, *args, **kwargs)
+        except HookTimeout:
+            request.count(f"num_timeouts/{hook}")
+            raise
+
+    async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams,
+                           hooks: HookRunner) -> AsyncRolloutRequest:
         request.tool_schemas = [self.tools[name].get_openai_tool_schema() for name in self._tool_names(request)]
         request.initialize(self.tokenizer, max_prompt_len=self.prompt_length, max_response_len=self.response_length,
                            max_model_len=self.max_model_len)
         finish: FinishReasonType | None = None
         rewards: dict[str, float] = {}
         handlers = {RequestState.RUNNING: lambda: self._generate(request, sampling),
-                    RequestState.TOOL_CALLING: lambda: self._call_tools(request),
-                    RequestState.INTERACTING: lambda: self._interact(request)}
+                    RequestState.TOOL_CALLING: lambda: self._call_tools(request, hooks),
+                    RequestState.INTERACTING: lambda: self._interact(request, hooks)}
         try:
             if request.state is RequestState.RUNNING:
-                await self._start_instances(request)
+                await self._start_instances(request, hooks)
             while finish is None and request.state in _ACTIVE_STATES:
                 finish = await handlers[request.state]()
             if request.state is not RequestState.FAILED:
-                rewards = await self._final_rewards(request)
+                rewards = await self._final_rewards(request, hooks)
         finally:
-            await self._release(request)
+            await self._release(request, hooks)
         request.finalize(self.tokenizer, finish_reason=finish or FinishReasonType.ABORT, reward_scores=rewards,
                          sanity_check=self.multi_turn.tokenization_sanity_check)
         if request.state is RequestState.FAILED:
@@ -223,15 +249,18 @@ class AgentLoop:
                            request.batch_data_id, request.rollout_offset, request.error)
         return request
 
-    async def _start_instances(self, request: AsyncRolloutRequest) -> None:
+    async def _start_instances(self, request: AsyncRolloutRequest, hooks: HookRunner) -> None:
         """Create the request's tool instances and start its interaction, concurrently."""
         starts: dict[str, Any] = {}
         for name in self._tool_names(request):
             kwargs = request.tools_kwargs.get(name, {}).get("create_kwargs", {})
-            starts[name] = self.tools[name].create(request.request_id, **kwargs)
+            starts[name] = self._hook(hooks, request, name, "create", self.tools[name].create, request.request_id,
+                                      **kwargs)
         interaction = self._interaction_for(request)
         if interaction is not None:
-            starts[interaction[0]] = interaction[1].start_interaction(request.request_id, **request.interaction_kwargs)
+            name, user = interaction
+            starts[name] = self._hook(hooks, request, name, "start_interaction", user.start_interaction,
+                                      request.request_id, **request.interaction_kwargs)
         outcomes = await asyncio.gather(*starts.values(), return_exceptions=True)
         errors = []
         for name, outcome in zip(starts, outcomes, strict=True):
@@ -278,20 +307,21 @@ class AgentLoop:
             return None
         return FinishReasonType.STOP
 
-    async def _call_tools(self, request: AsyncRolloutRequest) -> FinishReasonType | None:
+    async def _call_tools(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
         """TOOL_CALLING: answer every call block of the last turn (calls run concurrently)."""
         calls, request.pending_tool_calls = request.pending_tool_calls, []
         if self._turn_limit_reached(request):
             request.count("num_tool_calls_skipped", len(calls))
             return FinishReasonType.MAX_TURNS
-        responses = await asyncio.gather(*(self._answer_call(request, call) for call in calls))
+        responses = await asyncio.gather(*(self._answer_call(request, call, hooks) for call in calls))
         request.add_tool_response_messages(self.tokenizer, responses)
         if request.max_new_tokens(self.tokenizer) < 1:
             return FinishReasonType.LENGTH
         request.state = RequestState.RUNNING
         return None
 
-    async def _answer_call(self, request: AsyncRolloutRequest, call: ToolCall | ToolCallError) -> str:
+    async def _answer_call(self, request: AsyncRolloutRequest, call: ToolCall | ToolCallError,
+                           hooks: HookRunner) -> str:
         """The tool response to one call block: the tool's text, or an error message for the model."""
         request.count("num_tool_calls")
         if isinstance(call, ToolCallError):
@@ -305,28 +335,30 @@ class AgentLoop:
         tool = self.tools[call.name]
         kwargs = request.tools_kwargs.get(call.name, {}).get("execute_kwargs", {})
         try:
-            execution = tool.execute(request.instance_ids[call.name], call.arguments, **kwargs)
-            text, step_reward, metrics = await asyncio.wait_for(execution, timeout=self.multi_turn.tool_timeout_s)
-        except asyncio.TimeoutError:
-            request.count("num_tool_timeouts")
+            text, step_reward, metrics = await self._hook(hooks, request, call.name, "execute", tool.execute,
+                                                          request.instance_ids[call.name], call.arguments, **kwargs)
+            step_reward = _finite_reward(step_reward, f"tool {call.name!r} execute's step reward")
+        except HookTimeout:
             return f"Error: tool {call.name!r} timed out after {self.multi_turn.tool_timeout_s} s."
         except Exception as exc:  # tool code is user code: contain its failure in this call's response
             request.count("num_tool_exceptions")
             logger.debug("tool %r raised for request %s", call.name, request.request_id, exc_info=True)
             return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
-        request.tool_metrics.setdefault(call.name, []).append({"step_reward": float(step_reward), **metrics})
+        request.tool_metrics.setdefault(call.name, []).append({"step_reward": step_reward, **metrics})
         return str(text)
 
-    async def _interact(self, request: AsyncRolloutRequest) -> FinishReasonType | None:
+    async def _interact(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
         """INTERACTING: the simulated user judges the last turn and replies or ends the conversation."""
         name, interaction = self._interaction_for(request)
         try:
-            terminate, reply, score, _ = await interaction.generate_response(
+            terminate, reply, score, _ = await self._hook(
+                hooks, request, name, "generate_response", interaction.generate_response,
                 request.instance_ids[name], request.message_dicts(), **request.interaction_kwargs)
+            score = _finite_reward(score, f"interaction {name!r} generate_response's score")
         except Exception as exc:  # interaction code is user code: fail this request only
-            request.fail(f"interaction {name!r} generate_response raised {type(exc).__name__}: {exc}")
+            request.fail(f"interaction {name!r} generate_response: {type(exc).__name__}: {exc}")
             return FinishReasonType.ABORT
-        request.interaction_scores.append(float(score))
+        request.interaction_scores.append(score)
         if terminate:
             return FinishReasonType.STOP
         if self._turn_limit_reached(request):
@@ -337,41 +369,59 @@ class AgentLoop:
         request.state = RequestState.RUNNING
         return None
 
-    async def _final_rewards(self, request: AsyncRolloutRequest) -> dict[str, float]:
-        """``calc_reward`` of every tool instance and ``calculate_score`` of the interaction."""
+    async def _final_rewards(self, request: AsyncRolloutRequest, hooks: HookRunner) -> dict[str, float]:
+        """``calc_reward`` of every tool instance and ``calculate_score`` of the interaction (finite floats)."""
         scores: dict[str, Any] = {}
         for name, instance_id in request.instance_ids.items():
             if name in self.tools:
                 kwargs = request.tools_kwargs.get(name, {}).get("calc_reward_kwargs", {})
-                scores[name] = self.tools[name].calc_reward(instance_id, **kwargs)
+                scores[name] = self._hook(hooks, request, name, "calc_reward", self.tools[name].calc_reward,
+                                          instance_id, **kwargs)
             else:
-                scores[name] = self.interactions[name].calculate_score(instance_id)
+                scores[name] = self._hook(hooks, request, name, "calculate_score",
+                                          self.interactions[name].calculate_score, instance_id)
         outcomes = await asyncio.gather(*scores.values(), return_exceptions=True)
         rewards, errors = {}, []
         for name, outcome in zip(scores, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 errors.append(f"{name}: {type(outcome).__name__}: {outcome}")
-            else:
-                rewards[name] = float(outcome)
+                continue
+            try:
+                rewards[name] = _finite_reward(outcome, f"{name!r} final reward")
+            except (TypeError, ValueError) as exc:
+                errors.append(f"{name}: {exc}")
         if errors:
             request.fail(f"computing the final rewards failed: {'; '.join(errors)}")
         return rewards
 
-    async def _release(self, request: AsyncRolloutRequest) -> None:
+    async def _release(self, request: AsyncRolloutRequest, hooks: HookRunner) -> None:
         """Release every tool instance and finalize the interaction (errors are logged and counted)."""
         releases = {}
         for name, instance_id in request.instance_ids.items():
             if name in self.tools:
                 kwargs = request.tools_kwargs.get(name, {}).get("release_kwargs", {})
-                releases[name] = self.tools[name].release(instance_id, **kwargs)
+                releases[name] = self._hook(hooks, request, name, "release", self.tools[name].release,
+                                            instance_id, **kwargs)
             else:
-                releases[name] = self.interactions[name].finalize_interaction(instance_id)
+                releases[name] = self._hook(hooks, request, name, "finalize_interaction",
+                                            self.interactions[name].finalize_interaction, instance_id)
         outcomes = await asyncio.gather(*releases.values(), return_exceptions=True)
         for name, outcome in zip(releases, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 request.count("num_release_errors")
                 logger.warning("releasing %r of request %s raised %s: %s", name, request.request_id,
                                type(outcome).__name__, outcome)
+
+
+def _finite_reward(value: Any, what: str) -> float:
+    """``value`` as a finite float; ``TypeError``/``ValueError`` naming ``what`` otherwise."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}; rewards must be finite")
+    return number
 
 
 # ---------------------------------------------------------------------------------- batch <-> requests
@@ -420,7 +470,8 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
     except on FAILED requests, whose response is all 0 (not trained on).
 
     Non-tensors: ``messages`` (list of message dicts), ``reward_scores`` (dict), ``finish_reason``
-    (str), ``metrics`` (dict of numbers), ``num_turns`` (assistant + user turns).
+    (str), ``metrics`` (dict of numbers), ``rollout_error`` (why a FAILED request failed, else ``""``),
+    ``num_turns`` (assistant + user turns).
     """
     if not requests:
         raise ValueError("batch_from_requests needs at least one request")
@@ -476,6 +527,7 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
         "reward_scores": column([dict(request.reward_scores) for request in requests]),
         "finish_reason": column([(request.finish_reason or FinishReasonType.ABORT).value for request in requests]),
         "metrics": column([dict(request.metrics) for request in requests]),
+        "rollout_error": column([request.error or "" for request in requests]),
         "num_turns": column([request.num_assistant_turns + request.num_user_turns for request in requests]),
     }
     return Batch(tensors=tensors, non_tensors=non_tensors)

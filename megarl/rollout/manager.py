@@ -46,6 +46,7 @@ import torch
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
 from megarl.rollout.engine import GenerateOutput, RolloutEngine, SamplingParams, sampling_params_for
+from megarl.rollout.hooks import HookRunner
 from megarl.models.sampling import derive_row_seed
 
 _PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
@@ -84,11 +85,19 @@ class RolloutManager:
         self.prompt_length, self.response_length = prompt_length, response_length
         self.tools = tools
         self.interactions = interactions
+        self._hooks: HookRunner | None = None
+        """Runs the tool and interaction hooks of every multi-turn call (one event loop for the run)."""
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
         self.pad_token_id = int(pad)
         self._num_calls = 0
+
+    def close(self) -> None:
+        """Stop the thread that runs tool and interaction hooks (idempotent)."""
+        if self._hooks is not None:
+            self._hooks.close()
+            self._hooks = None
 
     # ----------------------------------------------------------------------------- entry
 
@@ -237,13 +246,16 @@ class RolloutManager:
         from megarl.rollout import agent_loop
 
         requests = agent_loop.requests_from_batch(batch, n=n)
+        if self._hooks is None:
+            self._hooks = HookRunner(self.config.multi_turn.tool_timeout_s)
         per_engine = -(-len(requests) // len(self.engines))
         shares = [requests[i * per_engine:(i + 1) * per_engine] for i in range(len(self.engines))]
 
         async def run_all() -> list:
             loops = [agent_loop.AgentLoop(engine, self.tokenizer, self.config, prompt_length=self.prompt_length,
                                           response_length=self.response_length, tools=self.tools,
-                                          interactions=self.interactions) for engine in self.engines]
+                                          interactions=self.interactions, hooks=self._hooks)
+                     for engine in self.engines]
             done = await asyncio.gather(*(loop.run(share, sampling_params=params)
                                           for loop, share in zip(loops, shares, strict=True) if share))
             return [request for part in done for request in part]

@@ -246,6 +246,42 @@ def test_multi_turn_grpo_with_tools(assets, tmp_path):
     assert metrics["weight_sync/verified_engines"] == 2
 
 
+def test_hanging_tool_hooks_cost_their_time_limit_and_are_counted(assets, tmp_path):
+    """Issue 12, item 2 under a real run: tool hooks that never return (create and release blocking their thread,
+    calc_reward awaiting forever) used to stall training (0 steps in 240 s). Each now costs tool_timeout_s=1,
+    is counted per hook, fails its rollout where the result matters, and the run trains on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    hangs = {0: "create", 1: "calc_reward", 2: "release", 4: "create"}  # rows 0-3 are step 1, rows 4-7 step 2
+    rows = [{"data_source": "test/hang", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)},
+             "extra_info": {"index": i, "tools_kwargs": {"hang": {"create_kwargs": {"hang": hangs.get(i, "none")}}}}}
+            for i in range(8)]
+    data = tmp_path / "hang.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    tools = tmp_path / "hang_tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{
+        "class_name": "tests.e2e.hanging_tool.HangingTool", "config": {},
+        "tool_schema": {"type": "function", "function": {"name": "hang", "description": "Hangs on some rows.",
+                                                         "parameters": {"type": "object", "properties": {}}}}}]}))
+    start = time.monotonic()
+    trainer = _run(_config(assets, "hanging_tool", "trainer.total_steps=2", f"data.train_files=[{data}]",
+                           "data.val_files=[]", "data.shuffle=false", "data.max_prompt_length=320",
+                           "data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+                           "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1"))
+    assert time.monotonic() - start < 180
+    (_, first), (_, second) = trainer.history
+    assert first["multi_turn/num_timeouts/create"] == 4 and first["multi_turn/num_timeouts/calc_reward"] == 4
+    assert first["multi_turn/num_timeouts/release"] == 4
+    assert first["rollout/finish_abort_frac"] == 0.5  # rows 0 and 1 (n=4 each) failed; row 2 only leaked a release
+    assert second["multi_turn/num_timeouts/create"] == 4 and "multi_turn/num_timeouts/release" not in second
+    assert second["rollout/finish_abort_frac"] == 0.25
+    assert all(math.isfinite(v) for v in second.values())
+
+
 def test_two_runs_into_one_directory(assets):
     """Two real megarl-train runs into one checkpoint directory: the second refuses at once, naming the first
     run's PID; the first run is untouched and finishes with its checkpoints (issue 12, item 1)."""
@@ -276,6 +312,18 @@ def test_two_runs_into_one_directory(assets):
         first.wait()
     manager = CheckpointManager(assets["root"] / "shared" / "ckpt" / "megarl" / "shared")
     assert manager.latest().name == "global_step_2" and manager.steps() == [1, 2]
+
+    # Issue 12 (a truncated checkpoint file): cut a shard of the newest checkpoint; the next run falls back to
+    # step 1, saying which file of which checkpoint is damaged, instead of failing the same way on every restart.
+    shard = manager.path(2) / "actor" / "dist" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert ("points to global_step_2, which is damaged: file actor/dist/__0_0.distcp has 1000 bytes where the "
+            "manifest records") in rerun.stderr
+    assert f"using {manager.path(1)} instead" in rerun.stderr
+    assert f"resumed from {manager.path(1)} at step 1" in rerun.stdout
+    assert manager.latest() == manager.path(2) and manager.steps() == [1, 2]  # step 2 saved again, whole
 
 
 def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):

@@ -265,7 +265,7 @@ def test_tool_timeout(tok):
     error = "Error: tool 'nap' timed out after 0.2 s."
     check_sequence(tok, req, [*assistant(turn), (tool_turn(error), 0), (GEN, 0), *assistant("Too slow. #### 72")])
     check_equals_template(tok, req)
-    assert req.metrics["num_tool_timeouts"] == 1
+    assert req.metrics["num_timeouts/execute"] == 1
 
 
 @pytest.mark.parametrize("limits", [{"max_turns": 2}, {"max_turns": 5, "max_user_turns": 1}])
@@ -443,6 +443,109 @@ def test_tool_create_failure_fails_the_request(tok):
     [req] = run(loop, [request(tools_kwargs={GSM8K: {}})])
     assert req.state is RequestState.FAILED and "needs create_kwargs.ground_truth" in req.error
     assert engine.calls == [] and tools[GSM8K]._instances == {}
+
+
+class HangingTool(BaseTool):
+    """A GSM8K-like tool whose ``config["hang"]`` hook never returns: ``"async"`` awaits forever, ``"blocking"``
+    sleeps in the event loop's thread (the mistake the hook runner contains). Other hooks behave."""
+
+    async def _maybe_hang(self, hook):
+        if self.config.get("hook") != hook:
+            return
+        if self.config["hang"] == "blocking":
+            time.sleep(self.config.get("seconds", 3.0))
+        else:
+            await asyncio.Event().wait()
+
+    async def create(self, instance_id=None, **kwargs):
+        await self._maybe_hang("create")
+        return await super().create(instance_id)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await self._maybe_hang("execute")
+        return "ok", self.config.get("step_reward", 0.0), {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        await self._maybe_hang("calc_reward")
+        return self.config.get("reward", 1.0)
+
+    async def release(self, instance_id, **kwargs):
+        await self._maybe_hang("release")
+        await super().release(instance_id)
+
+
+@pytest.mark.parametrize("hang", ["async", "blocking"])
+@pytest.mark.parametrize("hook", ["create", "calc_reward", "release", "execute"])
+def test_every_tool_hook_is_bounded_and_counted(tok, hook, hang):
+    """Issue 12, item 2: a tool hook that never returns (awaiting forever, or blocking its thread) costs the
+    time limit, is counted as ``num_timeouts/<hook>``, and fails the request only where its result matters
+    (create, calc_reward); execute answers the model with an error; release is counted and logged."""
+    tools = {"hang": HangingTool({"hook": hook, "hang": hang, "seconds": 3.0}, schema("hang"))}
+    turn = "Checking.\n" + call("hang", {})
+    loop, _ = make_loop(tok, {Q1: [turn, "Done. #### 72"]}, tools=tools, tool_timeout_s=0.3)
+    start = time.perf_counter()
+    [req] = run(loop, [request(tools_kwargs={})])
+    assert time.perf_counter() - start < 2.5  # the 3 s blocking hook does not hold the loop (nor its result)
+    assert req.metrics[f"num_timeouts/{hook}"] == 1
+    if hook in ("create", "calc_reward"):
+        assert req.state is RequestState.FAILED and req.finish_reason is FinishReasonType.ABORT
+        assert f"'hang' {hook} timed out after 0.3 s" in req.error
+        if hang == "blocking":
+            assert "the hook loop has been blocked" in req.error
+    else:
+        assert req.state is RequestState.COMPLETED and req.reward_scores == {"hang": 1.0}
+    if hook == "execute":
+        assert req.messages[3].content == "Error: tool 'hang' timed out after 0.3 s."
+
+
+def test_a_blocking_tool_does_not_stall_the_event_loop(tok):
+    """While a tool blocks its thread for 1.5 s, a coroutine on the agent loop's event loop keeps ticking."""
+    tools = {"hang": HangingTool({"hook": "calc_reward", "hang": "blocking", "seconds": 1.5}, schema("hang"))}
+    loop, _ = make_loop(tok, {Q1: ["#### 72"]}, tools=tools, tool_timeout_s=1.0)
+    ticks = []
+
+    async def main():
+        async def ticker():
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.05)
+
+        task = asyncio.ensure_future(ticker())
+        done = await loop.run([request(tools_kwargs={})])
+        task.cancel()
+        return done
+
+    [req] = asyncio.run(main())
+    assert req.state is RequestState.FAILED and req.metrics["num_timeouts/calc_reward"] == 1
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert len(ticks) >= 15 and max(gaps) < 0.5
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_tool_rewards_are_refused(tok, value):
+    tools = {"hang": HangingTool({"reward": value}, schema("hang"))}
+    loop, _ = make_loop(tok, {Q1: ["#### 72"]}, tools=tools)
+    [req] = run(loop, [request(tools_kwargs={})])
+    assert req.state is RequestState.FAILED
+    assert f"'hang' final reward is {value}; rewards must be finite" in req.error
+    step = {"hang": HangingTool({"step_reward": value}, schema("hang"))}
+    loop, _ = make_loop(tok, {Q1: ["Checking.\n" + call("hang", {}), "#### 72"]}, tools=step)
+    [req] = run(loop, [request(tools_kwargs={})])
+    assert req.state is RequestState.COMPLETED and req.metrics["num_tool_exceptions"] == 1
+    assert req.messages[3].content == (f"Error: tool 'hang' failed: ValueError: tool 'hang' execute's step reward "
+                                       f"is {value}; rewards must be finite")
+
+
+def test_interaction_hooks_are_bounded(tok):
+    class SlowUser(Gsm8kInteraction):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            await asyncio.Event().wait()
+
+    loop, _ = make_loop(tok, {Q1: ["#### 70"]}, interactions={"gsm8k": SlowUser({"name": "gsm8k"})},
+                        tool_timeout_s=0.2)
+    [req] = run(loop, [request(tools_kwargs={}, interaction_kwargs={"name": "gsm8k", "ground_truth": "72"})])
+    assert req.state is RequestState.FAILED and req.metrics["num_timeouts/generate_response"] == 1
+    assert "'gsm8k' generate_response timed out after 0.2 s" in req.error
 
 
 def test_engine_exception_propagates_and_releases_tools(tok):

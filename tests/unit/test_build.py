@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megarl.config import load_config
 from megarl.controller.build import prepare_policy
 
 ARR = "actor_rollout_ref"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(path, *extra):
@@ -69,3 +72,30 @@ def test_inputs_outside_the_config_are_checked_before_placement(tmp_path, monkey
     with pytest.raises(ValueError, match=rf"{ARR}\.rollout\.multi_turn\.tool_config_path=.*tools\.yaml' does not exist"):
         check_run_inputs(cfg)
     check_run_inputs(load_config())  # the tiny recipe: nothing outside the config is missing
+
+
+def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_placement(tmp_path):
+    """Issue 12: the tiny recipe with the GSM8K tool used to fail every rollout ("prompt has 401 tokens ... more
+    than 64") and go on with rc 0; the schemas now count when filtering, and a set left empty is an error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megarl.controller.build import build_datasets, load_agent_plugins
+    from tests.scripted_engine import tiny_tokenizer
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}} for i in range(4)]
+    data = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    tools = REPO / "configs" / "tools" / "gsm8k_tool_config.yaml"
+    overrides = [f"data.train_files=[{data}]", "data.val_files=[]", "data.max_prompt_length=64",
+                 "data.return_raw_chat=true", f"{ARR}.rollout.multi_turn.enable=true"]
+    tokenizer = tiny_tokenizer()
+    without_tools = load_config(overrides)
+    train, _ = build_datasets(without_tools, tokenizer, load_agent_plugins(without_tools), console=lambda *_: None)
+    assert len(train) == 4  # ~20 tokens each: they fit without tools
+    with_tools = load_config([*overrides, f"{ARR}.rollout.multi_turn.tool_config_path={tools}"])
+    with pytest.raises(ValueError, match=r"every one of the 4 prompts of data\.train_files is longer than "
+                                         r"data\.max_prompt_length=64 \(the 1 tool schemas included\): the "
+                                         r"shortest has \d{3} tokens; raise data\.max_prompt_length"):
+        build_datasets(with_tools, tokenizer, load_agent_plugins(with_tools), console=lambda *_: None)

@@ -225,3 +225,24 @@ def test_apply_chat_template_kwargs_reach_the_template(tokenizer, tmp_path):
     row = PromptDataset(path, templated, max_prompt_length=8, return_full_prompt=True,
                         apply_chat_template_kwargs={"greeting": "hi "})[0]
     assert row["full_prompts"] == "hi abc" and row["input_ids"].shape == (6,)
+
+
+def test_the_length_filter_counts_the_tool_schemas_of_each_row(tokenizer, tmp_path):
+    """Issue 12: with multi-turn tools the chat template adds each row's tool schemas to its prompt; the filter
+    counts them (the row's tools: those its tools_kwargs names, else all), and so does the row's input_ids."""
+    # (transformers renders with trim_blocks: the newline after {% endfor %} goes)
+    templated = build_tokenizer("{% if tools %}{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n"
+                                "{% endif %}" + CHAT_TEMPLATE)
+    question = "What is 2 + 3?"  # 33 tokens without tools
+    rows = [gsm_row(question, "5", 0, tools_kwargs={"calc": {"create_kwargs": {"ground_truth": "5"}}}),
+            gsm_row(question, "5", 1),  # no tools_kwargs: every tool ("calc;search;", 12 tokens)
+            gsm_row(question, "5", 2, tools_kwargs={"search": {"create_kwargs": {"q": "x"}}})]  # "search;": 7
+    path = write_parquet(tmp_path / "tools.parquet", rows)
+    schemas = {name: {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+               for name in ("calc", "search")}
+    dataset = PromptDataset(path, templated, max_prompt_length=39, tool_schemas=schemas)
+    assert [(p.row, p.num_tokens) for p in dataset.filtered_overlong] == [(1, 45), (2, 40)]
+    assert len(dataset) == 1 and dataset[0]["input_ids"].shape == (38,)  # "calc;" + 33
+    assert PromptDataset(path, templated, max_prompt_length=39).num_filtered_overlong == 0  # without tools
+    with pytest.raises(ValueError, match="apply_chat_template_kwargs.tools and multi-turn tools are both set"):
+        PromptDataset(path, templated, tool_schemas=schemas, apply_chat_template_kwargs={"tools": []})
