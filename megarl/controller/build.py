@@ -18,6 +18,8 @@ import logging
 import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 import torch
 
@@ -238,6 +240,15 @@ def _check_data(cfg: RunConfig) -> list[Path]:
         raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing parquet "
                          f"files (tools/ converts GSM8K; the tiny recipe writes its own only at "
                          f"{ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
+    for key, files in (("data.train_files", train), ("data.val_files", val)):
+        for path in files:
+            try:
+                columns = pq.read_schema(path).names
+            except (OSError, pa.ArrowException) as error:
+                raise ValueError(f"{key}: {path} is not a readable parquet file ({error})") from error
+            if data.prompt_key not in columns:
+                raise ValueError(f"{key}: {path} has no column {data.prompt_key!r} (data.prompt_key) holding the "
+                                 f"chat messages; its columns are {columns}")
     return train
 
 

@@ -102,6 +102,10 @@ class SFTRow:
     """Picks the reward scorer (``data_source`` column)."""
 
 
+SFT_COLUMNS = ("data_source", "prompt", "reward_model")
+"""The columns of the training files the warm start reads."""
+
+
 def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> list[SFTRow]:
     """Every row of the parquet ``files`` (megarl's row schema), in file order."""
     if isinstance(files, (str, os.PathLike)):
@@ -110,7 +114,13 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
         raise ValueError("the tiny_sft warm start needs data.train_files; got an empty list")
     rows = []
     for file in files:
-        table = pq.read_table(Path(file).expanduser(), columns=["data_source", "prompt", "reward_model"])
+        path = Path(file).expanduser()
+        missing = [c for c in SFT_COLUMNS if c not in pq.read_schema(path).names]
+        if missing:
+            raise ValueError(f"{path}: no column(s) {missing}; the tiny_sft warm start reads {list(SFT_COLUMNS)} "
+                             f"of megarl's row schema (data.train_files; build the file with "
+                             f"tools/make_addition_data.py)")
+        table = pq.read_table(path, columns=list(SFT_COLUMNS))
         for index, row in enumerate(table.to_pylist()):
             ground_truth = (row["reward_model"] or {}).get("ground_truth")
             if not row["prompt"] or ground_truth is None:

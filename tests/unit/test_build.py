@@ -41,8 +41,12 @@ def test_a_complete_model_directory_passes(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data" / "addition").mkdir(parents=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     for name in ("train.parquet", "test.parquet"):  # the recipe's data files: present
-        (tmp_path / "data" / "addition" / name).write_bytes(b"")
+        pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1 + 1"}]}]),
+                       tmp_path / "data" / "addition" / name)
     prepare_policy(_cfg(save_tiny(tmp_path / "model", num_layers=1)))
 
 
@@ -59,6 +63,23 @@ def test_missing_data_is_refused_and_never_filled_in_except_at_the_tiny_recipe_p
     with pytest.raises(ValueError, match=r"data\.val_files: .*missing\.parquet does not exist"):
         prepare_policy(_cfg(model, f"data.train_files=[{tmp_path / 'train.parquet'}]",
                             f"data.val_files=[{tmp_path / 'missing.parquet'}]"))
+
+
+def test_data_without_the_prompt_column_or_not_parquet_is_refused_naming_the_file(tmp_path):
+    """Issue 12: under the tiny recipe a file without a ``prompt`` column failed in the warm start with a pyarrow
+    schema dump; now every data file's schema is read first, and the error names the key, the file and the column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    no_prompt = tmp_path / "questions.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "1 + 1", "data_source": "x"}]), no_prompt)
+    with pytest.raises(ValueError, match=rf"data\.val_files: {no_prompt} has no column 'prompt' \(data\.prompt_key\)"
+                                         rf" holding the chat messages; its columns are \['question', 'data_source'\]"):
+        prepare_policy(load_config([f"data.val_files=[{no_prompt}]"]))  # the tiny recipe; before its warm start
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_text("not parquet")
+    with pytest.raises(ValueError, match=rf"data\.train_files: {garbage} is not a readable parquet file"):
+        prepare_policy(load_config([f"data.train_files=[{garbage}]"]))
 
 
 def test_inputs_outside_the_config_are_checked_before_placement(tmp_path, monkeypatch):

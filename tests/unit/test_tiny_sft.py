@@ -298,3 +298,11 @@ def test_the_tiny_recipe_stops_its_warm_start_at_a_third_of_the_reward():
     assert load_config(["actor_rollout_ref.model.sft_stop_reward=null"]).actor_rollout_ref.model.sft_stop_reward is None
     with pytest.raises((ConfigError, ValueError), match=r"actor_rollout_ref.model.sft_stop_reward=1.5 must be in"):
         load_config(["actor_rollout_ref.model.sft_stop_reward=1.5"])
+
+
+def test_training_files_without_the_warm_start_columns_are_named(tmp_path):
+    path = tmp_path / "questions.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "1 + 1", "data_source": "x"}]), path)
+    with pytest.raises(ValueError, match=rf"{path}: no column\(s\) \['prompt', 'reward_model'\]; the tiny_sft warm "
+                                         rf"start reads \['data_source', 'prompt', 'reward_model'\]"):
+        tiny_sft.read_sft_rows([path])
