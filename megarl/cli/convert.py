@@ -4,6 +4,10 @@
   megarl-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
 
 On CPU it spawns its own gloo ranks (tp × pp of them); on GPU it uses NCCL, one GPU per rank.
+Before any rank starts, it refuses (exit code 2, one line naming the flag and the file) an
+--out that is a file, not writable or not empty without --force; a truncated or corrupt input
+file (safetensors headers, Megatron shards against their metadata); and an --hf-config whose
+tensor shapes differ from the checkpoint's. A rank that fails exits 1; nothing is written.
 """
 
 from __future__ import annotations

@@ -9,13 +9,15 @@ requested rows or columns. Writing follows ``save_pretrained``'s layout: shards 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.convert.layout import Slice
@@ -38,6 +40,102 @@ SIDE_FILES = (
 )
 # Buffers some checkpoints carry that are recomputed, not loaded.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Bytes per element of the safetensors dtypes (others are not size-checked).
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def safetensors_header(path: str | os.PathLike) -> dict:
+    """The header of a safetensors file (tensor name -> dtype, shape, data offsets), checked against the file.
+
+    Reads the header only. A ``ValueError`` names the file when it is too short, its header
+    length runs past the end, its header is not JSON, or a tensor's bytes lie outside the
+    file or do not match its shape and dtype (a truncated or corrupt file).
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"safetensors file {path} is {size} bytes, too short for a header: it is truncated")
+        (length,) = struct.unpack("<Q", head)
+        if length > _MAX_HEADER_BYTES or 8 + length > size:
+            raise ValueError(f"safetensors file {path} announces a {length}-byte header but holds {size} bytes: "
+                             "it is truncated or not a safetensors file")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as error:
+        raise ValueError(f"safetensors file {path} has a corrupt header (not JSON: {error})") from None
+    data_bytes = size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = [int(n) for n in entry["shape"]]
+            dtype = str(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"safetensors file {path} has a corrupt header entry for tensor {name}") from None
+        if not 0 <= begin <= end or end > data_bytes:
+            raise ValueError(f"safetensors file {path}: tensor {name} lies at bytes {begin}..{end} of the data, "
+                             f"which holds {data_bytes} bytes: the file is truncated")
+        if dtype in _DTYPE_BYTES and end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise ValueError(f"safetensors file {path}: tensor {name} ({dtype}, shape {shape}) needs "
+                             f"{math.prod(shape) * _DTYPE_BYTES[dtype]} bytes but occupies {end - begin}: it is corrupt")
+        tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    return tensors
+
+
+def check_hf_files(directory: str | os.PathLike, flag: str = "--hf") -> dict[str, tuple[int, ...]]:
+    """Check every safetensors file of an HF checkpoint directory from its headers; return the tensors' shapes.
+
+    Reads the index (if any) and each file's header, never tensor data. A ``ValueError`` names
+    ``flag``, the file and what is wrong: no weights, an unreadable index, a file the index
+    names that is missing, a truncated or corrupt file, a tensor the index places in a file
+    that does not hold it.
+    """
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{flag} {directory}: index {index} is unreadable ({error!r})") from None
+    elif (directory / SINGLE_NAME).exists():
+        weight_map, files = None, [SINGLE_NAME]
+    else:
+        raise ValueError(f"{flag} {directory} holds no {SINGLE_NAME} or {INDEX_NAME}: point {flag} at a directory "
+                         "written by save_pretrained (safetensors weights)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise ValueError(f"{flag} {directory}: {file}, named by {INDEX_NAME}, is missing")
+        for tensor, entry in safetensors_header(file).items():
+            shapes[tensor] = tuple(entry["shape"])
+            if weight_map is not None and weight_map.get(tensor, name) != name:
+                raise ValueError(f"{flag} {directory}: {INDEX_NAME} places tensor {tensor} in {weight_map[tensor]}, "
+                                 f"but {file} holds it")
+    if weight_map is not None:
+        absent = sorted(t for t in weight_map if t not in shapes)
+        if absent:
+            raise ValueError(f"{flag} {directory}: {INDEX_NAME} lists tensor {absent[0]} in {weight_map[absent[0]]}, "
+                             f"whose header does not hold it ({len(absent)} such tensor(s)): the file is corrupt")
+    return shapes
+
+
+def _open(path: Path):
+    """``safe_open`` with an error that names the file."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"safetensors file {path} cannot be read ({error}): it is truncated or corrupt") from error
 
 
 class HFCheckpoint:
@@ -49,8 +147,7 @@ class HFCheckpoint:
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.directory / SINGLE_NAME).exists():
-            with safe_open(self.directory / SINGLE_NAME, framework="pt") as f:
-                weight_map = {name: SINGLE_NAME for name in f.keys()}
+            weight_map = {name: SINGLE_NAME for name in _open(self.directory / SINGLE_NAME).keys()}
         else:
             raise ValueError(
                 f"{self.directory} holds no {SINGLE_NAME} or {INDEX_NAME}: point --hf at a directory "
@@ -64,7 +161,7 @@ class HFCheckpoint:
             raise KeyError(f"tensor {name} is not in the checkpoint {self.directory}")
         filename = self.weight_map[name]
         if filename not in self._handles:
-            self._handles[filename] = safe_open(self.directory / filename, framework="pt")
+            self._handles[filename] = _open(self.directory / filename)
         return self._handles[filename]
 
     def names(self) -> list[str]:

@@ -1,7 +1,8 @@
 """Whole-checkpoint conversions (what ``megarl-convert`` runs), on ranks they spawn themselves.
 
-Each conversion validates everything it can before starting ranks, writes into a temporary
-directory next to the output, and renames it into place only when every rank succeeded:
+Each conversion validates everything it can before starting ranks (``megarl.convert.preflight``:
+the output is writable, the input's files are whole, its shapes match the HF config; headers
+and metadata only), writes into a temporary directory next to the output, and renames it into place only when every rank succeeded:
 a crash never leaves a half-written directory under the output's name.
 
 A Megatron checkpoint written here is a directory holding ``megarl.json`` (family,
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
+from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, check_hf_files, copy_side_files
+from megarl.convert.preflight import check_mcore_files, check_mcore_shapes, check_output
 from megarl.config.parallel import ParallelDims
 
 FORMAT = "megarl-mcore"
@@ -39,11 +41,11 @@ class ConversionReport:
     num_bytes: int
 
 
-def _load_hf_config(directory: Path):
+def _load_hf_config(directory: Path, flag: str = "--hf"):
     from transformers import AutoConfig
 
     if not (directory / "config.json").exists():
-        raise ValueError(f"{directory} has no config.json: pass an HF model directory")
+        raise ValueError(f"{flag} {directory} has no config.json: pass an HF model directory")
     return AutoConfig.from_pretrained(directory)
 
 
@@ -93,10 +95,12 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
     hf_dir, out = Path(hf_dir), Path(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_output(out, force)
     hf_config = _load_hf_config(hf_dir)
     family = family_for(hf_config)
     dims = ParallelDims(tp=tp, pp=pp, vpp=vpp, dp=1)
     _check_config(family, hf_config, dims)
+    check_hf_files(hf_dir, "--hf")  # headers only: a truncated or corrupt file is named before any rank reads it
     checkpoint = HFCheckpoint(hf_dir)
     check_checkpoint(checkpoint, family.weight_rules(hf_config), hf_config)
     started = time.monotonic()
@@ -162,8 +166,10 @@ def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp
 
     mcore_dir, out = Path(mcore_dir), Path(out)
     meta = read_mcore_metadata(mcore_dir)
+    check_output(out, force)
     config_dir = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf_config"
-    hf_config = _load_hf_config(config_dir)
+    config_flag = f"--hf-config {config_dir}" if hf_config_dir else f"the checkpoint's own config {config_dir}"
+    hf_config = _load_hf_config(config_dir, "--hf-config" if hf_config_dir else "the checkpoint's own config")
     family = family_for(hf_config)
     if family.name != meta["family"]:
         raise ValueError(
@@ -174,6 +180,8 @@ def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     dims = ParallelDims(tp=tp or meta["tp"], pp=pp or meta["pp"], dp=1)
     _check_config(family, hf_config, dims)
+    check_mcore_files(mcore_dir / "model")  # metadata only: a truncated shard is named before any rank loads it
+    check_mcore_shapes(mcore_dir / "model", family, hf_config, int(meta["tp"]), config_flag)
     started = time.monotonic()
     with _atomic_output(out, force) as tmp:
         results = run_ranks(

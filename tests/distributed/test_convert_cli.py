@@ -1,6 +1,15 @@
-"""megarl-convert: a round trip through the CLI at different layouts, and every refusal it promises."""
+"""megarl-convert: a round trip through the CLI at different layouts, and every refusal it promises.
+
+Refusals of bad input (issue 12: a --hf-config whose shapes differ, a truncated file, an unwritable
+--out) come from the CLI's own process before any rank is spawned: those tests make spawning fail.
+"""
 
 import json
+import os
+import shutil
+import struct
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +24,25 @@ def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hf") / "qwen2"
     convert_jobs.save_tiny_hf_model("qwen2", directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def mcore_dir(hf_dir, tmp_path_factory):
+    """hf_dir converted at TP=2 × PP=2 through the CLI (read-only for the tests: copy before damaging it)."""
+    mcore = tmp_path_factory.mktemp("mcore") / "mcore"
+    assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore), "--tp", "2", "--pp", "2"]) == 0
+    return mcore
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test if a conversion spawns ranks: refusals must come before."""
+    from megarl.parallel import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were spawned before the input was refused")
+
+    monkeypatch.setattr(launch, "run_ranks", refuse)
 
 
 def _copy_model(src, dst, *, config=None, tensors=None):
@@ -36,9 +64,8 @@ def _fails(argv, capsys, code=2):
     return capsys.readouterr().err
 
 
-def test_round_trip_through_cli_at_another_layout(hf_dir, tmp_path, capsys):
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore), "--tp", "2", "--pp", "2"]) == 0
+def test_round_trip_through_cli_at_another_layout(hf_dir, mcore_dir, tmp_path, capsys):
+    mcore, back = mcore_dir, tmp_path / "back"
     meta = json.loads((mcore / "megarl.json").read_text())
     assert (meta["family"], meta["tp"], meta["pp"], meta["dtype"]) == ("qwen2", 2, 2, "fp32")
     assert (mcore / "hf_config" / "config.json").exists() and (mcore / "model" / "metadata.json").exists()
@@ -120,3 +147,110 @@ def test_crash_mid_conversion_leaves_no_output(hf_dir, tmp_path, capsys):
 def test_mcore_to_hf_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
     err = _fails(["mcore-to-hf", "--mcore", str(tmp_path), "--out", str(tmp_path / "o")], capsys)
     assert "is not a megarl Megatron checkpoint" in err
+
+
+# ------------------------------------------------------------- issue 12: refused before any rank starts
+def _refused(argv, capsys, *fragments):
+    """The CLI exits 2 within seconds with one line (no traceback) holding every fragment."""
+    start = time.monotonic()
+    err = _fails(argv, capsys)
+    assert time.monotonic() - start < 30, "refusals come before any rank (they take seconds)"
+    assert err.startswith("megarl-convert: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    return err
+
+
+def test_hf_config_whose_shapes_differ_from_the_checkpoint(mcore_dir, tmp_path, capsys, no_ranks):
+    config_dir = tmp_path / "wider"
+    shutil.copytree(mcore_dir / "hf_config", config_dir)
+    config = json.loads((config_dir / "config.json").read_text())
+    (config_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    out = tmp_path / "o"
+    _refused(["mcore-to-hf", "--mcore", str(mcore_dir), "--out", str(out), "--hf-config", str(config_dir)], capsys,
+             f"--hf-config {config_dir} does not match the checkpoint {mcore_dir}",
+             "tensor decoder.layers.mlp.linear_fc1.weight has shape [4, 192, 64] in the checkpoint",
+             "implies [4, 256, 64] (from model.layers.{i}.mlp.gate_proj.weight, model.layers.{i}.mlp.up_proj.weight)")
+    assert not out.exists()
+    # untied embeddings: the config wants an output layer the (tied) checkpoint does not have
+    (config_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    _refused(["mcore-to-hf", "--mcore", str(mcore_dir), "--out", str(out), "--hf-config", str(config_dir)], capsys,
+             "implies tensor output_layer.weight [256, 64] (from lm_head.weight), which the checkpoint does not hold")
+
+
+def _truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep(data)])
+
+
+def _header_length(data):
+    return struct.unpack("<Q", data[:8])[0]
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda d: len(d) - 100, "which holds"),  # data cut short
+    (lambda d: 8 + _header_length(d) // 2, "-byte header but holds"),  # header length past the end
+    (lambda d: 5, "too short for a header"),
+])
+def test_truncated_safetensors_file_is_named(hf_dir, tmp_path, capsys, no_ranks, damage, fragment):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    _truncate(src / "model.safetensors", damage)
+    out = tmp_path / "o"
+    _refused(["hf-to-mcore", "--hf", str(src), "--out", str(out)], capsys,
+             f"safetensors file {src / 'model.safetensors'}", fragment)
+    assert not out.exists()
+
+
+def test_corrupt_safetensors_header_and_index_are_named(hf_dir, tmp_path, capsys, no_ranks):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    data = bytearray((src / "model.safetensors").read_bytes())
+    data[8] = ord("x")  # the JSON header's opening brace
+    (src / "model.safetensors").write_bytes(bytes(data))
+    _refused(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "o")], capsys,
+             f"safetensors file {src / 'model.safetensors'} has a corrupt header (not JSON")
+    # sharded: the index names a file that is not there
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "part-2.safetensors"}}))
+    _refused(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "o")], capsys,
+             f"{src / 'part-2.safetensors'}, named by model.safetensors.index.json, is missing")
+
+
+def test_truncated_megatron_shard_is_named(mcore_dir, tmp_path, capsys, no_ranks):
+    mcore = tmp_path / "mcore"
+    shutil.copytree(mcore_dir, mcore)
+    shard = sorted((mcore / "model").glob("*.distcp"))[0]
+    _truncate(shard, lambda d: len(d) // 2)
+    _refused(["mcore-to-hf", "--mcore", str(mcore), "--out", str(tmp_path / "o")], capsys,
+             f"--mcore {mcore}: file {shard} has", "(truncated)")
+
+
+def test_unwritable_out_is_named(hf_dir, tmp_path, capsys, no_ranks):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    hf = ["hf-to-mcore", "--hf", str(hf_dir)]
+    _refused([*hf, "--out", str(a_file)], capsys, f"--out {a_file} is a file, not a directory")
+    _refused([*hf, "--out", str(a_file), "--force"], capsys, f"--out {a_file} is a file")
+    _refused([*hf, "--out", str(a_file / "sub" / "out")], capsys,
+             f"--out {a_file / 'sub' / 'out'} cannot be created: {a_file} is not a directory")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        target = locked / "out"
+        if os.access(locked, os.W_OK):  # root ignores permissions: take a directory nobody may write in
+            target = Path("/sys/megarl-convert-out")
+            if not Path("/sys").is_dir():
+                pytest.skip("running as root without /sys: no unwritable directory to test with")
+        _refused([*hf, "--out", str(target)], capsys, f"--out {target} is not writable: cannot create entries in")
+        assert not target.exists()
+    finally:
+        locked.chmod(0o700)
+    # --force replaces a non-empty directory (the CLI's promise) once it is writable: checked up to the ranks
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(AssertionError, match="ranks were spawned"):
+        main([*hf, "--out", str(out), "--force"])
+    assert (out / "keep.txt").exists()
