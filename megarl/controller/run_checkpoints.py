@@ -190,6 +190,8 @@ def verify_checkpoint(path: str | os.PathLike, *, content: bool = True) -> str |
         files = manifest["files"]
         if manifest.get("format") != MANIFEST_FORMAT or manifest.get("hash") != "sha256":
             raise ValueError(f"format {manifest.get('format')!r}, hash {manifest.get('hash')!r}")
+        if not all(isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values()):
+            raise ValueError("an entry lacks its size or hash")
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"its {MANIFEST_NAME} is unreadable ({error})"
     sizes = {}

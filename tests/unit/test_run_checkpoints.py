@@ -246,6 +246,7 @@ def test_a_truncated_file_makes_auto_resume_fall_back_and_say_so(tmp_path):
     ("altered", r"file actor/dist/__0_0\.distcp does not hold what was saved \(its SHA-256 differs"),
     ("missing", r"file actor/model\.json is missing"),
     ("manifest", r"its manifest\.json is unreadable"),
+    ("entry", r"its manifest\.json is unreadable \(an entry lacks its size or hash\)"),
 ])
 def test_altered_missing_or_unreadable_files_are_named(tmp_path, damage, problem):
     manager = CheckpointManager(tmp_path)
@@ -258,8 +259,12 @@ def test_altered_missing_or_unreadable_files_are_named(tmp_path, damage, problem
         shard.write_bytes(bytes(data))
     elif damage == "missing":
         (newest / "actor" / "model.json").unlink()
-    else:
+    elif damage == "manifest":
         (newest / cm.MANIFEST_NAME).write_text('{"files": ')
+    else:  # an entry without its size
+        manifest = cm.json.loads((newest / cm.MANIFEST_NAME).read_text())
+        del manifest["files"]["actor/model.json"]["size"]
+        (newest / cm.MANIFEST_NAME).write_text(cm.json.dumps(manifest))
     with pytest.warns(UserWarning, match=f"global_step_2, which is damaged: {problem}.*using .*global_step_1"):
         assert manager.latest() == tmp_path / "global_step_1"
     with pytest.raises(ValueError, match=f"resume_from_path=.*global_step_2 is damaged: {problem}"):
