@@ -8,6 +8,7 @@ from typing import Any
 from megarl.algo.advantages import ESTIMATORS, gae_advantage, grpo_outcome_advantage
 from megarl.algo.kl import KL_KINDS, build_kl_controller
 from megarl.config.common import check_choice, check_positive, default_of
+from megarl.reward.manager import ON_ERROR_MODES
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
 
@@ -45,10 +46,15 @@ class RewardConfig:
     """Per ``data_source`` settings of registered scorers, e.g. ``{"openai/gsm8k": {"method": "flexible"}}``."""
     num_examine: int = 0
     """Decoded samples per ``data_source`` logged per training step."""
+    on_error: str = "raise"
+    """A row the reward function cannot score (it raises, or returns no finite score): ``raise`` stops the run
+    naming the row, its data source and the function; ``skip`` scores it 0, leaves it out of the update (and out
+    of validation means) and counts it (``reward/num_errors``)."""
 
     def __post_init__(self) -> None:
         if self.num_examine < 0:
             raise ValueError(f"reward_model.num_examine must be >= 0, got {self.num_examine}")
+        check_choice("reward_model.on_error", self.on_error, ON_ERROR_MODES)
 
 
 @dataclasses.dataclass(kw_only=True)

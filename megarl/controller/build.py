@@ -249,6 +249,10 @@ def _check_data(cfg: RunConfig) -> list[Path]:
             if data.prompt_key not in columns:
                 raise ValueError(f"{key}: {path} has no column {data.prompt_key!r} (data.prompt_key) holding the "
                                  f"chat messages; its columns are {columns}")
+            missing_columns = [c for c in ("data_source", "reward_model") if c not in columns]
+            if missing_columns:
+                raise ValueError(f"{key}: {path} has no column(s) {missing_columns}, which pick each row's reward "
+                                 f"scorer and hold its ground truth; its columns are {columns}")
     return train
 
 
@@ -314,16 +318,24 @@ def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = Non
     return train, val
 
 
-def build_reward_managers(cfg: RunConfig, tokenizer) -> tuple[RewardManager, RewardManager]:
-    """Training and validation reward managers (``reward_model.*``); validation logs one sample per source."""
+def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
+                          val_set: PromptDataset | None) -> tuple[RewardManager, RewardManager]:
+    """Training and validation reward managers (``reward_model.*``); validation logs one sample per source.
+
+    A custom function is loaded and its signature checked here; without one, every ``data_source`` of the data
+    must have a registered scorer. Errors name the setting (before anything is placed)."""
     reward = cfg.reward_model
     custom = reward.custom_reward_function
 
     def manager(num_examine: int) -> RewardManager:
         return RewardManager(tokenizer, compute_score=custom.spec(), reward_kwargs=custom.reward_kwargs or None,
-                             scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine)
+                             scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine, on_error=reward.on_error)
 
-    return manager(reward.num_examine), manager(1)  # verl logs one decoded sample per data source in validation
+    train, val = manager(reward.num_examine), manager(1)  # verl logs one decoded sample per source in validation
+    train.check_data_sources(train_set.data_sources(), "data.train_files")
+    if val_set is not None:
+        val.check_data_sources(val_set.data_sources(), "data.val_files")
+    return train, val
 
 
 def init_ray(cfg: RunConfig) -> bool:

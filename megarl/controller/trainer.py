@@ -117,14 +117,15 @@ class Trainer:
         model = cfg.actor_rollout_ref.model
         self.tokenizer = AutoTokenizer.from_pretrained(model.local_tokenizer_path,
                                                        trust_remote_code=model.trust_remote_code)
-        try:
+        try:  # the data's rows and the reward functions that score them, before Ray
             self.train_set, self.val_set = build_datasets(cfg, self.tokenizer, self.plugins, console=self.console)
-        except ValueError as error:
+            self.reward_fn, self.val_reward_fn = build_reward_managers(cfg, self.tokenizer, self.train_set,
+                                                                       self.val_set)
+        except (ValueError, FileNotFoundError) as error:
             raise RunInputError(str(error)) from error
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
-        self.reward_fn, self.val_reward_fn = build_reward_managers(cfg, self.tokenizer)
         self._started_ray = init_ray(cfg)
         self.roles = build_roles(cfg)
         self.plan, self.engines = self.roles.plan, self.roles.engines
@@ -309,6 +310,7 @@ class Trainer:
             with timer("reward", timing):
                 scores, extra = self.reward_fn(batch)
                 batch["token_level_scores"] = scores
+            metrics.update(self._leave_out_unscored(batch, extra, step))
             batch = self._experience(batch, metrics, timing)
             with timer("adv", timing):
                 self._advantages(batch, metrics)
@@ -341,6 +343,18 @@ class Trainer:
             self.console(f"step {step}: {failed} of {len(batch)} rollouts failed (finish reason 'abort'; the "
                          f"rollout log says why); they train with an all-zero loss mask")
         return rollout_metrics(batch)
+
+    def _leave_out_unscored(self, batch: Batch, extra: dict[str, list], step: int) -> dict[str, float]:
+        """Rows the reward function could not score (``reward_model.on_error=skip``) get an all-zero loss mask;
+        they are counted (``reward/num_errors``) and the first error is shown."""
+        if self.cfg.reward_model.on_error != "skip":
+            return {}
+        errors = [i for i, error in enumerate(extra.get("reward_error", [])) if error]
+        if errors:
+            batch[self._mask_key()][errors] = 0
+            self.console(f"step {step}: {len(errors)} of {len(batch)} rows could not be scored and are left out of "
+                         f"the update (reward_model.on_error=skip); the first: {extra['reward_error'][errors[0]]}")
+        return {"reward/num_errors": float(len(errors))}
 
     def _overhead(self, timing: dict[str, float]) -> dict[str, float]:
         """Worker compute per role (the busiest rank) and the rest of the step: the controller's overhead."""
@@ -375,6 +389,7 @@ class Trainer:
         wanted = self.cfg.trainer.log_val_generations
         scores: dict[str, list[float]] = {}
         samples: list[dict[str, Any]] = []
+        num_errors = 0
         for round_, start in enumerate(range(0, len(self.val_set), size)):
             prompts = self.val_set.collate([self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))])
             out = self.rollout_manager.generate(
@@ -382,9 +397,13 @@ class Trainer:
                 seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION, self.global_step, round_))
             check_failed_rollouts(out, self.cfg.actor_rollout_ref.rollout.max_failed_frac,
                                   f"validation at step {self.global_step}, round {round_}")
-            token_scores, _ = self.val_reward_fn(out)
-            for source, score in zip(out["data_source"], token_scores.sum(-1).tolist()):
-                scores.setdefault(str(source), []).append(score)
+            token_scores, extra = self.val_reward_fn(out)
+            errors = extra.get("reward_error", [None] * len(out))
+            for source, score, error in zip(out["data_source"], token_scores.sum(-1).tolist(), errors, strict=True):
+                if error:  # reward_model.on_error=skip: counted, left out of the means
+                    num_errors += 1
+                else:
+                    scores.setdefault(str(source), []).append(score)
             if len(samples) < wanted:
                 out["token_level_scores"] = token_scores
                 texts = zip(*self._decode(out.reorder(list(range(min(wanted - len(samples), len(out)))))))
@@ -393,7 +412,9 @@ class Trainer:
             self.tracker.log_generations(samples, self.global_step)
         metrics = {f"val/{source}/reward/mean": sum(v) / len(v) for source, v in scores.items()}
         every = [s for v in scores.values() for s in v]
-        metrics["val/reward/mean"] = sum(every) / len(every)
+        metrics["val/reward/mean"] = sum(every) / len(every) if every else float("nan")
+        if self.cfg.reward_model.on_error == "skip":
+            metrics["val/reward/num_errors"] = float(num_errors)
         return metrics
 
     # ================================================================================ the loop

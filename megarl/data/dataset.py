@@ -252,6 +252,16 @@ class PromptDataset(torch.utils.data.Dataset):
                            "data.max_prompt_length=%d (data.filter_overlong_prompts=True): %s%s",
                            self.num_filtered_overlong, self.num_rows_read, self.max_prompt_length, shown, more)
 
+    def data_sources(self) -> list[str]:
+        """The distinct ``data_source`` values of the files' rows (they pick the reward scorer), sorted."""
+        sources: set[str] = set()
+        for path, table in zip(self.data_files, self._tables, strict=True):
+            if "data_source" not in table.column_names:
+                raise ValueError(f"{path}: no column 'data_source' (it picks each row's reward scorer); its "
+                                 f"columns are {table.column_names}")
+            sources.update(str(value) for value in table.column("data_source").unique().to_pylist())
+        return sorted(sources)
+
     def _count_missing_tools_kwargs(self) -> int:
         """Count (and report) kept rows whose ``need_tools_kwargs`` is on but ``tools_kwargs`` empty."""
         missing = []

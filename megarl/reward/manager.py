@@ -18,6 +18,13 @@ logged.
 If the batch already has ``rm_scores`` (a reward model ran), they are the scores, as in verl,
 and no rule scoring happens.
 
+Scoring errors: a row whose function raises, returns something other than a number or a dict
+with ``"score"``, or returns a non-finite score (NaN, inf) is an error naming the row (its
+prompt index and ``data_source``) and the function. ``on_error="raise"`` raises
+:class:`RewardError`; ``on_error="skip"`` scores the row 0, records the message in the row's
+``reward_error`` extra info (``None`` on the other rows) and goes on: the trainer counts such
+rows and leaves them out of the update.
+
 Shape legend: ``B`` rows (trajectories), ``T`` response tokens (``responses.shape[1]``).
 """
 
@@ -26,15 +33,24 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from megarl.data.batch import Batch
-from megarl.reward.registry import ComputeScore, ScorerRegistry, load_function
+from megarl.reward.registry import ComputeScore, ScorerRegistry, check_compute_score, load_function
 
 logger = logging.getLogger(__name__)
+
+ON_ERROR_MODES = ("raise", "skip")
+"""What a scoring error does (``reward_model.on_error``): stop the run, or score the row 0 and count it."""
+
+
+class RewardError(ValueError):
+    """A row could not be scored (``on_error="raise"``); the message names the row, its data source and the
+    function."""
+
 
 PASSED_THROUGH_FIELDS = ("reward_scores", "num_turns")
 """Per-row rollout fields added to a copy of ``extra_info`` when the batch has them
@@ -64,13 +80,18 @@ class RewardManager:
             ``{"openai/gsm8k": {"method": "flexible", "format_score": 0.1}}``.
         num_examine: how many decoded samples per ``data_source`` to log at INFO level per call
             (0 in training, 1 in validation, as in verl).
+        on_error: ``raise`` or ``skip`` (see the module docstring).
     """
 
     def __init__(self, tokenizer: Any, *, compute_score: ComputeScore | str | None = None,
                  reward_kwargs: Mapping[str, Any] | None = None, scorers: ScorerRegistry | None = None,
-                 scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None, num_examine: int = 0) -> None:
+                 scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None, num_examine: int = 0,
+                 on_error: str = "raise") -> None:
         if num_examine < 0:
             raise ValueError(f"num_examine must be >= 0, got {num_examine}")
+        if on_error not in ON_ERROR_MODES:
+            raise ValueError(f"reward_model.on_error={on_error!r}; use one of {ON_ERROR_MODES}")
+        self.on_error = on_error
         if reward_kwargs and compute_score is None:
             raise ValueError("reward_kwargs are bound to a custom reward function, but none is set; set the "
                              "custom function ('module_or_path:function') or use scorer_kwargs per data_source")
@@ -80,10 +101,28 @@ class RewardManager:
         for data_source, kwargs in (scorer_kwargs or {}).items():
             self.scorers.configure(data_source, **kwargs)
         if isinstance(compute_score, str):
-            compute_score = load_function(compute_score, **dict(reward_kwargs or {}))
-        elif compute_score is not None and reward_kwargs:
-            compute_score = functools.partial(compute_score, **reward_kwargs)
+            self.function_name = f"custom reward function {compute_score!r}"
+            function = load_function(compute_score)
+            check_compute_score(function, self.function_name, reward_kwargs or {})
+            compute_score = functools.partial(function, **reward_kwargs) if reward_kwargs else function
+        elif compute_score is not None:
+            self.function_name = f"custom reward function {getattr(compute_score, '__qualname__', compute_score)!r}"
+            check_compute_score(compute_score, self.function_name, reward_kwargs or {})
+            if reward_kwargs:
+                compute_score = functools.partial(compute_score, **reward_kwargs)
+        else:
+            self.function_name = "the registered scorer"
         self.compute_score = compute_score
+
+    def check_data_sources(self, data_sources: Iterable[str], key: str) -> None:
+        """Refuse data sources no scorer is registered for (without a custom function), naming ``key``."""
+        if self.compute_score is not None:
+            return
+        unknown = sorted(set(data_sources) - set(self.scorers.names()))
+        if unknown:
+            raise ValueError(f"{key}: rows of data_source {unknown} have no reward scorer (registered: "
+                             f"{self.scorers.names()}); set reward_model.custom_reward_function.path/name to a "
+                             f"function that scores them")
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list]]:
         """Token-level scores ``[B, T]`` (float32, on the responses' device) and per-row extra info."""
@@ -104,8 +143,16 @@ class RewardManager:
             solution_str = self.tokenizer.decode(responses_BT[i, :last + 1].tolist(), skip_special_tokens=True)
             ground_truth = self._ground_truth(reward_models[i], data_sources[i], i)
             extra_info = self._extra_info(batch, extra_infos[i], i)
-            result = self._score(data_sources[i], solution_str, ground_truth, extra_info)
-            score, info = self._split_result(result, data_sources[i], i)
+            scorer = self._scorer(data_sources[i])
+            try:
+                score, info = self._split_result(scorer(solution_str, ground_truth, extra_info))
+            except Exception as error:  # the reward function is user code: name the row, then raise or skip
+                message = (f"row {i} ({self._where(batch, i, extra_info, data_sources[i])}): {self.function_name} "
+                           f"{_describe(error)}")
+                if self.on_error == "raise":
+                    raise RewardError(f"{message}; fix the function, or set reward_model.on_error=skip to score "
+                                      f"such rows 0 and leave them out of the update (counted)") from error
+                score, info = 0.0, {"score": 0.0, "reward_error": message}
             scores_BT[i, max(last, 0)] = score
             rows_info.append(info)
             if examined.get(data_sources[i], 0) < self.num_examine:
@@ -141,28 +188,37 @@ class RewardManager:
                 info[key] = batch.non_tensors[key][row]
         return info
 
-    def _score(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict) -> float | dict:
+    def _scorer(self, data_source: str) -> Callable[[str, Any, dict], Any]:
+        """``scorer(solution_str, ground_truth, extra_info)`` for rows of ``data_source`` (``ValueError`` when
+        no scorer is registered for it and there is no custom function)."""
         if self.compute_score is not None:
-            return self.compute_score(data_source=data_source, solution_str=solution_str,
-                                      ground_truth=ground_truth, extra_info=extra_info)
-        return self.scorers.get(data_source)(solution_str, ground_truth, extra_info)
+            return functools.partial(_call_compute_score, self.compute_score, data_source)
+        return self.scorers.get(data_source)
 
     @staticmethod
-    def _split_result(result: Any, data_source: str, row: int) -> tuple[float, dict[str, Any]]:
+    def _where(batch: Batch, row: int, extra_info: Mapping[str, Any], data_source: str) -> str:
+        """``prompt index 17, data_source 'openai/gsm8k'`` (the index when the batch or extra_info has one)."""
+        index = batch.non_tensors["index"][row] if "index" in batch.non_tensors else extra_info.get("index")
+        return f"data_source {data_source!r}" if index is None else f"prompt index {index}, data_source {data_source!r}"
+
+    @staticmethod
+    def _split_result(result: Any) -> tuple[float, dict[str, Any]]:
         """The score and the row's extra info (``score`` plus a dict result's other keys)."""
         if isinstance(result, Mapping):
             if "score" not in result:
-                raise ValueError(f"row {row} (data_source {data_source!r}): the reward function returned a dict "
-                                 f"without 'score' (keys {sorted(result)}); return a float or a dict with 'score'")
+                raise BadReturn(f"returned a dict without 'score' (keys {sorted(result)}); return a float or a "
+                                f"dict with 'score'")
             info = dict(result)
         elif isinstance(result, (int, float)) or (isinstance(result, torch.Tensor) and result.numel() == 1):
             info = {"score": result}
         else:
-            raise TypeError(f"row {row} (data_source {data_source!r}): the reward function returned "
-                            f"{type(result).__name__}; return a float or a dict with 'score'")
-        score = float(info["score"])
-        if math.isnan(score):
-            raise ValueError(f"row {row} (data_source {data_source!r}): the reward function returned a NaN score")
+            raise BadReturn(f"returned {type(result).__name__}; return a float or a dict with 'score'")
+        try:
+            score = float(info["score"])
+        except (TypeError, ValueError):
+            raise BadReturn(f"returned a score of type {type(info['score']).__name__}; scores are numbers") from None
+        if not math.isfinite(score):
+            raise BadReturn(f"returned the score {score}; scores must be finite")
         info["score"] = score
         return score, info
 
@@ -175,6 +231,24 @@ class RewardManager:
             prompt = self.tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
         logger.info("[data_source] %s\n[prompt] %s\n[response] %s\n[ground_truth] %s\n[reward] %s",
                     batch["data_source"][row], prompt, solution_str, ground_truth, info)
+
+
+def _call_compute_score(compute_score: ComputeScore, data_source: str, solution_str: str, ground_truth: Any,
+                        extra_info: dict) -> Any:
+    """A compute-score function called as verl calls it (keywords)."""
+    return compute_score(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                         extra_info=extra_info)
+
+
+class BadReturn(ValueError):
+    """The reward function returned something that is not a finite score."""
+
+
+def _describe(error: Exception) -> str:
+    """``returned ...`` for a bad return value, ``raised <Type>: <message>`` for an exception."""
+    if isinstance(error, BadReturn):
+        return str(error)
+    return f"raised {type(error).__name__}: {error}"
 
 
 def _columns(rows_info: list[dict[str, Any]]) -> dict[str, list]:

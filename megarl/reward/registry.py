@@ -19,11 +19,17 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import numbers
 import sys
+import types
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import torch
 
 from megarl.reward import addition, gsm8k
 
@@ -161,3 +167,44 @@ def load_function(spec: str, **bound_kwargs: Any) -> Callable[..., Any]:
         raise TypeError(f"custom reward function {spec!r}: {function_name!r} is a {type(function).__name__}, "
                         f"not a function")
     return functools.partial(function, **bound_kwargs) if bound_kwargs else function
+
+
+SCORE_TYPES = (int, float, numbers.Real, dict, Mapping, torch.Tensor)
+"""Return annotations a compute-score function may carry (a number, or a dict with ``"score"``)."""
+
+
+def check_compute_score(function: Callable[..., Any], what: str, bound_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, when loading, a function verl's call cannot reach or whose return annotation is not a score
+    (``what`` names it in the error).
+
+    The call is ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **bound_kwargs)``;
+    the return annotation (when there is one) must be a number or a dict type (or a union of them).
+    """
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no introspectable signature (a C function): checked when called
+        return
+    try:
+        signature.bind(data_source="", solution_str="", ground_truth=None, extra_info={}, **bound_kwargs)
+    except TypeError as error:
+        bound = "".join(f", {key}=..." for key in bound_kwargs)
+        raise ValueError(f"{what} cannot be called as fn(data_source=..., solution_str=..., "
+                         f"ground_truth=..., extra_info=...{bound}) ({error}); its signature is {signature}") from None
+    try:
+        returns = typing.get_type_hints(function).get("return", inspect.Signature.empty)
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate says nothing about the value
+        return
+    if returns is inspect.Signature.empty or _is_score_type(returns):
+        return
+    raise ValueError(f"{what} is annotated to return {returns!r}; a reward function "
+                     f"returns a float or a dict with 'score'")
+
+
+def _is_score_type(annotation: Any) -> bool:
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(_is_score_type(arg) for arg in typing.get_args(annotation))
+    target = origin if origin is not None else annotation
+    return isinstance(target, type) and issubclass(target, SCORE_TYPES)

@@ -9,5 +9,13 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def overflow_reward(data_source, solution_str, ground_truth, extra_info=None):
-    """An overflowed score (inf): the group's advantages, hence the loss, become NaN; the update must be skipped."""
-    return float("inf")
+    """A finite score so large that a group's float32 mean overflows: the advantages, hence the loss, become NaN;
+    the update must be skipped. (A non-finite score itself is refused by the reward manager.)"""
+    return 3e38
+
+
+def even_prompts_raise(data_source, solution_str, ground_truth, extra_info=None):
+    """Raises on prompts with an even index (a judge that fails on some rows); digit share on the others."""
+    if extra_info["index"] % 2 == 0:
+        raise ConnectionError(f"judge unavailable for prompt {extra_info['index']}")
+    return digit_share(data_source, solution_str, ground_truth, extra_info)

@@ -184,7 +184,7 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
 
 
 def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
-    """An overflowed (inf) reward makes the loss NaN: the update is skipped, reported, the weights unchanged.
+    """An overflowing (3e38) reward makes the loss NaN: the update is skipped, reported, the weights unchanged.
     Then a killed actor rank ends the next step within seconds, naming role and rank."""
     cfg = _config(assets, "failures", "trainer.total_steps=1", "reward_model.custom_reward_function.name=overflow_reward")
     trainer = Trainer(cfg, console=lambda *_: None)
@@ -211,6 +211,25 @@ def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
         assert "actor rank 1" in str(error.value)
     finally:
         trainer.shutdown()
+
+
+def test_rows_the_reward_function_cannot_score_are_skipped_and_counted(assets):
+    """Issue 12: reward_model.on_error=skip: rows whose reward function raises score 0, are left out of the
+    update (all-zero loss mask) and counted; the step trains on the others."""
+    messages = []
+    cfg = _config(assets, "reward_skip", "trainer.total_steps=1", "data.shuffle=false",
+                  "reward_model.custom_reward_function.name=even_prompts_raise", "reward_model.on_error=skip")
+    trainer = Trainer(cfg, console=messages.append)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    (_, metrics), = trainer.history
+    assert metrics["reward/num_errors"] == 8  # prompts 0 and 2 of 0..3, n=4 samples each
+    assert metrics["actor/skipped_steps"] == 0 and math.isfinite(metrics["actor/pg_loss"])
+    assert any("step 1: 8 of 16 rows could not be scored and are left out of the update (reward_model.on_error=skip);"
+               " the first: row 0 (prompt index 0, data_source 'addition'): custom reward function "
+               in m and "raised ConnectionError: judge unavailable for prompt 0" in m for m in messages), messages
 
 
 def test_multi_turn_grpo_with_tools(assets, tmp_path):

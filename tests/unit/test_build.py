@@ -45,7 +45,8 @@ def test_a_complete_model_directory_passes(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
     for name in ("train.parquet", "test.parquet"):  # the recipe's data files: present
-        pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1 + 1"}]}]),
+        pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1 + 1"}],
+                                              "data_source": "addition", "reward_model": {"ground_truth": "2"}}]),
                        tmp_path / "data" / "addition" / name)
     prepare_policy(_cfg(save_tiny(tmp_path / "model", num_layers=1)))
 
@@ -80,6 +81,11 @@ def test_data_without_the_prompt_column_or_not_parquet_is_refused_naming_the_fil
     garbage.write_text("not parquet")
     with pytest.raises(ValueError, match=rf"data\.train_files: {garbage} is not a readable parquet file"):
         prepare_policy(load_config([f"data.train_files=[{garbage}]"]))
+    unscored = tmp_path / "unscored.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "1 + 1"}]}]), unscored)
+    with pytest.raises(ValueError, match=rf"data\.val_files: {unscored} has no column\(s\) \['data_source', "
+                                         rf"'reward_model'\], which pick each row's reward scorer"):
+        prepare_policy(load_config([f"data.val_files=[{unscored}]"]))
 
 
 def test_inputs_outside_the_config_are_checked_before_placement(tmp_path, monkeypatch):

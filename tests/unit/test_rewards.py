@@ -12,7 +12,7 @@ import torch
 
 from megarl.data import Batch
 from megarl.reward import RewardManager, ScorerRegistry, addition, default_compute_score, gsm8k, load_function
-from megarl.reward.manager import last_valid_positions
+from megarl.reward.manager import RewardError, last_valid_positions
 from tests.unit.test_dataset import IM_END_ID, PAD_ID, build_tokenizer
 
 # ------------------------------------------------------------------------------------------ GSM8K
@@ -239,9 +239,9 @@ def test_manager_errors_name_the_row(tokenizer):
                                          r"'ground_truth'"):
         RewardManager(tokenizer)(batch)
     no_score = response_batch(tokenizer, ["1"], num_tokens=2, ground_truths=["1"])
-    with pytest.raises(ValueError, match=r"row 0 .*returned a dict without 'score' \(keys \['acc'\]\)"):
+    with pytest.raises(RewardError, match=r"row 0 .*returned a dict without 'score' \(keys \['acc'\]\)"):
         RewardManager(tokenizer, compute_score=lambda **kw: {"acc": 1.0})(no_score)
-    with pytest.raises(TypeError, match=r"returned str; return a float or a dict"):
+    with pytest.raises(RewardError, match=r"returned str; return a float or a dict"):
         RewardManager(tokenizer, compute_score=lambda **kw: "good")(no_score)
     with pytest.raises(ValueError, match=r"reward_kwargs are bound to a custom reward function, but none is set"):
         RewardManager(tokenizer, reward_kwargs={"bonus": 1})
@@ -255,3 +255,76 @@ def test_manager_logs_num_examine_samples_per_data_source(tokenizer, caplog):
     with caplog.at_level(logging.INFO, logger="megarl.reward.manager"):
         RewardManager(tokenizer, num_examine=1)(batch)
     assert caplog.text.count("[response]") == 1 and "[ground_truth] 1" in caplog.text
+
+
+# ------------------------------------------------------------------------- scoring errors (issue 12)
+
+def _source(tmp_path, text, name="reward.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "-float('inf')", "{'score': float('inf')}"])
+def test_non_finite_scores_are_refused(tokenizer, tmp_path, value):
+    """inf used to be accepted (every update then skipped, rc 0) while NaN was refused: both are refused."""
+    spec = _source(tmp_path, f"def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                             f"    return {value}\n") + ":score"
+    batch = response_batch(tokenizer, ["1", "2"], num_tokens=2, ground_truths=["1", "2"], index=[5, 6])
+    with pytest.raises(RewardError, match=rf"^row 0 \(prompt index 5, data_source 'addition'\): custom reward "
+                                          rf"function '.*reward.py:score' returned the score -?(nan|inf); scores must "
+                                          rf"be finite; fix the function, or set reward_model.on_error=skip"):
+        RewardManager(tokenizer, compute_score=spec)(batch)
+
+
+def test_a_raising_function_names_the_row_its_source_and_the_function_or_is_skipped_and_counted(tokenizer, tmp_path):
+    spec = _source(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                             "    if solution_str == '2':\n"
+                             "        raise KeyError('no judge for ' + solution_str)\n"
+                             "    return float(solution_str == ground_truth)\n") + ":score"
+    batch = response_batch(tokenizer, ["1", "2", "3"], num_tokens=2, ground_truths=["1", "2", "4"],
+                           data_sources=["addition", "openai/gsm8k", "addition"], index=[10, 11, 12])
+    with pytest.raises(RewardError, match=r"^row 1 \(prompt index 11, data_source 'openai/gsm8k'\): custom reward "
+                                          r"function '.*reward.py:score' raised KeyError: 'no judge for 2'; fix the "
+                                          r"function, or set reward_model.on_error=skip"):
+        RewardManager(tokenizer, compute_score=spec)(batch)
+    scores, info = RewardManager(tokenizer, compute_score=spec, on_error="skip")(batch)
+    assert scores.sum(-1).tolist() == [1.0, 0.0, 0.0]
+    assert info["score"] == [1.0, 0.0, 0.0]
+    assert info["reward_error"][0] is None and info["reward_error"][2] is None
+    assert info["reward_error"][1].startswith("row 1 (prompt index 11, data_source 'openai/gsm8k'): custom reward "
+                                              "function") and info["reward_error"][1].endswith("raised KeyError: "
+                                                                                               "'no judge for 2'")
+    with pytest.raises(ValueError, match=r"reward_model.on_error='ignore'; use one of \('raise', 'skip'\)"):
+        RewardManager(tokenizer, on_error="ignore")
+
+
+def test_signature_and_return_annotation_are_checked_when_loaded(tokenizer, tmp_path):
+    two_args = _source(tmp_path, "def score(text, answer):\n    return 1.0\n", "two.py") + ":score"
+    with pytest.raises(ValueError, match=r"custom reward function '.*two.py:score' cannot be called as "
+                                         r"fn\(data_source=\.\.\., solution_str=\.\.\., ground_truth=\.\.\., "
+                                         r"extra_info=\.\.\.\) \(.*\); its signature is \(text, answer\)"):
+        RewardManager(tokenizer, compute_score=two_args)
+    kwargs = _source(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                               "    return 1.0\n", "kw.py") + ":score"
+    with pytest.raises(ValueError, match=r"cannot be called as fn\(.*extra_info=\.\.\., bonus=\.\.\.\)"):
+        RewardManager(tokenizer, compute_score=kwargs, reward_kwargs={"bonus": 1.0})
+    for annotation, accepted in (("str", False), ("float | None", False), ("list[float]", False), ("float", True),
+                                 ("dict[str, float]", True), ("float | dict", True), ("int", True)):
+        spec = _source(tmp_path, f"def score(data_source, solution_str, ground_truth, extra_info=None) -> "
+                                 f"{annotation}:\n    return 1.0\n", f"a{abs(hash(annotation))}.py") + ":score"
+        if accepted:
+            RewardManager(tokenizer, compute_score=spec)
+        else:
+            with pytest.raises(ValueError, match=r"is annotated to return .*; a reward function returns a float or "
+                                                 r"a dict with 'score'"):
+                RewardManager(tokenizer, compute_score=spec)
+
+
+def test_data_sources_without_a_scorer_are_refused_up_front(tokenizer):
+    manager = RewardManager(tokenizer)
+    manager.check_data_sources(["addition", "openai/gsm8k"], "data.train_files")
+    with pytest.raises(ValueError, match=r"data.val_files: rows of data_source \['mystery'\] have no reward scorer "
+                                         r"\(registered: \[.*'addition'.*\]\); set reward_model.custom_reward_function"):
+        manager.check_data_sources(["addition", "mystery"], "data.val_files")
+    RewardManager(tokenizer, compute_score=lambda **kw: 1.0).check_data_sources(["mystery"], "data.train_files")
