@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RunDirectoryInUse, RunInputError) as error:
         print(f"megarl-train: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        trainer.shutdown()
+        print(f"megarl-train: interrupted at step {trainer.global_step}; workers and Ray stopped", file=sys.stderr)
+        return 130
     finally:
         trainer.shutdown()
     print(f"TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.log_dir})")

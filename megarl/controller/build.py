@@ -338,7 +338,7 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
     return train, val
 
 
-def init_ray(cfg: RunConfig) -> bool:
+def init_ray(cfg: RunConfig, console=print) -> bool:
     """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
     a no-op when Ray is up. Returns True when this call started Ray (the caller then stops it)."""
     if ray.is_initialized():
@@ -347,10 +347,14 @@ def init_ray(cfg: RunConfig) -> bool:
     trainer = cfg.trainer
     env = {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if os.environ.get("RAY_ADDRESS"):
+        console(f"joining the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
     elif trainer.device == "cpu":
-        ray.init(num_cpus=max(trainer.n_cpu_ranks, os.cpu_count() or 1), num_gpus=0, include_dashboard=False,
-                 runtime_env={"env_vars": env}, logging_level=logging.WARNING, log_to_driver=True)
+        num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)
+        console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
+        ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},
+                 logging_level=logging.WARNING, log_to_driver=True)
     else:
+        console("starting a local Ray cluster (the machine's GPUs)")
         ray.init(runtime_env={"env_vars": env}, include_dashboard=False, logging_level=logging.WARNING)
     return True

@@ -43,6 +43,7 @@ from megarl.controller.build import (
     load_agent_plugins,
     prepare_policy,
 )
+from megarl.controller.interrupts import interrupts_deferred
 from megarl.controller.metrics import (
     check_failed_rollouts,
     data_metrics,
@@ -126,7 +127,8 @@ class Trainer:
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
-        self._started_ray = init_ray(cfg)
+        with interrupts_deferred("Ray has started"):  # then shutdown() stops it
+            self._started_ray = init_ray(cfg, console=self.console)
         self.roles = build_roles(cfg)
         self.plan, self.engines = self.roles.plan, self.roles.engines
         self.actor_wg, self.critic_wg, self.rollout_wg = self.roles.actor, self.roles.critic, self.roles.rollout

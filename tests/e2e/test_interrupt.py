@@ -1,0 +1,65 @@
+"""Ctrl-C while ``ray.init`` runs (issue 12): the run exits cleanly (rc 130, one line, no traceback; it used to
+segfault with rc 139) and no Ray process it started outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+
+def _ray_pids() -> set[int]:
+    """PIDs of Ray's processes on this machine (GCS, raylet, their agents, workers)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    marks = ("gcs_server", "raylet", "ray::", "ray/_private", "ray/dashboard", "default_worker.py")
+    return {int(line.split(None, 1)[0]) for line in out.splitlines()
+            if len(line.split(None, 1)) == 2 and any(m in line.split(None, 1)[1] for m in marks)}
+
+
+def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
+    from megarl.models.tiny import save_tiny
+    from megarl.warmstart.addition_data import ensure_addition_data
+
+    train, test = ensure_addition_data(tmp_path / "data", num_train=16, num_test=4, seed=0)
+    model = save_tiny(tmp_path / "model", num_layers=1)
+    before = _ray_pids()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
+               f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+               f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}"]
+    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    output = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("starting a local Ray cluster" in line for line in output):
+            line = run.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
+            output.append(line)
+        time.sleep(2.5)  # inside ray.init (4 s or more here), where an interrupt used to orphan its agents
+        run.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        output.append(run.stdout.read())
+        returncode = run.wait(timeout=60)
+        stopped_s = time.monotonic() - start
+    finally:
+        run.kill()
+        run.wait()
+    text = "".join(output)
+    deadline = time.monotonic() + 15
+    while (left := _ray_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, left))], capture_output=True,
+                                    text=True).stdout
+    assert returncode == 130, text[-3000:]
+    assert "interrupt: stopping once Ray has started is done" in text
+    assert "megarl-train: interrupted at step 0; workers and Ray stopped" in text
+    assert "Traceback" not in text and "Segmentation fault" not in text
+    assert stopped_s < 30
