@@ -1,7 +1,8 @@
 """The printable pre-flight plan and its refusal messages (:mod:`megarl.controller.preflight`'s text side).
 
 The report: the model, the placement (pools, roles and their TP/PP/DP groups, which layers each
-pipeline stage holds, each engine's GPUs and the rank that feeds it), then one memory column per
+pipeline stage holds, each engine's GPUs and the rank that feeds it), the SGLang engine servers'
+GPUs as their launch arguments say them (:mod:`megarl.controller.engine_gpus`), then one memory column per
 kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room and
 the weight-sync volume.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from megarl.controller.engine_gpus import engine_gpus, planned_bundle_gpus
 from megarl.controller.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
 
 if TYPE_CHECKING:
@@ -120,6 +122,20 @@ def _placement_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
+def _engine_gpu_lines(plan: RunPlan) -> list[str]:
+    """Each SGLang engine server's node, GPUs in TP order, ``CUDA_VISIBLE_DEVICES`` and ``base_gpu_id``, from the
+    plan alone (:func:`~megarl.controller.engine_gpus.planned_bundle_gpus`: bundle b on GPU b mod n of node b div n)."""
+    if plan.cfg.actor_rollout_ref.rollout.name != "sglang":
+        return []
+    mapped = engine_gpus(plan.placement.engines, planned_bundle_gpus(plan.placement))
+    lines = ["Engines (each SGLang server sees exactly its GPUs, in TP order, with base_gpu_id 0)",
+             "  GPU ids from the plan: pool bundle b on GPU b mod n of node b div n (n GPUs per node), as ResourcePool",
+             "  lays bundles out; a run reads the ids Ray gives each bundle, which may differ"]
+    shown = mapped if len(mapped) <= 8 else list(mapped[:6]) + [None, mapped[-1]]
+    lines += ["  ..." if gpus is None else f"  {gpus.describe()}" for gpus in shown]
+    return lines
+
+
 def _row_names(plan: RunPlan) -> dict[str, str]:
     cfg = plan.cfg
     arr = cfg.actor_rollout_ref
@@ -224,6 +240,9 @@ def format_report(plan: RunPlan) -> str:
         "Placement",
     ]
     lines += [f"  {line}" for line in _placement_lines(plan)]
+    engine_lines = _engine_gpu_lines(plan)
+    if engine_lines:
+        lines += [""] + engine_lines
     lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals; "
               "sender: sends the weights to the engines)"]
     lines += [f"  {line}" for line in memory_table(plan)]

@@ -347,3 +347,18 @@ def test_megarl_plan_on_a_zero_width_config_exits_2_naming_the_field(tmp_path):
     assert f"actor_rollout_ref.model.path: {model / 'config.json'}" in run.stderr
     assert "hidden_size=0; it must be an integer from 1 to" in run.stderr
     assert "Traceback" not in run.stderr and time.monotonic() - start < 60
+
+
+def test_cli_prints_each_sglang_engine_servers_gpus(capsys):
+    """The Engines section (megarl.controller.engine_gpus): 70B, TP8 engines, one per DP replica of 8 nodes x 8."""
+    assert plan_main(["recipe=llama3_1_70b_grpo"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("\nEngines"):out.index("\nMemory per GPU")]
+    assert "pool bundle b on GPU b mod n of node b div n" in section
+    every = "GPUs [0, 1, 2, 3, 4, 5, 6, 7] (CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7, base_gpu_id 0)"
+    assert f"  engine 0: node 0 {every}" in section and f"  engine 1: node 1 {every}" in section
+    tp2 = plan_run(load_config(["recipe=qwen2_5_7b_grpo"]), check=False).report()
+    assert "  engine 3: node 0 GPUs [6, 7] (CUDA_VISIBLE_DEVICES=6,7, base_gpu_id 0)" in tp2
+    hf = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.name=hf",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=null"]), check=False)
+    assert "\nEngines" not in hf.report()  # hf engines are not SGLang servers
