@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -148,13 +148,19 @@ class Continuation:
     """``log_softmax(logits / T)`` at each sampled id (``T = 1`` when greedy), see :func:`sample_tokens`."""
     stopped: bool = False
     """True when the row ended on a stop id, False when it used up its token budget."""
+    aborted: bool = False
+    """True when the loop's ``control`` aborted the row before it finished."""
+
+
+ABORT, REBUILD = "abort", "rebuild"
+"""What a sampling loop's ``control`` callback may answer between steps (None: go on)."""
 
 
 @torch.no_grad()
 def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: Sequence[int], row_seeds: Sequence[int], stop_token_ids: Collection[int],
                          pad_token_id: int, temperature: float, top_k: int = -1,
-                         top_p: float = 1.0) -> list[Continuation]:
+                         top_p: float = 1.0, control: Callable[[], Any] | None = None) -> list[Continuation]:
     """The sampling loop: one continuation per prompt, the prompts sampled together.
 
     One prefill over the batch left-padded with ``pad_token_id`` (:func:`left_pad`), then one
@@ -162,6 +168,12 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     ``max_new_tokens[row]`` tokens. Row ``row`` samples (:func:`sample_tokens`) from a
     ``torch.Generator`` seeded with ``row_seeds[row]``; ``temperature=0`` is greedy. Prompts are
     not checked (callers do: non-empty, ids in the vocabulary, within the model's context).
+
+    ``control`` (an engine's pause/abort hook) runs between steps and may block (a pause that
+    keeps the rows in place); it answers None to go on, :data:`ABORT` to end the unfinished rows
+    now (``aborted``, keeping their tokens), a set of row indices to end only those, or
+    :data:`REBUILD` to recompute the KV cache of every row's tokens so far with the model's
+    current weights before the next step (a retracted pause resumed after a weight update).
     """
     from transformers import DynamicCache
 
@@ -178,6 +190,7 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     next_position_B1 = position_ids_BL[:, -1:] + 1
     rows = [Continuation() for _ in range(num_rows)]
     finished = [False] * num_rows
+    fed_BT = input_ids_BL.new_zeros((num_rows, 0))
     while True:
         tokens_B, logprobs_B = sample_tokens(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p,
                                              generators=generators)
@@ -191,9 +204,30 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             finished[row] = continuation.stopped or len(continuation.token_ids) == max_new_tokens[row]
         if all(finished):
             return rows
+        action = control() if control is not None else None
+        if action == ABORT:
+            for row, continuation in enumerate(rows):
+                continuation.aborted = not finished[row]
+            return rows
+        if isinstance(action, (set, frozenset)):  # abort these rows, go on with the others
+            for row in action:
+                rows[row].aborted, finished[row] = not finished[row], True
+            if all(finished):
+                return rows
+            action = None
         # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
+        fed_BT = torch.cat([fed_BT, tokens_B[:, None]], dim=1)
         attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
-        logits_BV = last_logits(model, tokens_B[:, None], attention_mask_BL, next_position_B1, cache)
+        if action == REBUILD:
+            cache = DynamicCache(config=model.config)
+            steps_T = torch.arange(1, fed_BT.shape[1] + 1, device=device)
+            positions_BL = torch.cat([position_ids_BL, position_ids_BL[:, -1:] + steps_T], dim=1)
+            logits_BV = last_logits(model, torch.cat([input_ids_BL, fed_BT], dim=1), attention_mask_BL, positions_BL,
+                                    cache)
+        elif action is None:
+            logits_BV = last_logits(model, tokens_B[:, None], attention_mask_BL, next_position_B1, cache)
+        else:
+            raise ValueError(f"sampling control answered {action!r}; expected None, {ABORT!r} or {REBUILD!r}")
         next_position_B1 = next_position_B1 + 1
 
 

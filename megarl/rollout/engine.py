@@ -91,6 +91,8 @@ class GenerateOutput:
     """Per output token, ``log_softmax(logits / temperature)`` at the sampled id, before top-p /
     top-k truncation (temperature 1 when greedy): the quantity the trainer recomputes as
     ``old_log_probs``. None unless requested."""
+    weight_version: str | None = None
+    """The engine's weight version when the request finished (SGLang's ``meta_info.weight_version``)."""
 
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]

@@ -33,7 +33,7 @@ import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -111,7 +111,7 @@ class HFEngine:
             row_seeds = self._draw_row_seeds(len(prompts))
         else:
             row_seeds = [derive_row_seed(sampling_params.seed, i) for i in range(len(prompts))]
-        return self._generate_rows(prompts, sampling_params, return_logprob, row_seeds)
+        return self.generate_rows(prompts, sampling_params, return_logprob, row_seeds)
 
     async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
                              return_logprob: bool = False) -> GenerateOutput:
@@ -169,24 +169,38 @@ class HFEngine:
             raise RuntimeError("HFEngine cannot generate while its memory is released; call "
                                "resume_memory_occupation() first")
 
-    def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
-                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None) -> list[GenerateOutput]:
+    def generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
+                      row_seeds: list[int], row_max_new_tokens: list[int] | None = None,
+                      control: Callable[[], Any] | None = None) -> list[GenerateOutput]:
         """Run one batch through :func:`~megarl.models.sampling.sample_continuations`, under the engine lock.
 
         ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
         ``params.max_new_tokens``) limits each row, so requests of different budgets share a batch.
         Generation stops at ``params.stop_token_ids`` and, unless ``params.ignore_eos``, at the
-        engine's EOS ids; prompts are padded with the first EOS id.
+        engine's EOS ids; prompts are padded with the first EOS id. ``control`` runs between
+        decoding steps (the sampling loop's pause/abort hook) with the engine lock released, so
+        a paused batch lets weight updates and memory calls through; aborted rows finish with
+        :attr:`FinishReason.ABORT`.
         """
         limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+
+        def unlocked_control() -> Any:
+            self._lock.release()
+            try:
+                return control()
+            finally:
+                self._lock.acquire()
+
         with self._lock:
             self._check_can_generate()
             rows = sample_continuations(self.model, prompts, max_new_tokens=limits, row_seeds=row_seeds,
                                         stop_token_ids=stop_ids, pad_token_id=self._pad_id,
-                                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+                                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                        control=None if control is None else unlocked_control)
         return [GenerateOutput(output_ids=row.token_ids,
-                               finish_reason=FinishReason.STOP if row.stopped else FinishReason.LENGTH,
+                               finish_reason=(FinishReason.ABORT if row.aborted else
+                                              FinishReason.STOP if row.stopped else FinishReason.LENGTH),
                                output_logprobs=row.logprobs if return_logprob else None)
                 for row in rows]
 
@@ -335,7 +349,7 @@ class _RequestBatcher:
                 # An error of the batch (e.g. generating inside a weight-update session) is handed to
                 # every request of it, which re-raises it in its caller.
                 (outcome,) = await asyncio.gather(self._loop.run_in_executor(
-                    self._engine._executor, self._engine._generate_rows, [item[0] for item in live], params,
+                    self._engine._executor, self._engine.generate_rows, [item[0] for item in live], params,
                     return_logprob, [item[3] for item in live], [item[1].max_new_tokens for item in live]),
                     return_exceptions=True)
                 for k, item in enumerate(live):

@@ -146,13 +146,13 @@ def test_seeded_sampling_is_reproducible(model, tokenizer, prompts):
 
 def test_async_generate_batches_concurrent_requests(engine, prompts):
     calls = []
-    generate_rows = engine._generate_rows
+    generate_rows = engine.generate_rows
 
     def counting(rows, *args):
         calls.append(len(rows))
         return generate_rows(rows, *args)
 
-    engine._generate_rows = counting
+    engine.generate_rows = counting
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     # Seeds and budgets differ per request (as the agent loop's turns do): still one batch.
     seeded = [SamplingParams(max_new_tokens=3 + i, temperature=1.0, seed=4 + i) for i in range(len(prompts))]

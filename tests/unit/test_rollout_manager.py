@@ -182,13 +182,13 @@ def test_config_checks(kwargs, message):
 def record_rows(engine):
     """Record (number of rows, sampling params) of every batch the engine's sampling loop runs."""
     calls = []
-    generate_rows = engine._generate_rows
+    generate_rows = engine.generate_rows
 
     def recording(rows, params, *args):
         calls.append((len(rows), params))
         return generate_rows(rows, params, *args)
 
-    engine._generate_rows = recording
+    engine.generate_rows = recording
     return calls
 
 

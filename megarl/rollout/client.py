@@ -1,0 +1,303 @@
+"""The one client of SGLang's HTTP API: generation, weight updates, memory and pause calls.
+
+:class:`EngineClient` talks to one server (an engine, or sglang-router for generation) with
+the wire format of :mod:`megarl.rollout.http_api`; the same code drives ``sglang.launch_server``
+on GPUs and megarl's CPU engine server (:mod:`megarl.rollout.server`) in CI.
+
+- Async methods reuse one ``aiohttp`` session (keep-alive connections) per event loop.
+- :func:`run_sync` runs a call from synchronous code (the trainer, the actor's weight sync) on
+  a background event loop of this process.
+- Failures raise :class:`EngineError` naming the engine, its URL, the route and what the
+  server said (or that it cannot be reached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import aiohttp
+
+from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, request_body
+
+CONTROL_TIMEOUT_S = 600.0
+"""Limit of one control call (weights, memory, pause); generation has none (``generate_timeout_s``)."""
+
+
+class EngineError(RuntimeError):
+    """An engine server refused a request or could not be reached."""
+
+    def __init__(self, message: str, *, engine: str, url: str, route: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.engine, self.url, self.route, self.status = engine, url, route, status
+
+
+def sampling_params_dict(params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` of one request (``seed``: its ``sampling_seed``, None for none).
+
+    ``no_stop_trim`` keeps the matched stop token at the end of ``output_ids``, as the engine
+    protocol requires.
+    """
+    body: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                            "top_p": params.top_p, "top_k": params.top_k, "ignore_eos": params.ignore_eos,
+                            "no_stop_trim": True}
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if seed is not None:
+        body["sampling_seed"] = int(seed)
+    return body
+
+
+def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOutput:
+    """One ``/generate`` answer (``output_ids``, ``meta_info``) as a :class:`GenerateOutput`."""
+    meta = result["meta_info"]
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or "type" not in finish:
+        raise RuntimeError(f"an engine returned an unfinished output (finish_reason={finish!r})")
+    logprobs = None
+    if return_logprob:
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+    return GenerateOutput(output_ids=[int(t) for t in result["output_ids"]],
+                          finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
+                          weight_version=meta.get("weight_version"))
+
+
+def bucket_payloads(named_tensors: Sequence[tuple[str, Any]], tp_size: int) -> list[bytes]:
+    """One bucket as ``/update_weights_from_tensor`` takes it: one payload per engine TP rank.
+
+    The bucket's tensors are flattened into one ``uint8`` tensor with SGLang's
+    ``FlattenedTensorBucket`` (mixed dtypes allowed) and ``{"flattened_tensor", "metadata"}`` is
+    serialised with SGLang's ``MultiprocessingSerializer`` once per TP rank (each rank opens
+    only its own copy). The payload carries a handle, not the bytes: CUDA IPC on GPU; on CPU a
+    file in shared memory (torch's ``file_system`` sharing strategy, set here: the default
+    strategy passes file descriptors over a connection that only the sender's own children can
+    authenticate to). The caller keeps the tensors alive until the server has answered. Tensors
+    are ordered by element size, largest first, so that each starts at an offset its dtype can
+    be viewed at.
+    """
+    import torch.multiprocessing
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if tp_size < 1:
+        raise ValueError(f"bucket_payloads needs tp_size >= 1 (rollout.tensor_model_parallel_size), got {tp_size}")
+    named_tensors = sorted(named_tensors, key=lambda pair: -pair[1].element_size())
+    if not named_tensors:
+        raise ValueError("bucket_payloads needs a non-empty bucket of (name, tensor) pairs")
+    if any(not tensor.is_cuda for _, tensor in named_tensors):
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return [MultiprocessingSerializer.serialize(payload) for _ in range(tp_size)]
+
+
+class EngineClient:
+    """Calls one SGLang-API server at ``url`` (``http://host:port``); ``name`` labels it in errors."""
+
+    def __init__(self, url: str, *, name: str = "engine", generate_timeout_s: float | None = None,
+                 control_timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        self.generate_timeout_s = generate_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary())
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.name} at {self.url})"
+
+    # ------------------------------------------------------------------------ transport
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            session = self._sessions[loop] = aiohttp.ClientSession(connector=connector)
+        return session
+
+    async def call(self, path: str, *, timeout_s: float | None = None, **fields: Any) -> Any:
+        """The JSON answer of ``path`` (``None`` for an empty one); ``fields`` go through
+        :func:`~megarl.rollout.http_api.request_body`."""
+        route = ROUTES[path]
+        body = request_body(path, **fields) if route.method == "POST" else None
+        timeout = aiohttp.ClientTimeout(total=self.control_timeout_s if timeout_s is None else timeout_s)
+        where = f"{self.name} at {self.url}: {route.method} {path}"
+        try:
+            async with self._session().request(route.method, self.url + path, json=body, timeout=timeout) as reply:
+                text = await reply.text()
+                if reply.status != 200:
+                    raise EngineError(f"{where} failed with HTTP {reply.status}: {_message(text)}", engine=self.name,
+                                      url=self.url, route=path, status=reply.status)
+                if not text or reply.content_type != "application/json":
+                    return None
+                return await reply.json(content_type=None)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            raise EngineError(f"{where}: the server cannot be reached ({type(error).__name__}: {error})",
+                              engine=self.name, url=self.url, route=path) from error
+        except asyncio.TimeoutError as error:
+            raise EngineError(f"{where}: no answer within {timeout.total} s", engine=self.name, url=self.url,
+                              route=path) from error
+
+    async def _checked(self, path: str, **fields: Any) -> str:
+        """A control call answered ``{"success", "message"}``: its message, or :class:`EngineError`."""
+        answer = await self.call(path, **fields)
+        if not answer or not answer.get("success", False):
+            raise EngineError(f"{self.name} at {self.url}: {path} failed: {answer!r}", engine=self.name, url=self.url,
+                              route=path)
+        return str(answer.get("message", ""))
+
+    async def close(self) -> None:
+        """Close this loop's session."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    # ------------------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None,
+                       return_logprob: bool = False, rid: str | None = None) -> GenerateOutput:
+        """One continuation of ``input_ids``, sampled from ``seed`` (``sampling_seed``) when given."""
+        answer = await self.call("/generate", timeout_s=self.generate_timeout_s, input_ids=list(input_ids),
+                                 sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
+                                 rid=rid)
+        return generate_output(answer, return_logprob)
+
+    async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                             seeds: Sequence[int | None], return_logprob: bool = False) -> list[GenerateOutput]:
+        """One continuation per row, in one request (the server runs the rows as one batch); row ``i``
+        samples from ``seeds[i]``."""
+        if len(seeds) != len(input_ids):
+            raise ValueError(f"generate_batch: {len(seeds)} seeds for {len(input_ids)} rows")
+        answer = await self.call("/generate", timeout_s=self.generate_timeout_s,
+                                 input_ids=[list(ids) for ids in input_ids],
+                                 sampling_params=[sampling_params_dict(params, seed) for seed in seeds],
+                                 return_logprob=return_logprob)
+        if not isinstance(answer, list) or len(answer) != len(input_ids):
+            raise EngineError(f"{self.name} at {self.url}: /generate returned {type(answer).__name__} for a batch "
+                              f"of {len(input_ids)}", engine=self.name, url=self.url, route="/generate")
+        return [generate_output(result, return_logprob) for result in answer]
+
+    # ------------------------------------------------------------------------ weights
+
+    async def begin_weight_update(self) -> None:
+        await self._checked("/begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        await self._checked("/end_weight_update")
+
+    async def update_weights_from_tensor(self, payloads: Sequence[bytes], *, load_format: str = FLATTENED_BUCKET,
+                                         flush_cache: bool = False, weight_version: str | None = None) -> None:
+        """Apply one bucket: ``payloads`` holds one ``MultiprocessingSerializer`` payload per engine TP rank."""
+        await self._checked("/update_weights_from_tensor",
+                            serialized_named_tensors=[base64.b64encode(p).decode("ascii") for p in payloads],
+                            load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the trainer's broadcast group (blocks until every member has joined)."""
+        await self._checked("/init_weights_update_group", master_address=master_address, master_port=master_port,
+                            rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *, group_name: str,
+                                              load_format: str | None = None, flush_cache: bool = False,
+                                              weight_version: str | None = None) -> None:
+        """Receive and load tensors that rank 0 of ``group_name`` broadcasts (it broadcasts concurrently)."""
+        await self._checked("/update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
+                            shapes=[list(shape) for shape in shapes], group_name=group_name, load_format=load_format,
+                            flush_cache=flush_cache, weight_version=weight_version)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._checked("/destroy_weights_update_group", group_name=group_name)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        """The first ``truncate_size`` rows of weight ``name`` (HF name), as float lists."""
+        return await self.call("/get_weights_by_name", name=name, truncate_size=truncate_size)
+
+    # ------------------------------------------------------------------------ memory, pause, cache
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.call("/release_memory_occupation", tags=None if tags is None else list(tags))
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.call("/resume_memory_occupation", tags=None if tags is None else list(tags))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.call("/pause_generation", mode=mode)
+
+    async def continue_generation(self) -> None:
+        await self.call("/continue_generation")
+
+    async def flush_cache(self) -> None:
+        await self.call("/flush_cache")
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        await self.call("/abort_request", rid=rid, abort_all=abort_all or None)
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True when the server answers ``/health`` with 200."""
+        try:
+            await self.call("/health", timeout_s=timeout_s)
+        except EngineError:
+            return False
+        return True
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.call("/model_info")
+
+
+def _message(text: str) -> str:
+    """The error message of a server's answer (SGLang's ``{"error": {"message": ...}}``, or the text)."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:2000]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+    return text[:2000]
+
+
+# ---------------------------------------------------------------------------------- sync callers
+
+
+class _BackgroundLoop:
+    """An event loop on a daemon thread for synchronous callers of the async client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="megarl-http", daemon=True)
+        self.thread.start()
+
+
+_background: _BackgroundLoop | None = None
+_background_lock = threading.Lock()
+
+
+def run_sync(coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
+    """Run ``coroutine`` (an :class:`EngineClient` call) to completion from synchronous code."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = _BackgroundLoop()
+    future = asyncio.run_coroutine_threadsafe(coroutine, _background.loop)
+    return future.result(timeout_s)
+
+
+def gather_sync(coroutines: Sequence[Coroutine[Any, Any, Any]], timeout_s: float | None = None) -> list[Any]:
+    """Run ``coroutines`` concurrently from synchronous code; their results in order (the first error raises)."""
+    async def together() -> list[Any]:
+        return list(await asyncio.gather(*coroutines))
+
+    return run_sync(together(), timeout_s)

@@ -1,0 +1,110 @@
+"""SGLang's HTTP API as megarl uses it (pinned to sglang 0.5.23): routes, request fields, response fields.
+
+One table, :data:`ROUTES`, is the wire format: the client (:mod:`megarl.rollout.client`) builds
+every request body with :func:`request_body`, which refuses a field the route's entry does not
+list, and reads only the response fields listed; the CPU engine server
+(:mod:`megarl.rollout.server`) serves exactly these routes. The contract test
+(``tests/unit/test_http_contract.py``) checks the table against the installed sglang's own
+sources: every route is served with that method, every field sent is a field of the route's
+request dataclass in ``sglang/srt/managers/io_struct.py``, every field read is one SGLang returns.
+
+Shapes (SGLang's):
+
+- ``/generate``: ``input_ids`` (one list of ids, or a list of them for a batch), ``sampling_params``
+  (a dict, or one per row), ``return_logprob``, ``rid``; the answer is one dict per input
+  (a list for a batch) with ``output_ids`` and ``meta_info``: ``id``, ``finish_reason``
+  (``{"type": "stop" | "length" | "abort", ...}``), ``prompt_tokens``, ``completion_tokens``,
+  ``output_token_logprobs`` (``[logprob, token_id, None]`` per output token, when asked),
+  ``weight_version``.
+- weight routes answer ``{"success": bool, "message": str}`` (400 when not successful);
+  ``/pause_generation`` and ``/continue_generation`` ``{"message", "status"}``; memory routes JSON
+  ``null``; ``/abort_request`` an empty body; ``/flush_cache`` text; ``/get_weights_by_name`` the
+  weight's first ``truncate_size`` rows as lists of floats; ``/model_info`` ``model_path``,
+  ``is_generation``, ``weight_version`` and more. Errors: HTTP 400 with ``{"error": {"message"}}``.
+- Weight updates must run between ``/begin_weight_update`` and ``/end_weight_update`` (400
+  otherwise), with one base64 payload per engine TP rank.
+- SGLang's ``/health`` generates a token (and answers 503 while generation is paused): use it to
+  wait for a server to come up, not while it is paused. ``sampling_params`` keys SGLang does not
+  know are refused with 400.
+- SGLang 0.5.23 implements ``/get_weights_by_name`` only for Llama-like, OPT, Granite, Exaone4
+  and Gemma2 models (not Qwen2/Qwen3: 400), and with engine TP > 1 it returns TP rank 0's slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""``tags`` of ``/release_memory_occupation`` and ``/resume_memory_occupation`` (None or absent: all)."""
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""``mode`` of ``/pause_generation``: abort running requests (they finish with ``abort``), retract them (their
+KV is dropped; they resume from their tokens on ``/continue_generation``), or hold them in place."""
+FLATTENED_BUCKET = "flattened_bucket"
+"""``load_format`` of ``/update_weights_from_tensor`` for one flattened tensor per bucket plus metadata."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One SGLang route as megarl uses it."""
+
+    path: str
+    method: str
+    """``GET`` or ``POST`` (what megarl sends; SGLang may serve more)."""
+    request: str | None = None
+    """SGLang's request dataclass (``io_struct.py``) whose fields the body uses; None: no body."""
+    sends: tuple[str, ...] = ()
+    """Body fields megarl may send."""
+    reads: tuple[str, ...] = ()
+    """Response fields megarl reads (top level)."""
+
+
+GENERATE_META_READS = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs",
+                       "weight_version")
+"""``meta_info`` fields of a ``/generate`` answer megarl reads."""
+
+ROUTES: Mapping[str, Route] = {route.path: route for route in (
+    Route("/health", "GET"),
+    Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version")),
+    Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid"),
+          reads=("output_ids", "meta_info")),
+    Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message")),
+    Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message")),
+    Route("/update_weights_from_tensor", "POST", "UpdateWeightsFromTensorReqInput",
+          sends=("serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
+          reads=("success", "message")),
+    Route("/init_weights_update_group", "POST", "InitWeightsUpdateGroupReqInput",
+          sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+          reads=("success", "message")),
+    Route("/update_weights_from_distributed", "POST", "UpdateWeightsFromDistributedReqInput",
+          sends=("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format"),
+          reads=("success", "message")),
+    Route("/destroy_weights_update_group", "POST", "DestroyWeightsUpdateGroupReqInput", sends=("group_name",),
+          reads=("success", "message")),
+    Route("/pause_generation", "POST", "PauseGenerationReqInput", sends=("mode",)),
+    Route("/continue_generation", "POST", "ContinueGenerationReqInput"),
+    Route("/flush_cache", "POST"),
+    Route("/release_memory_occupation", "POST", "ReleaseMemoryOccupationReqInput", sends=("tags",)),
+    Route("/resume_memory_occupation", "POST", "ResumeMemoryOccupationReqInput", sends=("tags",)),
+    Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size")),
+    Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all")),
+)}
+"""Every route megarl calls, by path."""
+
+
+def request_body(path: str, **fields: Any) -> dict[str, Any]:
+    """The JSON body of a request to ``path``: ``fields`` without the ``None`` ones.
+
+    Raises ``ValueError`` for a route megarl does not use or a field its :class:`Route` does not
+    list (so nothing reaches the wire that the contract test has not checked against SGLang).
+    """
+    route = ROUTES.get(path)
+    if route is None:
+        raise ValueError(f"megarl does not call SGLang route {path!r}; known: {sorted(ROUTES)}")
+    unknown = sorted(set(fields) - set(route.sends))
+    if unknown:
+        raise ValueError(f"{path}: fields {unknown} are not in megarl's wire format for this route "
+                         f"(sends {list(route.sends)}); add them to megarl.rollout.http_api.ROUTES, where the "
+                         f"contract test checks them against SGLang's {route.request}")
+    return {key: value for key, value in fields.items() if value is not None}

@@ -1,0 +1,568 @@
+"""megarl's CPU engine server: the HF engine behind SGLang's HTTP API.
+
+    python -m megarl.rollout.server --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
+                                    [--random-seed 0] [--device cpu] [--trust-remote-code]
+
+It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
+client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
+on GPUs. It accepts (and ignores) body fields it does not use: sglang-router adds several.
+
+State, as SGLang's scheduler keeps it, at this engine's granularity (decoding steps):
+
+- **Requests** are queued rows; a scheduler task runs them in batches on the engine thread
+  (rows that differ only in seed and ``max_new_tokens`` share a batch; a batched ``/generate``
+  arrives at once, so its rows form one batch). Each row samples from its own seed
+  (``sampling_params.sampling_seed``, else one drawn from the server's seeded generator).
+- **Pause** (``/pause_generation``): ``abort`` ends running and queued rows now (finish reason
+  ``abort``, tokens so far kept); ``in_place`` holds the running batch between two decoding
+  steps, KV cache kept; ``retract`` holds it and, on ``/continue_generation``, recomputes its KV
+  cache from the tokens so far with the weights then loaded. Until ``/continue_generation`` no
+  new batch starts. The answer to ``/pause_generation`` comes once no forward pass runs.
+- **Memory tags** (``/release_memory_occupation``, ``/resume_memory_occupation``; ``weights``,
+  ``kv_cache``, ``cuda_graph``; none given: all). Generating needs ``weights`` and ``kv_cache``
+  held, and updating weights needs ``weights`` held: this engine refuses both otherwise (on
+  GPUs SGLang would compute garbage from released weights), so a wrong phase order fails in CI.
+  Releasing while rows run (not paused) is refused.
+- **Weights** change inside a ``/begin_weight_update`` ... ``/end_weight_update`` session
+  (``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payloads, one per
+  engine TP rank, ``load_format`` ``flattened_bucket`` or a list of ``(name, tensor)``); each
+  update may set ``weight_version``, which every later ``/generate`` answer reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import datetime
+import logging
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megarl.models.sampling import ABORT, MAX_SEED, REBUILD
+from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.http_api import FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES
+
+logger = logging.getLogger("megarl.engine_server")
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "no_stop_trim",
+                 "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "n"}
+"""``sampling_params`` keys this engine honours (or that do not change token ids)."""
+NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_new_tokens": 0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
+                    "logit_bias": None, "custom_params": None}
+"""SGLang sampling keys accepted only at their neutral value (this engine does not implement them)."""
+
+
+class RequestError(ValueError):
+    """A request this engine cannot serve; answered with HTTP 400 and the message."""
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    row_seed: int
+    rid: str
+    future: asyncio.Future
+
+
+class EngineServer:
+    """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
+
+    def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0) -> None:
+        self.engine = engine
+        self.model_path = model_path
+        self.released: set[str] = set()
+        self.weight_version = "default"
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._queue: list[_Row] = []
+        self._running: list[_Row] = []
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+        # Pause state, shared with the engine thread.
+        self._cond = threading.Condition()
+        self._pause_mode: str | None = None
+        self._abort_running = False
+        self._abort_rids: set[str] = set()
+        self._holding = False  # the engine thread waits in control (no forward pass runs)
+        self._in_session = False
+        self._groups: dict[str, Any] = {}
+        """Weight-update process groups by name (``/init_weights_update_group``)."""
+
+    # ------------------------------------------------------------------------ application
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 34, middlewares=[_errors])
+        routes = [
+            web.get("/health", self.health), web.get("/model_info", self.model_info),
+            web.get("/get_model_info", self.model_info),  # what sglang-router asks workers
+            web.post("/generate", self.generate),
+            web.post("/begin_weight_update", self.begin_weight_update),
+            web.post("/end_weight_update", self.end_weight_update),
+            web.post("/update_weights_from_tensor", self.update_weights_from_tensor),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
+            web.post("/pause_generation", self.pause_generation),
+            web.post("/continue_generation", self.continue_generation),
+            web.post("/flush_cache", self.flush_cache), web.get("/flush_cache", self.flush_cache),
+            web.post("/release_memory_occupation", self.release_memory_occupation),
+            web.post("/resume_memory_occupation", self.resume_memory_occupation),
+            web.post("/get_weights_by_name", self.get_weights_by_name),
+            web.post("/abort_request", self.abort_request),
+        ]
+        app.add_routes(routes)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _stop(self, app: web.Application) -> None:
+        with self._cond:
+            self._abort_running, self._pause_mode = True, None
+            self._cond.notify_all()
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+
+    # ------------------------------------------------------------------------ info
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200; 503 while generation is paused (SGLang's health check generates a token and fails then)."""
+        return web.Response(status=503 if self._pause_mode is not None else 200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "is_generation": True, "weight_version": self.weight_version})
+
+    # ------------------------------------------------------------------------ generation
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if body.get("input_ids") is None:
+            raise RequestError("/generate: this engine takes token ids (input_ids), not text; the trainer tokenizes")
+        batched = bool(body["input_ids"]) and isinstance(body["input_ids"][0], list)
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        num = len(prompts)
+        sampling = _per_row(body.get("sampling_params") or {}, num, "sampling_params")
+        logprob = _per_row(bool(body.get("return_logprob", False)) if not isinstance(body.get("return_logprob"), list)
+                           else body["return_logprob"], num, "return_logprob")
+        rids = _per_row(body.get("rid"), num, "rid")
+        missing = self._missing_tags()
+        if missing:
+            raise RequestError(f"/generate: memory {missing} is released; /resume_memory_occupation first")
+        loop = asyncio.get_running_loop()
+        rows = []
+        for i in range(num):
+            params, seed = self._sampling(sampling[i])
+            self.engine._check_prompts([prompts[i]], params)
+            rows.append(_Row(prompt=[int(t) for t in prompts[i]], params=params, return_logprob=bool(logprob[i]),
+                             row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future()))
+        self._queue.extend(rows)
+        self._wake.set()
+        outputs = await asyncio.gather(*(row.future for row in rows))
+        answers = [self._answer(row, output) for row, output in zip(rows, outputs, strict=True)]
+        return web.json_response(answers if batched else answers[0])
+
+    def _missing_tags(self) -> list[str]:
+        return sorted(self.released & {"weights", "kv_cache"})
+
+    def _sampling(self, raw: dict[str, Any]) -> tuple[SamplingParams, int]:
+        unknown = sorted(k for k in raw if k not in SAMPLING_KEYS and k not in NEUTRAL_SAMPLING)
+        if unknown:
+            raise RequestError(f"/generate: sampling_params {unknown} are not implemented by this engine")
+        odd = sorted(k for k, neutral in NEUTRAL_SAMPLING.items() if k in raw and raw[k] not in (neutral, None))
+        if odd:
+            raise RequestError(f"/generate: sampling_params {odd} must keep their neutral values on this engine")
+        if raw.get("n", 1) != 1:
+            raise RequestError("/generate: sampling_params.n must be 1; repeat the input for more samples")
+        params = SamplingParams(max_new_tokens=int(raw.get("max_new_tokens", 128)),
+                                temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
+                                top_k=int(raw.get("top_k", -1)),
+                                stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids") or ()),
+                                ignore_eos=bool(raw.get("ignore_eos", False)))
+        seed = raw.get("sampling_seed")
+        if seed is None:
+            seed = int(torch.randint(MAX_SEED, (1,), generator=self._seeds))
+        return params, int(seed)
+
+    def _answer(self, row: _Row, output: GenerateOutput) -> dict[str, Any]:
+        finish: dict[str, Any] = {"type": output.finish_reason.value}
+        if output.finish_reason is FinishReason.STOP:
+            finish["matched"] = output.output_ids[-1]
+        elif output.finish_reason is FinishReason.LENGTH:
+            finish["length"] = len(output.output_ids)
+        else:
+            finish["message"] = "aborted"
+        meta: dict[str, Any] = {"id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt),
+                                "completion_tokens": len(output.output_ids), "cached_tokens": 0,
+                                "weight_version": self.weight_version}
+        if row.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                             zip(output.output_logprobs, output.output_ids, strict=True)]
+        return {"text": "", "output_ids": output.output_ids, "meta_info": meta}
+
+    async def _schedule(self) -> None:
+        """Run queued rows in batches on the engine thread, one batch at a time."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and self._pause_mode is None:
+                pending, self._queue = self._queue, []
+                groups: dict[tuple[SamplingParams, bool], list[_Row]] = {}
+                for row in pending:
+                    key = dataclasses.replace(row.params, max_new_tokens=1)
+                    groups.setdefault((key, row.return_logprob), []).append(row)
+                for (params, return_logprob), rows in groups.items():
+                    rows = [row for row in rows if not row.future.done()]
+                    if not rows:
+                        continue
+                    self._running = rows
+                    try:
+                        outputs = await loop.run_in_executor(
+                            self.engine._executor, self.engine.generate_rows, [r.prompt for r in rows], params,
+                            return_logprob, [r.row_seed for r in rows], [r.params.max_new_tokens for r in rows],
+                            self._control)
+                    except Exception as error:  # noqa: BLE001 - handed to every request of the batch
+                        for row in rows:
+                            if not row.future.done():
+                                row.future.set_exception(error)
+                    else:
+                        for row, output in zip(rows, outputs, strict=True):
+                            if not row.future.done():
+                                row.future.set_result(output)
+                    finally:
+                        self._running = []
+
+    def _control(self) -> Any:
+        """Between two decoding steps (engine thread): abort, hold while paused, rebuild after a retract."""
+        with self._cond:
+            rebuild = False
+            while self._pause_mode in ("in_place", "retract") and not self._abort_running:
+                rebuild = rebuild or self._pause_mode == "retract"
+                self._holding = True
+                self._cond.notify_all()
+                self._cond.wait()
+            self._holding = False
+            if self._abort_running:
+                return ABORT
+            if self._abort_rids:
+                rows = frozenset(i for i, row in enumerate(self._running) if row.rid in self._abort_rids)
+                if rows:
+                    return rows
+            return REBUILD if rebuild else None
+
+    # ------------------------------------------------------------------------ pause
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _json(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"/pause_generation: mode {mode!r}; use one of {PAUSE_MODES}")
+        with self._cond:
+            self._pause_mode = mode
+            self._abort_running = mode == "abort"
+            self._cond.notify_all()
+        if mode == "abort":
+            self._abort_queued()
+        # Answer once no forward pass runs: the batch ended or waits between steps.
+        while self._running and not self._holding:
+            await asyncio.sleep(0.005)
+        if mode == "abort":
+            with self._cond:
+                self._abort_running = False
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    def _abort_queued(self, rids: set[str] | None = None) -> None:
+        kept = []
+        for row in self._queue:
+            if rids is None or row.rid in rids:
+                if not row.future.done():
+                    row.future.set_result(GenerateOutput(output_ids=[], finish_reason=FinishReason.ABORT,
+                                                         output_logprobs=[] if row.return_logprob else None))
+            else:
+                kept.append(row)
+        self._queue = kept
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _json(request)
+        with self._cond:
+            self._pause_mode = None
+            self._cond.notify_all()
+        self._wake.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if body.get("abort_all"):
+            self._abort_queued()
+            with self._cond:
+                self._abort_running = True
+                self._cond.notify_all()
+            while self._running:
+                await asyncio.sleep(0.005)
+            with self._cond:
+                self._abort_running = False
+        elif body.get("rid"):
+            rid = str(body["rid"])
+            self._abort_queued({rid})
+            with self._cond:
+                self._abort_rids.add(rid)
+            while any(row.rid == rid and not row.future.done() for row in self._running):
+                await asyncio.sleep(0.005)
+            with self._cond:
+                self._abort_rids.discard(rid)
+        return web.Response(status=200)
+
+    # ------------------------------------------------------------------------ weights
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _json(request)
+        if "weights" in self.released:
+            return _result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
+                                  "with tags ['weights'] first")
+        await self._in_engine_thread(self.engine.begin_weight_update)
+        self._in_session = True
+        return _result(True, "Weight update session opened.")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _json(request)
+        await self._in_engine_thread(self.engine.end_weight_update)
+        self._in_session = False
+        return _result(True, "Weight update session closed.")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if "weights" in self.released:
+            return _result(False, "update_weights_from_tensor: weights are released; /resume_memory_occupation "
+                                  "with tags ['weights'] first (updating released weights writes into freed memory "
+                                  "on GPUs)")
+        if not self._in_session:
+            return _result(False, "update_weights_from_tensor must run between begin_weight_update() and "
+                                  "end_weight_update()")
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or not payloads:
+            raise RequestError("/update_weights_from_tensor: serialized_named_tensors must be a non-empty list "
+                               "(one payload per engine TP rank)")
+        named = _deserialize(payloads[0], body.get("load_format"))
+        await self._in_engine_thread(self.engine.update_weights_from_tensor, named)
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        if body.get("flush_cache", True):
+            self.engine.flush_cache()
+        return _result(True, f"Succeeded to update {len(named)} tensors.")
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's broadcast group as rank ``rank_offset`` (this engine is one TP rank), as SGLang
+        does: ``rendezvous(tcp://master_address:master_port)``, a store prefixed by ``group_name``."""
+        body = await _json(request)
+        name = body.get("group_name", "weight_update_group")
+        if body.get("backend", "nccl") != "gloo":
+            return _result(False, f"init_weights_update_group: backend {body.get('backend', 'nccl')!r}; this engine "
+                                  f"runs on CPU, use backend 'gloo'")
+        if name in self._groups:
+            return _result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
+        try:
+            self._groups[name] = await self._in_engine_thread(
+                _join_group, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), name)
+        except (KeyError, RuntimeError, ValueError) as error:
+            return _result(False, f"Failed to initialize custom process group: {error}.")
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive one broadcast from rank 0 of the group (per tensor, or one ``flattened_bucket``) and load it."""
+        body = await _json(request)
+        name = body.get("group_name", "weight_update_group")
+        if name not in self._groups:
+            return _result(False, f"Group {name} not in {sorted(self._groups)}. Please call "
+                                  f"`init_weights_update_group` first.")
+        if "weights" in self.released:
+            return _result(False, "update_weights_from_distributed: weights are released; /resume_memory_occupation "
+                                  "with tags ['weights'] first")
+        if not self._in_session:
+            return _result(False, "update_weights_from_distributed must run between begin_weight_update() and "
+                                  "end_weight_update()")
+        named = await self._in_engine_thread(_receive, self._groups[name], body["names"], body["dtypes"],
+                                             body["shapes"], body.get("load_format"))
+        await self._in_engine_thread(self.engine.update_weights_from_tensor, named)
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return _result(True, f"Succeeded to update {len(named)} tensors.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = (await _json(request)).get("group_name", "weight_update_group")
+        if self._groups.pop(name, None) is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        name = body.get("name")
+        params = self.engine._params
+        if name not in params:
+            raise RequestError(f"/get_weights_by_name: no weight named {name!r}")
+        truncate = int(body.get("truncate_size", 100))
+        values = await self._in_engine_thread(lambda: params[name].detach()[:truncate].float().cpu().tolist())
+        return web.json_response(values)
+
+    async def _in_engine_thread(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run a call that takes the engine lock off the event loop (a running batch holds it between steps)."""
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    # ------------------------------------------------------------------------ memory
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = _tags((await _json(request)).get("tags"), "/release_memory_occupation")
+        if self._running and not self._holding:
+            raise RequestError(f"/release_memory_occupation: {len(self._running)} requests are running; "
+                               f"/pause_generation first")
+        if "weights" in tags and self._in_session:
+            raise RequestError("/release_memory_occupation: a weight-update session is open; /end_weight_update "
+                               "first")
+        if "weights" in tags and "weights" not in self.released:
+            await self._in_engine_thread(self.engine.release_memory_occupation)
+        self.released |= tags
+        return web.json_response(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = _tags((await _json(request)).get("tags"), "/resume_memory_occupation")
+        if "weights" in tags and "weights" in self.released:
+            await self._in_engine_thread(self.engine.resume_memory_occupation)
+        self.released -= tags
+        return web.json_response(None)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.engine.flush_cache()
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. ")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Refusals and engine errors as HTTP 400 with a JSON message (SGLang's ``{"error": {"message"}}``)."""
+    try:
+        return await handler(request)
+    except (RequestError, ValueError, RuntimeError, TypeError, KeyError) as error:
+        logger.warning("%s %s: %s", request.method, request.path, error)
+        return web.json_response({"error": {"message": f"{type(error).__name__}: {error}"}}, status=400)
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise RequestError(f"{request.path}: the body must be a JSON object")
+    return body
+
+
+def _result(success: bool, message: str) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _per_row(value: Any, num: int, key: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != num:
+            raise RequestError(f"/generate: {key} has {len(value)} entries for {num} inputs")
+        return value
+    return [value] * num
+
+
+def _tags(tags: Any, route: str) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise RequestError(f"{route}: unknown tags {unknown}; use {list(MEMORY_TAGS)}")
+    return set(tags)
+
+
+def _deserialize(payload: Any, load_format: str | None) -> list[tuple[str, Any]]:
+    """One TP rank's ``serialized_named_tensors`` entry as ``(name, tensor)`` pairs."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    data = base64.b64decode(payload) if isinstance(payload, str) else payload
+    obj = MultiprocessingSerializer.deserialize(data)
+    if load_format == FLATTENED_BUCKET:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+        return bucket.reconstruct_tensors()
+    if load_format not in (None, "direct"):
+        raise RequestError(f"/update_weights_from_tensor: load_format {load_format!r} is not supported here; use "
+                           f"{FLATTENED_BUCKET!r} or none")
+    return list(obj)
+
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""Rendezvous and collective limit of a weight-update group."""
+
+
+def _join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str) -> Any:
+    """A gloo process group of its own (not the default group), as SGLang's ``init_custom_process_group``."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore, rendezvous
+
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    return dist.ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, GROUP_TIMEOUT)
+
+
+def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+             load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors rank 0 broadcasts: one per name, or one flattened bucket of them all."""
+    if load_format == FLATTENED_BUCKET:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        group.broadcast(bucket.get_flattened_tensor(), 0).wait()
+        return bucket.reconstruct_tensors()
+    if load_format is not None:
+        raise RequestError(f"/update_weights_from_distributed: load_format {load_format!r}; use "
+                           f"{FLATTENED_BUCKET!r} or none")
+    tensors = [(name, torch.empty(shape, dtype=getattr(torch, str(dtype).removeprefix("torch."))))
+               for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
+    for work in [group.broadcast(tensor, 0) for _, tensor in tensors]:
+        work.wait()
+    return tensors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
+                      trust_remote_code=args.trust_remote_code)
+    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed)
+    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""megarl's CPU engine server, a real process, driven by the one HTTP client (issue 13).
+
+The model is a tiny random Qwen2 (project code). Each test talks HTTP to one server started
+for the module; the numbers are checked against :class:`HFEngine` in this process with the
+same weights and seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+import torch
+
+from megarl.models.sampling import derive_row_seed
+from megarl.rollout.client import EngineClient, EngineError, bucket_payloads, gather_sync, run_sync
+from megarl.rollout.engine import FinishReason, SamplingParams
+from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megarl.models.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("server") / "model", num_layers=2)
+
+
+def _server(model_dir, log_dir, name="engine 0") -> ServerProcess:
+    port = free_port()
+    return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
+                          str(port), "--random-seed", "3"], name=name, url=f"http://127.0.0.1:{port}",
+                         log_path=log_dir / f"{name.replace(' ', '_')}.log", env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    process = _server(model_dir, tmp_path_factory.mktemp("logs")).start()
+    try:
+        process.wait_healthy(120)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    return HFEngine(model_dir, seed=3)
+
+
+@pytest.fixture
+def client(server):
+    return EngineClient(server.url, name="engine 0")
+
+
+def test_a_batch_equals_the_in_process_engine_token_for_token(client, local):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
+    seeds = [derive_row_seed(11, i) for i in range(len(PROMPTS))]
+    remote = run_sync(client.generate_batch(PROMPTS, params, seeds=seeds, return_logprob=True))
+    expected = local.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=11),
+                              return_logprob=True)
+    assert [r.output_ids for r in remote] == [e.output_ids for e in expected]
+    assert [r.output_logprobs for r in remote] == [e.output_logprobs for e in expected]  # exact: same floats
+    assert [r.finish_reason for r in remote] == [e.finish_reason for e in expected]
+    assert all(r.weight_version == "default" for r in remote)
+
+
+def test_single_requests_and_fields_the_router_adds(client, server):
+    import json
+    import urllib.request
+
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+            "return_logprob": True, "model": "x", "stream": False, "return_text_in_logprobs": False,
+            "log_metrics": True, "return_hidden_states": False, "background": False, "no_logs": False,
+            "return_bytes": False, "return_entropy": False, "rid": "abc"}
+    request = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        answer = json.loads(reply.read())
+    assert answer["meta_info"]["id"] == "abc" and len(answer["output_ids"]) == 4
+    assert [entry[1] for entry in answer["meta_info"]["output_token_logprobs"]] == answer["output_ids"]
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = gather_sync([client.generate(p, greedy) for p in PROMPTS])
+    assert outs[0].output_ids == answer["output_ids"]
+    info = run_sync(client.model_info())
+    assert info["is_generation"] is True
+
+
+def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, local):
+    names = ["model.norm.weight", "model.layers.0.mlp.down_proj.weight"]
+    new = [(name, torch.full_like(local._params[name], 0.5 + i)) for i, name in enumerate(names)]
+
+    async def sync():
+        await client.begin_weight_update()
+        await client.update_weights_from_tensor(bucket_payloads(new, tp_size=1), weight_version="7")
+        await client.end_weight_update()
+        return [await client.get_weights_by_name(name, truncate_size=10_000) for name in names]
+
+    values = run_sync(sync())
+    for (name, tensor), got in zip(new, values, strict=True):
+        assert torch.tensor(got).equal(tensor), name
+    out = run_sync(client.generate(PROMPTS[1], SamplingParams(max_new_tokens=2, temperature=0.0)))
+    assert out.weight_version == "7"
+    with pytest.raises(EngineError, match=r"engine 0 at http://127\.0\.0\.1:\d+: POST /update_weights_from_tensor "
+                                          r"failed with HTTP 400: update_weights_from_tensor must run between "
+                                          r"begin_weight_update\(\) and end_weight_update\(\)"):
+        run_sync(client.update_weights_from_tensor(bucket_payloads(new, tp_size=1)))
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
+    """/init_weights_update_group + /update_weights_from_distributed: this process is rank 0 of a gloo group
+    (rendezvous at its address, store prefixed by the group name, as SGLang's init_custom_process_group) and
+    broadcasts while the server receives."""
+    import concurrent.futures
+
+    from megarl.rollout.server import _join_group
+
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    new = [torch.randn(local._params[name].shape, generator=torch.Generator().manual_seed(i))
+           for i, name in enumerate(names)]
+    port = free_port()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joined = pool.submit(_join_group, "127.0.0.1", port, 0, 2, "wu")
+    run_sync(client.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                              world_size=2, group_name="wu", backend="gloo"))
+    group = joined.result(timeout=60)
+
+    def send():
+        if load_format == "flattened_bucket":
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            group.broadcast(FlattenedTensorBucket(named_tensors=list(zip(names, new))).get_flattened_tensor(),
+                            0).wait()
+        else:
+            for work in [group.broadcast(tensor, 0) for tensor in new]:
+                work.wait()
+
+    run_sync(client.begin_weight_update())
+    sent = pool.submit(send)
+    run_sync(client.update_weights_from_distributed(names, ["float32", "float32"], [list(t.shape) for t in new],
+                                                    group_name="wu", load_format=load_format, weight_version="b"))
+    sent.result(timeout=60)
+    run_sync(client.end_weight_update())
+    for name, tensor in zip(names, new, strict=True):
+        assert torch.tensor(run_sync(client.get_weights_by_name(name, 10_000))).equal(tensor)
+    run_sync(client.destroy_weights_update_group("wu"))
+    with pytest.raises(EngineError, match=r"The group to be destroyed does not exist"):
+        run_sync(client.destroy_weights_update_group("wu"))
+
+
+def test_released_tags_refuse_generation_and_updates(client):
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    run_sync(client.release_memory_occupation(["kv_cache", "cuda_graph"]))
+    with pytest.raises(EngineError, match=r"memory \['kv_cache'\] is released; /resume_memory_occupation first"):
+        run_sync(client.generate(PROMPTS[0], greedy))
+    run_sync(client.release_memory_occupation(["weights"]))
+    with pytest.raises(EngineError, match=r"begin_weight_update: weights are released"):
+        run_sync(client.begin_weight_update())
+    run_sync(client.resume_memory_occupation(["weights"]))
+    run_sync(client.begin_weight_update())
+    run_sync(client.end_weight_update())
+    run_sync(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
+    assert len(run_sync(client.generate(PROMPTS[0], greedy)).output_ids) == 2
+
+
+@pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
+def test_pause_modes(client, mode):
+    """abort ends a running generation with finish reason abort (tokens kept); in_place and retract hold it,
+    let a weight update through, and finish it after continue_generation."""
+    long = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=5))
+        await asyncio.sleep(0.5)
+        await client.pause_generation(mode)
+        paused_at = time.monotonic()
+        if mode == "abort":
+            return await running, None
+        await asyncio.sleep(0.3)
+        assert not running.done()
+        await client.begin_weight_update()
+        await client.end_weight_update()
+        await client.continue_generation()
+        return await running, paused_at
+
+    out, _ = run_sync(scenario())
+    if mode == "abort":
+        assert out.finish_reason is FinishReason.ABORT and 0 < len(out.output_ids) < 400
+        run_sync(client.continue_generation())
+    else:
+        assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
+
+
+HEALTHY_STUB = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_dead_server_is_named_within_seconds(tmp_path):
+    port = free_port()
+    process = ServerProcess([sys.executable, "-c", HEALTHY_STUB, str(port)], name="engine 9",
+                            url=f"http://127.0.0.1:{port}", log_path=tmp_path / "e9.log").start()
+    process.wait_healthy(60)
+    client = EngineClient(process.url, name="engine 9")
+    process.stop()
+    assert not process.alive()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=rf"engine 9 at {process.url}: POST /generate: the server cannot be reached"):
+        run_sync(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
+    assert time.monotonic() - start < 5
+    broken = ServerProcess([sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"],
+                           name="engine 8", url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e8.log")
+    with pytest.raises(ServerStartError, match=r"engine 8 \(http://127\.0\.0\.1:\d+\) exited with code 3 before it "
+                                               r"was healthy; its log .*e8\.log ends:\nno model here"):
+        broken.start().wait_healthy(30)
+
+
+def test_a_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
+    """PR_SET_PDEATHSIG: the owner is SIGKILLed (no clean-up runs) and its server goes too."""
+    import os
+    import signal
+    import subprocess
+
+    code = (f"import sys, time; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})\n"
+            "from megarl.rollout.server_process import ServerProcess, free_port\n"
+            "p = ServerProcess([sys.executable, '-c', 'import time; time.sleep(600)'], name='x', "
+            "url='http://127.0.0.1:1', log_path=sys.argv[1]).start()\n"
+            "print(p.pid, flush=True); time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "x.log")], stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    os.kill(server_pid, 0)  # alive
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"server pid {server_pid} outlived its owner")
