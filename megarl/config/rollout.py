@@ -14,6 +14,8 @@ from megarl.config.common import DTYPES, check_choice, check_micro_batches, chec
 
 ROLLOUT_NAMES = ("hf", "sglang")
 ENGINE_LAYOUTS = ("per_replica", "per_tp_group")
+ROUTER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
+"""sglang-router's ``--policy`` choices megarl offers (``rollout.router_policy``)."""
 TOOL_CALL_FORMATS = ("hermes", "qwen25")
 """Tool-call formats the agent loop parses (``megarl.rollout.tool_parser.PARSERS`` has one parser per name)."""
 SANITY_CHECK_MODES = ("strict", "warn", "off")
@@ -130,6 +132,11 @@ class RolloutConfig:
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools."""
+    router_policy: str = "round_robin"
+    """sglang-router's policy for generation requests: ``round_robin``, ``cache_aware``, ``power_of_two`` or
+    ``random``."""
+    engine_startup_timeout_s: float = 600.0
+    """How long an engine server may take to answer ``/health`` after it starts (loading the model included)."""
     max_failed_frac: float = 0.5
     """A training step or validation round in which more than this share of the rollouts FAILED (finish reason
     ``abort``: an overlong prompt, a tool's set-up or reward error or time-out, an engine abort) stops the run,
@@ -137,6 +144,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
+        check_choice(f"{p}.router_policy", self.router_policy, ROUTER_POLICIES)
+        check_positive(f"{p}.engine_startup_timeout_s", self.engine_startup_timeout_s)
         if not 0 <= self.max_failed_frac <= 1:
             raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
         check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)

@@ -37,7 +37,10 @@ from megarl.rollout.tools.base import BaseTool
 from megarl.rollout.tools.registry import load_tools
 from megarl.workers.group import WorkerGroup
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
-from megarl.workers.rollout_worker import RemoteEngine, RolloutWorker
+from megarl.rollout.client import EngineClient
+from megarl.rollout.router import start_router
+from megarl.rollout.server_process import ServerProcess
+from megarl.workers.engine_server import EngineAddress, EngineServerWorker
 
 SEED_STREAM_ROLLOUT = 1
 """``derive_seed(rollout seed, SEED_STREAM_ROLLOUT, step)`` seeds a training step's generation."""
@@ -60,11 +63,15 @@ class Roles:
     critic: WorkerGroup | None
     """The value model's ranks (PPO with GAE), else None."""
     rollout: WorkerGroup
-    """One worker per rollout engine."""
-    engines: list[RemoteEngine]
-    """The engines as the rollout manager sees them."""
-    engines_by_replica: list[list]
-    """For each actor DP replica, the Ray handles of the engines it streams weights into."""
+    """One worker per rollout engine, owning the engine's server process."""
+    engines: list[EngineClient]
+    """A client per engine server (weights, memory, pause calls; naming a failed engine)."""
+    router: ServerProcess
+    """sglang-router over the engines: generation goes through it."""
+    generator: EngineClient
+    """The router's client."""
+    engines_by_replica: list[list[EngineAddress]]
+    """For each actor DP replica, the engines it streams weights into."""
     weight_names: list[str]
     """Every HF tensor name of the policy, in export order."""
 
@@ -74,19 +81,24 @@ class Roles:
         return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
-        """Kill every worker and give the pools' resources back."""
+        """Stop the router and the engine servers, kill every worker and give the pools' resources back."""
+        self.router.stop()
+        stop_engine_servers(self.rollout)
         for group in self.groups:
             group.shutdown()
         for pool in self.pools.values():
             pool.remove()
 
 
-def build_roles(cfg: RunConfig) -> Roles:
-    """Place and start every role of ``cfg`` (Ray must be running); on failure nothing is left running."""
+def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
+    """Place and start every role of ``cfg`` (Ray must be running): the training workers, one engine server per
+    engine (its log in ``log_dir``) and sglang-router in front of them; on failure nothing is left running."""
     plan = placement_for(cfg)
     trainer = cfg.trainer
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
+    launches = _sglang_launches(cfg, plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
     built: list[WorkerGroup] = []
+    router = None
     try:
         separate = not cfg.actor_rollout_ref.hybrid_engine
         colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
@@ -97,23 +109,39 @@ def build_roles(cfg: RunConfig) -> Roles:
             critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
         rollout_pool = pools["rollout"] if separate else pools["global"]
-        rollout = _build_engines(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated)
+        rollout = _group(cfg, EngineServerWorker, rollout_pool, 1.0 if separate else 1.0 / colocated,
+                         role="rollout", bundles=[e.bundles[0] for e in plan.engines])
         built.append(rollout)
-        engines = [RemoteEngine(h, replica=i, timeout_s=trainer.worker_timeout_s)
-                   for i, h in enumerate(rollout.actors)]
+        addresses = _start_engine_servers(cfg, plan, rollout, launches, log_dir)
+        engines = [EngineClient(a.url, name=a.name) for a in addresses]
+        router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
+                              log_dir=log_dir)
         dp = data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel)
         # TP-matched engines serve the replica on whose GPUs they sit; others are dealt round-robin.
         owner = [engine_replica(e, dp) for e in plan.engines]
-        by_replica = [[h for h, d in zip(rollout.actors, owner) if d == replica] for replica in range(dp)]
+        by_replica = [[a for a, d in zip(addresses, owner) if d == replica] for replica in range(dp)]
         names = actor.call_rank(0, ActorWorker.weight_names)
     except BaseException:
+        if router is not None:
+            router.stop()
         for group in built:
+            if group.role == "rollout":
+                stop_engine_servers(group)
             group.shutdown()
         for pool in pools.values():
             pool.remove()
         raise
     return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
+                 router=router, generator=EngineClient(router.url, name="sglang-router"),
                  engines_by_replica=by_replica, weight_names=names)
+
+
+def stop_engine_servers(group: WorkerGroup) -> None:
+    """Stop every engine server of ``group`` (best effort: a dead worker's server died with it)."""
+    try:
+        group.call_all(EngineServerWorker.stop_server)
+    except Exception as error:  # noqa: BLE001 - shutting down: the workers are killed next anyway
+        logging.getLogger(__name__).warning("stopping engine servers: %s", error)
 
 
 def _group(cfg: RunConfig, worker_cls, pool, share: float, **kwargs) -> WorkerGroup:
@@ -149,19 +177,31 @@ def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
     return group
 
 
-def _build_engines(cfg: RunConfig, plan: PlacementPlan, pool, share: float) -> WorkerGroup:
-    """One :class:`RolloutWorker` per engine placement, on the first bundle it serves."""
+def _sglang_launches(cfg: RunConfig, plan: PlacementPlan, pools: dict) -> list:
+    """Per engine, its GPUs (probed from Ray before any worker holds them) for ``sglang.launch_server``."""
+    from megarl.controller.engine_gpus import engine_gpus, probe_bundle_gpus
+
+    return engine_gpus(plan.engines, probe_bundle_gpus(pools))
+
+
+def _start_engine_servers(cfg: RunConfig, plan: PlacementPlan, group: WorkerGroup, gpus: list | None,
+                          log_dir: str | os.PathLike) -> list[EngineAddress]:
+    """Start every engine's server (concurrently) and wait until all are healthy; their addresses."""
     arr = cfg.actor_rollout_ref
-    group = _group(cfg, RolloutWorker, pool, share, role="rollout", bundles=[e.bundles[0] for e in plan.engines])
-    try:
-        group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, tp_size=cfg.engine_tp,
-                                    seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i),
-                                    device=cfg.trainer.device))
-                          for i in range(len(plan.engines))], RolloutWorker.init_engine)
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
+    seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
+    launch_kwargs: list[dict] = [{} for _ in plan.engines]
+    if gpus is not None:
+        from megarl.controller.engine_gpus import sglang_launch_command
+
+        for i, ((host, port), engine_gpus) in enumerate(zip(group.call_all(EngineServerWorker.address), gpus,
+                                                            strict=True)):
+            launch_kwargs[i] = {"launch": sglang_launch_command(engine_gpus, rollout=arr.rollout, model=arr.model,
+                                                                port=port, seed=seeds[i], host=host),
+                                "url": f"http://{host}:{port}"}
+    urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[i],
+                                      device=cfg.trainer.device, log_dir=str(log_dir), **launch_kwargs[i]))
+                             for i in range(len(plan.engines))], EngineServerWorker.start_server)
+    return [EngineAddress(index=i, url=url, tp=plan.engines[i].tp) for i, url in enumerate(urls)]
 
 
 @dataclasses.dataclass
@@ -187,10 +227,12 @@ def load_agent_plugins(cfg: RunConfig) -> AgentPlugins:
     return plugins
 
 
-def build_rollout_manager(cfg: RunConfig, engines, tokenizer, plugins: AgentPlugins) -> RolloutManager:
-    """The driver's rollout manager over ``engines``, with the multi-turn tools and interactions."""
+def build_rollout_manager(cfg: RunConfig, generator: EngineClient, engines: list[EngineClient], tokenizer,
+                          plugins: AgentPlugins) -> RolloutManager:
+    """The driver's rollout manager: generation through ``generator`` (the router) over ``engines``, with the
+    multi-turn tools and interactions."""
     prompt_length, response_length = cfg.rollout_widths()
-    return RolloutManager(engines, tokenizer, cfg.actor_rollout_ref.rollout, prompt_length=prompt_length,
+    return RolloutManager(generator, engines, tokenizer, cfg.actor_rollout_ref.rollout, prompt_length=prompt_length,
                           response_length=response_length, tools=plugins.tools, interactions=plugins.interactions)
 
 

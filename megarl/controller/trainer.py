@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,10 @@ from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.models.sampling import derive_seed
+from megarl.rollout.client import gather_sync
 from megarl.rollout.manager import RolloutManager
 from megarl.workers.base import Worker
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker, verify_sample
-from megarl.workers.rollout_worker import RolloutWorker
 
 logger = logging.getLogger("megarl.train")
 
@@ -95,6 +96,8 @@ class Trainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
         self.roles: Roles | None = None
+        self._released_tags: set[str] = set()
+        """Memory tags the engines have released (the driver resumes exactly those)."""
         self.rollout_manager: RolloutManager | None = None
         self._started_ray = False
         self._run_lock: RunLock | None = None
@@ -129,12 +132,13 @@ class Trainer:
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
         with interrupts_deferred("Ray has started"):  # then shutdown() stops it
             self._started_ray = init_ray(cfg, console=self.console)
-        self.roles = build_roles(cfg)
+        self.roles = build_roles(cfg, self.log_dir / "servers")
         self.plan, self.engines = self.roles.plan, self.roles.engines
         self.actor_wg, self.critic_wg, self.rollout_wg = self.roles.actor, self.roles.critic, self.roles.rollout
         self.weight_names = self.roles.weight_names
         self.actor_dp = self.actor_wg.dp_size
-        self.rollout_manager = build_rollout_manager(cfg, self.engines, self.tokenizer, self.plugins)
+        self.rollout_manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer,
+                                                     self.plugins)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(type=kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
                                            horizon=kl.horizon)
@@ -181,14 +185,22 @@ class Trainer:
         rollout = self.cfg.actor_rollout_ref.rollout
         return self.cfg.actor_rollout_ref.hybrid_engine and rollout.free_cache_engine
 
-    def _release_engines(self) -> None:
-        """Colocated engines give their memory (KV cache, weights) to training after generating."""
-        if self._engines_release_memory():
-            self.rollout_wg.call_all(RolloutWorker.release_memory_occupation)
+    def _release_engines(self, *, weights: bool) -> None:
+        """Colocated engines give their memory to training after generating: the KV cache and CUDA graphs, and the
+        weights too when a weight sync follows before the next generation (released weights hold garbage)."""
+        if not self._engines_release_memory():
+            return
+        tags = ["kv_cache", "cuda_graph", *(["weights"] if weights else [])]
+        gather_sync([engine.release_memory_occupation(tags) for engine in self.engines])
+        self._released_tags.update(tags)
 
-    def _resume_engines(self) -> None:
-        if self._engines_release_memory():
-            self.rollout_wg.call_all(RolloutWorker.resume_memory_occupation)
+    def _resume_engines(self, tags: Sequence[str]) -> None:
+        """Take back the released memory of ``tags`` (SGLang refuses to resume a tag that was not released):
+        ``weights`` before a sync, ``kv_cache`` and ``cuda_graph`` after it."""
+        todo = [tag for tag in tags if tag in self._released_tags]
+        if todo:
+            gather_sync([engine.resume_memory_occupation(todo) for engine in self.engines])
+            self._released_tags.difference_update(todo)
 
     def _offload_flags(self, role: str) -> dict[str, bool]:
         if role == "critic":
@@ -212,11 +224,12 @@ class Trainer:
     def _sync_weights(self, step: int) -> dict[str, float]:
         """Stream the actor's weights into the engines (resumed first) and verify them."""
         rollout = self.cfg.actor_rollout_ref.rollout
-        self._resume_engines()
+        self._resume_engines(["weights"])
         names = verify_sample(self.weight_names, rollout.verify_weights, step)
         stats = [s for s in self.actor_wg.call_all(
             ActorWorker.sync_weights, self.roles.engines_by_replica, bucket_bytes=rollout.bucket_mb << 20,
-            engine_dtype=rollout.dtype, verify_names=names) if s]
+            engine_dtype=rollout.dtype, verify_names=names, weight_version=str(step)) if s]
+        self._resume_engines(["kv_cache", "cuda_graph"])
         if not stats:
             return {}
         metrics = {k: sum(s[k] for s in stats) for k in ("weight_sync/bytes", "weight_sync/verified_engines",
@@ -285,8 +298,8 @@ class Trainer:
                 metrics.update(mean_dicts(outs))
             with timer("sync_weights", timing):
                 metrics.update(self._sync_weights(step))
-        else:
-            self._resume_engines()
+        else:  # critic warm-up: the engines kept their weights (nothing to sync)
+            self._resume_engines(["kv_cache", "cuda_graph"])
         self._offload("actor")
 
     def train_step(self) -> dict[str, float]:
@@ -301,7 +314,7 @@ class Trainer:
             with timer("gen", timing):
                 batch = self.rollout_manager.generate(
                     prompts, seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ROLLOUT, step))
-            self._release_engines()
+            self._release_engines(weights=cfg.trainer.critic_warmup <= self.global_step)
             metrics.update(self._rollout_metrics(batch, step))
             self._onload("actor")
             if cfg.actor_rollout_ref.rollout.multi_turn.enable:

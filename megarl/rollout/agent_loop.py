@@ -61,7 +61,7 @@ import torch
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
 from megarl.data.chat import check_messages, row_tool_names
-from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, sampling_params_for
+from megarl.rollout.engine import AsyncGenerator, FinishReason, SamplingParams, sampling_params_for
 from megarl.rollout.hooks import HookRunner, HookTimeout
 from megarl.rollout.interaction import BaseInteraction
 from megarl.rollout.request import (
@@ -88,7 +88,7 @@ class AgentLoop:
     """Runs multi-turn, tool-calling rollouts of many requests concurrently on one engine.
 
     Args:
-        engine: a :class:`~megarl.rollout.engine.RolloutEngine` (``async_generate`` is used).
+        engine: what generates (``async_generate``): the client of sglang-router or of an engine.
         tokenizer: the policy's tokenizer, with its chat template.
         config: the run's ``actor_rollout_ref.rollout`` section: ``multi_turn.*`` (turn limits,
             tool timeout, tool-call format, tokenization check), ``max_model_len``,
@@ -105,7 +105,7 @@ class AgentLoop:
             a runner of its own with ``multi_turn.tool_timeout_s``.
     """
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, config: RolloutConfig, *, prompt_length: int,
+    def __init__(self, engine: AsyncGenerator, tokenizer: Any, config: RolloutConfig, *, prompt_length: int,
                  response_length: int, tools: Mapping[str, BaseTool] | None = None,
                  interactions: Mapping[str, BaseInteraction] | None = None,
                  hooks: HookRunner | None = None) -> None:

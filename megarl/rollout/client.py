@@ -67,25 +67,26 @@ def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOut
                           weight_version=meta.get("weight_version"))
 
 
-def bucket_payloads(named_tensors: Sequence[tuple[str, Any]], tp_size: int) -> list[bytes]:
-    """One bucket as ``/update_weights_from_tensor`` takes it: one payload per engine TP rank.
+def bucket_payloads(named_tensors: Sequence[tuple[str, Any]], tp_sizes: Sequence[int]) -> list[list[bytes]]:
+    """One bucket as ``/update_weights_from_tensor`` takes it, for each engine of ``tp_sizes``: one payload per
+    engine TP rank.
 
-    The bucket's tensors are flattened into one ``uint8`` tensor with SGLang's
+    The bucket's tensors are flattened once into one ``uint8`` tensor with SGLang's
     ``FlattenedTensorBucket`` (mixed dtypes allowed) and ``{"flattened_tensor", "metadata"}`` is
-    serialised with SGLang's ``MultiprocessingSerializer`` once per TP rank (each rank opens
-    only its own copy). The payload carries a handle, not the bytes: CUDA IPC on GPU; on CPU a
-    file in shared memory (torch's ``file_system`` sharing strategy, set here: the default
+    serialised with SGLang's ``MultiprocessingSerializer`` once per engine TP rank: every payload
+    holds its own reference to the shared tensor, which the rank that opens it gives back (a
+    payload opened twice fails). The payload carries a handle, not the bytes: CUDA IPC on GPU; on
+    CPU a file in shared memory (torch's ``file_system`` sharing strategy, set here: the default
     strategy passes file descriptors over a connection that only the sender's own children can
-    authenticate to). The caller keeps the tensors alive until the server has answered. Tensors
-    are ordered by element size, largest first, so that each starts at an offset its dtype can
-    be viewed at.
+    authenticate to). Tensors are ordered by element size, largest first, so that each starts at
+    an offset its dtype can be viewed at.
     """
     import torch.multiprocessing
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    if tp_size < 1:
-        raise ValueError(f"bucket_payloads needs tp_size >= 1 (rollout.tensor_model_parallel_size), got {tp_size}")
+    if any(tp < 1 for tp in tp_sizes):
+        raise ValueError(f"bucket_payloads needs TP sizes >= 1 (rollout.tensor_model_parallel_size), got {tp_sizes}")
     named_tensors = sorted(named_tensors, key=lambda pair: -pair[1].element_size())
     if not named_tensors:
         raise ValueError("bucket_payloads needs a non-empty bucket of (name, tensor) pairs")
@@ -93,7 +94,7 @@ def bucket_payloads(named_tensors: Sequence[tuple[str, Any]], tp_size: int) -> l
         torch.multiprocessing.set_sharing_strategy("file_system")
     bucket = FlattenedTensorBucket(named_tensors=named_tensors)
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    return [MultiprocessingSerializer.serialize(payload) for _ in range(tp_size)]
+    return [[MultiprocessingSerializer.serialize(payload) for _ in range(tp)] for tp in tp_sizes]
 
 
 class EngineClient:
@@ -162,26 +163,30 @@ class EngineClient:
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None,
                        return_logprob: bool = False, rid: str | None = None) -> GenerateOutput:
-        """One continuation of ``input_ids``, sampled from ``seed`` (``sampling_seed``) when given."""
+        """One continuation of ``input_ids``; with ``seed`` (``sampling_seed``) megarl's CPU server samples it
+        from ``derive_row_seed(seed, 0)``."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s, input_ids=list(input_ids),
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
                                  rid=rid)
         return generate_output(answer, return_logprob)
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                             seeds: Sequence[int | None], return_logprob: bool = False) -> list[GenerateOutput]:
-        """One continuation per row, in one request (the server runs the rows as one batch); row ``i``
-        samples from ``seeds[i]``."""
-        if len(seeds) != len(input_ids):
-            raise ValueError(f"generate_batch: {len(seeds)} seeds for {len(input_ids)} rows")
+                             seed: int | None = None, return_logprob: bool = False) -> list[GenerateOutput]:
+        """One continuation per row, in one request with one ``sampling_params`` (what sglang-router
+        forwards; the server runs the rows as one batch). With ``seed``, megarl's CPU server samples
+        row ``i`` from ``derive_row_seed(seed, i)``."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s,
                                  input_ids=[list(ids) for ids in input_ids],
-                                 sampling_params=[sampling_params_dict(params, seed) for seed in seeds],
-                                 return_logprob=return_logprob)
+                                 sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob)
         if not isinstance(answer, list) or len(answer) != len(input_ids):
             raise EngineError(f"{self.name} at {self.url}: /generate returned {type(answer).__name__} for a batch "
                               f"of {len(input_ids)}", engine=self.name, url=self.url, route="/generate")
         return [generate_output(result, return_logprob) for result in answer]
+
+    async def async_generate(self, input_ids: Sequence[int], params: SamplingParams,
+                             return_logprob: bool = False) -> GenerateOutput:
+        """The agent loop's engine call: :meth:`generate` seeded by ``params.seed``."""
+        return await self.generate(input_ids, params, seed=params.seed, return_logprob=return_logprob)
 
     # ------------------------------------------------------------------------ weights
 

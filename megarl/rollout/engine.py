@@ -98,6 +98,15 @@ class GenerateOutput:
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
+class AsyncGenerator(Protocol):
+    """What the agent loop needs: one continuation per call (an :class:`~megarl.rollout.client.EngineClient`
+    of the router or of an engine; a scripted engine in tests)."""
+
+    async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
+                             return_logprob: bool = False) -> GenerateOutput:
+        ...
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the rollout manager and the weight sync need from an inference engine."""

@@ -23,10 +23,18 @@ non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n
   ``rollout_log_probs``: the sampling temperature, 1.0 when greedy), ``do_sample`` and
   ``validate``.
 
-Single-turn rollouts use the batch-level path: strip each prompt's left padding, send each
-engine a contiguous share of the prompts (all ``n`` samples of a prompt on one engine, so
-prefix caching sees them together) concurrently, then pad and assemble. Multi-turn rollouts
-(``multi_turn=True``) run the request-level agent loop of ``megarl.rollout.agent_loop``.
+Engines are servers speaking SGLang's HTTP API; generation goes through ``generator`` (the
+client of sglang-router in front of them). Single-turn rollouts use the batch-level path: strip
+each prompt's left padding, cut the prompts into one contiguous share per engine (all ``n``
+samples of a prompt in one share, so prefix caching sees them together), send every share as
+one batched ``/generate`` concurrently (the router spreads them), then pad and assemble. Share
+``k`` is seeded with ``derive_row_seed(call_seed, first row of k)``; its rows sample from
+``derive_row_seed(share seed, i)``. Multi-turn rollouts (``multi_turn=True``) run the
+request-level agent loop of ``megarl.rollout.agent_loop`` over the same generator.
+
+A generation that fails (an engine died, the router lost it) raises
+:class:`~megarl.rollout.client.EngineError` naming the engines that no longer answer
+``/health``, with their URLs.
 
 Shape legend: ``B`` prompts, ``N = B·n`` trajectories, ``W`` input prompt width, ``P`` prompt
 length, ``R`` response length.
@@ -35,7 +43,6 @@ length, ``R`` response length.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -45,7 +52,8 @@ import torch
 
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.rollout.engine import GenerateOutput, RolloutEngine, SamplingParams, sampling_params_for
+from megarl.rollout.client import EngineClient, EngineError
+from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_params_for
 from megarl.rollout.hooks import HookRunner
 from megarl.models.sampling import derive_row_seed
 
@@ -53,10 +61,13 @@ _PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
 
 
 class RolloutManager:
-    """Generates trajectories for a batch of prompts over ``engines`` (one or more replicas).
+    """Generates trajectories for a batch of prompts over engine servers (one or more replicas).
 
     Args:
-        engines: engine replicas; each gets a contiguous share of the prompts.
+        generator: where generation requests go: the client of sglang-router over the engines
+            (or of one engine).
+        engines: a client per engine replica: the prompts are cut into one share per engine, and
+            a failed generation names the engines that no longer answer.
         tokenizer: gives the pad id (``pad_token_id``, else ``eos_token_id``) and, for
             multi-turn, the chat template.
         config: the run's ``actor_rollout_ref.rollout`` section: ``n``, training and validation
@@ -67,18 +78,15 @@ class RolloutManager:
         tools, interactions: passed to each ``AgentLoop``.
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], tokenizer: Any, config: RolloutConfig, *,
-                 prompt_length: int, response_length: int, tools: dict | None = None,
+    def __init__(self, generator: EngineClient, engines: Sequence[EngineClient], tokenizer: Any,
+                 config: RolloutConfig, *, prompt_length: int, response_length: int, tools: dict | None = None,
                  interactions: dict | None = None) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
-        for i, engine in enumerate(engines):
-            if not isinstance(engine, RolloutEngine):
-                raise TypeError(f"RolloutManager: engine {i} ({type(engine).__name__}) does not implement "
-                                f"megarl.rollout.engine.RolloutEngine")
         if prompt_length < 1 or response_length < 1:
             raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {prompt_length} and "
                              f"{response_length}")
+        self.generator = generator
         self.engines = list(engines)
         self.tokenizer = tokenizer
         self.config = config
@@ -170,32 +178,39 @@ class RolloutManager:
     def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None) -> Batch:
         prompts = self._prompt_ids(batch)
         jobs = []
-        for engine, (start, end) in zip(self.engines, self._shares(len(prompts)), strict=True):
+        for start, end in self._shares(len(prompts)):
             if start == end:
                 continue
             rows = [prompt for prompt in prompts[start:end] for _ in range(n)]
-            # Every engine's share gets its own seed so that no two rows share a sampling stream.
-            seed = None if call_seed is None else derive_row_seed(call_seed, start * n)
-            jobs.append((engine, rows, dataclasses.replace(params, seed=seed)))
+            # Every share gets its own seed so that no two rows share a sampling stream.
+            jobs.append((rows, None if call_seed is None else derive_row_seed(call_seed, start * n)))
+        logprob = self.config.calculate_log_probs
+
+        async def run_all() -> list[list[GenerateOutput]]:
+            return list(await asyncio.gather(*(self.generator.generate_batch(rows, params, seed=seed,
+                                                                               return_logprob=logprob)
+                                               for rows, seed in jobs)))
+
         outputs: list[GenerateOutput] = []
-        for (engine, rows, _), share in zip(jobs, self._run_jobs(jobs), strict=True):
+        for (rows, _), share in zip(jobs, _run_coroutine(self._naming_failures(run_all())), strict=True):
             if len(share) != len(rows):
-                raise RuntimeError(f"{type(engine).__name__}.generate returned {len(share)} outputs for "
-                                   f"{len(rows)} inputs")
+                raise RuntimeError(f"{self.generator.name} returned {len(share)} outputs for {len(rows)} inputs")
             outputs.extend(share)
         rows = [prompt for prompt in prompts for _ in range(n)]
         return self._assemble(rows, outputs)
 
-    def _run_jobs(self, jobs: list[tuple[RolloutEngine, list[list[int]], SamplingParams]]) -> list:
-        """``engine.generate`` for every job, concurrently (one thread per engine) when there are several."""
-        logprob = self.config.calculate_log_probs
-        if len(jobs) == 1:
-            engine, rows, params = jobs[0]
-            return [engine.generate(rows, params, return_logprob=logprob)]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="rollout") as pool:
-            futures = [pool.submit(engine.generate, rows, params, return_logprob=logprob)
-                       for engine, rows, params in jobs]
-            return [future.result() for future in futures]
+    async def _naming_failures(self, work: Any) -> Any:
+        """Await ``work``; when generation fails, say which engines no longer answer ``/health``."""
+        try:
+            return await work
+        except EngineError as error:
+            alive = await asyncio.gather(*(engine.health() for engine in self.engines))
+            dead = [f"{engine.name} at {engine.url}" for engine, ok in zip(self.engines, alive, strict=True) if not ok]
+            if not dead:
+                raise
+            raise EngineError(f"generation failed: {', '.join(dead)} no longer answer(s) /health ({error})",
+                              engine=", ".join(e.split(" at ")[0] for e in dead), url=error.url,
+                              route=error.route) from error
 
     def _assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
         """Pad prompts left to P and responses right to R; build masks, positions and log-probs."""
@@ -237,10 +252,10 @@ class RolloutManager:
     # ----------------------------------------------------------------------------- multi-turn
 
     def _generate_multi_turn(self, batch: Batch, params: SamplingParams, *, n: int) -> Batch:
-        """Request-level rollouts: one agent loop per engine, all running concurrently on one event loop.
+        """Request-level rollouts: one agent loop over every request, concurrently, through the generator.
 
-        Each engine gets a contiguous share of the requests; the agent loop derives every
-        turn's seed from ``params.seed`` and the request's (row, sample, turn).
+        The router spreads the requests over the engines; the agent loop derives every turn's
+        seed from ``params.seed`` and the request's (row, sample, turn).
         """
         # Imported here: the agent loop (tools, parsers) is only needed for multi-turn rollouts.
         from megarl.rollout import agent_loop
@@ -248,19 +263,11 @@ class RolloutManager:
         requests = agent_loop.requests_from_batch(batch, n=n)
         if self._hooks is None:
             self._hooks = HookRunner(self.config.multi_turn.tool_timeout_s)
-        per_engine = -(-len(requests) // len(self.engines))
-        shares = [requests[i * per_engine:(i + 1) * per_engine] for i in range(len(self.engines))]
-
-        async def run_all() -> list:
-            loops = [agent_loop.AgentLoop(engine, self.tokenizer, self.config, prompt_length=self.prompt_length,
-                                          response_length=self.response_length, tools=self.tools,
-                                          interactions=self.interactions, hooks=self._hooks)
-                     for engine in self.engines]
-            done = await asyncio.gather(*(loop.run(share, sampling_params=params)
-                                          for loop, share in zip(loops, shares, strict=True) if share))
-            return [request for part in done for request in part]
-
-        finished = sorted(_run_coroutine(run_all()), key=lambda r: (r.batch_data_id, r.rollout_offset))
+        loop = agent_loop.AgentLoop(self.generator, self.tokenizer, self.config, prompt_length=self.prompt_length,
+                                    response_length=self.response_length, tools=self.tools,
+                                    interactions=self.interactions, hooks=self._hooks)
+        finished = sorted(_run_coroutine(self._naming_failures(loop.run(requests, sampling_params=params))),
+                          key=lambda r: (r.batch_data_id, r.rollout_offset))
         expected = [(i, j) for i in range(len(batch)) for j in range(n)]
         got = [(r.batch_data_id, r.rollout_offset) for r in finished]
         if got != expected:

@@ -11,8 +11,12 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
 
 - **Requests** are queued rows; a scheduler task runs them in batches on the engine thread
   (rows that differ only in seed and ``max_new_tokens`` share a batch; a batched ``/generate``
-  arrives at once, so its rows form one batch). Each row samples from its own seed
-  (``sampling_params.sampling_seed``, else one drawn from the server's seeded generator).
+  arrives at once, so its rows form one batch). Row ``i`` of a request samples from
+  ``derive_row_seed(sampling_seed, i)`` (its own ``sampling_params``' seed, or the one shared by
+  the batch: sglang-router forwards a batch with one ``sampling_params``), so a batch sharing
+  one seed still gives every row its own stream; without a seed, rows draw from the server's
+  seeded generator. (SGLang with deterministic inference would give every row of such a batch
+  the same seed: megarl sends seeds only to this engine.)
 - **Pause** (``/pause_generation``): ``abort`` ends running and queued rows now (finish reason
   ``abort``, tokens so far kept); ``in_place`` holds the running batch between two decoding
   steps, KV cache kept; ``retract`` holds it and, on ``/continue_generation``, recomputes its KV
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megarl.models.sampling import ABORT, MAX_SEED, REBUILD
+from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.http_api import FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES
@@ -165,7 +169,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         rows = []
         for i in range(num):
-            params, seed = self._sampling(sampling[i])
+            params, seed = self._sampling(sampling[i], i)
             self.engine._check_prompts([prompts[i]], params)
             rows.append(_Row(prompt=[int(t) for t in prompts[i]], params=params, return_logprob=bool(logprob[i]),
                              row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future()))
@@ -178,7 +182,7 @@ class EngineServer:
     def _missing_tags(self) -> list[str]:
         return sorted(self.released & {"weights", "kv_cache"})
 
-    def _sampling(self, raw: dict[str, Any]) -> tuple[SamplingParams, int]:
+    def _sampling(self, raw: dict[str, Any], row: int) -> tuple[SamplingParams, int]:
         unknown = sorted(k for k in raw if k not in SAMPLING_KEYS and k not in NEUTRAL_SAMPLING)
         if unknown:
             raise RequestError(f"/generate: sampling_params {unknown} are not implemented by this engine")
@@ -194,8 +198,8 @@ class EngineServer:
                                 ignore_eos=bool(raw.get("ignore_eos", False)))
         seed = raw.get("sampling_seed")
         if seed is None:
-            seed = int(torch.randint(MAX_SEED, (1,), generator=self._seeds))
-        return params, int(seed)
+            return params, int(torch.randint(MAX_SEED, (1,), generator=self._seeds))
+        return params, derive_row_seed(int(seed), row)
 
     def _answer(self, row: _Row, output: GenerateOutput) -> dict[str, Any]:
         finish: dict[str, Any] = {"type": output.finish_reason.value}

@@ -54,10 +54,12 @@ class ServerProcess:
     """One server process: ``argv`` run with ``env`` added, answering ``health_path`` at ``url`` when ready."""
 
     def __init__(self, argv: Sequence[str], *, name: str, url: str, log_path: str | os.PathLike,
-                 env: Mapping[str, str] | None = None, health_path: str = "/health") -> None:
+                 env: Mapping[str, str] | None = None, inherit_env: bool = True, health_path: str = "/health") -> None:
         self.argv, self.name, self.url = list(argv), name, url.rstrip("/")
         self.log_path = Path(log_path)
         self.env = dict(env or {})
+        self.inherit_env = inherit_env
+        """Start from this process's environment (``env`` added); False: ``env`` is the whole environment."""
         self.health_path = health_path
         self._proc: subprocess.Popen | None = None
 
@@ -73,7 +75,8 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
         try:
-            self._proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
+            env = {**os.environ, **self.env} if self.inherit_env else self.env
+            self._proc = subprocess.Popen(self.argv, env=env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           preexec_fn=_die_with_parent)
         finally:

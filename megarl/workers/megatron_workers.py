@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from megarl.config.actor import ActorConfig, RefConfig
@@ -29,14 +28,13 @@ from megarl.config.critic import CriticConfig
 from megarl.config.model import ModelConfig, OptimConfig
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.config.rollout import RolloutConfig
-from megarl.convert.export import split_flat
 from megarl.data.batch import Batch
-from megarl.rollout.engine import tensor_digest
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole
 from megarl.workers.model_checkpoint import export_hf, load_model, save_model
-from megarl.workers.rollout_worker import flatten_bucket
+from megarl.rollout.client import EngineClient, EngineError, bucket_payloads, gather_sync
+from megarl.workers.engine_server import EngineAddress
 from megarl.workers.sharded_model import ShardedModel
 
 
@@ -172,60 +170,72 @@ class ActorWorker(_MegatronWorker):
         return [name for unit in self.sharded.exporter().units for name in unit.hf_names]
 
     @busy
-    def sync_weights(self, engines: Sequence[Sequence[Any]], *, bucket_bytes: int, engine_dtype: str,
-                     verify_names: Sequence[str] = ()) -> dict[str, Any] | None:
-        """Stream the weights into the engines (collective over the actor's ranks).
+    def sync_weights(self, engines: Sequence[Sequence[EngineAddress]], *, bucket_bytes: int, engine_dtype: str,
+                     verify_names: Sequence[str] = (), weight_version: str | None = None) -> dict[str, Any] | None:
+        """Stream the weights into the engine servers over SGLang's HTTP API (collective over the actor's ranks).
 
-        ``engines[d]``: the Ray handles of the rollout workers served by DP replica ``d``.
-        The replica's first rank (TP 0, PP 0, CP 0) sends every full HF bucket (stages take
-        turns, TP shards gathered: :meth:`WeightExporter.iter_full`), one bucket in flight
-        while the next is gathered. ``verify_names``: tensors whose SHA-1 (at the engine's
-        dtype) is compared with what each engine holds after the session; a difference
-        raises. Returns the sender's statistics (``None`` on other ranks).
+        ``engines[d]``: the engines served by DP replica ``d``. The replica's first rank (TP 0,
+        PP 0, CP 0) sends every full HF bucket (stages take turns, TP shards gathered:
+        :meth:`WeightExporter.iter_full`), cast to the engines' dtype, as one
+        ``/update_weights_from_tensor`` per engine inside a ``/begin_weight_update`` ...
+        ``/end_weight_update`` session (payload: a handle to the flattened bucket per engine TP
+        rank, :func:`~megarl.rollout.client.bucket_payloads`), then flushes their caches.
+        ``verify_names``: tensors read back with ``/get_weights_by_name`` and compared, value for
+        value, with what was sent; a difference raises. An engine that cannot report a weight
+        (SGLang 0.5.23 has no ``get_weights_by_name`` for Qwen models) is counted as unverified.
+        Returns the sender's statistics (``None`` on other ranks).
         """
         groups = self.sharded.groups
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
         targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
+        clients = [EngineClient(a.url, name=a.name) for a in targets]
         wanted = set(verify_names)
         cast = torch_dtype(engine_dtype)
-        expected: dict[str, str] = {}
+        expected: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
-        if targets:
-            ray.get([e.begin_weight_update.remote() for e in targets])
-        delivered, buckets, in_flight = 0, 0, []
+        if clients:
+            gather_sync([client.begin_weight_update() for client in clients])
+        delivered, buckets = 0, 0
         for bucket in self.sharded.exporter().iter_full(bucket_bytes):
-            if not targets:
+            if not clients:
                 continue
-            # Arguments are serialised at submission, so the exporter may reuse its buffer as soon
-            # as the calls are submitted.
-            names, shapes, flat = flatten_bucket(bucket, cast)
-            for name, view in zip(names, split_flat(flat, shapes)):
-                if name in wanted:
-                    expected[name] = tensor_digest(view)
-            refs = [e.update_weights_from_flat.remote(names, shapes, flat) for e in targets]
-            if in_flight:
-                ray.get(in_flight)
-            in_flight = refs
-            delivered += flat.numel() * flat.element_size()
+            named = [(name, tensor.to(cast)) for name, tensor in bucket]
+            expected.update((name, tensor.clone()) for name, tensor in named if name in wanted)
+            payloads = bucket_payloads(named, [a.tp for a in targets])
+            gather_sync([client.update_weights_from_tensor(payload, weight_version=weight_version)
+                         for client, payload in zip(clients, payloads, strict=True)])
+            delivered += sum(t.numel() * t.element_size() for _, t in named)
             buckets += 1
-        if not targets:
+        if not clients:
             return None
-        ray.get(in_flight)
-        ray.get([e.end_weight_update.remote() for e in targets])
+        gather_sync([client.end_weight_update() for client in clients])
+        gather_sync([client.flush_cache() for client in clients])
         seconds = time.perf_counter() - start
-        mismatched, verified = [], 0
-        for index, digests in enumerate(ray.get([e.weight_digests.remote(sorted(expected)) for e in targets])):
-            if not digests:
-                continue  # the engine cannot report its weights (counted as unverified)
-            verified += 1
-            mismatched += [f"engine {index}: {n}" for n in sorted(expected) if digests.get(n) != expected[n]]
-        if mismatched:
-            raise RuntimeError(f"weight sync: the engines do not hold the trainer's weights after the update "
-                               f"({len(mismatched)} tensors differ: {mismatched[:5]})")
+        verified = sum(gather_sync([_verify(client, expected) for client in clients]))
         return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered * len(targets)),
                 "weight_sync/buckets": float(buckets), "weight_sync/verified_tensors": float(len(expected)),
                 "weight_sync/verified_engines": float(verified), "weight_sync/engines": float(len(targets)),
                 "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
+
+
+async def _verify(client: EngineClient, expected: dict[str, torch.Tensor]) -> bool:
+    """Whether ``client``'s engine reports every weight of ``expected`` (its first rows: all of them) equal to it;
+    ``False`` when it cannot report weights; ``RuntimeError`` naming the engine and the tensors that differ."""
+    differ = []
+    for name, tensor in expected.items():
+        rows = tensor.shape[0] if tensor.dim() else 1
+        try:
+            values = await client.get_weights_by_name(name, truncate_size=rows)
+        except EngineError as error:
+            if error.status == 400:
+                return False
+            raise
+        if not torch.equal(torch.tensor(values, dtype=torch.float32).reshape(tensor.shape), tensor.float()):
+            differ.append(name)
+    if differ:
+        raise RuntimeError(f"weight sync: {client.name} at {client.url} does not hold the trainer's weights after "
+                           f"the update ({len(differ)} tensors differ: {differ[:5]})")
+    return True
 
 
 def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:

@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-from megarl.models.sampling import derive_row_seed
 from megarl.rollout.client import EngineClient, EngineError, bucket_payloads, gather_sync, run_sync
 from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
@@ -59,8 +58,7 @@ def client(server):
 
 def test_a_batch_equals_the_in_process_engine_token_for_token(client, local):
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
-    seeds = [derive_row_seed(11, i) for i in range(len(PROMPTS))]
-    remote = run_sync(client.generate_batch(PROMPTS, params, seeds=seeds, return_logprob=True))
+    remote = run_sync(client.generate_batch(PROMPTS, params, seed=11, return_logprob=True))
     expected = local.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=11),
                               return_logprob=True)
     assert [r.output_ids for r in remote] == [e.output_ids for e in expected]
@@ -96,7 +94,7 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
 
     async def sync():
         await client.begin_weight_update()
-        await client.update_weights_from_tensor(bucket_payloads(new, tp_size=1), weight_version="7")
+        await client.update_weights_from_tensor(bucket_payloads(new, [1])[0], weight_version="7")
         await client.end_weight_update()
         return [await client.get_weights_by_name(name, truncate_size=10_000) for name in names]
 
@@ -108,7 +106,7 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
     with pytest.raises(EngineError, match=r"engine 0 at http://127\.0\.0\.1:\d+: POST /update_weights_from_tensor "
                                           r"failed with HTTP 400: update_weights_from_tensor must run between "
                                           r"begin_weight_update\(\) and end_weight_update\(\)"):
-        run_sync(client.update_weights_from_tensor(bucket_payloads(new, tp_size=1)))
+        run_sync(client.update_weights_from_tensor(bucket_payloads(new, [1])[0]))
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])

@@ -1,0 +1,44 @@
+"""sglang-router in front of the engine servers: generation requests go through it.
+
+The controller starts one router (``python -m sglang_router.launch_router``, the Rust router of
+the ``sglang-router`` package; it runs on CPU too) over the engines' URLs and stops it at the
+end of the run. Retries are off: a request that an engine fails comes back as an error naming
+that engine's URL (the rollout manager then says which engine it was), instead of being
+replayed on another engine with its KV state lost. Weight, memory and pause calls never go
+through the router: they go to each engine directly.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from megarl.config.rollout import ROUTER_POLICIES
+from megarl.rollout.server_process import ServerProcess, free_port
+
+
+def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: str,
+                   log_level: str = "warn") -> list[str]:
+    """The argv of sglang-router over ``worker_urls``."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"actor_rollout_ref.rollout.router_policy={policy!r}; use one of {ROUTER_POLICIES}")
+    if not worker_urls:
+        raise ValueError("the router needs at least one engine URL")
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--log-level", log_level]
+
+
+def start_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | Path, host: str = "127.0.0.1",
+                 timeout_s: float = 120.0) -> ServerProcess:
+    """Start sglang-router on a free port of this machine and wait until it answers ``/health``."""
+    port = free_port(host)
+    router = ServerProcess(router_command(worker_urls, host=host, port=port, policy=policy), name="sglang-router",
+                           url=f"http://{host}:{port}", log_path=Path(log_dir) / "router.log")
+    router.start()
+    try:
+        router.wait_healthy(timeout_s)
+    except BaseException:
+        router.stop()
+        raise
+    return router
