@@ -364,3 +364,57 @@ def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
     assert f"actor_rollout_ref.model.path={str(empty)!r} has no config / weights / tokenizer" in run.stderr
     assert "Traceback" not in run.stderr
     assert time.monotonic() - start < 60
+
+
+def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_the_run(assets):
+    """Issue 13: SIGKILL one engine server while the step generates: the step fails within 30 s with an error
+    naming the engine and its URL; after shutdown no engine server or router process is left (checked by PID)."""
+    import os
+    import signal
+    import threading
+
+    from megarl.rollout.client import EngineError
+    from megarl.workers.engine_server import EngineServerWorker
+
+    cfg = _config(assets, "engine_killed", "trainer.total_steps=1", "data.max_response_length=384")
+    trainer = Trainer(cfg, console=lambda *_: None)
+    try:
+        trainer.setup()
+        pids = trainer.rollout_wg.call_all(EngineServerWorker.server_pid) + [trainer.roles.router.pid]
+        assert all(pid is not None for pid in pids)
+        outcome: dict = {}
+
+        def step():
+            try:
+                trainer.train_step()
+            except BaseException as error:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = error
+            outcome["done"] = time.monotonic()
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        time.sleep(2.0)  # generating 384 tokens a row
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and outcome["done"] - killed < 30
+        error = outcome.get("error")
+        assert isinstance(error, EngineError), repr(error)
+        url = trainer.engines[1].url
+        assert f"engine 1 at {url} no longer answer(s) /health" in str(error)
+    finally:
+        trainer.shutdown()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _pid_alive(pid)]
+        time.sleep(0.2)
+    assert not alive, f"processes outlived the run: {alive}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
