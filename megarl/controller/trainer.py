@@ -375,7 +375,9 @@ class Trainer:
         """Worker compute per role (the busiest rank) and the rest of the step: the controller's overhead."""
         metrics = {}
         for group in self.roles.groups:
-            metrics[f"perf/busy_s/{group.role}"] = max(group.call_all(Worker.take_busy))
+            if group is not self.rollout_wg:  # engine servers are separate processes: timed by the manager
+                metrics[f"perf/busy_s/{group.role}"] = max(group.call_all(Worker.take_busy))
+        metrics["perf/busy_s/rollout"] = self.rollout_manager.take_busy()
         busy = sum(metrics.values())
         step = timing["step"]
         metrics["perf/controller_overhead_s"] = max(step - busy, 0.0)
@@ -483,6 +485,8 @@ class Trainer:
             self.rollout_manager.close()
             self.rollout_manager = None
         if self.roles is not None:
+            for client in [self.roles.generator, *self.roles.engines]:
+                client.close_all()
             self.roles.shutdown()
             self.roles = None
         if self._started_ray and ray.is_initialized():

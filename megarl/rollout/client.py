@@ -159,6 +159,17 @@ class EngineClient:
         if session is not None:
             await session.close()
 
+    def close_all(self, timeout_s: float = 5.0) -> None:
+        """Close the sessions of every event loop this client used (from synchronous code, at shutdown)."""
+        for loop, session in list(self._sessions.items()):
+            self._sessions.pop(loop, None)
+            if session.closed or loop.is_closed():
+                continue
+            if loop.is_running():
+                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout_s)
+            else:
+                loop.run_until_complete(session.close())
+
     # ------------------------------------------------------------------------ generation
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None,

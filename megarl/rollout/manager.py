@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -100,6 +101,13 @@ class RolloutManager:
             raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
         self.pad_token_id = int(pad)
         self._num_calls = 0
+        self._busy_s = 0.0
+
+    def take_busy(self) -> float:
+        """Seconds spent waiting for the engines' generation since the last call (the engines' compute as the
+        driver sees it: the servers are other processes); resets the count."""
+        busy, self._busy_s = self._busy_s, 0.0
+        return busy
 
     def close(self) -> None:
         """Stop the thread that runs tool and interaction hooks (idempotent)."""
@@ -200,7 +208,9 @@ class RolloutManager:
         return self._assemble(rows, outputs)
 
     async def _naming_failures(self, work: Any) -> Any:
-        """Await ``work``; when generation fails, say which engines no longer answer ``/health``."""
+        """Await ``work`` (timed as the engines' busy time); when generation fails, say which engines no longer
+        answer ``/health``."""
+        start = time.perf_counter()
         try:
             return await work
         except EngineError as error:
@@ -211,6 +221,8 @@ class RolloutManager:
             raise EngineError(f"generation failed: {', '.join(dead)} no longer answer(s) /health ({error})",
                               engine=", ".join(e.split(" at ")[0] for e in dead), url=error.url,
                               route=error.route) from error
+        finally:
+            self._busy_s += time.perf_counter() - start
 
     def _assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
         """Pad prompts left to P and responses right to R; build masks, positions and log-probs."""

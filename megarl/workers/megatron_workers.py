@@ -188,7 +188,7 @@ class ActorWorker(_MegatronWorker):
         groups = self.sharded.groups
         sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
         targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
-        clients = [EngineClient(a.url, name=a.name) for a in targets]
+        clients = [self._engine_client(a) for a in targets]
         wanted = set(verify_names)
         cast = torch_dtype(engine_dtype)
         expected: dict[str, torch.Tensor] = {}
@@ -216,6 +216,14 @@ class ActorWorker(_MegatronWorker):
                 "weight_sync/buckets": float(buckets), "weight_sync/verified_tensors": float(len(expected)),
                 "weight_sync/verified_engines": float(verified), "weight_sync/engines": float(len(targets)),
                 "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
+
+
+    def _engine_client(self, address: EngineAddress) -> EngineClient:
+        """One client per engine for the worker's life: its keep-alive connections serve every sync."""
+        cache = self.__dict__.setdefault("_engine_clients", {})
+        if address.url not in cache:
+            cache[address.url] = EngineClient(address.url, name=address.name)
+        return cache[address.url]
 
 
 async def _verify(client: EngineClient, expected: dict[str, torch.Tensor]) -> bool:
