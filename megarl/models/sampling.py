@@ -1,8 +1,9 @@
 """Seeded sampling from a transformers causal LM: per-row seed streams and megarl's one sampling loop.
 
 :func:`derive_row_seed` is the one definition of how a call's seed becomes the seed of row ``i``'s
-sampling stream. The rollout engines (``HFEngine``, ``SGLangEngine``'s ``sampling_seed``), the
-rollout manager and the trainer derive their seeds with it.
+sampling stream. The rollout engine (``HFEngine``; megarl's CPU engine server seeds row ``i`` of a
+request from its ``sampling_seed`` with it), the rollout manager and the trainer derive their seeds
+with it.
 
 This module owns the sampling loop, :func:`sample_continuations`: left-padded prompts
 (:func:`left_pad`, position ids from the mask), one prefill then one token per step with a KV

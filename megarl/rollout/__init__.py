@@ -1,10 +1,14 @@
-"""Rollout: engine protocol, engines, rollout manager, multi-turn agent loop, tools.
+"""Rollout: engine protocol, the HTTP client of engine servers, rollout manager, multi-turn agent loop, tools.
 
-``SGLangEngine`` is imported from ``megarl.rollout.sglang_engine`` (it needs sglang). The rollout's
-settings are :class:`megarl.config.RolloutConfig` (``actor_rollout_ref.rollout``).
+An engine replica is a server process speaking SGLang's HTTP API (``sglang.launch_server`` on
+GPUs; megarl's CPU engine server, :mod:`megarl.rollout.server` over :class:`HFEngine`, in CI),
+with sglang-router (:mod:`megarl.rollout.router`) in front for generation; :class:`EngineClient`
+is the one client of that API. The rollout's settings are :class:`megarl.config.RolloutConfig`
+(``actor_rollout_ref.rollout``).
 """
 
 from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
+from megarl.rollout.client import EngineClient, EngineError
 from megarl.rollout.engine import (
     FinishReason,
     GenerateOutput,
@@ -18,6 +22,8 @@ from megarl.rollout.manager import RolloutManager
 
 __all__ = [
     "AgentLoop",
+    "EngineClient",
+    "EngineError",
     "FinishReason",
     "GenerateOutput",
     "HFEngine",

@@ -13,7 +13,9 @@ Engines generate from token ids and receive new weights in place between trainin
 - ``release_memory_occupation`` / ``resume_memory_occupation`` free and retake accelerator
   memory around training phases (colocated placement); ``flush_cache`` drops cached prefixes.
 
-``SGLangEngine`` (GPU) and ``HFEngine`` (CPU, transformers) implement it.
+``HFEngine`` (transformers; the engine inside megarl's CPU engine server) implements it; the
+rollout manager and the weight sync reach engines over SGLang's HTTP API
+(:class:`megarl.rollout.client.EngineClient`), not through this protocol.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class AsyncGenerator(Protocol):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the rollout manager and the weight sync need from an inference engine."""
+    """An in-process inference engine with SGLang's RL API shape (``HFEngine``; megarl's CPU server wraps it)."""
 
     def generate(
         self, input_ids: Sequence[Sequence[int]], sampling_params: SamplingParams, return_logprob: bool = False

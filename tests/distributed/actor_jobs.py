@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
-def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8):
-    """Addition prompts rolled out by the CPU engine, with GRPO advantages from a fake reward."""
+def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8, log_dir: str | None = None):
+    """Addition prompts rolled out by a CPU engine server (seed 3; its log in ``log_dir``, else a temporary
+    directory), with GRPO advantages from a fake reward."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
     from megarl.algo.advantages import compute
     from megarl.data.dataset import collate
     from megarl.config import RolloutConfig
-    from megarl.rollout import HFEngine, RolloutManager
+    from megarl.rollout import RolloutManager
+    from tests.engine_servers import engine_servers
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     rows = []
@@ -22,8 +28,12 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8):
         rows.append({"input_ids": torch.tensor(ids), "index": i})
     prompts = collate(rows, pad_token_id=tokenizer.pad_token_id, pad_to=24)
     config = RolloutConfig(n=n, temperature=temperature, seed=3)
-    batch = RolloutManager([HFEngine(hf_dir, tokenizer, seed=3)], tokenizer, config, prompt_length=24,
-                           response_length=10).generate(prompts)
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout_batch_"))
+        servers = stack.enter_context(engine_servers(hf_dir, log_dir, num_engines=1, seeds=[3]))
+        batch = RolloutManager(servers.generator, servers.engines, tokenizer, config, prompt_length=24,
+                               response_length=10).generate(prompts)
     batch["uid"] = __import__("numpy").repeat(__import__("numpy").arange(4), n).astype(object)
     # A fake outcome reward: 1 when the first response token id is even.
     scores = torch.zeros_like(batch["rollout_log_probs"])

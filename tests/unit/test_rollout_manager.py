@@ -1,20 +1,37 @@
-"""RolloutManager: the real HFEngine on the tiny model through the batch-level path, and the multi-turn branch."""
+"""RolloutManager over real CPU engine servers behind a real sglang-router (issue 13).
+
+The module starts two engine servers (seeds 0 and 1) and sglang-router (round robin, retries
+off) over them once (:func:`tests.engine_servers.engine_servers`). Generation goes through the
+router; a single-engine manager uses engine 0's client as its generator. Outputs are checked
+against :class:`HFEngine` in this process on the same weights: share ``k`` of a call (prompts
+``[start_k, end_k)``, each repeated ``n`` times) is sampled with
+``derive_row_seed(call_seed, start_k * n)`` and reproduces ``HFEngine.generate`` of the share's
+rows with that seed token for token and log-prob for log-prob. The test that kills an engine
+runs last: it ends the module's engine 1.
+"""
 
 import asyncio
-import copy
-import importlib.util
+import http.server
+import json
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
 from megarl.data.batch import Batch
 from megarl.data.dataset import collate
+from megarl.models.sampling import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from megarl.rollout.engine import GenerateOutput, SamplingParams
+from megarl.rollout.client import EngineClient, EngineError
+from megarl.rollout.engine import SamplingParams
 from megarl.rollout.hf_engine import HFEngine
-from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
 from megarl.rollout.manager import RolloutManager
+from tests.engine_servers import engine_servers
 from tests.unit.test_hf_engine import eos_prone
 
 P, R = 24, 10
@@ -28,8 +45,24 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    return eos_prone(build_tiny_model(tokenizer, seed=0), tokenizer)
+def model_dir(tokenizer, tmp_path_factory):
+    """The tiny model, EOS-prone so that both finish reasons occur, saved for the servers."""
+    directory = tmp_path_factory.mktemp("rollout") / "model"
+    eos_prone(build_tiny_model(tokenizer, seed=0), tokenizer).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    """The same weights in this process: the reference for every token and log-prob."""
+    return HFEngine(model_dir, seed=0)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    with engine_servers(model_dir, tmp_path_factory.mktemp("logs"), num_engines=2, router=True) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -39,33 +72,57 @@ def batch(tokenizer):
     return collate(rows, pad_token_id=tokenizer.pad_token_id, pad_to=P)
 
 
-def make_manager(model, tokenizer, num_engines=2, **config):
-    engines = [HFEngine(copy.deepcopy(model), tokenizer, seed=i) for i in range(num_engines)]
-    return RolloutManager(engines, tokenizer, RolloutConfig(**config), prompt_length=P, response_length=R)
+def make_manager(servers, tokenizer, *, single=False, response_length=R, **config):
+    """Two engines behind the router; ``single``: engine 0 alone, its own client the generator."""
+    generator, engines = (servers.engines[0], servers.engines[:1]) if single else (servers.generator, servers.engines)
+    return RolloutManager(generator, engines, tokenizer, RolloutConfig(**config), prompt_length=P,
+                          response_length=response_length)
 
 
-def record_calls(engine):
-    calls = []
-    generate = engine.generate
-
-    def recording(input_ids, params, return_logprob=False):
-        calls.append((len(input_ids), params))
-        return generate(input_ids, params, return_logprob)
-
-    engine.generate = recording
-    return calls
+def prompt_ids(batch):
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
 
 
-def test_hf_engines_through_the_manager_n4(model, tokenizer, batch):
+def expected_outputs(local, batch, *, n, num_engines, call_seed, params, return_logprob=True):
+    """What the manager must return: per engine share, ``HFEngine.generate`` of its rows with the share's seed."""
+    prompts = prompt_ids(batch)
+    base, extra = divmod(len(prompts), num_engines)
+    outputs, start, seeds = [], 0, []
+    for k in range(num_engines):
+        end = start + base + (1 if k < extra else 0)
+        if end > start:
+            seed = None if call_seed is None else derive_row_seed(call_seed, start * n)
+            seeds.append(seed)
+            rows = [p for p in prompts[start:end] for _ in range(n)]
+            outputs += local.generate(rows, SamplingParams(**{**params, "seed": seed}), return_logprob=return_logprob)
+        start = end
+    return outputs, seeds
+
+
+def assert_equals_outputs(out, expected, *, logprobs=True):
+    for row, output in enumerate(expected):
+        length = len(output.output_ids)
+        assert out["responses"][row, :length].tolist() == output.output_ids, row
+        assert int(out["response_mask"][row].sum()) == length, row
+        assert out["finish_reason"][row] == output.finish_reason.value, row
+        if logprobs:
+            assert out["rollout_log_probs"][row, :length].tolist() == torch.tensor(
+                output.output_logprobs, dtype=torch.float32).tolist(), row
+
+
+def test_engine_servers_through_the_router_n4(servers, local, tokenizer, batch):
     n, temperature = 4, 0.9
-    manager = make_manager(model, tokenizer, n=n, temperature=temperature, seed=0)
-    calls = [record_calls(engine) for engine in manager.engines]
+    manager = make_manager(servers, tokenizer, n=n, temperature=temperature, seed=0)
     out = manager.generate(batch)
-    B, N, eos, pad = len(batch), len(batch) * n, tokenizer.eos_token_id, tokenizer.pad_token_id
+    N, eos, pad = len(batch) * n, tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    # Both replicas served a contiguous half of the prompts with all of their samples.
-    assert [[c[0] for c in engine_calls] for engine_calls in calls] == [[B // 2 * n], [B // 2 * n]]
-    assert calls[0][0][1].seed != calls[1][0][1].seed
+    # Each engine's share (a contiguous half of the prompts with all their samples) is sampled from its own
+    # seed, exactly as the in-process engine samples those rows with that seed.
+    expected, seeds = expected_outputs(local, batch, n=n, num_engines=2, call_seed=derive_row_seed(0, 0),
+                                       params={"max_new_tokens": R, "temperature": temperature})
+    assert len(seeds) == 2 and seeds[0] != seeds[1] and len(expected) == N
+    assert_equals_outputs(out, expected)
+
     shapes = {"prompts": (N, P), "responses": (N, R), "input_ids": (N, P + R), "attention_mask": (N, P + R),
               "position_ids": (N, P + R), "response_mask": (N, R), "loss_mask": (N, P + R),
               "rollout_log_probs": (N, R)}
@@ -78,6 +135,7 @@ def test_hf_engines_through_the_manager_n4(model, tokenizer, batch):
     assert torch.equal(out["attention_mask"][:, :P], repeated["attention_mask"])
     for key in batch.non_tensors:
         assert np.array_equal(out[key], repeated[key]), key
+    assert set(out.non_tensors) == set(batch.non_tensors) | {"finish_reason"}
     assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], dim=1))
 
     # Response masks: ones exactly up to and including the first EOS; padding after.
@@ -104,64 +162,84 @@ def test_hf_engines_through_the_manager_n4(model, tokenizer, batch):
 
     # rollout_log_probs equal a separate forward over the assembled batch.
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
-                       position_ids=out["position_ids"]).logits.float()
+        logits = local.model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                             position_ids=out["position_ids"]).logits.float()
     logprobs = torch.log_softmax(logits[:, P - 1:-1] / temperature, dim=-1)
-    expected = logprobs.gather(-1, out["responses"][..., None]).squeeze(-1) * out["response_mask"]
-    torch.testing.assert_close(out["rollout_log_probs"], expected, atol=1e-5, rtol=0)
+    reference = logprobs.gather(-1, out["responses"][..., None]).squeeze(-1) * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], reference, atol=1e-5, rtol=0)
 
 
-def test_seeded_manager_is_reproducible(model, tokenizer, batch):
-    first = make_manager(model, tokenizer, n=2, seed=3).generate(batch)
-    second = make_manager(model, tokenizer, n=2, seed=3).generate(batch)
+def test_seeded_manager_is_reproducible(servers, local, tokenizer, batch):
+    first = make_manager(servers, tokenizer, n=2, seed=3).generate(batch)
+    second = make_manager(servers, tokenizer, n=2, seed=3).generate(batch)
     for key in first.tensors:
         assert torch.equal(first[key], second[key]), key
-    other = make_manager(model, tokenizer, n=2, seed=4).generate(batch)
+    assert list(first["finish_reason"]) == list(second["finish_reason"])
+    expected, _ = expected_outputs(local, batch, n=2, num_engines=2, call_seed=derive_row_seed(3, 0),
+                                   params={"max_new_tokens": R})
+    assert_equals_outputs(first, expected)
+    other = make_manager(servers, tokenizer, n=2, seed=4).generate(batch)
     assert not torch.equal(first["responses"], other["responses"])
 
+    # A seed given to the call (the trainer's, from the step) wins over the config's and the call count.
+    manager = make_manager(servers, tokenizer, n=2, seed=4)
+    manager.generate(batch.split(2)[0])
+    given = manager.generate(batch, seed=11)
+    expected, _ = expected_outputs(local, batch, n=2, num_engines=2, call_seed=11, params={"max_new_tokens": R})
+    assert_equals_outputs(given, expected)
 
-def test_validate_and_greedy_use_one_sample(model, tokenizer, batch):
-    manager = make_manager(model, tokenizer, n=4, num_engines=3, val_kwargs=ValKwargs(temperature=0.0))
-    calls = [record_calls(engine) for engine in manager.engines]
+
+def test_validate_and_greedy_use_one_sample(servers, local, tokenizer, batch):
+    manager = make_manager(servers, tokenizer, n=4, val_kwargs=ValKwargs(temperature=0.0))
     out = manager.generate(batch, validate=True)
     assert len(out) == len(batch) and out.meta == {"temperature": 1.0, "do_sample": False, "validate": True}
-    assert [c[0][0] for c in calls] == [2, 2, 2]
-    assert all(c[0][1].greedy for c in calls)
-    greedy = manager.engines[0].generate([batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()],
-                                         SamplingParams(max_new_tokens=R, temperature=0))[0]
-    assert out["responses"][0, :len(greedy.output_ids)].tolist() == greedy.output_ids
+    # Greedy: each share equals the in-process engine's argmax continuation of its prompts.
+    expected, _ = expected_outputs(local, batch, n=1, num_engines=2, call_seed=None,
+                                   params={"max_new_tokens": R, "temperature": 0.0})
+    assert_equals_outputs(out, expected)
     # A batch asking for greedy decoding (REMAX baseline) also gets one sample per prompt.
     greedy_batch = Batch(tensors=dict(batch.tensors), non_tensors=dict(batch.non_tensors), meta={"do_sample": False})
     out = manager.generate(greedy_batch)
     assert len(out) == len(batch) and out.meta["do_sample"] is False and out.meta["temperature"] == 1.0
+    assert_equals_outputs(out, expected)
 
 
-def test_single_engine_more_engines_than_prompts_and_no_logprobs(model, tokenizer, batch):
-    one = make_manager(model, tokenizer, num_engines=1, n=2, calculate_log_probs=False)
-    out = one.generate(batch.select("input_ids", "attention_mask", "position_ids"))
+def test_single_engine_more_engines_than_prompts_and_no_logprobs(servers, local, tokenizer, batch):
+    prompts_only = batch.select("input_ids", "attention_mask", "position_ids")
+    one = make_manager(servers, tokenizer, single=True, n=2, calculate_log_probs=False, seed=5)
+    out = one.generate(prompts_only)
     assert len(out) == 2 * len(batch) and "rollout_log_probs" not in out and out.non_tensors.keys() == {"finish_reason"}
-    many = make_manager(model, tokenizer, num_engines=4, n=1)
-    calls = [record_calls(engine) for engine in many.engines]
-    small = batch.select("input_ids", "attention_mask", "position_ids").split(2)[0]
-    assert len(many.generate(small)) == 2
-    assert [len(c) for c in calls] == [1, 1, 0, 0]
+    expected, seeds = expected_outputs(local, batch, n=2, num_engines=1, call_seed=derive_row_seed(5, 0),
+                                       params={"max_new_tokens": R}, return_logprob=False)
+    assert len(seeds) == 1
+    assert_equals_outputs(out, expected, logprobs=False)
+
+    # One prompt over two engines: one share (engine 1's is empty and sends nothing).
+    many = make_manager(servers, tokenizer, n=1, seed=6)
+    small = prompts_only.split(1)[0]
+    out = many.generate(small)
+    assert len(out) == 1
+    expected, seeds = expected_outputs(local, small, n=1, num_engines=2, call_seed=derive_row_seed(6, 0),
+                                       params={"max_new_tokens": R})
+    assert len(seeds) == 1
+    assert_equals_outputs(out, expected)
 
 
-def test_input_checks(model, tokenizer, batch):
-    manager = make_manager(model, tokenizer, num_engines=1)
+def test_input_checks(servers, tokenizer, batch):
+    manager = make_manager(servers, tokenizer, single=True)
     with pytest.raises(KeyError, match="attention_mask"):
         manager.generate(batch.select("input_ids"))
-    short = RolloutManager(manager.engines, tokenizer, RolloutConfig(), prompt_length=4, response_length=R)
+    short = RolloutManager(manager.generator, manager.engines, tokenizer, RolloutConfig(), prompt_length=4,
+                           response_length=R)
     with pytest.raises(ValueError, match="more than rollout.prompt_length=4"):
         short.generate(batch)
     with pytest.warns(UserWarning, match="does not carry input tensors"):
         manager.generate(batch.union(Batch(tensors={"extra": torch.zeros(len(batch))})))
     with pytest.raises(ValueError, match="at least one engine"):
-        RolloutManager([], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
-    with pytest.raises(TypeError, match="does not implement"):
-        RolloutManager([object()], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
+        RolloutManager(servers.generator, [], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
     with pytest.raises(ValueError, match="response_length must be >= 1"):
-        RolloutManager(manager.engines, tokenizer, RolloutConfig(), prompt_length=P, response_length=0)
+        RolloutManager(servers.generator, servers.engines, tokenizer, RolloutConfig(), prompt_length=P,
+                       response_length=0)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -179,18 +257,6 @@ def test_config_checks(kwargs, message):
 
 # ----------------------------------------------------------------------------- multi-turn
 
-def record_rows(engine):
-    """Record (number of rows, sampling params) of every batch the engine's sampling loop runs."""
-    calls = []
-    generate_rows = engine.generate_rows
-
-    def recording(rows, params, *args):
-        calls.append((len(rows), params))
-        return generate_rows(rows, params, *args)
-
-    engine.generate_rows = recording
-    return calls
-
 
 @pytest.fixture(scope="module")
 def chat_batch(tokenizer):
@@ -202,20 +268,13 @@ def chat_batch(tokenizer):
     return collate(rows, pad_token_id=tokenizer.pad_token_id, pad_to=P)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megarl.rollout.agent_loop") is None,
-                    reason="megarl.rollout.agent_loop is not there yet")
-def test_multi_turn_runs_the_agent_loop_on_every_engine(model, tokenizer, chat_batch):
+def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, tokenizer, chat_batch):
     n, temperature, R_turns = 2, 0.9, 16
-    engines = [HFEngine(copy.deepcopy(model), tokenizer, seed=i) for i in range(2)]
-    calls = [record_rows(engine) for engine in engines]
-    config = RolloutConfig(n=n, temperature=temperature, seed=0,
-                           multi_turn=MultiTurnConfig(enable=True, tokenization_sanity_check="off"))
-    manager = RolloutManager(engines, tokenizer, config, prompt_length=P, response_length=R_turns)
+    config = {"n": n, "temperature": temperature, "seed": 0,
+              "multi_turn": MultiTurnConfig(enable=True, tokenization_sanity_check="off")}
+    manager = make_manager(servers, tokenizer, response_length=R_turns, **config)
     out = manager.generate(chat_batch)
     B, N = len(chat_batch), len(chat_batch) * n
-    # Each engine served half of the requests, their first turns in one batch.
-    assert [c[0][0] for c in calls] == [N // 2, N // 2]
-    assert all(p.temperature == temperature for c in calls for _, p in c)
     assert tuple(out["input_ids"].shape) == (N, P + R_turns) and tuple(out["loss_mask"].shape) == (N, P + R_turns)
     assert out.meta == {"temperature": temperature, "do_sample": True, "validate": False}
     repeated = chat_batch.repeat(n, interleave=True)
@@ -225,21 +284,27 @@ def test_multi_turn_runs_the_agent_loop_on_every_engine(model, tokenizer, chat_b
     for row in range(N):  # sorted back to (prompt, sample) order
         assert out["messages"][row][0] == out["raw_prompt"][row][0]
     assert set(out["finish_reason"]) <= {"stop", "length"}
-    # Generated tokens carry the engine's log-probs, equal to a separate forward's; the rest is 0.
+    # Generated tokens carry the engine's log-probs at the configured temperature, equal to a separate
+    # forward's; the rest is 0.
     trained = out["loss_mask"][:, P:].bool()
     assert trained.any() and (out["rollout_log_probs"][~trained] == 0).all()
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
-                       position_ids=out["position_ids"]).logits.float()
+        logits = local.model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                             position_ids=out["position_ids"]).logits.float()
     logprobs = torch.log_softmax(logits[:, P - 1:-1] / temperature, dim=-1)
-    expected = logprobs.gather(-1, out["responses"][..., None]).squeeze(-1)
-    torch.testing.assert_close(out["rollout_log_probs"][trained], expected[trained], atol=1e-5, rtol=0)
+    reference = logprobs.gather(-1, out["responses"][..., None]).squeeze(-1)
+    torch.testing.assert_close(out["rollout_log_probs"][trained], reference[trained], atol=1e-5, rtol=0)
+    # Seeded: the same call again samples the same conversations.
+    again = make_manager(servers, tokenizer, response_length=R_turns, **config).generate(chat_batch)
+    assert torch.equal(out["input_ids"], again["input_ids"]) and torch.equal(out["loss_mask"], again["loss_mask"])
 
-    for engine_calls in calls:
-        engine_calls.clear()
+    # Validation: one greedy sample per prompt, the argmax continuation of its first turn.
     out = manager.generate(chat_batch, validate=True)
-    assert len(out) == B and out.meta["validate"] is True
-    assert all(p.greedy for c in calls for _, p in c)
+    assert len(out) == B and out.meta["validate"] is True and out.meta["do_sample"] is False
+    greedy = local.generate(prompt_ids(chat_batch), SamplingParams(max_new_tokens=R_turns, temperature=0.0))
+    for row, output in enumerate(greedy):
+        generated = out["responses"][row][out["loss_mask"][row, P:].bool()].tolist()
+        assert generated[:len(output.output_ids)] == output.output_ids, row
 
 
 def test_generate_refuses_a_running_event_loop():
@@ -252,10 +317,56 @@ def test_generate_refuses_a_running_event_loop():
         asyncio.run(call())
 
 
-def test_engine_returning_too_many_tokens_is_an_error(model, tokenizer, batch):
-    manager = make_manager(model, tokenizer, num_engines=1)
-    manager.engines[0].generate = lambda ids, params, return_logprob=False: [
-        GenerateOutput(output_ids=[1] * (R + 1), finish_reason="length", output_logprobs=[0.0] * (R + 1))
-        for _ in ids]
-    with pytest.raises(RuntimeError, match="more than rollout.response_length"):
+class _TooManyTokens(http.server.BaseHTTPRequestHandler):
+    """A fake engine whose /generate answers every row with R + 1 tokens (SGLang's JSON)."""
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        rows = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else None
+        tokens = R + 1
+        result = {"output_ids": [1] * tokens, "meta_info": {"finish_reason": {"type": "length", "length": tokens},
+                                                            "output_token_logprobs": [[0.0, 1, None]] * tokens}}
+        data = json.dumps([result] * len(rows) if rows is not None else result).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_engine_returning_too_many_tokens_is_an_error(tokenizer, batch):
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TooManyTokens)
+    thread = threading.Thread(target=fake.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = EngineClient(f"http://127.0.0.1:{fake.server_address[1]}", name="engine 0")
+        manager = RolloutManager(client, [client], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
+        with pytest.raises(RuntimeError, match="more than rollout.response_length"):
+            manager.generate(batch)
+    finally:
+        fake.shutdown()
+        fake.server_close()
+
+
+# Last in the module: it kills the module's engine 1.
+def test_a_killed_engine_server_is_named_within_seconds(servers, tokenizer, batch):
+    manager = make_manager(servers, tokenizer, n=2, seed=0)
+    assert len(manager.generate(batch)) == 2 * len(batch)
+    victim, client = servers.processes[1], servers.engines[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while victim.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not victim.alive()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=rf"generation failed: engine 1 at {client.url} no longer answer") as caught:
         manager.generate(batch)
+    assert time.monotonic() - start < 5
+    assert caught.value.engine == "engine 1"

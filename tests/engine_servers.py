@@ -1,0 +1,117 @@
+"""Real CPU engine servers (and optionally sglang-router) for tests, started and stopped together.
+
+    with engine_servers(model_dir, log_dir, num_engines=2, router=True) as servers:
+        manager = RolloutManager(servers.generator, servers.engines, tokenizer, config, ...)
+
+Each engine is ``python -m megarl.rollout.server`` on ``model_dir`` with its own
+``--random-seed`` (engine ``i``: ``seeds[i]``, default ``i``), ``OMP_NUM_THREADS=1`` and its log
+in ``log_dir``; the servers start concurrently (all started, then each waited for), so N
+engines cost about one start-up. With ``router=True`` a real sglang-router
+(the argv of :func:`megarl.rollout.router.router_command`: retries off) runs over them and is the generator;
+otherwise the generator is engine 0's client. At exit the router stops first, then the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from megarl.rollout.client import EngineClient
+from megarl.rollout.router import router_command
+from megarl.rollout.server_process import ServerProcess, free_port
+
+START_TIMEOUT_S = 180.0
+
+
+class EngineServers(NamedTuple):
+    generator: EngineClient
+    """Where generation goes: the router's client, or engine 0's when there is no router."""
+    engines: list[EngineClient]
+    """One client per engine (``engine i``), in order."""
+    processes: list[ServerProcess]
+    """The engine server processes, in order."""
+    router: ServerProcess | None
+    """The sglang-router process (None without ``router=True``)."""
+
+
+def engine_server(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, index: int = 0,
+                  seed: int = 0) -> ServerProcess:
+    """Engine ``index``'s server process (not started): megarl's CPU engine server on a free port."""
+    port = free_port()
+    name = f"engine {index}"
+    return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
+                          str(port), "--random-seed", str(seed)], name=name, url=f"http://127.0.0.1:{port}",
+                         log_path=Path(log_dir) / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"})
+
+
+@contextlib.contextmanager
+def engine_servers(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, num_engines: int = 1,
+                   seeds: Sequence[int] | None = None, router: bool = False, policy: str = "round_robin",
+                   timeout_s: float = START_TIMEOUT_S) -> Iterator[EngineServers]:
+    """Start ``num_engines`` CPU engine servers (and sglang-router over them with ``router``), wait until
+    they answer ``/health``, yield :class:`EngineServers`; stop everything at exit (router first)."""
+    seeds = list(range(num_engines)) if seeds is None else list(seeds)
+    if len(seeds) != num_engines or num_engines < 1:
+        raise ValueError(f"engine_servers needs num_engines >= 1 and one seed per engine, got {num_engines} "
+                         f"engines and seeds {seeds}")
+    processes = [engine_server(model_dir, log_dir, index=i, seed=seed) for i, seed in enumerate(seeds)]
+    router_process: ServerProcess | None = None
+    clients: list[EngineClient] = []
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.wait_healthy(timeout_s)
+        engines = [EngineClient(p.url, name=p.name) for p in processes]
+        clients.extend(engines)
+        if router:
+            router_process = start_test_router([p.url for p in processes], policy=policy, log_dir=log_dir,
+                                               timeout_s=timeout_s)
+            generator = EngineClient(router_process.url, name="sglang-router")
+            clients.append(generator)
+        else:
+            generator = engines[0]
+        yield EngineServers(generator, engines, processes, router_process)
+    finally:
+        close_clients(clients)
+        if router_process is not None:
+            router_process.stop()
+        for process in processes:
+            process.stop()
+
+
+def start_test_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | os.PathLike,
+                      timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
+    """:func:`megarl.rollout.router.start_router`'s router (same argv), with its Prometheus exporter on a free
+    port: sglang-router binds 29000 by default, so a second router on the machine (another test run) would
+    exit with "Address already in use"."""
+    host, port = "127.0.0.1", free_port()
+    argv = router_command(worker_urls, host=host, port=port, policy=policy) + [
+        "--prometheus-host", host, "--prometheus-port", str(free_port())]
+    router = ServerProcess(argv, name="sglang-router", url=f"http://{host}:{port}",
+                           log_path=Path(log_dir) / "router.log")
+    try:
+        router.start().wait_healthy(timeout_s)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def close_clients(clients: Sequence[EngineClient]) -> None:
+    """Close the HTTP sessions the clients opened, on whichever event loop each was opened (best effort:
+    a loop that is closed, or running on this thread, keeps its session to the garbage collector)."""
+    for client in clients:
+        for loop, session in list(client._sessions.items()):
+            if session.closed or loop.is_closed() or loop is asyncio._get_running_loop():
+                continue
+            with contextlib.suppress(Exception):
+                if loop.is_running():  # another thread's loop, e.g. run_sync's
+                    asyncio.run_coroutine_threadsafe(session.close(), loop).result(5)
+                else:
+                    loop.run_until_complete(session.close())

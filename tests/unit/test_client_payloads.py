@@ -1,0 +1,155 @@
+"""The client's pieces of SGLang's wire format: weight payloads, sampling params, outputs.
+
+:func:`bucket_payloads` is checked with sglang's own classes (``MultiprocessingSerializer``,
+``FlattenedTensorBucket``) across processes, as a weight sync uses it: a sender process (a
+trainer rank) builds the payloads of one bucket for two engines and keeps them alive; a second
+process that is not its child (an engine server) opens each payload once, as SGLang's
+tokenizer manager and scheduler do (and one as megarl's CPU server does). Both run as child
+processes: importing sglang patches transformers and sets cache environment variables, which
+must not leak into the other tests of this process. It needs sglang 0.5.23 installed with
+``--no-deps`` plus the few pure-Python packages its utilities import (see the CI extras).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megarl.rollout.client import generate_output, sampling_params_dict
+from megarl.rollout.engine import FinishReason, SamplingParams
+
+needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                  reason="needs sglang==0.5.23 (pip install --no-deps) and its utility imports")
+
+TP_SIZES = [2, 1]
+"""Two engines: one with two TP ranks, one with one."""
+
+BUCKET = textwrap.dedent("""
+    import torch
+    from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    def bucket():
+        model = build_tiny_model(build_tiny_tokenizer(), seed=0)
+        named = [(name, p.detach().to(torch.bfloat16 if i % 2 else torch.float32))
+                 for i, (name, p) in enumerate(model.named_parameters())]
+        named.append(("extra.int_buffer", torch.arange(7, dtype=torch.int32)))
+        return named
+""")
+
+SENDER = BUCKET + textwrap.dedent("""
+    import base64, json, sys
+    from megarl.rollout.client import bucket_payloads
+
+    payloads = bucket_payloads(bucket(), TP_SIZES)
+    report = {"payloads": [[base64.b64encode(p).decode("ascii") for p in engine] for engine in payloads],
+              "types": sorted({type(p).__name__ for engine in payloads for p in engine}),
+              "strategy": torch.multiprocessing.get_sharing_strategy()}
+    for bad, args in (("empty", ([], [1])), ("tp0", (bucket(), [1, 0]))):
+        try:
+            bucket_payloads(*args)
+        except ValueError as error:
+            report[bad] = str(error)
+    print("REPORT" + json.dumps(report), flush=True)
+    sys.stdin.read()  # keep the shared tensor alive until the receiver is done
+""")
+
+RECEIVER = BUCKET + textwrap.dedent("""
+    import json, sys
+    from sglang.srt.utils import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    from megarl.rollout.server import _deserialize
+
+    def sglang_open(payload):
+        # As SGLang's tokenizer manager normalizes the base64 strings and its scheduler rebuilds a
+        # flattened_bucket update before model.load_weights:
+        (data,) = normalize_serialized_named_tensor_payloads([payload])
+        data = MultiprocessingSerializer.deserialize(data)  # SGLang's restricted unpickler
+        metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                            end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+        return FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                     metadata=metadata).reconstruct_tensors()
+
+    payloads = json.loads(sys.stdin.read())
+    expected = dict(bucket())
+    report = {"expected_names": sorted(expected), "opened": []}
+    for engine, ranks in enumerate(payloads):
+        for rank, payload in enumerate(ranks):
+            how = "megarl-server" if engine == len(payloads) - 1 else "sglang"
+            tensors = _deserialize(payload, "flattened_bucket") if how == "megarl-server" else sglang_open(payload)
+            report["opened"].append({
+                "engine": engine, "rank": rank, "how": how, "names": sorted(name for name, _ in tensors),
+                "mismatched": [name for name, t in tensors
+                               if t.dtype != expected[name].dtype or t.shape != expected[name].shape
+                               or not torch.equal(t, expected[name])],
+            })
+    print("REPORT" + json.dumps(report), flush=True)
+""")
+
+
+def _report(stdout: str) -> dict:
+    return json.loads(stdout.split("REPORT", 1)[1].splitlines()[0])
+
+
+@needs_sglang
+def test_bucket_payloads_round_trip_through_sglang_in_another_process():
+    prelude = f"TP_SIZES = {TP_SIZES!r}\n"
+    sender = subprocess.Popen([sys.executable, "-c", prelude + SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = sender.stdout.readline()
+        assert line.startswith("REPORT"), sender.stderr.read()[-3000:] if sender.poll() is not None else line
+        sent = _report(line)
+        # The receiver is the sender's sibling, not its child: it opens the payloads by file name
+        # (torch's file_system strategy), not by file descriptors only the sender's children may fetch.
+        received = subprocess.run([sys.executable, "-c", prelude + RECEIVER], input=json.dumps(sent["payloads"]),
+                                  capture_output=True, text=True, timeout=300, check=False)
+        assert received.returncode == 0, received.stderr[-3000:]
+    finally:
+        sender.stdin.close()
+        sender.wait(timeout=60)
+    report = _report(received.stdout)
+
+    # Each engine gets its own payloads: one per TP rank, every one a complete copy of the bucket.
+    assert [len(engine) for engine in sent["payloads"]] == TP_SIZES and sent["types"] == ["bytes"]
+    assert sent["strategy"] == "file_system"
+    assert [(o["engine"], o["rank"], o["how"]) for o in report["opened"]] == [
+        (0, 0, "sglang"), (0, 1, "sglang"), (1, 0, "megarl-server")]
+    for opened in report["opened"]:
+        assert opened["names"] == report["expected_names"], opened
+        assert opened["mismatched"] == [], opened
+    assert "non-empty bucket" in sent["empty"]
+    assert "TP sizes >= 1" in sent["tp0"]
+
+
+def test_sampling_params_dict():
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(5, 6), seed=3)
+    assert sampling_params_dict(params, seed=11) == {
+        "max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "ignore_eos": False,
+        "no_stop_trim": True, "stop_token_ids": [5, 6], "sampling_seed": 11}
+    # The request's seed is the one given (the manager's share seed), never params.seed; None sends none.
+    assert "sampling_seed" not in sampling_params_dict(params, seed=None)
+    greedy = sampling_params_dict(SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), seed=0)
+    assert greedy == {"max_new_tokens": 4, "temperature": 0, "top_p": 1.0, "top_k": -1, "ignore_eos": True,
+                      "no_stop_trim": True, "sampling_seed": 0}
+
+
+def test_generate_output():
+    result = {"output_ids": [7, 8, 2],
+              "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3",
+                            "output_token_logprobs": [[-0.5, 7, None], [-1.25, 8, None], [-0.125, 2, None]]}}
+    output = generate_output(result, return_logprob=True)
+    assert output.output_ids == [7, 8, 2] and output.finish_reason is FinishReason.STOP
+    assert output.output_logprobs == [-0.5, -1.25, -0.125] and output.weight_version == "3"
+    result["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    assert generate_output(result, return_logprob=False).finish_reason is FinishReason.LENGTH
+    assert generate_output(result, return_logprob=False).output_logprobs is None
+    result["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}
+    assert generate_output(result, return_logprob=False).finish_reason is FinishReason.ABORT
+    del result["meta_info"]["weight_version"]
+    assert generate_output(result, return_logprob=False).weight_version is None
+    result["meta_info"]["finish_reason"] = None
+    with pytest.raises(RuntimeError, match="unfinished output"):
+        generate_output(result, return_logprob=False)
