@@ -218,8 +218,9 @@ class RolloutManager:
             dead = [f"{engine.name} at {engine.url}" for engine, ok in zip(self.engines, alive, strict=True) if not ok]
             if not dead:
                 raise
+            down = [engine for engine, ok in zip(self.engines, alive, strict=True) if not ok]
             raise EngineError(f"generation failed: {', '.join(dead)} no longer answer(s) /health ({error})",
-                              engine=", ".join(e.split(" at ")[0] for e in dead), url=error.url,
+                              engine=", ".join(e.name for e in down), url=", ".join(e.url for e in down),
                               route=error.route) from error
         finally:
             self._busy_s += time.perf_counter() - start
@@ -293,8 +294,8 @@ class RolloutManager:
 def _run_coroutine(coroutine: Any) -> Any:
     """Run ``coroutine`` to completion on this thread's event loop (created if there is none).
 
-    The thread's own loop, not a fresh one: SGLang binds an engine to the loop of the thread
-    that built it, and its ``async_generate`` must be awaited there.
+    The thread's own loop, not a fresh one per call: the clients keep one HTTP session (keep-alive
+    connections) per event loop, so every call of this thread reuses them.
     """
     try:
         asyncio.get_running_loop()

@@ -25,8 +25,10 @@ def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: 
         raise ValueError(f"actor_rollout_ref.rollout.router_policy={policy!r}; use one of {ROUTER_POLICIES}")
     if not worker_urls:
         raise ValueError("the router needs at least one engine URL")
+    # The metrics exporter gets a port of its own: its default (29000) would collide between two routers.
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--log-level", log_level]
+            "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--log-level", log_level,
+            "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
 
 
 def start_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | Path, host: str = "127.0.0.1",

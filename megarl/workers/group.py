@@ -14,7 +14,7 @@ typo fails where it is written (no dispatch decorators; the caller says how to d
     wg.call_all(ActorWorker.init_model, model_path=..., parallel=...)
     wg.call_dp(ActorWorker.update_actor, batch, temperature=1.0)
     names = wg.call_rank(0, ActorWorker.weight_names)
-    rollout_wg.call_ranks([((), {...}) for _ in ranks], RolloutWorker.init_engine)
+    urls = rollout_wg.call_ranks([((), {...}) for _ in ranks], EngineServerWorker.start_server)
 
 - :meth:`call_all` — the same arguments to every rank, the results in rank order;
 - :meth:`call_rank` — one rank;

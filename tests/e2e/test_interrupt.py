@@ -15,11 +15,64 @@ pytest.importorskip("ray")
 
 
 def _ray_pids() -> set[int]:
-    """PIDs of Ray's processes on this machine (GCS, raylet, their agents, workers)."""
+    """PIDs of Ray's processes on this machine (GCS, raylet, their agents, workers), engine servers and routers."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    marks = ("gcs_server", "raylet", "ray::", "ray/_private", "ray/dashboard", "default_worker.py")
+    marks = ("gcs_server", "raylet", "ray::", "ray/_private", "ray/dashboard", "default_worker.py",
+             "megarl.rollout.server", "sglang_router")
     return {int(line.split(None, 1)[0]) for line in out.splitlines()
             if len(line.split(None, 1)) == 2 and any(m in line.split(None, 1)[1] for m in marks)}
+
+
+def _start(tmp_path, *extra: str) -> subprocess.Popen:
+    from megarl.models.tiny import save_tiny
+    from megarl.warmstart.addition_data import ensure_addition_data
+
+    train, test = ensure_addition_data(tmp_path / "data", num_train=16, num_test=4, seed=0)
+    model = save_tiny(tmp_path / "model", num_layers=1)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
+               f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+               f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}", *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _left_behind(before: set[int], timeout_s: float = 15.0) -> str:
+    """``ps`` lines of Ray, engine server and router processes started since ``before`` still alive after
+    ``timeout_s`` ('' when none)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _ray_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return ""
+    return subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, left))], capture_output=True,
+                          text=True).stdout
+
+
+def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
+    """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID)."""
+    before = _ray_pids()
+    run = _start(tmp_path, "trainer.total_steps=20")
+    output = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("step 1:") for line in output):
+            line = run.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
+            output.append(line)
+        servers = [pid for pid in _ray_pids() - before]
+        assert servers  # the run's engine servers, router and Ray processes are up
+        run.send_signal(signal.SIGINT)
+        output.append(run.stdout.read())
+        returncode = run.wait(timeout=60)
+    finally:
+        run.kill()
+        run.wait()
+    text = "".join(output)
+    assert not (left := _left_behind(before)), left
+    assert returncode == 130, text[-3000:]
+    assert "megarl-train: interrupted at step" in text
 
 
 def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
