@@ -153,13 +153,16 @@ class AgentLoop:
                                                              seed=self.config.seed)
         own_hooks = self.hooks is None
         hooks = HookRunner(self.multi_turn.tool_timeout_s) if own_hooks else self.hooks
-        tasks = [asyncio.ensure_future(self._run_request(request, sampling, hooks)) for request in requests]
+        releases: list[asyncio.Future] = []
+        tasks = [asyncio.ensure_future(self._run_request(request, sampling, hooks, releases)) for request in requests]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # A cancelled request's release runs on (shielded): wait for every one before the error leaves.
+            await asyncio.gather(*releases, return_exceptions=True)
             raise
         finally:
             if own_hooks:
@@ -223,8 +226,8 @@ class AgentLoop:
             request.count(f"num_timeouts/{hook}")
             raise
 
-    async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams,
-                           hooks: HookRunner) -> AsyncRolloutRequest:
+    async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams, hooks: HookRunner,
+                           releases: list[asyncio.Future]) -> AsyncRolloutRequest:
         request.tool_schemas = [self.tools[name].get_openai_tool_schema() for name in self._tool_names(request)]
         request.initialize(self.tokenizer, max_prompt_len=self.prompt_length, max_response_len=self.response_length,
                            max_model_len=self.max_model_len)
@@ -241,7 +244,9 @@ class AgentLoop:
             if request.state is not RequestState.FAILED:
                 rewards = await self._final_rewards(request, hooks)
         finally:
-            await self._release(request, hooks)
+            release = asyncio.ensure_future(self._release(request, hooks))
+            releases.append(release)
+            await asyncio.shield(release)
         request.finalize(self.tokenizer, finish_reason=finish or FinishReasonType.ABORT, reward_scores=rewards,
                          sanity_check=self.multi_turn.tokenization_sanity_check)
         if request.state is RequestState.FAILED:
