@@ -215,11 +215,11 @@ class RolloutManager:
             return await work
         except EngineError as error:
             alive = await asyncio.gather(*(engine.health() for engine in self.engines))
-            dead = [f"{engine.name} at {engine.url}" for engine, ok in zip(self.engines, alive, strict=True) if not ok]
-            if not dead:
-                raise
             down = [engine for engine, ok in zip(self.engines, alive, strict=True) if not ok]
-            raise EngineError(f"generation failed: {', '.join(dead)} no longer answer(s) /health ({error})",
+            if not down:
+                raise
+            dead = ", ".join(f"{engine.name} at {engine.url}" for engine in down)
+            raise EngineError(f"generation failed: {dead} no longer answer(s) /health ({error})",
                               engine=", ".join(e.name for e in down), url=", ".join(e.url for e in down),
                               route=error.route) from error
         finally:

@@ -336,13 +336,13 @@ class EngineServer:
         if "weights" in self.released:
             return _result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
                                   "with tags ['weights'] first")
-        await self._in_engine_thread(self.engine.begin_weight_update)
+        await self._off_loop(self.engine.begin_weight_update)
         self._in_session = True
         return _result(True, "Weight update session opened.")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await _json(request)
-        await self._in_engine_thread(self.engine.end_weight_update)
+        await self._off_loop(self.engine.end_weight_update)
         self._in_session = False
         return _result(True, "Weight update session closed.")
 
@@ -360,7 +360,7 @@ class EngineServer:
             raise RequestError("/update_weights_from_tensor: serialized_named_tensors must be a non-empty list "
                                "(one payload per engine TP rank)")
         named = _deserialize(payloads[0], body.get("load_format"))
-        await self._in_engine_thread(self.engine.update_weights_from_tensor, named)
+        await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         if body.get("flush_cache", True):
@@ -378,7 +378,7 @@ class EngineServer:
         if name in self._groups:
             return _result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
         try:
-            self._groups[name] = await self._in_engine_thread(
+            self._groups[name] = await self._off_loop(
                 _join_group, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
                 int(body["world_size"]), name)
         except (KeyError, RuntimeError, ValueError) as error:
@@ -398,9 +398,9 @@ class EngineServer:
         if not self._in_session:
             return _result(False, "update_weights_from_distributed must run between begin_weight_update() and "
                                   "end_weight_update()")
-        named = await self._in_engine_thread(_receive, self._groups[name], body["names"], body["dtypes"],
+        named = await self._off_loop(_receive, self._groups[name], body["names"], body["dtypes"],
                                              body["shapes"], body.get("load_format"))
-        await self._in_engine_thread(self.engine.update_weights_from_tensor, named)
+        await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         return _result(True, f"Succeeded to update {len(named)} tensors.")
@@ -418,11 +418,12 @@ class EngineServer:
         if name not in params:
             raise RequestError(f"/get_weights_by_name: no weight named {name!r}")
         truncate = int(body.get("truncate_size", 100))
-        values = await self._in_engine_thread(lambda: params[name].detach()[:truncate].float().cpu().tolist())
+        values = await self._off_loop(lambda: params[name].detach()[:truncate].float().cpu().tolist())
         return web.json_response(values)
 
-    async def _in_engine_thread(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Run a call that takes the engine lock off the event loop (a running batch holds it between steps)."""
+    async def _off_loop(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking call (one that takes the engine lock, which a running batch holds between its steps, or
+        a collective) in a thread, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
     # ------------------------------------------------------------------------ memory
@@ -436,14 +437,14 @@ class EngineServer:
             raise RequestError("/release_memory_occupation: a weight-update session is open; /end_weight_update "
                                "first")
         if "weights" in tags and "weights" not in self.released:
-            await self._in_engine_thread(self.engine.release_memory_occupation)
+            await self._off_loop(self.engine.release_memory_occupation)
         self.released |= tags
         return web.json_response(None)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
         tags = _tags((await _json(request)).get("tags"), "/resume_memory_occupation")
         if "weights" in tags and "weights" in self.released:
-            await self._in_engine_thread(self.engine.resume_memory_occupation)
+            await self._off_loop(self.engine.resume_memory_occupation)
         self.released -= tags
         return web.json_response(None)
 

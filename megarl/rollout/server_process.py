@@ -70,6 +70,10 @@ class ServerProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        """None while running (or never started), else the exit code (a negative signal number when killed)."""
+        return None if self._proc is None else self._proc.poll()
+
     def start(self) -> "ServerProcess":
         """Start the process (output to ``log_path``); returns self."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from typing import Any
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.rollout.server_process import ServerProcess, free_port
-from megarl.workers.base import Worker, _node_ip
+from megarl.rollout.server_process import ServerProcess
+from megarl.workers.base import Worker, _node_ip, free_port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +92,7 @@ class EngineServerWorker(Worker):
 
     def server_exit_code(self) -> int | None:
         """None while the server runs, else its exit code (a negative signal number when killed)."""
-        if self.server is None or self.server._proc is None:
-            return None
-        return self.server._proc.poll()
+        return None if self.server is None else self.server.exit_code()
 
     def stop_server(self) -> None:
         if self.server is not None:
