@@ -7,7 +7,7 @@ Each engine is ``python -m megarl.rollout.server`` on ``model_dir`` with its own
 ``--random-seed`` (engine ``i``: ``seeds[i]``, default ``i``), ``OMP_NUM_THREADS=1`` and its log
 in ``log_dir``; the servers start concurrently (all started, then each waited for), so N
 engines cost about one start-up. With ``router=True`` a real sglang-router
-(the argv of :func:`megarl.rollout.router.router_command`: retries off) runs over them and is the generator;
+(:func:`megarl.rollout.router.start_router`, as a run starts it) runs over them and is the generator;
 otherwise the generator is engine 0's client. At exit the router stops first, then the engines.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megarl.rollout.client import EngineClient
-from megarl.rollout.router import router_command
+from megarl.rollout.router import start_router
 from megarl.rollout.server_process import ServerProcess, free_port
 
 START_TIMEOUT_S = 180.0
@@ -70,8 +70,8 @@ def engine_servers(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, 
         engines = [EngineClient(p.url, name=p.name) for p in processes]
         clients.extend(engines)
         if router:
-            router_process = start_test_router([p.url for p in processes], policy=policy, log_dir=log_dir,
-                                               timeout_s=timeout_s)
+            router_process = start_router([p.url for p in processes], policy=policy, log_dir=log_dir,
+                                          timeout_s=timeout_s)
             generator = EngineClient(router_process.url, name="sglang-router")
             clients.append(generator)
         else:
@@ -83,24 +83,6 @@ def engine_servers(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, 
             router_process.stop()
         for process in processes:
             process.stop()
-
-
-def start_test_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | os.PathLike,
-                      timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
-    """:func:`megarl.rollout.router.start_router`'s router (same argv), with its Prometheus exporter on a free
-    port: sglang-router binds 29000 by default, so a second router on the machine (another test run) would
-    exit with "Address already in use"."""
-    host, port = "127.0.0.1", free_port()
-    argv = router_command(worker_urls, host=host, port=port, policy=policy) + [
-        "--prometheus-host", host, "--prometheus-port", str(free_port())]
-    router = ServerProcess(argv, name="sglang-router", url=f"http://{host}:{port}",
-                           log_path=Path(log_dir) / "router.log")
-    try:
-        router.start().wait_healthy(timeout_s)
-    except BaseException:
-        router.stop()
-        raise
-    return router
 
 
 def close_clients(clients: Sequence[EngineClient]) -> None:

@@ -159,9 +159,10 @@ def _check_engines(cfg: RunConfig) -> None:
         if trainer.world_size % engine_tp != 0:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the world size "
                              f"{trainer.world_size} ({_world_keys(cfg)}): choose a divisor of it")
-        if engine_tp > trainer.n_gpus_per_node:
+        if engine_tp > trainer.n_gpus_per_node and engine_tp % trainer.n_gpus_per_node:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} exceeds trainer.n_gpus_per_node="
-                             f"{trainer.n_gpus_per_node}: an engine serves within one node; use at most "
+                             f"{trainer.n_gpus_per_node} without being a multiple of it: an engine serves within "
+                             f"one node or on whole nodes (SGLang's --nnodes); use a divisor or a multiple of "
                              f"{trainer.n_gpus_per_node}")
     hybrid = cfg.actor_rollout_ref.hybrid_engine
     if not hybrid and rollout.pool_nodes is None:
@@ -172,9 +173,13 @@ def _check_engines(cfg: RunConfig) -> None:
                          f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")
     if rollout.pool_nodes is not None and rollout.name != "hf":
         engine_tp = cfg.engine_tp
-        if any(n % engine_tp for n in rollout.pool_nodes):
-            raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} does not divide the GPUs per node of "
-                             f"{prefix}.pool_nodes={rollout.pool_nodes}")
+        nodes = list(rollout.pool_nodes)
+        spans = engine_tp > max(nodes)
+        if (spans and (len(set(nodes)) > 1 or engine_tp % nodes[0] or len(nodes) * nodes[0] % engine_tp)) or \
+                (not spans and any(n % engine_tp for n in nodes)):
+            raise ValueError(f"{prefix}.tensor_model_parallel_size={engine_tp} neither divides the GPUs per node of "
+                             f"{prefix}.pool_nodes={rollout.pool_nodes} nor spans whole nodes of equal size: choose "
+                             f"a divisor of the GPUs per node, or a multiple of them on equal nodes")
     data = cfg.data
     if rollout.prompt_length is not None and rollout.prompt_length < data.max_prompt_length:
         raise ValueError(f"{prefix}.prompt_length={rollout.prompt_length} is shorter than data.max_prompt_length="

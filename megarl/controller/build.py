@@ -96,10 +96,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
     plan = placement_for(cfg)
     trainer = cfg.trainer
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
-    launches = _sglang_launches(cfg, plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
     built: list[WorkerGroup] = []
     router = None
     try:
+        gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
         colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
         actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
@@ -109,10 +109,9 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
             critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
         rollout_pool = pools["rollout"] if separate else pools["global"]
-        rollout = _group(cfg, EngineServerWorker, rollout_pool, 1.0 if separate else 1.0 / colocated,
-                         role="rollout", bundles=[e.bundles[0] for e in plan.engines])
+        rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
+                                                  gpus, log_dir)
         built.append(rollout)
-        addresses = _start_engine_servers(cfg, plan, rollout, launches, log_dir)
         engines = [EngineClient(a.url, name=a.name) for a in addresses]
         router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                               log_dir=log_dir)
@@ -177,31 +176,68 @@ def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
     return group
 
 
-def _sglang_launches(cfg: RunConfig, plan: PlacementPlan, pools: dict) -> list:
-    """Per engine, its GPUs (probed from Ray before any worker holds them) for ``sglang.launch_server``."""
+def engine_gpus_of(plan: PlacementPlan, pools: dict) -> list:
+    """Per engine, its GPUs on each of its nodes for ``sglang.launch_server``
+    (:class:`~megarl.controller.engine_gpus.EngineGpus`), probed from Ray: call it right after
+    ``create_pools``, before any worker holds the bundles' GPUs."""
     from megarl.controller.engine_gpus import engine_gpus, probe_bundle_gpus
 
     return engine_gpus(plan.engines, probe_bundle_gpus(pools))
 
 
-def _start_engine_servers(cfg: RunConfig, plan: PlacementPlan, group: WorkerGroup, gpus: list | None,
-                          log_dir: str | os.PathLike) -> list[EngineAddress]:
-    """Start every engine's server (concurrently) and wait until all are healthy; their addresses."""
-    arr = cfg.actor_rollout_ref
-    seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
-    launch_kwargs: list[dict] = [{} for _ in plan.engines]
-    if gpus is not None:
-        from megarl.controller.engine_gpus import sglang_launch_command
+@dataclasses.dataclass(frozen=True)
+class EngineServerSlot:
+    """One engine server process: engine ``engine``'s part on its node ``node_rank``, owned by a worker on
+    ``bundle`` (the node's first bundle of the engine)."""
 
-        for i, ((host, port), engine_gpus) in enumerate(zip(group.call_all(EngineServerWorker.address), gpus,
-                                                            strict=True)):
-            launch_kwargs[i] = {"launch": sglang_launch_command(engine_gpus, rollout=arr.rollout, model=arr.model,
-                                                                port=port, seed=seeds[i], host=host),
-                                "url": f"http://{host}:{port}"}
-    urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[i],
-                                      device=cfg.trainer.device, log_dir=str(log_dir), **launch_kwargs[i]))
-                             for i in range(len(plan.engines))], EngineServerWorker.start_server)
-    return [EngineAddress(index=i, url=url, tp=plan.engines[i].tp) for i, url in enumerate(urls)]
+    engine: int
+    node_rank: int
+    bundle: int
+
+
+def engine_server_slots(plan: PlacementPlan, gpus: list | None) -> list[EngineServerSlot]:
+    """A server per engine (megarl's CPU server: one process whatever its TP), or for SGLang one per node an
+    engine spans (``gpus``: :func:`engine_gpus_of`), node_rank 0 first."""
+    if gpus is None:
+        return [EngineServerSlot(e.index, 0, e.bundles[0]) for e in plan.engines]
+    return [EngineServerSlot(g.engine, n.node_rank, n.bundles[0]) for g in gpus for n in g.nodes]
+
+
+def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float, gpus: list | None,
+                         log_dir: str | os.PathLike) -> tuple[WorkerGroup, list[EngineAddress]]:
+    """The engine servers' owners (one :class:`EngineServerWorker` per :func:`engine_server_slots` entry, taking
+    ``share`` of its bundle) with every server started (concurrently) and healthy; the engines' addresses (an
+    engine spanning nodes serves on its node_rank 0). On failure nothing is left running."""
+    arr = cfg.actor_rollout_ref
+    slots = engine_server_slots(plan, gpus)
+    group = _group(cfg, EngineServerWorker, pool, share, role="rollout", bundles=[s.bundle for s in slots])
+    try:
+        seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
+        calls = [{"engine": s.engine, "node_rank": s.node_rank} for s in slots]
+        if gpus is not None:
+            from megarl.controller.engine_gpus import sglang_launch_command
+
+            heads = {s.engine: rank for rank, s in enumerate(slots) if s.node_rank == 0}
+            spans = {g.engine: g.nnodes for g in gpus}
+            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and spans[s.engine] > 1 else 1})
+                                      for s in slots], EngineServerWorker.address)
+            for slot, call, (host, ports) in zip(slots, calls, where, strict=True):
+                engine = gpus[slot.engine]
+                head_ports = where[heads[slot.engine]][1]
+                if engine.nnodes > 1:
+                    engine = engine.with_dist_init_port(head_ports[1])
+                call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
+                                                       seed=seeds[slot.engine], node_rank=slot.node_rank, host=host)
+                call["url"] = f"http://{host}:{ports[0]}"
+        urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
+                                          device=cfg.trainer.device, log_dir=str(log_dir), **call))
+                                 for s, call in zip(slots, calls)], EngineServerWorker.start_server)
+    except BaseException:
+        stop_engine_servers(group)
+        group.shutdown()
+        raise
+    head_url = {s.engine: url for s, url in zip(slots, urls) if s.node_rank == 0}
+    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp) for e in plan.engines]
 
 
 @dataclasses.dataclass

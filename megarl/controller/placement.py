@@ -123,7 +123,9 @@ class EnginePlacement:
     index: int
     pool: str
     bundles: tuple[int, ...]
-    node: int
+    nodes: tuple[int, ...]
+    """The pool's nodes holding the engine's bundles, in TP order: one, or whole nodes when its TP
+    exceeds a node (a multi-node SGLang engine: ``--nnodes``, node_rank = position here)."""
     tp_matched: bool
     """True when engine TP rank k shares a bundle with actor TP rank k of one actor TP group."""
     dp_rank: int | None = None
@@ -136,6 +138,11 @@ class EnginePlacement:
     @property
     def tp(self) -> int:
         return len(self.bundles)
+
+    @property
+    def node(self) -> int:
+        """The engine's first node (the one serving HTTP when it spans several)."""
+        return self.nodes[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +207,7 @@ def megatron_coordinates(rank: int, dims: ParallelDims) -> tuple[int, int, int, 
 
 
 def _check_engine_nodes(pool: PoolSpec, bundles: Sequence[int], key: str) -> int:
+    """The one node of a TP group of a training role (Megatron's TP stays within a node)."""
     nodes = sorted({pool.node_of(b) for b in bundles})
     if len(nodes) > 1:
         raise ValueError(
@@ -207,6 +215,22 @@ def _check_engine_nodes(pool: PoolSpec, bundles: Sequence[int], key: str) -> int
             f"(GPUs per node {list(pool.nodes)}); choose {key} dividing the GPUs per node"
         )
     return nodes[0]
+
+
+def _engine_nodes(pool: PoolSpec, bundles: Sequence[int], key: str) -> tuple[int, ...]:
+    """The nodes of one engine's bundles: one node, or several whole nodes of equal size (SGLang splits an
+    engine's TP ranks evenly over ``--nnodes`` nodes, each node running ``tp / nnodes`` of them)."""
+    nodes = tuple(dict.fromkeys(pool.node_of(b) for b in bundles))
+    if len(nodes) == 1:
+        return nodes
+    held = [sum(1 for b in bundles if pool.node_of(b) == n) for n in nodes]
+    if any(h != pool.nodes[n] for h, n in zip(held, nodes)) or len(set(held)) > 1:
+        raise ValueError(
+            f"{key}={len(bundles)}: an engine of {len(bundles)} GPUs would hold {held} GPUs of nodes {list(nodes)} of "
+            f"pool {pool.name!r} (GPUs per node {list(pool.nodes)}); an engine spanning nodes must take whole nodes "
+            f"of equal size: choose {key} dividing the GPUs per node, or a multiple of them on equal nodes"
+        )
+    return nodes
 
 
 def plan_placement(
@@ -271,13 +295,13 @@ def plan_placement(
             groups.append(((dp_rank, pp_rank, cp_rank), tuple(range(start, start + engine_tp))))
         for index, ((dp_rank, pp_rank, cp_rank), ranks) in enumerate(sorted(groups)):
             bundles = tuple(actor.bundles[r] for r in ranks)
-            node = _check_engine_nodes(rollout_pool, bundles, "rollout.tp")
-            engines.append(EnginePlacement(index, rollout.pool, bundles, node, True, dp_rank, pp_rank, cp_rank, ranks))
+            nodes = _engine_nodes(rollout_pool, bundles, "rollout.tp")
+            engines.append(EnginePlacement(index, rollout.pool, bundles, nodes, True, dp_rank, pp_rank, cp_rank, ranks))
     else:
         for index, start in enumerate(range(0, rollout_pool.size, engine_tp)):
             bundles = tuple(range(start, start + engine_tp))
-            node = _check_engine_nodes(rollout_pool, bundles, "rollout.tp")
-            engines.append(EnginePlacement(index, rollout.pool, bundles, node, False))
+            nodes = _engine_nodes(rollout_pool, bundles, "rollout.tp")
+            engines.append(EnginePlacement(index, rollout.pool, bundles, nodes, False))
     return PlacementPlan(specs, roles, tuple(engines), engine_layout)
 
 

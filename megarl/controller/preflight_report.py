@@ -113,13 +113,16 @@ def _placement_lines(plan: RunPlan) -> list[str]:
         if engine is None:
             lines.append("  ...")
             continue
-        pool = placement.pools[engine.pool]
         replica = engine_replica(engine, dp)
         sender = replica * placement.role("actor").dims.tp * placement.role("actor").dims.cp
         where = ranges(engine.bundles) if engine.pool == GLOBAL_POOL else f"{engine.pool}:{ranges(engine.bundles)}"
-        lines.append(f"  engine {engine.index}: GPUs {where} (node {pool.node_of(engine.bundles[0])}), "
+        lines.append(f"  engine {engine.index}: GPUs {where} ({_nodes(engine.nodes)}), "
                      f"fed by actor DP replica {replica} (sent from GPU {sender})")
     return lines
+
+
+def _nodes(nodes: tuple[int, ...]) -> str:
+    return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {ranges(nodes)}"
 
 
 def _engine_gpu_lines(plan: RunPlan) -> list[str]:

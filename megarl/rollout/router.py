@@ -6,6 +6,14 @@ end of the run. Retries are off: a request that an engine fails comes back as an
 that engine's URL (the rollout manager then says which engine it was), instead of being
 replayed on another engine with its KV state lost. Weight, memory and pause calls never go
 through the router: they go to each engine directly.
+
+The router's periodic health checks are off (``--disable-health-check``): SGLang 0.5.23's ``/health``
+generates a token (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` defaults to true) and ``/ready`` is 503
+while generation is paused, so an engine paused or with its memory released for a weight sync longer
+than three check intervals would be dropped by the router, and taken back only after two more
+intervals (``health_failure_threshold`` / ``health_success_threshold``), failing the next rollout.
+Liveness is megarl's: each server's owner waits for it to start, and a request a dead engine fails
+names that engine.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: 
         raise ValueError("the router needs at least one engine URL")
     # The metrics exporter gets a port of its own: its default (29000) would collide between two routers.
     return [sys.executable, "-c", ROUTER_MAIN, "--host", host, "--port", str(port),
-            "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--log-level", log_level,
+            "--worker-urls", *worker_urls, "--policy", policy, "--disable-retries", "--disable-health-check",
+            "--log-level", log_level,
             "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
 
 

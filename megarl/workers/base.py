@@ -63,16 +63,18 @@ class Worker:
     """``megarl.parallel.ProcessGroups`` after :meth:`init_parallel`, else ``None``."""
 
     def node_info(self) -> dict:
-        """Node IP, process id and the accelerator ids Ray assigned to this process."""
+        """Node IP, Ray node id, process id and the accelerator ids Ray assigned to this process."""
         gpu_ids: list[str] = []
+        node_id = None
         try:
             import ray
 
             if ray.is_initialized():
                 gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+                node_id = ray.get_runtime_context().get_node_id()
         except ImportError:
             pass
-        return {"ip": _node_ip(), "pid": os.getpid(), "gpu_ids": gpu_ids}
+        return {"ip": _node_ip(), "node_id": node_id, "pid": os.getpid(), "gpu_ids": gpu_ids}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port on it, for torch.distributed's TCP store (called on rank 0)."""

@@ -1,7 +1,7 @@
 """Rollout engines as server processes, each owned by a Ray actor on the engine's node.
 
-An :class:`EngineServerWorker` sits on the first bundle an engine serves and runs the engine's
-server process there: megarl's CPU engine server (``python -m megarl.rollout.server``) for
+An :class:`EngineServerWorker` sits on the first bundle an engine serves (for an SGLang engine spanning
+nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.rollout.server``) for
 ``rollout.name=hf``, ``python -m sglang.launch_server`` for ``sglang`` (with exactly the
 engine's GPUs, :mod:`megarl.controller.engine_gpus`). It starts the server, waits for it to
 answer ``/health`` (an error names the engine, its URL and its log), reports its URL, and
@@ -39,33 +39,40 @@ class EngineAddress:
 
 
 class EngineServerWorker(Worker):
-    """Owns one engine server process (see the module docstring)."""
+    """Owns one engine server process (see the module docstring): an engine's whole server, or for an SGLang
+    engine spanning nodes, its part on one node (node_rank 0 serves the API; the others run their TP ranks
+    and answer ``/health`` only, as ``sglang.launch_server`` does on node_rank >= 1)."""
 
     role = "rollout"
     server: ServerProcess | None = None
+    engine: int = -1
+    node_rank: int = 0
 
     @property
-    def index(self) -> int:
-        """The engine's number: this worker's rank in its group."""
-        return self.rank
+    def name(self) -> str:
+        return f"engine {self.engine}" + (f" node_rank {self.node_rank}" if self.node_rank else "")
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it, for the engine's server (the driver builds an SGLang
-        launch command with them)."""
+    def address(self, num_ports: int = 1) -> tuple[str, list[int]]:
+        """This node's IP and ``num_ports`` distinct free ports on it (the server's, and for the first node of
+        an engine spanning nodes its ``--dist-init-addr`` port): the driver builds SGLang's command with them."""
         host = _node_ip()
-        return host, free_port(host)
+        return host, free_ports(host, num_ports)
 
-    def start_server(self, *, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str, log_dir: str,
-                     launch: Any = None, url: str | None = None) -> str:
-        """Start the engine's server and wait until it is healthy; returns its URL.
+    def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
+                     log_dir: str, node_rank: int = 0, launch: Any = None, url: str | None = None) -> str:
+        """Start engine ``engine``'s server (its part on node ``node_rank``) and wait until it is healthy;
+        returns its URL.
 
-        ``launch``/``url``: for ``rollout.name=sglang``, the engine's
-        :class:`~megarl.controller.engine_gpus.LaunchCommand` (argv and environment with its GPUs)
+        ``launch``/``url``: for ``rollout.name=sglang``, the
+        :class:`~megarl.controller.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
         and the URL it serves on (from :meth:`address`).
         """
+        self.engine, self.node_rank = engine, node_rank
         host = _node_ip()
-        name = f"engine {self.index}"
         if rollout.name == "hf":
+            if node_rank:
+                raise ValueError(f"{self.name}: megarl's CPU engine server is one process per engine; "
+                                 f"it has no node_rank > 0")
             port = free_port(host)
             argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
@@ -76,11 +83,12 @@ class EngineServerWorker(Worker):
             url = f"http://{host}:{port}"
         elif rollout.name == "sglang":
             if launch is None or url is None:
-                raise ValueError(f"{name}: an SGLang engine needs its launch command and URL (GPUs, port)")
+                raise ValueError(f"{self.name}: an SGLang engine needs its launch command and URL (GPUs, port)")
             argv, env = list(launch.argv), launch.environ(os.environ)
         else:
             raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; use 'hf' or 'sglang'")
-        self.server = ServerProcess(argv, name=name, url=url, log_path=Path(log_dir) / f"engine_{self.index}.log",
+        log_name = f"engine_{engine}" + (f"_node{node_rank}" if node_rank else "") + ".log"
+        self.server = ServerProcess(argv, name=self.name, url=url, log_path=Path(log_dir) / log_name,
                                     env=env, inherit_env=rollout.name == "hf")
         self.server.start()
         self.server.wait_healthy(rollout.engine_startup_timeout_s)
@@ -97,6 +105,22 @@ class EngineServerWorker(Worker):
     def stop_server(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on now (held together while chosen, then released)."""
+    import socket
+
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _hf_device(device: str) -> str:

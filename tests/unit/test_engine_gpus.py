@@ -10,6 +10,7 @@ the pure mapping a hand-made probe result of two 8-GPU nodes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -84,9 +85,10 @@ def test_one_tp8_engine():
 
 
 def tp16_engine(index: int = 0) -> EnginePlacement:
-    """A TP=16 engine on bundles 0-15 of two 8-GPU nodes (the plan refuses engines spanning nodes today:
-    ``_check_engine_nodes``; SGLang runs them, so the mapping supports them)."""
-    return EnginePlacement(index, "global", tuple(range(16)), 0, False)
+    """The plan's TP=16 engine over two 8-GPU nodes (bundles 0-15), renumbered ``index``."""
+    (engine,) = make_placement(nodes=[8, 8], actor=ParallelDims(tp=8), engine_tp=16).engines
+    assert (engine.bundles, engine.nodes) == (tuple(range(16)), (0, 1))
+    return dataclasses.replace(engine, index=index)
 
 
 def test_tp16_engine_over_two_nodes():
@@ -129,18 +131,18 @@ def test_disaggregated_pool_is_mapped_from_its_own_bundles():
 
 def test_layouts_sglang_cannot_run_are_refused_naming_the_setting():
     # A TP=12 engine over nodes of 8 and 4 GPUs: SGLang splits tp_size evenly over nnodes.
-    uneven = EnginePlacement(0, "global", tuple(range(12)), 0, False)
+    uneven = EnginePlacement(0, "global", tuple(range(12)), (0, 1), False)
     with pytest.raises(ValueError, match=rf"spans 2 nodes holding \[8, 4\].*{TP_KEY}.*n_gpus_per_node"):
         engine_gpus([uneven], probe("global", NODE_A, ("node-b", "10.0.0.2", [0, 1, 2, 3])))
     # Bundles alternating between nodes: a node's ranks would not be consecutive.
     alternating = {("global", b): BundleGpu("global", b, "ab"[b % 2], "10.0.0.1", b // 2) for b in range(4)}
     with pytest.raises(ValueError, match=rf"leave a node and come back .*rank 1: b.*{TP_KEY}"):
-        engine_gpus([EnginePlacement(0, "global", (0, 1, 2, 3), 0, False)], alternating)
+        engine_gpus([EnginePlacement(0, "global", (0, 1, 2, 3), (0,), False)], alternating)
     # Two ranks on one GPU.
     with pytest.raises(ValueError, match=r"share GPUs \[0, 0\]"):
-        engine_gpus([EnginePlacement(0, "global", (0, 1), 0, False)], probe("global", ("n", "ip", [0, 0])))
+        engine_gpus([EnginePlacement(0, "global", (0, 1), (0,), False)], probe("global", ("n", "ip", [0, 0])))
     with pytest.raises(ValueError, match="pool 'rollout' bundle 0 is not in the probe result"):
-        engine_gpus([EnginePlacement(0, "rollout", (0,), 0, False)], probe("global", NODE_A))
+        engine_gpus([EnginePlacement(0, "rollout", (0,), (0,), False)], probe("global", NODE_A))
 
 
 def test_planned_bundle_gpus_follow_the_pool_layout():

@@ -280,33 +280,3 @@ def test_the_trainers_memory_phases_keep_engine_weights_valid(client):
     assert len(generate()) == 2
     trainer._resume_engines(["weights", "kv_cache"])  # nothing released: no call at all
     assert trainer._released_tags == set()
-
-
-def test_an_sglang_engine_worker_starts_exactly_its_launch_command(model_dir, tmp_path, monkeypatch):
-    """The GPU branch of EngineServerWorker.start_server runs the launch command megarl.controller.engine_gpus
-    built (here pointing at the CPU server, the GPU one cannot run on this machine): the process gets exactly the
-    command's environment (its CUDA_VISIBLE_DEVICES; variables the command removes stay removed)."""
-    from megarl.config import ModelConfig, RolloutConfig
-    from megarl.controller.engine_gpus import LaunchCommand
-    from megarl.workers.engine_server import EngineServerWorker
-
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    port = free_port()
-    launch = LaunchCommand(argv=(sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir),
-                                 "--port", str(port)),
-                           env={"CUDA_VISIBLE_DEVICES": "3,1", "OMP_NUM_THREADS": "1"},
-                           unset_env=("PYTORCH_CUDA_ALLOC_CONF",))
-    worker = EngineServerWorker()
-    worker.rank = 4
-    url = worker.start_server(rollout=RolloutConfig(name="sglang", engine_startup_timeout_s=120),
-                              model=ModelConfig(path=str(model_dir)), seed=0, device="cuda", log_dir=str(tmp_path),
-                              launch=launch, url=f"http://127.0.0.1:{port}")
-    try:
-        environ = dict(item.split("=", 1) for item in
-                       open(f"/proc/{worker.server_pid()}/environ").read().split("\0") if "=" in item)
-        assert environ["CUDA_VISIBLE_DEVICES"] == "3,1" and "PYTORCH_CUDA_ALLOC_CONF" not in environ
-        assert url == f"http://127.0.0.1:{port}" and (tmp_path / "engine_4.log").exists()
-        assert run_sync(EngineClient(url).health())
-    finally:
-        worker.stop_server()
-    assert worker.server_exit_code() is not None

@@ -106,13 +106,26 @@ def test_colocated_engine_tp_different_from_actor_is_not_matched():
     assert not plan.engines[0].tp_matched
 
 
+def test_an_engine_may_span_whole_nodes():
+    """TP=16 over two 8-GPU nodes (and TP=4 over two 2-GPU nodes): SGLang's multi-node engine."""
+    plan = make_placement(nodes=[8, 8], actor=ParallelDims(tp=8), engine_tp=16)
+    (engine,) = plan.engines
+    assert (engine.bundles, engine.nodes, engine.node, engine.tp_matched) == (tuple(range(16)), (0, 1), 0, False)
+    plan = make_placement(nodes=[2, 2, 2, 2], actor=ParallelDims(tp=1), engine_tp=4)
+    assert [e.nodes for e in plan.engines] == [(0, 1), (2, 3)]
+    assert [e.nodes for e in make_placement(nodes=[8, 8], actor=ParallelDims(tp=4)).engines] == [(0,), (0,), (1,), (1,)]
+
+
 def test_errors_name_the_key():
     with pytest.raises(ValueError, match="actor.parallel on pool 'global'"):
         make_placement(nodes=[6], actor=ParallelDims(tp=4))
     with pytest.raises(ValueError, match="rollout.tp=3 does not divide"):
         make_placement(nodes=[4], actor=ParallelDims(tp=1), engine_tp=3)
-    with pytest.raises(ValueError, match="rollout.tp=4: a group of 4 bundles would span nodes"):
-        make_placement(nodes=[2, 2], actor=ParallelDims(tp=1), engine_tp=4)
+    with pytest.raises(ValueError, match=r"rollout.tp=4: an engine of 4 GPUs would hold \[2, 2\] GPUs of nodes "
+                                         r"\[0, 1\].*must take whole nodes of equal size"):
+        make_placement(nodes=[2, 4, 2], actor=ParallelDims(tp=1), engine_tp=4)
+    with pytest.raises(ValueError, match=r"rollout.tp=6: an engine of 6 GPUs would hold \[2, 4\]"):
+        make_placement(nodes=[2, 4], actor=ParallelDims(tp=1), engine_tp=6)
     with pytest.raises(ValueError, match="actor.parallel.tp=4"):
         make_placement(nodes=[2, 2], actor=ParallelDims(tp=4))
     with pytest.raises(ValueError, match="must place role 'rollout'"):

@@ -27,11 +27,12 @@ from megarl.data.batch import Batch
 from megarl.data.dataset import collate
 from megarl.models.sampling import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from megarl.rollout.client import EngineClient, EngineError
+from megarl.rollout.client import EngineClient, EngineError, gather_sync
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.manager import RolloutManager
-from tests.engine_servers import engine_servers
+from megarl.rollout.server_process import ServerProcess, free_port
+from tests.engine_servers import close_clients, engine_servers
 from tests.unit.test_hf_engine import eos_prone
 
 P, R = 24, 10
@@ -353,6 +354,36 @@ def test_engine_returning_too_many_tokens_is_an_error(tokenizer, batch):
     finally:
         fake.shutdown()
         fake.server_close()
+
+
+def test_engines_paused_past_the_routers_health_checks_still_get_requests(servers, tokenizer, batch, tmp_path):
+    """A weight sync pauses the engines (SGLang's /health and /ready fail then; the CPU server's /health is 503):
+    the router megarl starts must not drop them. Its health checks are off; here they would run every second,
+    drop a worker after one failure and take it back after five successes, so an engine paused for 3 s would
+    still be out when generation resumes (checked without ``--disable-health-check``: "No available workers")."""
+    from megarl.rollout.router import router_command
+
+    port = free_port()
+    argv = router_command([e.url for e in servers.engines], host="127.0.0.1", port=port, policy="round_robin") + [
+        "--health-check-interval-secs", "1", "--health-check-timeout-secs", "1", "--health-failure-threshold", "1",
+        "--health-success-threshold", "5"]
+    router = ServerProcess(argv, name="sglang-router", url=f"http://127.0.0.1:{port}",
+                           log_path=tmp_path / "router.log")
+    generator = EngineClient(router.url, name="sglang-router")
+    try:
+        router.start().wait_healthy(60)
+        gather_sync([e.pause_generation("in_place") for e in servers.engines])
+        try:
+            assert not any(gather_sync([e.health() for e in servers.engines]))
+            time.sleep(3)
+        finally:
+            gather_sync([e.continue_generation() for e in servers.engines])
+        manager = RolloutManager(generator, servers.engines, tokenizer, RolloutConfig(n=2, seed=0), prompt_length=P,
+                                 response_length=R)
+        assert len(manager.generate(batch)) == 2 * len(batch)
+    finally:
+        close_clients([generator])
+        router.stop()
 
 
 # Last in the module: it kills the module's engine 1.
