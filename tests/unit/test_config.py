@@ -181,8 +181,14 @@ RULE_CASES = [
     ("engine_hf_tp", [f"{ARR}.rollout.tensor_model_parallel_size=2"], f"{ARR}.rollout.tensor_model_parallel_size"),
     ("engine_tp_divides", ["recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=3"],
      f"{ARR}.rollout.tensor_model_parallel_size=3"),
-    ("engine_tp_node", ["recipe=llama3_1_70b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=16"],
-     "trainer.n_gpus_per_node"),
+    ("engine_tp_node", ["recipe=qwen2_5_7b_grpo", "trainer.nnodes=3", "trainer.n_gpus_per_node=4",
+                        f"{ARR}.actor.parallel.tp=2", f"{ARR}.rollout.tensor_model_parallel_size=6",
+                        "data.train_batch_size=96", f"{ARR}.actor.ppo_mini_batch_size=24"],
+     "exceeds trainer.n_gpus_per_node=4 without being a multiple"),
+    ("engine_pool_spans_unequal_nodes", ["recipe=qwen2_5_7b_grpo", f"{ARR}.hybrid_engine=false",
+                                         f"{ARR}.rollout.pool_nodes=[8,4]",
+                                         f"{ARR}.rollout.tensor_model_parallel_size=8"],
+     f"{ARR}.rollout.tensor_model_parallel_size=8 neither divides"),
     ("engine_prompt_len", [f"{ARR}.rollout.prompt_length=8"], f"{ARR}.rollout.prompt_length"),
     ("engine_response_len", [f"{ARR}.rollout.response_length=8"], f"{ARR}.rollout.response_length"),
     ("engine_max_model_len", [f"{ARR}.rollout.max_model_len=64"], f"{ARR}.rollout.max_model_len"),
@@ -313,3 +319,11 @@ def test_token_sum_is_accepted_for_actor_and_critic():
                        "critic.loss_agg_mode=token-sum"])
     assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-sum"
     assert cfg.critic.loss_agg_mode == "token-sum"
+
+
+def test_an_engine_on_whole_nodes_is_accepted():
+    """TP=16 SGLang engines on the 70B recipe's 8-GPU nodes: each takes two whole nodes."""
+    from megarl.controller.placement import placement_for
+
+    cfg = load_config(["recipe=llama3_1_70b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=16"])
+    assert [e.nodes for e in placement_for(cfg).engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
