@@ -22,6 +22,10 @@ SANITY_CHECK_MODES = ("strict", "warn", "off")
 """``multi_turn.tokenization_sanity_check``: a mismatch FAILS the request, is logged and counted, or is not checked."""
 
 
+WEIGHT_TRANSPORTS = ("auto", "tensor", "distributed")
+"""``rollout.weight_transport``: ``auto`` or a transport of :mod:`megarl.sync`."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class ValKwargs:
     """Validation sampling (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
@@ -125,6 +129,10 @@ class RolloutConfig:
     worker slots on this machine), e.g. ``[8, 8]``; None: engines share the actor's GPUs."""
     bucket_mb: int = 512
     """Weight sync: MiB of HF tensors per bucket streamed from the actor into the engines."""
+    weight_transport: str = "auto"
+    """Weight sync (:mod:`megarl.sync`): ``tensor`` (colocated engines open handles to the actor's bucket
+    buffers: CUDA IPC / shared memory), ``distributed`` (one broadcast per bucket from the stage that built it:
+    NCCL / gloo), or ``auto`` (``tensor`` when colocated, ``distributed`` when ``hybrid_engine=false``)."""
     verify_weights: int = 8
     """Weight sync: tensors whose SHA-1 is compared between trainer and engines after every sync
     (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
@@ -157,6 +165,7 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_positive(f"{p}.bucket_mb", self.bucket_mb)
+        check_choice(f"{p}.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         check_choice(f"{p}.engine_layout", self.engine_layout, ENGINE_LAYOUTS)
         if self.pool_nodes is not None and (not self.pool_nodes or any(n < 1 for n in self.pool_nodes)):
             raise ValueError(f"{p}.pool_nodes={self.pool_nodes} must list a positive number per node, e.g. [8]")

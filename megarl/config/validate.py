@@ -168,6 +168,10 @@ def _check_engines(cfg: RunConfig) -> None:
     if not hybrid and rollout.pool_nodes is None:
         raise ValueError(f"{ARR}.hybrid_engine=false puts the engines on their own pool: give its size in "
                          f"{prefix}.pool_nodes (GPUs per node, e.g. [8]), or set {ARR}.hybrid_engine=true")
+    if not hybrid and rollout.weight_transport == "tensor":
+        raise ValueError(f"{prefix}.weight_transport=tensor needs the engines on the actor's GPUs ({ARR}.hybrid_engine="
+                         f"true); disaggregated engines receive weights by broadcast: set {prefix}.weight_transport="
+                         f"distributed or auto")
     if hybrid and rollout.pool_nodes is not None:
         raise ValueError(f"{prefix}.pool_nodes={rollout.pool_nodes} is for disaggregated engines: set "
                          f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")

@@ -39,6 +39,7 @@ from megarl.workers.group import WorkerGroup
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
 from megarl.rollout.client import EngineClient
 from megarl.rollout.router import start_router
+from megarl.sync import resolve_transport
 from megarl.rollout.server_process import ServerProcess
 from megarl.workers.engine_server import EngineAddress, EngineServerWorker
 
@@ -70,8 +71,10 @@ class Roles:
     """sglang-router over the engines: generation goes through it."""
     generator: EngineClient
     """The router's client."""
-    engines_by_replica: list[list[EngineAddress]]
-    """For each actor DP replica, the engines it streams weights into."""
+    engine_targets: list[EngineAddress]
+    """Every engine with who feeds it weights (its actor DP replica; the actor ranks on its GPUs)."""
+    weight_transport: str
+    """The weight sync's transport (``tensor`` or ``distributed``: :mod:`megarl.sync`)."""
     weight_names: list[str]
     """Every HF tensor name of the policy, in export order."""
 
@@ -115,10 +118,7 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
         engines = [EngineClient(a.url, name=a.name) for a in addresses]
         router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                               log_dir=log_dir)
-        dp = data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel)
-        # TP-matched engines serve the replica on whose GPUs they sit; others are dealt round-robin.
-        owner = [engine_replica(e, dp) for e in plan.engines]
-        by_replica = [[a for a, d in zip(addresses, owner) if d == replica] for replica in range(dp)]
+        targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
         names = actor.call_rank(0, ActorWorker.weight_names)
     except BaseException:
         if router is not None:
@@ -131,8 +131,20 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
             pool.remove()
         raise
     return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
-                 router=router, generator=EngineClient(router.url, name="sglang-router"),
-                 engines_by_replica=by_replica, weight_names=names)
+                 router=router, generator=EngineClient(router.url, name="sglang-router"), engine_targets=targets,
+                 weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
+                                                    colocated=plan.colocated), weight_names=names)
+
+
+def engine_targets(plan: PlacementPlan, addresses: list[EngineAddress], dp: int) -> list[EngineAddress]:
+    """``addresses`` with who feeds each engine: its actor DP replica (TP-matched engines the one on whose GPUs
+    they sit, others dealt round-robin) and, colocated, the actor ranks on its GPUs in engine TP order."""
+    actor_bundles = plan.role("actor").bundles
+    out = []
+    for address, engine in zip(addresses, plan.engines, strict=True):
+        hosts = tuple(actor_bundles.index(b) for b in engine.bundles) if plan.colocated else ()
+        out.append(dataclasses.replace(address, replica=engine_replica(engine, dp), host_ranks=hosts))
+    return out
 
 
 def stop_engine_servers(group: WorkerGroup) -> None:
@@ -213,7 +225,7 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
     group = _group(cfg, EngineServerWorker, pool, share, role="rollout", bundles=[s.bundle for s in slots])
     try:
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
-        calls = [{"engine": s.engine, "node_rank": s.node_rank} for s in slots]
+        calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
         if gpus is not None:
             from megarl.controller.engine_gpus import sglang_launch_command
 

@@ -64,7 +64,8 @@ from megarl.models.sampling import derive_seed
 from megarl.rollout.client import gather_sync
 from megarl.rollout.manager import RolloutManager
 from megarl.workers.base import Worker
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker, verify_sample
+from megarl.sync import merge_stats, verify_sample
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker
 
 logger = logging.getLogger("megarl.train")
 
@@ -227,17 +228,11 @@ class Trainer:
         self._resume_engines(["weights"])
         names = verify_sample(self.weight_names, rollout.verify_weights, step)
         stats = [s for s in self.actor_wg.call_all(
-            ActorWorker.sync_weights, self.roles.engines_by_replica, bucket_bytes=rollout.bucket_mb << 20,
-            engine_dtype=rollout.dtype, verify_names=names, weight_version=str(step)) if s]
+            ActorWorker.sync_weights, self.roles.engine_targets, transport=self.roles.weight_transport,
+            bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
+            weight_version=str(step)) if s]
         self._resume_engines(["kv_cache", "cuda_graph"])
-        if not stats:
-            return {}
-        metrics = {k: sum(s[k] for s in stats) for k in ("weight_sync/bytes", "weight_sync/verified_engines",
-                                                          "weight_sync/engines")}
-        metrics["weight_sync/seconds"] = max(s["weight_sync/seconds"] for s in stats)
-        metrics["weight_sync/verified_tensors"] = stats[0]["weight_sync/verified_tensors"]
-        metrics["weight_sync/gbps"] = metrics["weight_sync/bytes"] / max(metrics["weight_sync/seconds"], 1e-9) / 1e9
-        return metrics
+        return merge_stats(stats)
 
     def _balance(self, batch: Batch, metrics: dict[str, float]) -> Batch:
         lengths = batch["attention_mask"].sum(-1).tolist()

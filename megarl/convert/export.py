@@ -18,14 +18,15 @@ tensor larger than ``bucket_bytes`` travels alone, in a bucket of its own size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megarl.convert.hf_io import expected_shapes
 from megarl.convert.layout import ModelSizes, hf_split_dim, unfuse
-from megarl.convert.param_map import Unit, build_plan, buckets, local_parameters
+from megarl.convert.param_map import Unit, buckets, build_plan, local_parameters
 from megarl.models.weights import Fuse
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -62,22 +63,56 @@ class WeightExporter:
 
     # ---------------------------------------------------------------------------- full
     def iter_full(self, bucket_bytes: int, *, reuse_buffer: bool = True) -> Iterator[NamedTensors]:
-        """Full HF tensors, in HF order, in buckets of at most ``bucket_bytes``.
+        """Full HF tensors, in HF order, in buckets of at most ``bucket_bytes``, on every rank.
 
         With ``reuse_buffer`` (the default) every bucket is a view into one buffer: its
         tensors are valid until the next bucket is requested, so copy what you keep.
         """
+        for bucket in self.iter_buckets(bucket_bytes, num_buffers=1 if reuse_buffer else 0):
+            yield bucket.named()
+
+    def iter_buckets(self, bucket_bytes: int, *, num_buffers: int = 1, to_pp_ranks: Iterable[int] | None = None,
+                     shared_memory: bool = False) -> Iterator[Bucket]:
+        """Full HF tensors in buckets of at most ``bucket_bytes`` (one flat buffer each, at the export dtype).
+
+        ``to_pp_ranks``: the pipeline stages (of this rank's pipeline group) that need every bucket besides its
+        owner; ``None``: all of them (one broadcast per bucket). A rank yields the buckets its stage owns or
+        receives; with one receiving stage other than the owner the bucket goes by one send, with none it
+        stays on its owner. All ranks of the model must call this with the same arguments.
+
+        ``num_buffers``: buckets take turns in that many buffers (bucket ``i`` in buffer ``i mod n``): a
+        bucket stays valid while the next ``n - 1`` are produced (2: double buffering, a consumer may hold
+        one bucket while the next is filled); 0 allocates every bucket afresh. ``shared_memory``: CPU buffers
+        in shared memory (their handles pass to another process without a copy; CUDA buffers need nothing).
+        """
+        if num_buffers < 0:
+            raise ValueError(f"num_buffers must be >= 0, got {num_buffers}")
+        pp, my_stage = self.dims.pp, self.groups.pp_rank
+        receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
-        for bucket, buffer in zip(groups, self._buffers(groups, self._full_bytes, reuse_buffer)):
+        sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
+        held = [i for i, bucket in enumerate(groups)
+                if receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers]
+        buffers = self._ring([sizes[i] for i in held], num_buffers, shared_memory)
+        held_set = set(held)
+        for i, bucket in enumerate(groups):
+            owner = bucket[0].pp_rank
+            if i not in held_set:
+                continue
+            buffer = next(buffers)
             shapes = [s for u in bucket for s in u.hf_shapes]
             views = split_flat(buffer, shapes)
-            if bucket[0].pp_rank == self.groups.pp_rank:
+            if owner == my_stage:
                 start = 0
                 for unit in bucket:
                     self._gather_into(unit, views[start : start + len(unit.hf_names)])
                     start += len(unit.hf_names)
-            self._broadcast(buffer, bucket[0].pp_rank)
-            yield list(zip([n for u in bucket for n in u.hf_names], views))
+            if pp > 1:
+                if receivers is None:
+                    self._broadcast(buffer, owner)
+                else:
+                    self._send_to(buffer, owner, sorted(receivers - {owner}))
+            yield Bucket([n for u in bucket for n in u.hf_names], views, buffer, owner)
 
     def _gather_into(self, unit: Unit, out: list[torch.Tensor]) -> None:
         """All-gather ``unit``'s TP shards and write the HF tensors into ``out`` (no concatenation)."""
@@ -134,17 +169,86 @@ class WeightExporter:
     # ---------------------------------------------------------------------------- common
     def _buffers(self, groups: list[list[Unit]], unit_bytes, reuse: bool) -> Iterator[torch.Tensor]:
         """One flat buffer per bucket: a view of one reused allocation, or a fresh one."""
-        device = next(iter(self.params.values())).device
         sizes = [sum(unit_bytes(u) for u in bucket) // self._element_size for bucket in groups]
-        shared = torch.empty(max(sizes, default=0), dtype=self.dtype, device=device) if reuse else None
-        for numel in sizes:
-            yield shared[:numel] if reuse else torch.empty(numel, dtype=self.dtype, device=device)
+        return self._ring(sizes, 1 if reuse else 0, False)
+
+    def _ring(self, sizes: list[int], count: int, shared_memory: bool) -> Iterator[torch.Tensor]:
+        """Flat buffers of ``sizes`` elements, in turn views of ``count`` allocations (each as large as the
+        largest bucket it holds); ``count=0``: a fresh allocation each."""
+        device = next(iter(self.params.values())).device
+
+        def allocate(numel: int) -> torch.Tensor:
+            buffer = torch.empty(numel, dtype=self.dtype, device=device)
+            return _shared(buffer) if shared_memory else buffer
+
+        if count == 0:
+            for numel in sizes:
+                yield allocate(numel)
+            return
+        ring = [allocate(max(sizes[k::count], default=0)) for k in range(count)]
+        for i, numel in enumerate(sizes):
+            yield ring[i % count][:numel]
 
     def _broadcast(self, buffer: torch.Tensor, owner_pp_rank: int) -> None:
         if self.dims.pp > 1:
             src = dist.get_global_rank(self.groups.pp, owner_pp_rank)
             dist.broadcast(buffer, src=src, group=self.groups.pp)
 
+    def _send_to(self, buffer: torch.Tensor, owner_pp_rank: int, receivers: list[int]) -> None:
+        """The owner stage's bucket to each receiving stage of the pipeline group, point to point."""
+        my_stage = self.groups.pp_rank
+        if my_stage == owner_pp_rank:
+            for stage in receivers:
+                dist.send(buffer, dst=dist.get_global_rank(self.groups.pp, stage), group=self.groups.pp)
+        elif my_stage in receivers:
+            dist.recv(buffer, src=dist.get_global_rank(self.groups.pp, owner_pp_rank), group=self.groups.pp)
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One bucket of full HF tensors: ``tensors[k]`` (named ``names[k]``) are consecutive views of ``flat``,
+    produced by pipeline stage ``owner_pp_rank``."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    flat: torch.Tensor
+    owner_pp_rank: int
+
+    def named(self) -> NamedTensors:
+        return list(zip(self.names, self.tensors))
+
+    @classmethod
+    def pack(cls, named: NamedTensors, *, shared_memory: bool = False) -> Bucket:
+        """A bucket holding copies of ``named`` (tensors of one dtype, on one device), e.g. to send tensors that
+        do not come from an exporter; ``shared_memory``: a CPU buffer in shared memory."""
+        if not named:
+            raise ValueError("a bucket needs at least one (name, tensor) pair")
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"a bucket holds one dtype (the engines'); got {sorted(map(str, dtypes))}: cast first")
+        flat = torch.empty(sum(t.numel() for _, t in named), dtype=named[0][1].dtype, device=named[0][1].device)
+        if shared_memory:
+            _shared(flat)
+        views = split_flat(flat, [t.shape for _, t in named])
+        for view, (_, tensor) in zip(views, named):
+            view.copy_(tensor)
+        return cls([n for n, _ in named], views, flat, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def _shared(buffer: torch.Tensor) -> torch.Tensor:
+    """A CPU ``buffer`` moved into shared memory that any process of the machine can open by file name (torch's
+    ``file_system`` sharing strategy, set here: the default strategy's file descriptors reach only the sender's own
+    children); CUDA buffers are returned as they are (their IPC handles need nothing)."""
+    if buffer.device.type != "cpu":
+        return buffer
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return buffer.share_memory_()
 
 
 def split_flat(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import threading
 import weakref
 from collections.abc import Coroutine, Sequence
@@ -65,36 +66,6 @@ def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOut
     return GenerateOutput(output_ids=[int(t) for t in result["output_ids"]],
                           finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
                           weight_version=meta.get("weight_version"))
-
-
-def bucket_payloads(named_tensors: Sequence[tuple[str, Any]], tp_sizes: Sequence[int]) -> list[list[bytes]]:
-    """One bucket as ``/update_weights_from_tensor`` takes it, for each engine of ``tp_sizes``: one payload per
-    engine TP rank.
-
-    The bucket's tensors are flattened once into one ``uint8`` tensor with SGLang's
-    ``FlattenedTensorBucket`` (mixed dtypes allowed) and ``{"flattened_tensor", "metadata"}`` is
-    serialised with SGLang's ``MultiprocessingSerializer`` once per engine TP rank: every payload
-    holds its own reference to the shared tensor, which the rank that opens it gives back (a
-    payload opened twice fails). The payload carries a handle, not the bytes: CUDA IPC on GPU; on
-    CPU a file in shared memory (torch's ``file_system`` sharing strategy, set here: the default
-    strategy passes file descriptors over a connection that only the sender's own children can
-    authenticate to). Tensors are ordered by element size, largest first, so that each starts at
-    an offset its dtype can be viewed at.
-    """
-    import torch.multiprocessing
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    if any(tp < 1 for tp in tp_sizes):
-        raise ValueError(f"bucket_payloads needs TP sizes >= 1 (rollout.tensor_model_parallel_size), got {tp_sizes}")
-    named_tensors = sorted(named_tensors, key=lambda pair: -pair[1].element_size())
-    if not named_tensors:
-        raise ValueError("bucket_payloads needs a non-empty bucket of (name, tensor) pairs")
-    if any(not tensor.is_cuda for _, tensor in named_tensors):
-        torch.multiprocessing.set_sharing_strategy("file_system")
-    bucket = FlattenedTensorBucket(named_tensors=named_tensors)
-    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    return [[MultiprocessingSerializer.serialize(payload) for _ in range(tp)] for tp in tp_sizes]
 
 
 class EngineClient:
@@ -301,14 +272,19 @@ _background: _BackgroundLoop | None = None
 _background_lock = threading.Lock()
 
 
-def run_sync(coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-    """Run ``coroutine`` (an :class:`EngineClient` call) to completion from synchronous code."""
+def submit(coroutine: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+    """Start ``coroutine`` (an :class:`EngineClient` call) on the background loop; its future, for synchronous
+    code that goes on meanwhile (``future.result()`` waits)."""
     global _background
     with _background_lock:
         if _background is None:
             _background = _BackgroundLoop()
-    future = asyncio.run_coroutine_threadsafe(coroutine, _background.loop)
-    return future.result(timeout_s)
+    return asyncio.run_coroutine_threadsafe(coroutine, _background.loop)
+
+
+def run_sync(coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
+    """Run ``coroutine`` (an :class:`EngineClient` call) to completion from synchronous code."""
+    return submit(coroutine).result(timeout_s)
 
 
 def gather_sync(coroutines: Sequence[Coroutine[Any, Any, Any]], timeout_s: float | None = None) -> list[Any]:

@@ -1,7 +1,7 @@
 """megarl's CPU engine server: the HF engine behind SGLang's HTTP API.
 
     python -m megarl.rollout.server --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
-                                    [--random-seed 0] [--device cpu] [--trust-remote-code]
+                                    [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
 
 It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
@@ -31,6 +31,12 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   (``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payloads, one per
   engine TP rank, ``load_format`` ``flattened_bucket`` or a list of ``(name, tensor)``); each
   update may set ``weight_version``, which every later ``/generate`` answer reports.
+- **TP ranks** (``--tp-size N``): the model is one unsharded copy, but the weight paths behave as
+  N SGLang TP ranks do, each taking the full tensors: ``/update_weights_from_tensor`` needs N
+  payloads and opens each once (each holds its own reference to the shared bucket), checking that
+  they name the same tensors; ``/init_weights_update_group`` joins N members (ranks
+  ``rank_offset .. rank_offset + N - 1``), each receiving every broadcast. The weights load from
+  rank 0's copy.
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ import argparse
 import asyncio
 import base64
 import dataclasses
-import datetime
 import logging
 import sys
 import threading
@@ -54,6 +59,7 @@ from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.http_api import FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES
+from megarl.sync.group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
 
@@ -83,9 +89,12 @@ class _Row:
 class EngineServer:
     """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
 
-    def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0) -> None:
+    def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1) -> None:
+        if tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
         self.engine = engine
         self.model_path = model_path
+        self.tp_size = tp_size
         self.released: set[str] = set()
         self.weight_version = "default"
         self._seeds = torch.Generator().manual_seed(seed)
@@ -100,8 +109,8 @@ class EngineServer:
         self._abort_rids: set[str] = set()
         self._holding = False  # the engine thread waits in control (no forward pass runs)
         self._in_session = False
-        self._groups: dict[str, Any] = {}
-        """Weight-update process groups by name (``/init_weights_update_group``)."""
+        self._groups: dict[str, list[Any]] = {}
+        """Weight-update process groups by name (``/init_weights_update_group``): one member per TP rank."""
 
     # ------------------------------------------------------------------------ application
 
@@ -356,10 +365,16 @@ class EngineServer:
             return _result(False, "update_weights_from_tensor must run between begin_weight_update() and "
                                   "end_weight_update()")
         payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or not payloads:
-            raise RequestError("/update_weights_from_tensor: serialized_named_tensors must be a non-empty list "
-                               "(one payload per engine TP rank)")
-        named = _deserialize(payloads[0], body.get("load_format"))
+        if not isinstance(payloads, list) or len(payloads) != self.tp_size:
+            raise RequestError(f"/update_weights_from_tensor: serialized_named_tensors must hold one payload per "
+                               f"engine TP rank ({self.tp_size}), got "
+                               f"{len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
+        ranks = [_deserialize(payload, body.get("load_format")) for payload in payloads]
+        named = ranks[0]
+        for rank, other in enumerate(ranks[1:], 1):
+            if [(n, tuple(t.shape)) for n, t in other] != [(n, tuple(t.shape)) for n, t in named]:
+                raise RequestError(f"/update_weights_from_tensor: TP rank {rank}'s payload names other tensors than "
+                                   f"rank 0's (every rank takes the full bucket)")
         await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
@@ -378,9 +393,13 @@ class EngineServer:
         if name in self._groups:
             return _result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
         try:
-            self._groups[name] = await self._off_loop(
-                _join_group, str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), name)
+            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+            if rank_offset < 1 or rank_offset + self.tp_size > world_size:
+                raise ValueError(f"ranks {rank_offset}..{rank_offset + self.tp_size - 1} (this engine's "
+                                 f"{self.tp_size} TP ranks) do not fit a group of {world_size} whose rank 0 sends")
+            self._groups[name] = list(await asyncio.gather(*[
+                self._off_loop(join_group, str(body["master_address"]), int(body["master_port"]), rank_offset + r,
+                               world_size, name) for r in range(self.tp_size)]))
         except (KeyError, RuntimeError, ValueError) as error:
             return _result(False, f"Failed to initialize custom process group: {error}.")
         return _result(True, "Succeeded to initialize custom process group.")
@@ -398,8 +417,10 @@ class EngineServer:
         if not self._in_session:
             return _result(False, "update_weights_from_distributed must run between begin_weight_update() and "
                                   "end_weight_update()")
-        named = await self._off_loop(_receive, self._groups[name], body["names"], body["dtypes"],
-                                             body["shapes"], body.get("load_format"))
+        ranks = await asyncio.gather(*[
+            self._off_loop(_receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"))
+            for member in self._groups[name]])
+        named = ranks[0]
         await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
@@ -513,21 +534,6 @@ def _deserialize(payload: Any, load_format: str | None) -> list[tuple[str, Any]]
     return list(obj)
 
 
-GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-"""Rendezvous and collective limit of a weight-update group."""
-
-
-def _join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str) -> Any:
-    """A gloo process group of its own (not the default group), as SGLang's ``init_custom_process_group``."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore, rendezvous
-
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=GROUP_TIMEOUT))
-    store.set_timeout(GROUP_TIMEOUT)
-    return dist.ProcessGroupGloo(PrefixStore(group_name, store), rank, world_size, GROUP_TIMEOUT)
-
-
 def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
              load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """The tensors rank 0 broadcasts: one per name, or one flattened bucket of them all."""
@@ -555,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1, help="TP ranks the weight paths behave as (module doc)")
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -563,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
                       trust_remote_code=args.trust_remote_code)
-    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed)
+    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

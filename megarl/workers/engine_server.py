@@ -27,11 +27,16 @@ from megarl.workers.base import Worker, _node_ip, free_port
 
 @dataclasses.dataclass(frozen=True)
 class EngineAddress:
-    """Where engine ``index`` serves: its name (in errors), URL and TP size (payloads per update)."""
+    """Where engine ``index`` serves: its name (in errors), URL and TP size (payloads per update, group members),
+    and who feeds it weights (:mod:`megarl.sync`)."""
 
     index: int
     url: str
     tp: int = 1
+    replica: int = 0
+    """The actor DP replica whose senders stream weights into it (``distributed`` transport)."""
+    host_ranks: tuple[int, ...] = ()
+    """Actor ranks on the engine's GPUs, in engine TP order (colocated engines; the ``tensor`` transport)."""
 
     @property
     def name(self) -> str:
@@ -59,11 +64,12 @@ class EngineServerWorker(Worker):
         return host, free_ports(host, num_ports)
 
     def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
-                     log_dir: str, node_rank: int = 0, launch: Any = None, url: str | None = None) -> str:
+                     log_dir: str, tp: int = 1, node_rank: int = 0, launch: Any = None, url: str | None = None) -> str:
         """Start engine ``engine``'s server (its part on node ``node_rank``) and wait until it is healthy;
         returns its URL.
 
-        ``launch``/``url``: for ``rollout.name=sglang``, the
+        ``tp``: the engine's TP size (megarl's CPU server takes one weight payload, and joins one group member,
+        per TP rank, as SGLang's ranks do). ``launch``/``url``: for ``rollout.name=sglang``, the
         :class:`~megarl.controller.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
         and the URL it serves on (from :meth:`address`).
         """
@@ -76,7 +82,7 @@ class EngineServerWorker(Worker):
             port = free_port(host)
             argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
-                    _hf_device(device)]
+                    _hf_device(device), "--tp-size", str(tp)]
             if model.trust_remote_code:
                 argv.append("--trust-remote-code")
             env: dict[str, str] = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -9,13 +9,12 @@ which receive them over Ray as they are) and exposes the role's few plain method
 replica's collect rank). Outputs of the other ranks are ``None``.
 
 Weight sync (:meth:`ActorWorker.sync_weights`) runs on every actor rank (the export is a
-collective); the first rank of each DP replica streams the replica's HF-layout buckets to
-its engines and verifies, after the session, that the engines hold bit-identical tensors.
+collective) through a transport of :mod:`megarl.sync`; the ranks that feed an engine verify,
+after the session, that it holds bit-identical tensors.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,6 @@ from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole
 from megarl.workers.model_checkpoint import export_hf, load_model, save_model
-from megarl.rollout.client import EngineClient, EngineError, bucket_payloads, gather_sync
 from megarl.workers.engine_server import EngineAddress
 from megarl.workers.sharded_model import ShardedModel
 
@@ -170,91 +168,31 @@ class ActorWorker(_MegatronWorker):
         return [name for unit in self.sharded.exporter().units for name in unit.hf_names]
 
     @busy
-    def sync_weights(self, engines: Sequence[Sequence[EngineAddress]], *, bucket_bytes: int, engine_dtype: str,
+    def sync_weights(self, engines: Sequence[EngineAddress], *, transport: str, bucket_bytes: int, engine_dtype: str,
                      verify_names: Sequence[str] = (), weight_version: str | None = None) -> dict[str, Any] | None:
-        """Stream the weights into the engine servers over SGLang's HTTP API (collective over the actor's ranks).
+        """Stream the weights into the engine servers with weight transport ``transport`` (``tensor`` or
+        ``distributed``: :mod:`megarl.sync`), a collective over the actor's ranks.
 
-        ``engines[d]``: the engines served by DP replica ``d``. The replica's first rank (TP 0,
-        PP 0, CP 0) sends every full HF bucket (stages take turns, TP shards gathered:
-        :meth:`WeightExporter.iter_full`), cast to the engines' dtype, as one
-        ``/update_weights_from_tensor`` per engine inside a ``/begin_weight_update`` ...
-        ``/end_weight_update`` session (payload: a handle to the flattened bucket per engine TP
-        rank, :func:`~megarl.rollout.client.bucket_payloads`), then flushes their caches.
-        ``verify_names``: tensors read back with ``/get_weights_by_name`` and compared, value for
-        value, with what was sent; a difference raises. An engine that cannot report a weight
-        (SGLang 0.5.23 has no ``get_weights_by_name`` for Qwen models) is counted as unverified.
-        Returns the sender's statistics (``None`` on other ranks).
+        Buckets of full HF tensors in the engines' dtype (:meth:`WeightExporter.iter_buckets`) go to every
+        engine of ``engines`` inside a ``/begin_weight_update`` ... ``/end_weight_update`` session, tagged
+        ``weight_version``; the engines' caches are flushed. ``verify_names``: tensors read back with
+        ``/get_weights_by_name`` and compared, value for value, with what was sent; a difference raises naming
+        the engine and the tensors. Returns the statistics of the ranks that sent (``None`` elsewhere; merge them
+        with :func:`megarl.sync.merge_stats`). The transport is built on the first call (and again when the
+        engines or the transport change) and kept: its process groups and connections serve every sync.
         """
-        groups = self.sharded.groups
-        sender = groups.tp_rank == 0 and groups.pp_rank == 0 and groups.cp_rank == 0
-        targets = list(engines[groups.dp_rank]) if sender and groups.dp_rank < len(engines) else []
-        clients = [self._engine_client(a) for a in targets]
-        wanted = set(verify_names)
-        cast = torch_dtype(engine_dtype)
-        expected: dict[str, torch.Tensor] = {}
-        start = time.perf_counter()
-        if clients:
-            gather_sync([client.begin_weight_update() for client in clients])
-        delivered, buckets = 0, 0
-        for bucket in self.sharded.exporter().iter_full(bucket_bytes):
-            if not clients:
-                continue
-            named = [(name, tensor.to(cast)) for name, tensor in bucket]
-            expected.update((name, tensor.clone()) for name, tensor in named if name in wanted)
-            payloads = bucket_payloads(named, [a.tp for a in targets])
-            gather_sync([client.update_weights_from_tensor(payload, weight_version=weight_version)
-                         for client, payload in zip(clients, payloads, strict=True)])
-            delivered += sum(t.numel() * t.element_size() for _, t in named)
-            buckets += 1
-        if not clients:
-            return None
-        gather_sync([client.end_weight_update() for client in clients])
-        gather_sync([client.flush_cache() for client in clients])
-        seconds = time.perf_counter() - start
-        verified = sum(gather_sync([_verify(client, expected) for client in clients]))
-        return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered * len(targets)),
-                "weight_sync/buckets": float(buckets), "weight_sync/verified_tensors": float(len(expected)),
-                "weight_sync/verified_engines": float(verified), "weight_sync/engines": float(len(targets)),
-                "weight_sync/gbps": delivered * len(targets) / max(seconds, 1e-9) / 1e9}
+        from megarl.sync import make_transport
 
-
-    def _engine_client(self, address: EngineAddress) -> EngineClient:
-        """One client per engine for the worker's life: its keep-alive connections serve every sync."""
-        cache = self.__dict__.setdefault("_engine_clients", {})
-        if address.url not in cache:
-            cache[address.url] = EngineClient(address.url, name=address.name)
-        return cache[address.url]
-
-
-async def _verify(client: EngineClient, expected: dict[str, torch.Tensor]) -> bool:
-    """Whether ``client``'s engine reports every weight of ``expected`` (its first rows: all of them) equal to it;
-    ``False`` when it cannot report weights; ``RuntimeError`` naming the engine and the tensors that differ."""
-    differ = []
-    for name, tensor in expected.items():
-        rows = tensor.shape[0] if tensor.dim() else 1
-        try:
-            values = await client.get_weights_by_name(name, truncate_size=rows)
-        except EngineError as error:
-            if error.status == 400:
-                return False
-            raise
-        if not torch.equal(torch.tensor(values, dtype=torch.float32).reshape(tensor.shape), tensor.float()):
-            differ.append(name)
-    if differ:
-        raise RuntimeError(f"weight sync: {client.name} at {client.url} does not hold the trainer's weights after "
-                           f"the update ({len(differ)} tensors differ: {differ[:5]})")
-    return True
-
-
-def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
-    """``count`` weight names to verify at ``step`` (all when ``count < 0``): a seeded sample plus the last."""
-    names = list(names)
-    if count < 0 or count >= len(names):
-        return names
-    if count == 0:
-        return []
-    picked = random.Random(step).sample(names[:-1], count - 1) if count > 1 else []
-    return sorted(set(picked) | {names[-1]}, key=names.index)
+        key = (transport, tuple(engines))
+        if getattr(self, "_transport_key", None) != key:
+            if getattr(self, "_transport", None) is not None:
+                self._transport.close()
+            device = next(self.sharded.module_chunks[0].parameters()).device.type
+            self._transport = make_transport(transport, self.sharded.groups, engines, device=device)
+            self._transport_key = key
+        exporter = self.sharded.exporter(torch_dtype(engine_dtype))
+        return self._transport.sync(exporter, bucket_bytes=bucket_bytes, version=weight_version,
+                                    verify_names=verify_names)
 
 
 class CriticWorker(_MegatronWorker):

@@ -96,7 +96,7 @@ class ShardedModel:
         else:
             self.chunks = self._wrap_ddp(chunks, optim)
             self.optimizer, self.scheduler = self._build_optimizer(optim)
-        self._exporter = None
+        self._exporters: dict = {}
 
     # --------------------------------------------------------------------------- set-up
     def _wrap_ddp(self, chunks, optim: OptimConfig):
@@ -250,10 +250,12 @@ class ShardedModel:
         torch.cuda.synchronize()
 
     # -------------------------------------------------------------------------- weights
-    def exporter(self):
-        """A cached ``WeightExporter`` over this role's chunks (HF-layout streaming)."""
+    def exporter(self, dtype: torch.dtype | None = None):
+        """A cached ``WeightExporter`` over this role's chunks (HF-layout streaming), its buckets in ``dtype``
+        (default: the parameters' dtype)."""
         from megarl.convert import WeightExporter
 
-        if self._exporter is None:
-            self._exporter = WeightExporter(self.module_chunks, self.family, self.hf_config, self.groups)
-        return self._exporter
+        if dtype not in self._exporters:
+            self._exporters[dtype] = WeightExporter(self.module_chunks, self.family, self.hf_config, self.groups,
+                                                    dtype=dtype)
+        return self._exporters[dtype]

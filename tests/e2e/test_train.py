@@ -92,6 +92,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
                         "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3, 4]
+    assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
@@ -167,6 +168,9 @@ def test_ppo_with_critic(assets):
         assert "critic/values/mean" in metrics and "critic/kl" in metrics
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
     assert "actor/pg_loss" in both and both["weight_sync/verified_engines"] == 2
+    # Engines on their own pool get the weights by broadcast (issue 14), every tensor read back.
+    assert trainer.roles.weight_transport == "distributed"
+    assert both["weight_sync/verified_tensors"] == len(trainer.weight_names)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert set(trainer.plan.pools) == {"global", "rollout"}
 

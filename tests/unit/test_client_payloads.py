@@ -1,8 +1,9 @@
 """The client's pieces of SGLang's wire format: weight payloads, sampling params, outputs.
 
-:func:`bucket_payloads` is checked with sglang's own classes (``MultiprocessingSerializer``,
+:func:`megarl.sync.base.flattened_payload` is checked with sglang's own classes (``MultiprocessingSerializer``,
 ``FlattenedTensorBucket``) across processes, as a weight sync uses it: a sender process (a
-trainer rank) builds the payloads of one bucket for two engines and keeps them alive; a second
+trainer rank) builds the payloads of one bucket (a shared-memory buffer, as the exporter's) for two engines,
+one per engine TP rank, and keeps them alive; a second
 process that is not its child (an engine server) opens each payload once, as SGLang's
 tokenizer manager and scheduler do (and one as megarl's CPU server does). Both run as child
 processes: importing sglang patches transformers and sets cache environment variables, which
@@ -33,23 +34,24 @@ BUCKET = textwrap.dedent("""
 
     def bucket():
         model = build_tiny_model(build_tiny_tokenizer(), seed=0)
-        named = [(name, p.detach().to(torch.bfloat16 if i % 2 else torch.float32))
-                 for i, (name, p) in enumerate(model.named_parameters())]
-        named.append(("extra.int_buffer", torch.arange(7, dtype=torch.int32)))
-        return named
+        return [(name, p.detach().to(torch.bfloat16)) for name, p in model.named_parameters()]
 """)
 
 SENDER = BUCKET + textwrap.dedent("""
     import base64, json, sys
-    from megarl.rollout.client import bucket_payloads
+    from megarl.convert.export import Bucket
+    from megarl.sync.base import flattened_payload
 
-    payloads = bucket_payloads(bucket(), TP_SIZES)
+    packed = Bucket.pack(bucket(), shared_memory=True)
+    payloads = [[flattened_payload(packed) for _ in range(tp)] for tp in TP_SIZES]
     report = {"payloads": [[base64.b64encode(p).decode("ascii") for p in engine] for engine in payloads],
               "types": sorted({type(p).__name__ for engine in payloads for p in engine}),
-              "strategy": torch.multiprocessing.get_sharing_strategy()}
-    for bad, args in (("empty", ([], [1])), ("tp0", (bucket(), [1, 0]))):
+              "strategy": torch.multiprocessing.get_sharing_strategy(),
+              "payload_bytes": max(len(p) for engine in payloads for p in engine),
+              "bucket_bytes": packed.nbytes}
+    for bad, named in (("empty", []), ("mixed", [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.int32))])):
         try:
-            bucket_payloads(*args)
+            Bucket.pack(named)
         except ValueError as error:
             report[bad] = str(error)
     print("REPORT" + json.dumps(report), flush=True)
@@ -95,6 +97,7 @@ def _report(stdout: str) -> dict:
 
 @needs_sglang
 def test_bucket_payloads_round_trip_through_sglang_in_another_process():
+    """Payloads carry a handle, not the bytes: each is a few KiB for a bucket of ~100 KiB."""
     prelude = f"TP_SIZES = {TP_SIZES!r}\n"
     sender = subprocess.Popen([sys.executable, "-c", prelude + SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -120,8 +123,9 @@ def test_bucket_payloads_round_trip_through_sglang_in_another_process():
     for opened in report["opened"]:
         assert opened["names"] == report["expected_names"], opened
         assert opened["mismatched"] == [], opened
-    assert "non-empty bucket" in sent["empty"]
-    assert "TP sizes >= 1" in sent["tp0"]
+    assert sent["payload_bytes"] < sent["bucket_bytes"] / 10
+    assert "at least one (name, tensor) pair" in sent["empty"]
+    assert "a bucket holds one dtype" in sent["mixed"]
 
 
 def test_sampling_params_dict():

@@ -193,6 +193,8 @@ RULE_CASES = [
     ("engine_response_len", [f"{ARR}.rollout.response_length=8"], f"{ARR}.rollout.response_length"),
     ("engine_max_model_len", [f"{ARR}.rollout.max_model_len=64"], f"{ARR}.rollout.max_model_len"),
     ("engine_disaggregated_pool", [f"{ARR}.hybrid_engine=false"], f"{ARR}.rollout.pool_nodes"),
+    ("engine_tensor_transport_colocated", [f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]",
+                                           f"{ARR}.rollout.weight_transport=tensor"], f"{ARR}.rollout.weight_transport"),
     ("engine_pool_needs_disaggregated", [f"{ARR}.rollout.pool_nodes=[2]"], f"{ARR}.hybrid_engine"),
     ("engine_pool_tp", ["recipe=qwen2_5_7b_grpo", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[6]",
                         f"{ARR}.rollout.tensor_model_parallel_size=4"], f"{ARR}.rollout.tensor_model_parallel_size=4"),

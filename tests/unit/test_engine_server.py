@@ -14,12 +14,20 @@ import time
 import pytest
 import torch
 
-from megarl.rollout.client import EngineClient, EngineError, bucket_payloads, gather_sync, run_sync
+from megarl.convert.export import Bucket
+from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
+from megarl.sync.base import flattened_payload
 from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+
+
+def payloads(named, tp: int) -> list[bytes]:
+    """One bucket's ``/update_weights_from_tensor`` payloads for ``tp`` engine TP ranks (one reference each)."""
+    bucket = Bucket.pack(named, shared_memory=True)
+    return [flattened_payload(bucket) for _ in range(tp)]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def model_dir(tmp_path_factory):
 def _server(model_dir, log_dir, name="engine 0") -> ServerProcess:
     port = free_port()
     return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
-                          str(port), "--random-seed", "3"], name=name, url=f"http://127.0.0.1:{port}",
+                          str(port), "--random-seed", "3", "--tp-size", "2"], name=name, url=f"http://127.0.0.1:{port}",
                          log_path=log_dir / f"{name.replace(' ', '_')}.log", env={"OMP_NUM_THREADS": "1"})
 
 
@@ -94,7 +102,7 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
 
     async def sync():
         await client.begin_weight_update()
-        await client.update_weights_from_tensor(bucket_payloads(new, [1])[0], weight_version="7")
+        await client.update_weights_from_tensor(payloads(new, 2), weight_version="7")
         await client.end_weight_update()
         return [await client.get_weights_by_name(name, truncate_size=10_000) for name in names]
 
@@ -106,26 +114,39 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
     with pytest.raises(EngineError, match=r"engine 0 at http://127\.0\.0\.1:\d+: POST /update_weights_from_tensor "
                                           r"failed with HTTP 400: update_weights_from_tensor must run between "
                                           r"begin_weight_update\(\) and end_weight_update\(\)"):
-        run_sync(client.update_weights_from_tensor(bucket_payloads(new, [1])[0]))
+        run_sync(client.update_weights_from_tensor(payloads(new, 2)))
+    run_sync(client.begin_weight_update())
+    try:
+        with pytest.raises(EngineError, match=r"serialized_named_tensors must hold one payload per engine TP rank "
+                                              r"\(2\), got 1"):
+            run_sync(client.update_weights_from_tensor(payloads(new, 1)))
+        other = payloads(new[:1], 1) + payloads(new[1:], 1)
+        with pytest.raises(EngineError, match=r"TP rank 1's payload names other tensors than rank 0's"):
+            run_sync(client.update_weights_from_tensor(other))
+    finally:
+        run_sync(client.end_weight_update())
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
     """/init_weights_update_group + /update_weights_from_distributed: this process is rank 0 of a gloo group
-    (rendezvous at its address, store prefixed by the group name, as SGLang's init_custom_process_group) and
-    broadcasts while the server receives."""
+    (megarl.sync.group.join_group, whose keys meet SGLang's init_custom_process_group) and broadcasts while the
+    server's two TP ranks (group ranks 1 and 2) receive."""
     import concurrent.futures
 
-    from megarl.rollout.server import _join_group
+    from megarl.sync.group import join_group
 
     names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
     new = [torch.randn(local._params[name].shape, generator=torch.Generator().manual_seed(i))
            for i, name in enumerate(names)]
     port = free_port()
+    with pytest.raises(EngineError, match=r"ranks 1\.\.2 \(this engine's 2 TP ranks\) do not fit a group of 2"):
+        run_sync(client.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                                  world_size=2, group_name="wu", backend="gloo"))
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    joined = pool.submit(_join_group, "127.0.0.1", port, 0, 2, "wu")
+    joined = pool.submit(join_group, "127.0.0.1", port, 0, 3, "wu")
     run_sync(client.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
-                                              world_size=2, group_name="wu", backend="gloo"))
+                                              world_size=3, group_name="wu", backend="gloo"))
     group = joined.result(timeout=60)
 
     def send():

@@ -1,0 +1,49 @@
+"""Weight sync: moving the actor's weights into the rollout engines after each update (issue 14).
+
+One module per transport behind :class:`~megarl.sync.base.WeightTransport`, on the engine servers' HTTP API
+(SGLang's routes; megarl's CPU engine server implements the same):
+
+- :mod:`megarl.sync.tensor` (``tensor``): colocated engines open handles to the actor ranks' own bucket
+  buffers (CUDA IPC on GPU, shared memory on CPU), one payload per engine TP rank; no tensor bytes travel.
+- :mod:`megarl.sync.distributed` (``distributed``): engines on their own GPUs receive each bucket by one
+  broadcast from the pipeline stage that built it (NCCL on GPU, gloo on CPU).
+
+``actor_rollout_ref.rollout.weight_transport``: ``auto`` picks ``tensor`` for colocated engines
+(``hybrid_engine=true``) and ``distributed`` for disaggregated ones. The buckets come from the converter's
+streaming export (:meth:`megarl.convert.export.WeightExporter.iter_buckets`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megarl.sync.base import TRANSPORTS, WeightTransport, merge_stats, verify_sample
+from megarl.workers.engine_server import EngineAddress
+
+__all__ = ["TRANSPORTS", "WeightTransport", "make_transport", "merge_stats", "resolve_transport", "verify_sample"]
+
+
+def resolve_transport(name: str, *, colocated: bool) -> str:
+    """The transport ``name`` means: ``auto`` → ``tensor`` when the engines share the actor's GPUs, else
+    ``distributed``; ``tensor`` needs colocated engines."""
+    if name == "auto":
+        return "tensor" if colocated else "distributed"
+    if name not in TRANSPORTS:
+        raise ValueError(f"actor_rollout_ref.rollout.weight_transport={name!r}: use auto or one of {TRANSPORTS}")
+    if name == "tensor" and not colocated:
+        raise ValueError("actor_rollout_ref.rollout.weight_transport=tensor needs the engines on the actor's GPUs "
+                         "(actor_rollout_ref.hybrid_engine=true); disaggregated engines use distributed (or auto)")
+    return name
+
+
+def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str) -> WeightTransport:
+    """Transport ``name`` (resolved: ``tensor`` or ``distributed``) for this actor rank; collective."""
+    if name == "tensor":
+        from megarl.sync.tensor import TensorTransport
+
+        return TensorTransport(groups, engines)
+    if name == "distributed":
+        from megarl.sync.distributed import DistributedTransport
+
+        return DistributedTransport(groups, engines, backend="nccl" if device == "cuda" else "gloo")
+    raise ValueError(f"unknown weight transport {name!r}; one of {TRANSPORTS}")

@@ -1,0 +1,149 @@
+"""What every weight transport shares: the interface, the bucket payload, verification and statistics.
+
+A transport is built once per actor worker (collectively: every actor rank constructs it with the same
+engines) and then :meth:`WeightTransport.sync` runs once per weight sync, on every actor rank, around the
+exporter's collective bucket stream (:meth:`megarl.convert.export.WeightExporter.iter_buckets`). The ranks
+that drive an engine open its ``/begin_weight_update`` session, deliver every bucket, close the session,
+flush the engine's cache, and read back the verified tensors with ``/get_weights_by_name``; they return
+the statistics, the other ranks ``None``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.rollout.client import EngineClient, EngineError, gather_sync
+from megarl.workers.engine_server import EngineAddress
+
+TRANSPORTS = ("tensor", "distributed")
+
+
+class WeightTransport:
+    """One way of moving the actor's buckets into the engines (see the module docstring)."""
+
+    name = ""
+
+    def __init__(self, groups, engines: Sequence[EngineAddress]) -> None:
+        self.groups = groups
+        self.engines = list(engines)
+        self._clients: dict[str, EngineClient] = {}
+
+    def sync(self, exporter, *, bucket_bytes: int, version: str | None,
+             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give back what the transport holds (process groups, connections)."""
+
+    def client(self, engine: EngineAddress) -> EngineClient:
+        """One client per engine for the transport's life: its keep-alive connections serve every sync."""
+        if engine.url not in self._clients:
+            self._clients[engine.url] = EngineClient(engine.url, name=engine.name)
+        return self._clients[engine.url]
+
+
+def flattened_payload(bucket) -> bytes:
+    """A handle to ``bucket``'s flat buffer as one ``/update_weights_from_tensor`` payload
+    (``load_format="flattened_bucket"``): SGLang's ``FlattenedTensorBucket`` over the buffer itself (no
+    copy: the metadata points into it), serialised with SGLang's ``MultiprocessingSerializer``: a CUDA IPC
+    handle on GPU (with SGLang's torch-reduction patch, which names the device by UUID), a shared-memory
+    file on CPU (torch's ``file_system`` strategy: the default one passes file descriptors over a connection
+    only the sender's own children can open). Each payload is one reference the receiver gives back when it
+    opens it: open each once."""
+    import torch.multiprocessing
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    flat = bucket.flat
+    if flat.is_cuda:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+    else:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    size = flat.element_size()
+    metadata, offset = [], 0
+    for name, tensor in zip(bucket.names, bucket.tensors, strict=True):
+        nbytes = tensor.numel() * size
+        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                                                end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    packed = FlattenedTensorBucket(flattened_tensor=flat.view(torch.uint8), metadata=metadata)
+    return MultiprocessingSerializer.serialize({"flattened_tensor": packed.get_flattened_tensor(),
+                                                "metadata": packed.get_metadata()})
+
+
+async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor]) -> bool:
+    """Whether ``client``'s engine reports every weight of ``expected`` (all rows) equal to it; ``False`` when it
+    cannot report weights (SGLang 0.5.23 has no ``get_weights_by_name`` for Qwen2/Qwen3: HTTP 400);
+    ``RuntimeError`` naming the engine and the tensors that differ."""
+    differ = []
+    for name, tensor in expected.items():
+        rows = tensor.shape[0] if tensor.dim() else 1
+        try:
+            values = await client.get_weights_by_name(name, truncate_size=rows)
+        except EngineError as error:
+            if error.status == 400:
+                return False
+            raise
+        if not torch.equal(torch.tensor(values, dtype=torch.float32).reshape(tensor.shape), tensor.float()):
+            differ.append(name)
+    if differ:
+        raise RuntimeError(f"weight sync: {client.name} at {client.url} does not hold the trainer's weights after "
+                           f"the update ({len(differ)} tensors differ: {differ[:5]})")
+    return True
+
+
+def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
+    """``count`` weight names to verify at ``step`` (all when ``count < 0``): a seeded sample plus the last."""
+    names = list(names)
+    if count < 0 or count >= len(names):
+        return names
+    if count == 0:
+        return []
+    picked = random.Random(step).sample(names[:-1], count - 1) if count > 1 else []
+    return sorted(set(picked) | {names[-1]}, key=names.index)
+
+
+def close_sessions(transport: WeightTransport, targets: Sequence[EngineAddress]) -> None:
+    """End the targets' weight-update sessions and flush their caches."""
+    clients = [transport.client(t) for t in targets]
+    gather_sync([c.end_weight_update() for c in clients])
+    gather_sync([c.flush_cache() for c in clients])
+
+
+def verify_and_report(transport: WeightTransport, targets: Sequence[EngineAddress], *, start: float,
+                      bytes_sent: int, buckets: int, expected: dict[str, torch.Tensor],
+                      lead: bool) -> dict[str, Any]:
+    """Verify ``expected`` (what this rank sent) on every target; this rank's statistics. ``lead``: the rank that
+    opened and closed the targets' sessions (it counts the engines). ``unverifiable``: indices of the targets
+    that cannot report weights (the trainer counts an engine verified when no sender found it unverifiable)."""
+    clients = [transport.client(t) for t in targets]
+    seconds = time.perf_counter() - start
+    reports = gather_sync([verify_engine(c, expected) for c in clients]) if expected else [True] * len(clients)
+    delivered = bytes_sent * len(targets)
+    return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered),
+            "weight_sync/buckets": float(buckets), "verified_checks": len(expected) * len(targets),
+            "weight_sync/engines": float(len(targets) if lead else 0),
+            "weight_sync/gbps": delivered / max(seconds, 1e-9) / 1e9,
+            "unverifiable": [t.index for t, ok in zip(targets, reports, strict=True) if not ok]}
+
+
+def merge_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The step's weight-sync metrics from every sending rank's :func:`verify_and_report`."""
+    if not stats:
+        return {}
+    unverifiable = {i for s in stats for i in s["unverifiable"]}
+    engines = sum(s["weight_sync/engines"] for s in stats)
+    out = {k: sum(s[k] for s in stats) for k in ("weight_sync/bytes", "weight_sync/buckets", "weight_sync/engines")}
+    # Tensors read back per engine (each sender checks the tensors it sent on each of its engines).
+    out["weight_sync/verified_tensors"] = sum(s["verified_checks"] for s in stats) / max(engines, 1)
+    out["weight_sync/seconds"] = max(s["weight_sync/seconds"] for s in stats)
+    out["weight_sync/verified_engines"] = engines - len(unverifiable)
+    out["weight_sync/gbps"] = out["weight_sync/bytes"] / max(out["weight_sync/seconds"], 1e-9) / 1e9
+    return out

@@ -1,0 +1,109 @@
+"""The ``distributed`` transport: engines on their own GPUs receive each bucket by broadcast from its builder.
+
+Each pipeline stage's first rank (TP 0, CP 0) of every actor DP replica is a *sender*: it builds the full HF
+buckets of its stage (TP shards all-gathered within the stage, no pipeline traffic: a stage sends its own
+buckets) and owns one weight-update group per stage with the engines its replica feeds
+(:attr:`EngineAddress.replica`): the sender is rank 0, engine ``k``'s TP ranks follow it
+(``/init_weights_update_group``, once, on the first sync; group ``megarl_weights_dp<d>_pp<p>``). Per bucket
+the sender posts ``/update_weights_from_distributed`` (names, dtypes, shapes, ``load_format=
+"flattened_bucket"``) to each of its engines and broadcasts the bucket's flat buffer once; every engine TP
+rank receives it into a buffer of its own and loads it. NCCL on GPU, gloo on CPU (megarl's CPU engine
+server implements the receiving side). Stage 0's sender opens the engines' session before any stage sends
+and closes it after all have sent (the replica's senders form its pipeline group and meet there).
+
+SGLang's loader takes full HF tensors on every rank (``update_weights_from_distributed`` →
+``model.load_weights``), so TP-matched shards cannot be sent this way: the stage's TP all-gather stays.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.client import gather_sync, submit
+from megarl.rollout.http_api import FLATTENED_BUCKET
+from megarl.sync.base import WeightTransport, close_sessions, verify_and_report
+from megarl.sync.group import join_group
+from megarl.workers.base import _node_ip, free_port
+from megarl.workers.engine_server import EngineAddress
+
+
+class DistributedTransport(WeightTransport):
+    """See the module docstring. ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU)."""
+
+    name = "distributed"
+
+    def __init__(self, groups, engines: Sequence[EngineAddress], *, backend: str = "gloo") -> None:
+        super().__init__(groups, engines)
+        self.backend = backend
+        self.sender = groups.tp_rank == 0 and groups.cp_rank == 0
+        self.targets = [e for e in self.engines if e.replica == groups.dp_rank] if self.sender else []
+        self.lead = self.sender and groups.pp_rank == 0
+        self.group_name = f"megarl_weights_dp{groups.dp_rank}_pp{groups.pp_rank}"
+        self.group = None
+
+    def _connect(self) -> None:
+        """Form this stage's group with its engines: they join (HTTP, in the background) while this rank hosts
+        the rendezvous as rank 0."""
+        host = _node_ip()
+        port = free_port(host)
+        offsets = list(itertools.accumulate([1] + [e.tp for e in self.targets]))
+        world_size = offsets[-1]
+        joins = [submit(self.client(e).init_weights_update_group(
+            master_address=host, master_port=port, rank_offset=offset, world_size=world_size,
+            group_name=self.group_name, backend=self.backend)) for e, offset in zip(self.targets, offsets)]
+        self.group = join_group(host, port, 0, world_size, self.group_name, backend=self.backend)
+        for future in concurrent.futures.as_completed(joins, timeout=660):
+            future.result()  # an engine that failed to join names itself
+
+    def sync(self, exporter, *, bucket_bytes: int, version: str | None,
+             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+        active = self.sender and bool(self.targets)
+        if active and self.group is None:
+            self._connect()
+        wanted = set(verify_names)
+        expected: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
+        if active and self.lead:
+            gather_sync([self.client(e).begin_weight_update() for e in self.targets])
+        self._meet(active)  # every stage sends only once the sessions are open
+        sent = buckets = 0
+        for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=()):
+            if not active:
+                continue
+            dtype = str(bucket.flat.dtype).removeprefix("torch.")
+            replies = [submit(self.client(e).update_weights_from_distributed(
+                bucket.names, [dtype] * len(bucket.names), [list(t.shape) for t in bucket.tensors],
+                group_name=self.group_name, load_format=FLATTENED_BUCKET, weight_version=version))
+                for e in self.targets]
+            try:
+                self.group.broadcast(bucket.flat.view(torch.uint8), 0).wait()
+            finally:
+                for reply in concurrent.futures.as_completed(replies, timeout=660):
+                    reply.result()
+            expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+            sent += bucket.nbytes
+            buckets += 1
+        self._meet(active)  # every stage has sent
+        if active and self.lead:
+            close_sessions(self, self.targets)
+        self._meet(active)  # sessions closed: the tensors are readable
+        if not active:
+            return None
+        return verify_and_report(self, self.targets, start=start, bytes_sent=sent, buckets=buckets,
+                                 expected=expected, lead=self.lead)
+
+    def _meet(self, active: bool) -> None:
+        """A barrier of the replica's senders (its pipeline group of TP-0, CP-0 ranks)."""
+        if active and self.groups.dims.pp > 1:
+            dist.barrier(group=self.groups.pp)
+
+    def close(self) -> None:
+        if self.group is not None:
+            gather_sync([self.client(e).destroy_weights_update_group(self.group_name) for e in self.targets])
+            self.group = None

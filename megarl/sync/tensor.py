@@ -1,0 +1,116 @@
+"""The ``tensor`` transport: colocated engines load the actor's own bucket buffers through handles.
+
+Every actor rank that sits on one of an engine's GPUs (the engine's *host ranks*, in engine TP order) holds
+every full HF bucket: its pipeline stage builds the stage's buckets (TP shards all-gathered within the node),
+and the buckets of the other stages come to it from their owners, point to point when it is the only stage
+of its pipeline group that needs them, by one broadcast when several do, and not at all to stages that host
+no engine rank. Each host rank serialises a handle to its own bucket buffer (:func:`flattened_payload`:
+CUDA IPC on GPU, shared memory on CPU), the handles are all-gathered over the engine's host ranks, and the
+first host rank (the *driver*) posts one ``/update_weights_from_tensor`` whose payload ``r`` is host rank
+``r``'s handle: engine TP rank ``r`` opens the handle of the actor rank on its own GPU. No tensor bytes go
+through Ray or HTTP.
+
+Double buffering: buckets take turns in two buffers per rank. The driver waits for the engine's answer on
+bucket ``i - 1`` before it joins the handle all-gather of bucket ``i``; every host rank leaves that
+all-gather only after the driver joined it, and only then fills bucket ``i + 1`` into the buffer of bucket
+``i - 1``. So a buffer is refilled only after the engine finished loading from it, while the engine loads
+bucket ``i`` as bucket ``i + 1`` is built.
+
+SGLang's loader (``update_weights_from_tensor`` → ``model.load_weights``) takes full HF tensors on every TP
+rank and slices them itself, so TP-matched shards cannot be sent this way: the all-gather stays.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.client import run_sync, submit
+from megarl.sync.base import WeightTransport, close_sessions, flattened_payload, verify_and_report
+from megarl.workers.engine_server import EngineAddress
+
+NUM_BUFFERS = 2
+
+
+class TensorTransport(WeightTransport):
+    """See the module docstring. Built collectively by every actor rank (it creates one process group per engine
+    with more than one host rank, all ranks in the same order)."""
+
+    name = "tensor"
+
+    def __init__(self, groups, engines: Sequence[EngineAddress]) -> None:
+        super().__init__(groups, engines)
+        lacking = [e.name for e in self.engines if not e.host_ranks]
+        if lacking:
+            raise ValueError(f"weight sync transport 'tensor' needs engines on the actor's GPUs (colocated: "
+                             f"actor_rollout_ref.hybrid_engine=true); {', '.join(lacking)} have none: use "
+                             f"actor_rollout_ref.rollout.weight_transport=distributed")
+        rank = dist.get_rank()
+        self.engine: EngineAddress | None = None
+        self.group = None
+        for engine in self.engines:
+            group = dist.new_group(list(engine.host_ranks), backend="gloo") if len(engine.host_ranks) > 1 else None
+            if rank in engine.host_ranks:
+                if self.engine is not None:
+                    raise ValueError(f"actor rank {rank} is a host rank of both {self.engine.name} and {engine.name}")
+                self.engine, self.group = engine, group
+        self.driver = self.engine is not None and self.engine.host_ranks[0] == rank
+        hosts = {r for e in self.engines for r in e.host_ranks}
+        members = dist.get_process_group_ranks(groups.pp) if groups.dims.pp > 1 else [rank]
+        self.receivers = [stage for stage, member in enumerate(members) if member in hosts]
+        """Stages of this rank's pipeline group that need every bucket (those hosting an engine rank)."""
+
+    def sync(self, exporter, *, bucket_bytes: int, version: str | None,
+             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+        engine, client = self.engine, (self.client(self.engine) if self.driver else None)
+        wanted = set(verify_names)
+        expected: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
+        if client is not None:
+            run_sync(client.begin_weight_update())
+        pending: concurrent.futures.Future | None = None
+        sent = buckets = 0
+        try:
+            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=NUM_BUFFERS, to_pp_ranks=self.receivers,
+                                                shared_memory=True):
+                if engine is None:
+                    continue  # this rank only built (or passed on) the bucket
+                payload = flattened_payload(bucket)
+                if pending is not None:
+                    pending.result()  # the engine is done with the buffer the next bucket fills
+                    pending = None
+                handles = [payload] if self.group is None else _all_gather(payload, self.group, engine.host_ranks)
+                if client is not None:
+                    expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+                    pending = submit(client.update_weights_from_tensor(handles, weight_version=version))
+                    sent += bucket.nbytes
+                    buckets += 1
+            if pending is not None:
+                pending.result()
+                pending = None
+        finally:
+            if pending is not None:  # an error elsewhere: let the request end before the buffers go
+                concurrent.futures.wait([pending], timeout=60)
+        if client is None:
+            return None
+        close_sessions(self, [engine])
+        return verify_and_report(self, [engine], start=start, bytes_sent=sent, buckets=buckets, expected=expected,
+                                 lead=True)
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _all_gather(payload: bytes, group, host_ranks: Sequence[int]) -> list[bytes]:
+    """Every host rank's payload, in engine TP order (a symmetric collective: no rank leaves it before all
+    joined, which the double buffering relies on). The group numbers its members by ascending global rank."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, payload, group=group)
+    by_rank = dict(zip(sorted(host_ranks), out, strict=True))
+    return [by_rank[r] for r in host_ranks]

@@ -1,0 +1,80 @@
+"""Rank-side job of the weight-transport tests (imported by spawned ranks): a TP=2×PP=2 actor streams its weights
+into real CPU engine servers (``--tp-size 2``) through each transport of :mod:`megarl.sync`."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+TP, PP = 2, 2
+BUCKET_BYTES = 16 * 1024
+"""Small buckets: the tiny model travels in dozens of them, so double buffering is exercised."""
+
+
+def perturb(chunks, step: int) -> None:
+    """Change every parameter (the engines start from the HF file: a sync that delivers nothing must fail).
+    Seeded by parameter name and step, so the copies of a replicated tensor (norms on every TP rank) stay equal."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
+                param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+
+
+def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
+    """For each ``(transport, engines)`` case (engines as :class:`EngineAddress` fields): perturb the weights, sync
+    them with every tensor verified, and read them back from every engine to compare with an independent full
+    export. Returns per case this rank's statistics and (on rank 0) the read-back result."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megarl.convert import WeightExporter
+    from megarl.convert.loader import load_hf_into
+    from megarl.models import build_model_chunks, family_for
+    from megarl.parallel import ParallelDims, init_parallel
+    from megarl.rollout.client import EngineClient, gather_sync
+    from megarl.sync import make_transport
+    from megarl.workers.engine_server import EngineAddress
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    family = family_for(cfg)
+    groups = init_parallel(ParallelDims(tp=TP, pp=PP))
+    chunks = build_model_chunks(family, cfg, groups.dims)
+    load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+    exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+    out: dict = {"rank": dist.get_rank(), "cases": []}
+    for step, (name, engine_fields) in enumerate(cases):
+        perturb(chunks, step)
+        truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+        engines = [EngineAddress(**fields) for fields in engine_fields]
+        transport = make_transport(name, groups, engines, device="cpu")
+        stats = [transport.sync(exporter, bucket_bytes=BUCKET_BYTES, version=f"v{step}", verify_names=list(truth))
+                 for _ in range(2)]  # twice: the second sync reuses the groups and buffers of the first
+        transport.close()
+        case = {"transport": name, "stats": stats, "names": len(truth)}
+        dist.barrier()
+        if dist.get_rank() == 0:
+            clients = [EngineClient(e.url, name=e.name) for e in engines]
+            differ = []
+            for client in clients:
+                for tensor_name, tensor in truth.items():
+                    got = gather_sync([client.get_weights_by_name(tensor_name, truncate_size=tensor.shape[0])])[0]
+                    if not torch.equal(torch.tensor(got, dtype=torch.float32).reshape(tensor.shape), tensor):
+                        differ.append((client.name, tensor_name))
+            case["differ"] = differ
+            case["max_change"] = max((truth[n] - _original(hf_dir)[n]).abs().max().item() for n in truth)
+        out["cases"].append(case)
+        dist.barrier()
+    return out
+
+
+_ORIGINAL: dict = {}
+
+
+def _original(hf_dir: str) -> dict:
+    if hf_dir not in _ORIGINAL:
+        from safetensors.torch import load_file
+
+        _ORIGINAL[hf_dir] = load_file(f"{hf_dir}/model.safetensors")
+    return _ORIGINAL[hf_dir]
