@@ -136,7 +136,7 @@ class Trainer:
         self.roles = build_roles(cfg, self.log_dir / "servers")
         self.plan, self.engines = self.roles.plan, self.roles.engines
         self.actor_wg, self.critic_wg, self.rollout_wg = self.roles.actor, self.roles.critic, self.roles.rollout
-        self.weight_names = self.roles.weight_names
+        self.weight_names, self.weight_transport = self.roles.weight_names, self.roles.weight_transport
         self.actor_dp = self.actor_wg.dp_size
         self.rollout_manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer,
                                                      self.plugins)

@@ -10,7 +10,8 @@ first host rank (the *driver*) posts one ``/update_weights_from_tensor`` whose p
 ``r``'s handle: engine TP rank ``r`` opens the handle of the actor rank on its own GPU. No tensor bytes go
 through Ray or HTTP.
 
-Double buffering: buckets take turns in two buffers per rank. The driver waits for the engine's answer on
+Double buffering: buckets take turns in two buffers per rank, each half of ``rollout.bucket_mb`` (the
+setting bounds what a rank holds for the sync). The driver waits for the engine's answer on
 bucket ``i - 1`` before it joins the handle all-gather of bucket ``i``; every host rank leaves that
 all-gather only after the driver joined it, and only then fills bucket ``i + 1`` into the buffer of bucket
 ``i - 1``. So a buffer is refilled only after the engine finished loading from it, while the engine loads
@@ -75,8 +76,8 @@ class TensorTransport(WeightTransport):
         pending: concurrent.futures.Future | None = None
         sent = buckets = 0
         try:
-            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=NUM_BUFFERS, to_pp_ranks=self.receivers,
-                                                shared_memory=True):
+            for bucket in exporter.iter_buckets(max(1, bucket_bytes // NUM_BUFFERS), num_buffers=NUM_BUFFERS,
+                                                to_pp_ranks=self.receivers, shared_memory=True):
                 if engine is None:
                     continue  # this rank only built (or passed on) the bucket
                 payload = flattened_payload(bucket)

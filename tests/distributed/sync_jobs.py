@@ -44,13 +44,16 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
     exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
     out: dict = {"rank": dist.get_rank(), "cases": []}
-    for step, (name, engine_fields) in enumerate(cases):
-        perturb(chunks, step)
-        truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+    for index, (name, engine_fields) in enumerate(cases):
         engines = [EngineAddress(**fields) for fields in engine_fields]
         transport = make_transport(name, groups, engines, device="cpu")
-        stats = [transport.sync(exporter, bucket_bytes=BUCKET_BYTES, version=f"v{step}", verify_names=list(truth))
-                 for _ in range(2)]  # twice: the second sync reuses the groups and buffers of the first
+        stats = []
+        for attempt in range(2):  # the second sync reuses the groups and buffers of the first
+            perturb(chunks, 2 * index + attempt)
+            truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+            # The transport reads every tensor back the first time; rank 0 does it itself after the second.
+            stats.append(transport.sync(exporter, bucket_bytes=BUCKET_BYTES, version=f"v{index}.{attempt}",
+                                        verify_names=list(truth) if attempt == 0 else []))
         transport.close()
         case = {"transport": name, "stats": stats, "names": len(truth)}
         dist.barrier()

@@ -49,9 +49,10 @@ def test_every_tensor_arrives_bit_exact(synced, case):
     for attempt in range(2):
         merged = merge_stats([r["cases"][case]["stats"][attempt] for r in results
                               if r["cases"][case]["stats"][attempt] is not None])
-        assert merged["weight_sync/verified_tensors"] == rank0["names"]
+        # The first sync is verified by the transport, the second by rank 0's read-back above.
+        assert merged["weight_sync/verified_tensors"] == (rank0["names"] if attempt == 0 else 0)
         assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == engines
-        assert merged["weight_sync/buckets"] > 10  # dozens of 16 KiB buckets: the double buffers take turns
+        assert merged["weight_sync/buckets"] > 10  # dozens of small buckets: the double buffers take turns
 
 
 def test_who_sends(synced):

@@ -92,7 +92,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
                         "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3, 4]
-    assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
+    assert full.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
@@ -169,7 +169,7 @@ def test_ppo_with_critic(assets):
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
     assert "actor/pg_loss" in both and both["weight_sync/verified_engines"] == 2
     # Engines on their own pool get the weights by broadcast (issue 14), every tensor read back.
-    assert trainer.roles.weight_transport == "distributed"
+    assert trainer.weight_transport == "distributed"
     assert both["weight_sync/verified_tensors"] == len(trainer.weight_names)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert set(trainer.plan.pools) == {"global", "rollout"}
@@ -177,11 +177,17 @@ def test_ppo_with_critic(assets):
 
 def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
     """``rollout.do_sample=false`` with ``temperature=0.7``: the engines decode greedily and report log-probs at
-    T=1 (the batch's meta says so); the actor recomputes at the meta's temperature, not the setting's."""
+    T=1 (the batch's meta says so); the actor recomputes at the meta's temperature, not the setting's.
+
+    Also GRPO with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back."""
     trainer = _run(_config(assets, "greedy", "trainer.total_steps=1", "actor_rollout_ref.rollout.do_sample=false",
                            "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=1",
-                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                           "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
     (_, metrics), = trainer.history
+    assert trainer.weight_transport == "distributed"
+    assert metrics["weight_sync/verified_tensors"] == len(trainer.weight_names)
+    assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
     # Recomputing at 0.7 instead differs by 0.43 nat per token on this model (measured).
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5, metrics["mismatch/abs_logp_diff_mean"]
     assert metrics["actor/skipped_steps"] == 0
