@@ -39,6 +39,9 @@ class WeightTransport:
 
     def close(self) -> None:
         """Give back what the transport holds (process groups, connections)."""
+        for client in self._clients.values():
+            client.close_all()
+        self._clients.clear()
 
     def client(self, engine: EngineAddress) -> EngineClient:
         """One client per engine for the transport's life: its keep-alive connections serve every sync."""

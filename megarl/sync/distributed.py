@@ -107,3 +107,4 @@ class DistributedTransport(WeightTransport):
         if self.group is not None:
             gather_sync([self.client(e).destroy_weights_update_group(self.group_name) for e in self.targets])
             self.group = None
+        super().close()

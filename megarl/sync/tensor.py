@@ -106,6 +106,7 @@ class TensorTransport(WeightTransport):
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        super().close()
 
 
 def _all_gather(payload: bytes, group, host_ranks: Sequence[int]) -> list[bytes]:

@@ -3,7 +3,7 @@
 Each script's ``main`` runs at a tiny size on 2 gloo ranks (the benchmark itself uses
 TP=2×PP=2 on 4; a 4-rank spawn alone costs ~12 s on 2 cores). The layouts are chosen so
 that between them both collectives run: the export's TP gather (bench_convert at TP=2) and
-the pipeline broadcasts (bench_weight_sync at PP=2, naive reference included). No timing
+the pipeline delivery (bench_weight_sync at PP=2, both transports into CPU engine servers). No timing
 is asserted: benchmarks report numbers, tests check that the numbers exist.
 """
 
@@ -52,6 +52,18 @@ def test_bench_convert_smoke(tools, tmp_path, capsys):
 
 
 def test_bench_weight_sync_smoke(tools, tmp_path, capsys):
-    values = _run(tools("bench_weight_sync"), TINY + ["--tp", "1", "--pp", "2", "--workdir", str(tmp_path)], capsys)
-    assert values["bit_exact"] == 1
-    assert {"weight_sync_gbps", "ratio_vs_copy", "speedup_vs_naive", "peak_over_bucket", "shards_gbps"} <= values.keys()
+    """One RESULT line per transport, through real CPU engine servers (PP=2: both stages deliver)."""
+    returned = tools("bench_weight_sync").main(TINY + ["--tp", "1", "--pp", "2", "--workdir", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    results = [line for line in lines if line.startswith("RESULT ")]
+    assert [line.split()[1] for line in results] == ["transport=tensor", "transport=distributed"], lines[-8:]
+    assert lines[-2:] == results
+    parse = importlib.import_module("bench_convert").parse_result
+    for line, name in zip(results, ("tensor", "distributed")):
+        values = parse("RESULT " + " ".join(line.split()[2:]))
+        assert values.keys() == returned[name].keys()
+        assert {"ratio_vs_limit", "speedup_vs_per_tensor", "peak_over_bucket", "gbps"} <= values.keys()
+        assert values["bit_exact"] == 1
+        for key, value in values.items():
+            assert math.isfinite(value), (name, key, value)
+            assert value >= 0 if key in MAY_BE_ZERO else value > 0, (name, key, value)
