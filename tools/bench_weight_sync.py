@@ -156,7 +156,7 @@ def _copy_s(nbytes: int) -> float:
 def _receive_broadcasts(host: str, port: int, members: int, world_size: int, name: str) -> None:
     """``members`` receivers of a gloo group (threads of one process, as the CPU engine server's TP ranks):
     each round a header ``[pieces, numel]``, then the pieces; a header of 0 pieces ends."""
-    from megarl.sync.group import join_group
+    from megarl.rollout.weight_group import join_group
 
     def member(rank: int) -> None:
         group = join_group(host, port, rank, world_size, name)
@@ -197,9 +197,9 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
 
     from megarl.convert import WeightExporter, load_hf_into
     from megarl.models import build_model_chunks, family_for
+    from megarl.rollout.client import EngineAddress
+    from megarl.rollout.weight_group import join_group
     from megarl.sync import make_transport, verify_sample
-    from megarl.sync.group import join_group
-    from megarl.workers.engine_server import EngineAddress
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     groups = common.init_ranks("cpu", tp, pp)

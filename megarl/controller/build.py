@@ -27,21 +27,21 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.data.dataset import PromptDataset
-from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
-from megarl.warmstart.sft import ensure_tiny_sft
 from megarl.models.sampling import derive_seed
 from megarl.reward import RewardManager
+from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
+from megarl.rollout.router import start_router
+from megarl.rollout.server_process import ServerProcess
 from megarl.rollout.tools.base import BaseTool
 from megarl.rollout.tools.registry import load_tools
+from megarl.sync import resolve_transport
+from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
+from megarl.warmstart.sft import ensure_tiny_sft
+from megarl.workers.engine_server import EngineServerWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
-from megarl.rollout.client import EngineClient
-from megarl.rollout.router import start_router
-from megarl.sync import resolve_transport
-from megarl.rollout.server_process import ServerProcess
-from megarl.workers.engine_server import EngineAddress, EngineServerWorker
 
 SEED_STREAM_ROLLOUT = 1
 """``derive_seed(rollout seed, SEED_STREAM_ROLLOUT, step)`` seeds a training step's generation."""

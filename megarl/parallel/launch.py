@@ -23,7 +23,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -31,16 +30,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from megarl.parallel.net import free_port
+
 
 class RankFailure(RuntimeError):
     """A spawned rank raised, died, or the job ran past its time limit."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, results, stack_file):

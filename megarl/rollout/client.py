@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import dataclasses
 import threading
 import weakref
 from collections.abc import Coroutine, Sequence
@@ -66,6 +67,24 @@ def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOut
     return GenerateOutput(output_ids=[int(t) for t in result["output_ids"]],
                           finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
                           weight_version=meta.get("weight_version"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineAddress:
+    """Where engine ``index`` serves: its name (in errors), URL and TP size (payloads per update, group members),
+    and who feeds it weights (:mod:`megarl.sync`)."""
+
+    index: int
+    url: str
+    tp: int = 1
+    replica: int = 0
+    """The actor DP replica whose senders stream weights into it (``distributed`` transport)."""
+    host_ranks: tuple[int, ...] = ()
+    """Actor ranks on the engine's GPUs, in engine TP order (colocated engines; the ``tensor`` transport)."""
+
+    @property
+    def name(self) -> str:
+        return f"engine {self.index}"
 
 
 class EngineClient:

@@ -25,7 +25,6 @@ from pathlib import Path
 from megarl.config.rollout import ROUTER_POLICIES
 from megarl.rollout.server_process import ServerProcess, free_port
 
-
 ROUTER_MAIN = """
 import argparse, sys
 from sglang_router.router import Router

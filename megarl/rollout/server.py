@@ -59,7 +59,7 @@ from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.http_api import FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES
-from megarl.sync.group import join_group
+from megarl.rollout.weight_group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,18 +18,13 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from megarl.parallel.net import free_port  # noqa: F401 - re-exported: servers and tests pick ports here
+
 PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message names it, its URL and its log."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megarl.rollout.client import EngineAddress
 from megarl.sync.base import TRANSPORTS, WeightTransport, merge_stats, verify_sample
-from megarl.workers.engine_server import EngineAddress
 
 __all__ = ["TRANSPORTS", "WeightTransport", "make_transport", "merge_stats", "resolve_transport", "verify_sample"]
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.client import EngineClient, EngineError, gather_sync
-from megarl.workers.engine_server import EngineAddress
+from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
 

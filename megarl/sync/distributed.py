@@ -25,12 +25,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.client import gather_sync, submit
+from megarl.parallel.net import free_port, node_ip
+from megarl.rollout.client import EngineAddress, gather_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET
+from megarl.rollout.weight_group import join_group
 from megarl.sync.base import WeightTransport, close_sessions, verify_and_report
-from megarl.sync.group import join_group
-from megarl.workers.base import _node_ip, free_port
-from megarl.workers.engine_server import EngineAddress
 
 
 class DistributedTransport(WeightTransport):
@@ -50,7 +49,7 @@ class DistributedTransport(WeightTransport):
     def _connect(self) -> None:
         """Form this stage's group with its engines: they join (HTTP, in the background) while this rank hosts
         the rendezvous as rank 0."""
-        host = _node_ip()
+        host = node_ip()
         port = free_port(host)
         offsets = list(itertools.accumulate([1] + [e.tp for e in self.targets]))
         world_size = offsets[-1]

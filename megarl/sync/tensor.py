@@ -30,9 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.client import run_sync, submit
+from megarl.rollout.client import EngineAddress, run_sync, submit
 from megarl.sync.base import WeightTransport, close_sessions, flattened_payload, verify_and_report
-from megarl.workers.engine_server import EngineAddress
 
 NUM_BUFFERS = 2
 

@@ -17,8 +17,8 @@ from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
 from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
-from megarl.workers.sharded_model import ShardedModel, StepResult
 from megarl.workers.micro import micro_batches, pad_responses
+from megarl.workers.sharded_model import ShardedModel, StepResult
 
 
 def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:

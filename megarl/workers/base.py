@@ -11,29 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 
 from megarl.config.parallel import Coordinates
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that nothing listens on now (bound with SO_REUSEADDR, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+from megarl.parallel.net import free_port, node_ip
 
 
 def busy(method):
@@ -74,11 +55,11 @@ class Worker:
                 node_id = ray.get_runtime_context().get_node_id()
         except ImportError:
             pass
-        return {"ip": _node_ip(), "node_id": node_id, "pid": os.getpid(), "gpu_ids": gpu_ids}
+        return {"ip": node_ip(), "node_id": node_id, "pid": os.getpid(), "gpu_ids": gpu_ids}
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port on it, for torch.distributed's TCP store (called on rank 0)."""
-        ip = _node_ip()
+        ip = node_ip()
         return ip, free_port()
 
     def setup_env(self, *, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,

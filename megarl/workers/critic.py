@@ -22,6 +22,7 @@ from megarl.workers.actor import response_slice
 from megarl.workers.micro import micro_batches, pad_responses
 from megarl.workers.sharded_model import ShardedModel, StepResult
 
+
 class CriticRole:
     """The value model: response values and epochs × mini-batches × micro-batches of value-loss steps.
 

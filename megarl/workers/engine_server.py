@@ -13,7 +13,6 @@ Everything else (generation, weights, memory, pause) goes over HTTP with
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -21,26 +20,9 @@ from typing import Any
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.parallel.net import free_port, free_ports, node_ip
 from megarl.rollout.server_process import ServerProcess
-from megarl.workers.base import Worker, _node_ip, free_port
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineAddress:
-    """Where engine ``index`` serves: its name (in errors), URL and TP size (payloads per update, group members),
-    and who feeds it weights (:mod:`megarl.sync`)."""
-
-    index: int
-    url: str
-    tp: int = 1
-    replica: int = 0
-    """The actor DP replica whose senders stream weights into it (``distributed`` transport)."""
-    host_ranks: tuple[int, ...] = ()
-    """Actor ranks on the engine's GPUs, in engine TP order (colocated engines; the ``tensor`` transport)."""
-
-    @property
-    def name(self) -> str:
-        return f"engine {self.index}"
+from megarl.workers.base import Worker
 
 
 class EngineServerWorker(Worker):
@@ -60,7 +42,7 @@ class EngineServerWorker(Worker):
     def address(self, num_ports: int = 1) -> tuple[str, list[int]]:
         """This node's IP and ``num_ports`` distinct free ports on it (the server's, and for the first node of
         an engine spanning nodes its ``--dist-init-addr`` port): the driver builds SGLang's command with them."""
-        host = _node_ip()
+        host = node_ip()
         return host, free_ports(host, num_ports)
 
     def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
@@ -74,7 +56,7 @@ class EngineServerWorker(Worker):
         and the URL it serves on (from :meth:`address`).
         """
         self.engine, self.node_rank = engine, node_rank
-        host = _node_ip()
+        host = node_ip()
         if rollout.name == "hf":
             if node_rank:
                 raise ValueError(f"{self.name}: megarl's CPU engine server is one process per engine; "
@@ -111,22 +93,6 @@ class EngineServerWorker(Worker):
     def stop_server(self) -> None:
         if self.server is not None:
             self.server.stop()
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct TCP ports nothing listens on now (held together while chosen, then released)."""
-    import socket
-
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _hf_device(device: str) -> str:

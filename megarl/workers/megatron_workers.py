@@ -28,11 +28,11 @@ from megarl.config.model import ModelConfig, OptimConfig
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
+from megarl.rollout.client import EngineAddress
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole
 from megarl.workers.model_checkpoint import export_hf, load_model, save_model
-from megarl.workers.engine_server import EngineAddress
 from megarl.workers.sharded_model import ShardedModel
 
 

@@ -33,9 +33,8 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     from megarl.convert.loader import load_hf_into
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import ParallelDims, init_parallel
-    from megarl.rollout.client import EngineClient, gather_sync
+    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
     from megarl.sync import make_transport
-    from megarl.workers.engine_server import EngineAddress
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     family = family_for(cfg)

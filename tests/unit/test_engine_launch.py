@@ -23,8 +23,9 @@ from megarl.config import load_config
 from megarl.controller import engine_gpus as engine_gpus_module
 from megarl.controller.build import engine_gpus_of, engine_server_slots, start_engine_servers, stop_engine_servers
 from megarl.controller.placement import create_pools, placement_for
+from megarl.rollout.client import EngineAddress
 from megarl.workers.base import Worker
-from megarl.workers.engine_server import EngineAddress, EngineServerWorker
+from megarl.workers.engine_server import EngineServerWorker
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 ROLLOUT = "actor_rollout_ref.rollout"

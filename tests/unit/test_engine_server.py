@@ -130,11 +130,11 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
     """/init_weights_update_group + /update_weights_from_distributed: this process is rank 0 of a gloo group
-    (megarl.sync.group.join_group, whose keys meet SGLang's init_custom_process_group) and broadcasts while the
+    (megarl.rollout.weight_group.join_group, whose keys meet SGLang's init_custom_process_group) and broadcasts while the
     server's two TP ranks (group ranks 1 and 2) receive."""
     import concurrent.futures
 
-    from megarl.sync.group import join_group
+    from megarl.rollout.weight_group import join_group
 
     names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
     new = [torch.randn(local._params[name].shape, generator=torch.Generator().manual_seed(i))

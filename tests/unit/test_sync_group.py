@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.rollout.server_process import free_port
-from megarl.sync.group import join_group
+from megarl.rollout.weight_group import join_group
 
 
 def _sglang_member(port: int, rank: int, world_size: int, queue) -> None:

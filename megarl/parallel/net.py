@@ -1,0 +1,40 @@
+"""This machine's address and free TCP ports: rendezvous of ranks, engine servers, routers, weight-update groups.
+
+Light on purpose (no torch): spawned ranks, the engine server and the router's launcher import it first.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def node_ip() -> str:
+    """This node's IP as Ray reports it when Ray is up (what other nodes reach), else the hostname's address."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_ports(host: str = "127.0.0.1", count: int = 1) -> list[int]:
+    """``count`` distinct TCP ports on ``host`` that nothing listens on now (held together while chosen, then
+    released: the caller binds them soon after)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
+    return free_ports(host, 1)[0]
