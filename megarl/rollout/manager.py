@@ -43,6 +43,7 @@ length, ``R`` response length.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -310,4 +311,20 @@ def _run_coroutine(coroutine: Any) -> Any:
     except RuntimeError:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-    return loop.run_until_complete(coroutine)
+    try:
+        return loop.run_until_complete(coroutine)
+    except BaseException:
+        _cancel_pending(loop)
+        raise
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks an interrupted run left on ``loop`` and let them end. A Ctrl-C raised inside one task
+    leaves the tasks awaiting it pending; the next use of the loop (closing the HTTP sessions at shutdown)
+    would resume them and raise the interrupt a second time, outside the handler that already dealt with it."""
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

@@ -308,6 +308,22 @@ def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, token
         assert generated[:len(output.output_ids)] == output.output_ids, row
 
 
+def test_an_interrupt_inside_a_task_does_not_come_back_on_the_next_use_of_the_loop():
+    """Ctrl-C inside one request's task: the manager's loop must not raise it again when the trainer next uses the
+    loop (closing the HTTP sessions at shutdown), which turned megarl-train's exit 130 into a traceback."""
+    from megarl.rollout.manager import _run_coroutine
+
+    async def request():
+        raise KeyboardInterrupt
+
+    async def rollout():
+        await asyncio.gather(request(), asyncio.sleep(30))
+
+    with pytest.raises(KeyboardInterrupt):
+        _run_coroutine(rollout())
+    assert _run_coroutine(asyncio.sleep(0, result=7)) == 7
+
+
 def test_generate_refuses_a_running_event_loop():
     from megarl.rollout import manager as manager_module
 
