@@ -230,14 +230,13 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
             from megarl.controller.engine_gpus import sglang_launch_command
 
             heads = {s.engine: rank for rank, s in enumerate(slots) if s.node_rank == 0}
-            spans = {g.engine: g.nnodes for g in gpus}
-            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and spans[s.engine] > 1 else 1})
+            # A multi-node engine's first node also picks its --dist-init-addr port.
+            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and gpus[s.engine].nnodes > 1 else 1})
                                       for s in slots], EngineServerWorker.address)
             for slot, call, (host, ports) in zip(slots, calls, where, strict=True):
                 engine = gpus[slot.engine]
-                head_ports = where[heads[slot.engine]][1]
                 if engine.nnodes > 1:
-                    engine = engine.with_dist_init_port(head_ports[1])
+                    engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
                 call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
                                                        seed=seeds[slot.engine], node_rank=slot.node_rank, host=host)
                 call["url"] = f"http://{host}:{ports[0]}"

@@ -10,6 +10,7 @@ the statistics, the other ranks ``None``.
 
 from __future__ import annotations
 
+import abc
 import random
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gath
 TRANSPORTS = ("tensor", "distributed")
 
 
-class WeightTransport:
+class WeightTransport(abc.ABC):
     """One way of moving the actor's buckets into the engines (see the module docstring)."""
 
     name = ""
@@ -32,9 +33,10 @@ class WeightTransport:
         self.engines = list(engines)
         self._clients: dict[str, EngineClient] = {}
 
+    @abc.abstractmethod
     def sync(self, exporter, *, bucket_bytes: int, version: str | None,
              verify_names: Sequence[str] = ()) -> dict[str, float] | None:
-        raise NotImplementedError
+        """One weight sync (collective over the actor's ranks); the sending ranks' statistics, else None."""
 
     def close(self) -> None:
         """Give back what the transport holds (process groups, connections)."""
