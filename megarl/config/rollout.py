@@ -26,6 +26,19 @@ WEIGHT_TRANSPORTS = ("auto", "tensor", "distributed")
 """``rollout.weight_transport``: ``auto`` or a transport of :mod:`megarl.sync`."""
 
 
+def resolve_transport(name: str, *, colocated: bool) -> str:
+    """The transport ``rollout.weight_transport=name`` means: ``auto`` → ``tensor`` when the engines share the
+    actor's GPUs, else ``distributed``; ``tensor`` needs colocated engines."""
+    if name == "auto":
+        return "tensor" if colocated else "distributed"
+    if name not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"actor_rollout_ref.rollout.weight_transport={name!r}: use one of {list(WEIGHT_TRANSPORTS)}")
+    if name == "tensor" and not colocated:
+        raise ValueError("actor_rollout_ref.rollout.weight_transport=tensor needs the engines on the actor's GPUs "
+                         "(actor_rollout_ref.hybrid_engine=true); disaggregated engines use distributed (or auto)")
+    return name
+
+
 @dataclasses.dataclass(kw_only=True)
 class ValKwargs:
     """Validation sampling (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
@@ -134,8 +147,8 @@ class RolloutConfig:
     buffers: CUDA IPC / shared memory), ``distributed`` (one broadcast per bucket from the stage that built it:
     NCCL / gloo), or ``auto`` (``tensor`` when colocated, ``distributed`` when ``hybrid_engine=false``)."""
     verify_weights: int = 8
-    """Weight sync: tensors whose SHA-1 is compared between trainer and engines after every sync
-    (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
+    """Weight sync: tensors read back from every engine (``/get_weights_by_name``) and compared bit for bit with
+    the trainer's after every sync (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
     val_kwargs: ValKwargs = dataclasses.field(default_factory=ValKwargs)
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)

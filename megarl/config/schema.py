@@ -14,7 +14,7 @@ Layout (verl's key names, seeds-digest §7), each section defined in the module 
       critic                      CriticConfig                   (config/critic.py)
       reward_model                RewardConfig                   (config/algorithm.py)
       algorithm                   AlgorithmConfig (kl_ctrl)      (config/algorithm.py)
-      trainer                     TrainerConfig                  (config/trainer.py)
+      trainer                     TrainerConfig (links: LinksConfig)                         (config/trainer.py)
 
 Defaults live in these dataclasses only (or, where a lower component owns a default, are read from it
 with :func:`megarl.config.common.default_of`). The code that uses a section receives the section

@@ -9,6 +9,39 @@ from megarl.config.common import check_choice, check_positive
 DEVICES = ("cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "tensorboard", "jsonl")
+INTRA_NODE_LINKS = ("nvlink", "pcie")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LinksConfig:
+    """What ``megarl-plan`` assumes for its weight-sync estimate (``trainer.links.*``): bandwidths in GB/s (1e9
+    bytes per second) one way, per GPU, and the engine's cost per request. The defaults are an H100 SXM node:
+    NVLink 4 (900 GB/s both ways), PCIe 5 x16, one 400 Gb/s InfiniBand NIC per GPU, HBM3."""
+
+    nvlink_gbps: float = 450.0
+    """GPU to GPU within a node over NVLink."""
+    pcie_gbps: float = 55.0
+    """GPU to GPU within a node over PCIe (nodes without NVLink: set ``intra_node=pcie``)."""
+    infiniband_gbps: float = 50.0
+    """Between nodes, per GPU (its own NIC: 400 Gb/s = 50 GB/s)."""
+    hbm_gbps: float = 3350.0
+    """A GPU's own memory (an engine copying its shard out of a bucket)."""
+    request_ms: float = 10.0
+    """Milliseconds an engine spends on one weight-update request besides moving bytes (HTTP, its scheduler
+    handing the request to every TP rank, opening handles, the loader's per-tensor work): one per bucket."""
+    intra_node: str = "nvlink"
+    """How GPUs of one node talk: ``nvlink`` or ``pcie``."""
+
+    def __post_init__(self) -> None:
+        for key in ("nvlink_gbps", "pcie_gbps", "infiniband_gbps", "hbm_gbps", "request_ms"):
+            check_positive(f"trainer.links.{key}", getattr(self, key))
+        check_choice("trainer.links.intra_node", self.intra_node, INTRA_NODE_LINKS)
+
+    def gbps(self, link: str) -> float:
+        """GB/s of ``link``: ``intra_node``, ``infiniband`` or ``hbm``."""
+        if link == "intra_node":
+            link = self.intra_node
+        return getattr(self, f"{link}_gbps")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -31,6 +64,8 @@ class TrainerConfig:
     """Memory of one GPU in GiB (2^30 bytes), with ``device=cuda``: what ``megarl-plan`` and the trainer's
     pre-flight check (``megarl.controller.preflight``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
     which CUDA reports about 79.2 as usable; set less to keep headroom."""
+    links: LinksConfig = dataclasses.field(default_factory=LinksConfig)
+    """Bandwidths of the GPUs' links, with ``device=cuda``: what ``megarl-plan`` estimates the weight sync from."""
     seed: int = 1
     """Seed of data order, sampling and initialization."""
     critic_warmup: int = 0

@@ -38,10 +38,12 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   the trainer starts the engines after building the actor, reference and critic). One token takes
   ``2 × layers × kv_heads/tp × head_dim × bytes`` per engine GPU. The hf engine reserves nothing:
   its cache grows to its share of the batch, ``rows × (P + R)`` tokens.
-- **weight-sync buffers** (actor ranks, during the sync): the largest bucket in the model's dtype
-  (a tensor larger than ``rollout.bucket_mb`` travels alone), the largest TP-gathered parameter of
-  the stage, and on the sending rank the bucket's flat copy in the engine dtype (one tensor per
-  bucket goes through Ray).
+- **weight-sync buffers** (during the sync; :mod:`megarl.sync`): on every actor rank the exporter's bucket
+  buffers in the engine dtype (``tensor``: two, each as large as the largest bucket it takes in turn, buckets
+  of ``rollout.bucket_mb / 2``; ``distributed``: one, buckets of ``rollout.bucket_mb``; a tensor larger than
+  a bucket travels alone and sizes its buffer; a stage whose pipeline group hosts no engine rank holds only
+  its own buckets) and the largest TP-gathered parameter of the stage (model dtype; vocabulary rows gather
+  in place). ``distributed`` engines receive each bucket into a buffer of its size.
 - **CUDA contexts**: :data:`CUDA_CONTEXT_BYTES` per process on the GPU (actor, critic, engine rank).
 
 Phases (colocated; what the trainer holds on the GPU in each, steady state):
@@ -54,11 +56,21 @@ Phases (colocated; what the trainer holds on the GPU in each, steady state):
 - ``weight sync``: everything onloaded (the actor is offloaded after the sync), the engines resumed
   (weights and KV cache), plus the sync buffers.
 
-Weight-sync volume per step (the full-tensor path, ``ActorWorker.sync_weights``): every engine
-receives the whole model as HF tensors in ``rollout.dtype`` (a tied LM head once), sent through Ray by
-the first rank (TP 0, CP 0, PP 0) of the actor DP replica it serves. Inside the actor, every rank also
-receives the other stages' buckets (pipeline broadcast) and its TP peers' shards (all-gather), in the
-model's dtype.
+Weight sync per step (:class:`SyncPlan`; the transport is ``rollout.weight_transport`` resolved as the run
+resolves it): every engine loads the whole model as HF tensors in ``rollout.dtype`` (a tied LM head once),
+one request per bucket. The estimate adds, on the busiest GPU, bytes over the link that carries them at
+``trainer.links.*`` (:class:`~megarl.config.trainer.LinksConfig`), and ``trainer.links.request_ms`` per
+request:
+
+- ``tensor``: each stage's TP all-gathers (in turn: every stage waits for the buckets of the stages before
+  it), the pipeline delivery of the buckets to the stages hosting engine ranks in ``1/tp`` stripes per GPU
+  (InfiniBand when a pipeline group spans nodes; one broadcast when every other stage receives, one send per
+  receiving stage otherwise) and the stripes' all-gather there; on the engine side its requests and each
+  engine GPU copying its ``1/tp`` shard out of the buckets (HBM, read and write). The engine loads a bucket
+  while the actor builds the next: the slower side plus one bucket of the faster.
+- ``distributed``: the TP all-gathers (stages at once), every engine GPU receiving every bucket over
+  InfiniBand (engines on their own nodes), the requests and the shard copies, in turn (each sender waits
+  for the engines' answers before its next bucket).
 
 A plan that does not fit (a phase above ``trainer.gpu_memory_gb``, or an SGLang engine left with
 KV room for less than one sequence) raises ``ValueError`` naming the settings that would help.
@@ -71,6 +83,7 @@ import math
 from typing import Any
 
 from megarl.config.schema import RunConfig
+from megarl.config.trainer import LinksConfig
 from megarl.controller.placement import PlacementPlan, engine_replica, megatron_coordinates, placement_for
 from megarl.controller.preflight_report import ROWS, format_report, kv_problem, overflow_problem
 from megarl.models.sizes import Architecture, architecture_for
@@ -171,19 +184,54 @@ class GpuPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class SyncVolume:
-    """Bytes of one full weight sync (HF tensors in the engine dtype), per step."""
+class SyncStep:
+    """One step of a weight sync and what it costs the busiest GPU: bytes over one link, or engine requests."""
 
+    side: str
+    """``actor`` (building and moving buckets) or ``engine`` (loading them)."""
+    what: str
+    link: str
+    """``intra_node``, ``infiniband``, ``hbm`` (see :class:`LinksConfig`) or ``requests``."""
+    nbytes: int = 0
+    count: int = 0
+    """Requests, for ``link="requests"``."""
+
+    def seconds(self, links: LinksConfig) -> float:
+        if self.link == "requests":
+            return self.count * links.request_ms / 1e3
+        return self.nbytes / (links.gbps(self.link) * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """One full weight sync (HF tensors in the engine dtype) by the run's transport, and its time estimate."""
+
+    transport: str
+    """``tensor`` or ``distributed`` (``rollout.weight_transport`` resolved)."""
     model_bytes: int
-    """All HF tensors of the model at the engine dtype: what each engine receives."""
-    senders: dict[int, int]
-    """Actor rank (global-pool GPU) -> bytes it sends (``model_bytes`` × engines it serves)."""
-    receivers: dict[int, tuple[str, int]]
-    """Engine index -> (its first GPU, ``pool:gpu``, bytes received)."""
-    pp_broadcast_bytes: int
-    """Bytes each actor rank receives in the pipeline broadcast of buckets (0 without PP), model dtype."""
-    tp_gather_bytes: int
-    """Most bytes an actor rank receives in the TP all-gathers of its stage's tensors, model dtype."""
+    """All HF tensors of the model at the engine dtype: what each engine loads."""
+    bucket_bytes: int
+    """Most bytes a bucket groups (a larger tensor travels alone)."""
+    buckets: int
+    """Buckets per sync: requests each engine answers."""
+    steps: tuple[SyncStep, ...]
+    links: LinksConfig
+    overlapped: bool
+    """The engine side runs while the actor side builds the next bucket (``tensor``'s double buffering)."""
+    senders: tuple[int, ...]
+    """Actor ranks (training-pool bundles) that post the engine requests."""
+
+    def side_seconds(self, side: str) -> float:
+        return sum(step.seconds(self.links) for step in self.steps if step.side == side)
+
+    @property
+    def seconds(self) -> float:
+        """Estimated seconds per sync: the steps in turn; with ``overlapped``, the slower side plus one
+        bucket's worth of the faster one (filling and draining the pipeline)."""
+        actor, engine = self.side_seconds("actor"), self.side_seconds("engine")
+        if not self.overlapped:
+            return actor + engine
+        return max(actor, engine) + min(actor, engine) / self.buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +244,7 @@ class RunPlan:
     placement: PlacementPlan
     gpu_memory_bytes: int
     gpus: tuple[GpuPlan, ...]
-    sync: SyncVolume
+    sync: SyncPlan
     max_seq: int
 
     @property
@@ -402,11 +450,15 @@ class _MemoryModel:
         return rows * self.seq * self.model.kv_bytes_per_token(1, self.engine_bytes)
 
     # ------------------------------------------------------------------------------ weight sync
-    def _sync(self) -> tuple[SyncVolume, dict[int, int], int]:
-        """The volume, the sync buffers per actor pipeline stage, and the sender's flat copy of a bucket."""
+    def _sync(self) -> tuple[SyncPlan, dict[int, int], int]:
+        """The sync plan, each actor rank's sync buffers (bytes, by training-pool bundle) and the buffer an engine
+        GPU receives a bucket into (``distributed``; 0 for ``tensor``, whose engines read the actor's buffers)."""
+        from megarl.config.rollout import resolve_transport
         from megarl.convert.param_map import Unit, buckets
+        from megarl.sync.tensor import NUM_BUFFERS
 
-        m, dims = self.model, self.actor_dims
+        m, dims, arr = self.model, self.actor_dims, self.arr
+        transport = resolve_transport(arr.rollout.weight_transport, colocated=self.colocated)
         chunk_layers = m.num_layers // (dims.pp * dims.num_virtual_stages)
 
         def owner(layer):
@@ -424,38 +476,89 @@ class _MemoryModel:
         units += [Unit(r, None, *last, r.hf, tuple(m.hf_shape(t) for t in r.hf))
                   for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
 
-        def full(u, size=self.dtype_bytes):
+        def full(u, size=self.engine_bytes):
             return sum(math.prod(s) for s in u.hf_shapes) * size
 
-        bucket = max(sum(full(u) for u in b) for b in buckets(units, full, self.arr.rollout.bucket_mb << 20))
-        padded = m.family.padded_vocab_size(m.hf_config, dims.tp)
-        buffers, gathered = {}, {}
-        for stage in range(dims.pp):
-            own = [u for u in units if u.pp_rank == stage]
-            scratch = [full(u) for u in own if dims.tp > 1 and u.rule.split is not Split.REPLICATED
-                       and not (u.rule.split is Split.VOCAB and padded == m.vocab)]  # vocab rows gather in place
-            buffers[stage] = bucket + max(scratch, default=0)
-            split = sum(full(u) for u in own if u.rule.split is not Split.REPLICATED)
-            gathered[stage] = split * (dims.tp - 1) // dims.tp
-        flat = bucket * self.engine_bytes // self.dtype_bytes  # ActorWorker.sync_weights' torch.cat per bucket
-        model_bytes = sum(full(u, self.engine_bytes) for u in units)
-        total_model_dtype = sum(full(u) for u in units)
-        stage_bytes = {s: sum(full(u) for u in units if u.pp_rank == s) for s in range(dims.pp)}
-        engines = self.placement.engines
-        senders: dict[int, int] = {}
-        for engine in engines:
-            replica = engine_replica(engine, dims.dp)  # as the trainer feeds them
-            sender = replica * dims.tp * dims.cp  # TP 0, CP 0, PP 0 of the replica
-            senders[sender] = senders.get(sender, 0) + model_bytes
-        receivers = {e.index: (f"{e.pool}:{e.bundles[0]}", model_bytes) for e in engines}
-        volume = SyncVolume(model_bytes, senders, receivers,
-                            total_model_dtype - min(stage_bytes.values()) if dims.pp > 1 else 0,
-                            max(gathered.values()))
-        return volume, buffers, flat
+        tp, pp, num_buffers = dims.tp, dims.pp, NUM_BUFFERS if transport == "tensor" else 1
+        # The exporter's buckets (WeightExporter.iter_buckets, at the engine dtype): the tensor transport splits
+        # rollout.bucket_mb over its two buffers; buffers hold a multiple of tp elements (stripes).
+        budget = max(1, (arr.rollout.bucket_mb << 20) // num_buffers)
+        groups = buckets(units, full, budget)
+        sizes = [sum(full(u) for u in b) for b in groups]
+        padded = [math.ceil(n // self.engine_bytes / tp) * tp * self.engine_bytes for n in sizes]
+        owners = [b[0].pp_rank for b in groups]
+        vocab_in_place = (m.family.padded_vocab_size(m.hf_config, tp) == m.vocab
+                          and self.engine_bytes == self.dtype_bytes)
+        scratch, gathered = {}, {}
+        for stage in range(pp):
+            own = [u for u in units if u.pp_rank == stage and u.rule.split is not Split.REPLICATED]
+            # Split tensors gather through a scratch buffer in the model dtype, but vocabulary rows in place.
+            scratch[stage] = max((full(u, self.dtype_bytes) for u in own if tp > 1
+                                  and not (u.rule.split is Split.VOCAB and vocab_in_place)), default=0)
+            gathered[stage] = sum(full(u, self.dtype_bytes) for u in own) * (tp - 1) // tp
+
+        pool = self.placement.pools[self.placement.role("actor").pool]
+        group_stride = tp * dims.cp * dims.dp  # rank r's pipeline peers: r mod stride + p * stride
+        hosts = ({b for e in self.placement.engines for b in e.bundles} if transport == "tensor" else set())
+
+        def receivers(rank: int) -> frozenset[int]:
+            base = rank % group_stride
+            return frozenset(p for p in range(pp) if base + p * group_stride in hosts)
+
+        ring: dict[tuple[int, frozenset[int]], int] = {}
+        buffers = {}
+        for rank in range(pool.size):
+            stage, wanted = rank // group_stride, receivers(rank)
+            if (stage, wanted) not in ring:
+                held = [padded[i] for i in range(len(groups)) if owners[i] == stage or stage in wanted]
+                ring[stage, wanted] = sum(max(held[k::num_buffers], default=0) for k in range(num_buffers))
+            buffers[rank] = ring[stage, wanted] + scratch[stage]
+
+        model_bytes = sum(sizes)
+        links = self.cfg.trainer.links
+        load = SyncStep("engine", "each engine GPU copies its shard out of the buckets (read + write)", "hbm",
+                        2 * model_bytes // self.engine_tp)
+        requests = SyncStep("engine", f"{len(groups)} engine requests, one per bucket", "requests", count=len(groups))
+        if transport == "tensor":
+            delivered = stripes = 0
+            pp_link = "intra_node"
+            for base in range(group_stride):
+                wanted = receivers(base)
+                members = [base + p * group_stride for p in range(pp)]
+                if len({pool.node_of(r) for r in members}) > 1:
+                    pp_link = "infiniband"
+                group_delivered = group_stripes = 0
+                for i, stage in enumerate(owners):
+                    others = len(wanted - {stage})
+                    if others:
+                        group_delivered += padded[i]
+                        # one broadcast when every other stage receives, else one send per receiving stage
+                        group_stripes += padded[i] // tp * (1 if others == pp - 1 else others)
+                delivered, stripes = max(delivered, group_delivered), max(stripes, group_stripes)
+            steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages in turn)" if pp > 1 else ""),
+                              "intra_node", sum(gathered.values()))]
+            if pp > 1:
+                steps += [SyncStep("actor", f"buckets to the other stages' engine ranks, in 1/{tp} stripes "
+                                   "per GPU", pp_link, stripes),
+                          SyncStep("actor", "TP all-gathers of the stripes on the receiving stages", "intra_node",
+                                   delivered * (tp - 1) // tp)]
+            steps += [requests, load]
+            senders = tuple(sorted(e.bundles[0] for e in self.placement.engines))
+        else:
+            steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages at once)" if pp > 1 else ""),
+                              "intra_node", max(gathered.values())),
+                     SyncStep("actor", "broadcast: every engine GPU receives every bucket", "infiniband",
+                              model_bytes),
+                     requests, load]
+            replicas = sorted({engine_replica(e, dims.dp) for e in self.placement.engines})
+            senders = tuple(sorted(p * group_stride + d * tp * dims.cp for d in replicas for p in range(pp)))
+        plan = SyncPlan(transport, model_bytes, budget, len(groups), tuple(steps), links,
+                        overlapped=transport == "tensor", senders=senders)
+        return plan, buffers, (max(sizes) if transport == "distributed" else 0)
 
     # ----------------------------------------------------------------------------------- GPUs
     def plan(self) -> RunPlan:
-        sync, sync_buffers, flat = self._sync()
+        sync, sync_buffers, engine_buffer = self._sync()
         engine_weights = self._engine_weights()
         kv_bytes_per_token = self.model.kv_bytes_per_token(self.engine_tp, self.engine_bytes)
         per_gpu: list[tuple[str, int, int, dict[str, int]]] = []
@@ -468,15 +571,14 @@ class _MemoryModel:
                 critic = self._critic_rows(bundle)
                 rows |= {k: v for k, v in critic.items() if k != "_at_start"}
                 rows["_at_start"] += critic["_at_start"]
-            _, _, _, pp_rank = megatron_coordinates(bundle, self.actor_dims)
-            rows["sync_buffers"] = sync_buffers[pp_rank] + (flat if bundle in sync.senders else 0)
+            rows["sync_buffers"] = sync_buffers[bundle]
             processes = 1 + (self.critic_model is not None)
             rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
             per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
         if not self.colocated:
             rollout_pool = self.placement.pools[self.placement.role("rollout").pool]
             for bundle in range(rollout_pool.size):
-                rows = {key: 0 for key in ROWS} | {"_at_start": 0}
+                rows = {key: 0 for key in ROWS} | {"_at_start": 0, "sync_buffers": engine_buffer}
                 per_gpu.append((rollout_pool.name, bundle, rollout_pool.node_of(bundle), rows))
         by_key = {(p, b): rows for p, b, _, rows in per_gpu}
         kv = {}
@@ -500,14 +602,14 @@ class _MemoryModel:
                 per_token = kv_bytes_per_token if self.arr.rollout.name == "sglang" else \
                     self.model.kv_bytes_per_token(1, self.engine_bytes)
                 tokens = rows["kv_cache"] // per_token
-            label = self._label(pool_name, bundle, index, sender=pool_name == training_pool and bundle in sync.senders)
+            label = self._label(pool_name, bundle, index)
             plans.append((pool_name, bundle, node, label, rows,
                           self._phases(rows, pool_name == training_pool), tokens,
                           self.arr.rollout.name if index is not None else None, at_start))
         return RunPlan(self.cfg, self.model, self.critic_model, self.placement, self.memory,
                        _group(plans), sync, self.max_seq)
 
-    def _label(self, pool_name: str, bundle: int, engine: int | None, *, sender: bool) -> str:
+    def _label(self, pool_name: str, bundle: int, engine: int | None) -> str:
         parts = []
         if pool_name == self.placement.role("actor").pool:
             dims = self.actor_dims
@@ -522,8 +624,6 @@ class _MemoryModel:
             parts.append("rollout pool")
         if engine is not None:
             parts.append("engine")
-        if sender:
-            parts.append("sender")
         return ", ".join(parts)
 
     def _phases(self, rows: dict[str, int], training: bool) -> dict[str, dict[str, int]]:
@@ -533,7 +633,8 @@ class _MemoryModel:
         # The hf engine's cache lives only while it generates; SGLang's pool comes back with the weights.
         resumed = engine if self.arr.rollout.name == "sglang" else {"engine_weights": rows["engine_weights"]}
         if not training:
-            return {"rollout": base | engine, "weight sync": base | resumed}
+            return {"rollout": base | engine,
+                    "weight sync": base | resumed | {"sync_buffers": rows["sync_buffers"]}}
         arr = self.arr
         actor = arr.actor
         actor_full = {k: rows[k] for k in ("actor_weights", "actor_grads", "actor_optimizer")}

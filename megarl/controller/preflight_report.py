@@ -4,7 +4,7 @@ The report: the model, the placement (pools, roles and their TP/PP/DP groups, wh
 pipeline stage holds, each engine's GPUs and the rank that feeds it), the SGLang engine servers'
 GPUs as their launch arguments say them (:mod:`megarl.controller.engine_gpus`), then one memory column per
 kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room and
-the weight-sync volume.
+the weight sync (volume per link and time estimate).
 """
 
 from __future__ import annotations
@@ -114,10 +114,9 @@ def _placement_lines(plan: RunPlan) -> list[str]:
             lines.append("  ...")
             continue
         replica = engine_replica(engine, dp)
-        sender = replica * placement.role("actor").dims.tp * placement.role("actor").dims.cp
         where = ranges(engine.bundles) if engine.pool == GLOBAL_POOL else f"{engine.pool}:{ranges(engine.bundles)}"
         lines.append(f"  engine {engine.index}: GPUs {where} ({_nodes(engine.nodes)}), "
-                     f"fed by actor DP replica {replica} (sent from GPU {sender})")
+                     f"fed by actor DP replica {replica}")
     return lines
 
 
@@ -196,24 +195,37 @@ def memory_table(plan: RunPlan) -> list[str]:
     return _table(header, body)
 
 
+_LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "infiniband": "InfiniBand", "hbm": "HBM"}
+
+
 def _sync_lines(plan: RunPlan) -> list[str]:
-    sync = plan.sync
-    rollout = plan.cfg.actor_rollout_ref.rollout
-    dtype = _DTYPE_NAMES[rollout.dtype]
-    senders = ", ".join(f"GPU {g}: {_gib(b)}" for g, b in sorted(sync.senders.items())[:4])
-    if len(sync.senders) > 4:
-        senders += f", ... ({len(sync.senders)} senders)"
-    receivers = sorted({gpu for gpu, _ in sync.receivers.values()})
-    shown = ", ".join(receivers[:4]) + (f", ... ({len(receivers)} engines)" if len(receivers) > 4 else "")
-    model_dtype = _DTYPE_NAMES[plan.cfg.actor_rollout_ref.model.dtype]
-    return [
-        f"Weight sync per step: full HF tensors in {dtype}, {_gib(sync.model_bytes)} GiB per engine "
-        f"(buckets of {rollout.bucket_mb} MiB through Ray)",
-        f"  sent by each DP replica's first actor rank (TP 0, PP 0), GiB: {senders}",
-        f"  received by each engine's first GPU ({shown}): {_gib(sync.model_bytes)} GiB each",
-        f"  inside the actor ({model_dtype}), per rank at most: {_gib(sync.pp_broadcast_bytes)} GiB received in the "
-        f"pipeline broadcast of buckets, {_gib(sync.tp_gather_bytes)} GiB in TP all-gathers",
-    ]
+    sync, arr = plan.sync, plan.cfg.actor_rollout_ref
+    links = sync.links
+    engines = plan.placement.engines
+    per_buffer = " (rollout.bucket_mb over two buffers)" if sync.transport == "tensor" else ""
+    lines = [(f"Weight sync per step: transport {sync.transport} ({ARR}.rollout.weight_transport="
+              f"{arr.rollout.weight_transport}), full HF tensors in {_DTYPE_NAMES[arr.rollout.dtype]}, "
+              f"{_gib(sync.model_bytes)} GiB into each of {len(engines)} engine(s), {sync.buckets} buckets of at "
+              f"most {sync.bucket_bytes / (1 << 20):.0f} MiB{per_buffer}; requests posted by actor GPUs "
+              f"{ranges(sync.senders)}")]
+    for step in sync.steps:
+        link = links.intra_node if step.link == "intra_node" else step.link
+        amount = f"{step.count} x {links.request_ms:g} ms" if step.link == "requests" else \
+            f"{_gib(step.nbytes)} GiB over {_LINK_NAMES[link]}"
+        lines.append(f"  {step.side:<6} {step.what}: {amount}: {step.seconds(links):.2f} s")
+    how = ("the engine loads a bucket while the actor builds the next: the slower side "
+           f"({_seconds(max(sync.side_seconds('actor'), sync.side_seconds('engine')))}) plus one bucket of the other"
+           if sync.overlapped else "the steps in turn")
+    lines.append(f"weight sync estimate: {sync.seconds:.2f} s per sync ({how})")
+    lines.append(f"  assumed (trainer.links.*): NVLink {links.nvlink_gbps:g} GB/s, PCIe {links.pcie_gbps:g} GB/s, "
+                 f"InfiniBand {links.infiniband_gbps:g} GB/s, HBM {links.hbm_gbps:g} GB/s per GPU one way, "
+                 f"{links.request_ms:g} ms per engine request; GPUs of a node over {_LINK_NAMES[links.intra_node]} "
+                 f"(trainer.links.intra_node)")
+    return lines
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f} s"
 
 
 def _engine_note(plan: RunPlan) -> list[str]:
@@ -246,8 +258,7 @@ def format_report(plan: RunPlan) -> str:
     engine_lines = _engine_gpu_lines(plan)
     if engine_lines:
         lines += [""] + engine_lines
-    lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals; "
-              "sender: sends the weights to the engines)"]
+    lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals)"]
     lines += [f"  {line}" for line in memory_table(plan)]
     lines += _engine_note(plan)
     lines += [""] + _sync_lines(plan) + [""]

@@ -168,17 +168,3 @@ def update_weights(engine: RolloutEngine, buckets: Iterable[NamedTensors]) -> in
             engine.update_weights_from_tensor(bucket)
             delivered += sum(t.numel() * t.element_size() for _, t in bucket)
     return delivered
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """A SHA-1 of a tensor's dtype, shape and bytes: equal digests mean bit-identical tensors.
-
-    Weight sync compares the trainer's digest of a tensor (cast to the engine's dtype) with
-    the engine's digest of the weight it holds under the same HF name.
-    """
-    import hashlib
-
-    data = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.sha1(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

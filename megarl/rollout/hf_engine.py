@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from megarl.models.sampling import MAX_SEED, derive_row_seed, eos_token_ids, sample_continuations
-from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams, tensor_digest
+from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 
 
 class HFEngine:
@@ -273,14 +273,6 @@ class HFEngine:
                 raise RuntimeError("HFEngine.end_weight_update: no weight-update session is open")
             self._in_session = False
             self.flush_cache()
-
-    def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
-        """:func:`megarl.rollout.engine.tensor_digest` of the weights held under HF ``names``."""
-        with self._lock:
-            unknown = [n for n in names if n not in self._params]
-            if unknown:
-                raise ValueError(f"HFEngine.weight_digests: unknown weight names {unknown[:5]}")
-            return {name: tensor_digest(self._params[name]) for name in names}
 
     # ----------------------------------------------------------------------------- memory
 

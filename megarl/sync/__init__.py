@@ -17,23 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megarl.config.rollout import resolve_transport
 from megarl.rollout.client import EngineAddress
 from megarl.sync.base import TRANSPORTS, WeightTransport, merge_stats, verify_sample
 
 __all__ = ["TRANSPORTS", "WeightTransport", "make_transport", "merge_stats", "resolve_transport", "verify_sample"]
-
-
-def resolve_transport(name: str, *, colocated: bool) -> str:
-    """The transport ``name`` means: ``auto`` → ``tensor`` when the engines share the actor's GPUs, else
-    ``distributed``; ``tensor`` needs colocated engines."""
-    if name == "auto":
-        return "tensor" if colocated else "distributed"
-    if name not in TRANSPORTS:
-        raise ValueError(f"actor_rollout_ref.rollout.weight_transport={name!r}: use auto or one of {TRANSPORTS}")
-    if name == "tensor" and not colocated:
-        raise ValueError("actor_rollout_ref.rollout.weight_transport=tensor needs the engines on the actor's GPUs "
-                         "(actor_rollout_ref.hybrid_engine=true); disaggregated engines use distributed (or auto)")
-    return name
 
 
 def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str) -> WeightTransport:

@@ -59,10 +59,9 @@ def _kinds(plan):
 
 
 def test_7b_weights_grads_optimizer_engine_bytes(plan_7b):
-    # pp=1 and engines on every GPU: two kinds of GPU, the weight senders (first rank of each DP replica) and the rest
+    # pp=1 and an engine on every TP group: one kind of GPU
     kinds = _kinds(plan_7b)
-    assert {k: g.gpus for k, g in kinds.items()} == {"actor, engine, sender": (0, 2, 4, 6),
-                                                     "actor, engine": (1, 3, 5, 7)}
+    assert {k: g.gpus for k, g in kinds.items()} == {"actor, engine": tuple(range(8))}
     gpu = kinds["actor, engine"]
     assert gpu.rows["actor_weights"] == 2 * N_RANK  # bf16
     assert gpu.rows["actor_grads"] == 4 * N_RANK  # fp32 gradient buffer
@@ -90,8 +89,26 @@ def test_7b_activation_logits_and_kv_estimates(plan_7b):
     assert gpu.kv_tokens == kv // (2 * L * (G // TP) * D * 2)  # K and V, 2 KV heads per GPU, bf16
 
 
+def _hand_buckets(tensors, budget):
+    """``[(chunk, bytes)]`` in HF order grouped as the exporter groups them: a bucket closes when the next
+    tensor group would overflow ``budget`` or belongs to another model chunk; a larger one travels alone."""
+    out, current, size = [], None, 0
+    for chunk, nbytes in tensors:
+        if current is not None and (current != chunk or size + nbytes > budget):
+            out.append(size)
+            size = 0
+        current, size = chunk, size + nbytes
+    return out + [size]
+
+
+def _7b_buckets(budget):
+    layer = [H, QKV - (A + 2 * G) * D, (A + 2 * G) * D, H * A * D, H, 2 * F * H, H * F]  # norm, qkv w+b, o, norm, fc1, fc2
+    tensors = [(0, 2 * V * H)] + [(0, 2 * n) for _ in range(L) for n in layer] + [(0, 2 * H), (0, 2 * V * H)]
+    return _hand_buckets(tensors, budget)
+
+
 def test_7b_phases_and_sync_volume(plan_7b):
-    gpu, sender = _kinds(plan_7b)["actor, engine"], _kinds(plan_7b)["actor, engine, sender"]
+    gpu = _kinds(plan_7b)["actor, engine"]
     r = gpu.rows
     state = r["actor_weights"] + r["actor_grads"] + r["actor_optimizer"] + r["ref_weights"]
     # Only ref.param_offload: the actor's training state stays during the rollout, beside the engine;
@@ -100,15 +117,39 @@ def test_7b_phases_and_sync_volume(plan_7b):
     assert gpu.phases["log-probs"] == state + r["forward"] + r["cuda_context"]  # engine released
     assert gpu.phases["update actor"] == state + r["activations"] + r["logits"] + r["cuda_context"]
     assert gpu.peak_phase == "log-probs"
-    # Bucket buffer: the embedding (152064 x 3584 bf16) travels alone, larger than 512 MiB; gather scratch:
-    # the fused gate/up of one layer gathered over TP 2.
-    assert r["sync_buffers"] == V * H * 2 + 2 * F * H * 2
-    # The sender also builds each bucket's flat copy (bf16) for Ray.
-    assert sender.rows["sync_buffers"] == r["sync_buffers"] + V * H * 2
+    # Colocated: the tensor transport, buckets of 512 / 2 MiB taking turns in two buffers, each as large as
+    # the largest bucket it takes: the embedding (152064 x 3584 bf16, alone: larger than a bucket) in the first;
+    # gather scratch: the fused gate/up of one layer gathered over TP 2.
+    sizes = _7b_buckets(256 << 20)
+    assert plan_7b.sync.transport == "tensor" and plan_7b.sync.buckets == len(sizes) == 59
+    assert max(sizes[0::2]) == V * H * 2
+    assert r["sync_buffers"] == V * H * 2 + max(sizes[1::2]) + 2 * F * H * 2
     hf_params = 7_615_616_512  # Qwen2.5-7B's published parameter count
     assert plan_7b.model.num_params == hf_params
-    assert plan_7b.sync.model_bytes == hf_params * 2
-    assert plan_7b.sync.senders == {0: hf_params * 2, 2: hf_params * 2, 4: hf_params * 2, 6: hf_params * 2}
+    assert plan_7b.sync.model_bytes == hf_params * 2 == sum(sizes)
+    assert plan_7b.sync.senders == (0, 2, 4, 6)  # each engine's first GPU posts its requests
+
+
+def test_7b_weight_sync_estimate_per_transport(plan_7b):
+    """The estimate from the published sizes and the default links (NVLink 450, InfiniBand 50, HBM 3350 GB/s,
+    10 ms per engine request)."""
+    model = 7_615_616_512 * 2
+    norms = (2 * L + 1) * H * 2  # replicated: nothing to gather
+    gather = (model - norms) // 2  # each TP-2 rank receives the other half of every split tensor
+    actor = gather / 450e9
+    engine = 59 * 0.010 + 2 * model // 2 / 3350e9  # requests + each engine GPU copying its half (read + write)
+    assert plan_7b.sync.seconds == pytest.approx(engine + actor / 59, rel=1e-12)  # double buffered
+    assert f"weight sync estimate: {engine + actor / 59:.2f} s" in plan_7b.report()
+    # Disaggregated: the distributed transport, buckets of 512 MiB, each engine GPU receives every byte over
+    # InfiniBand; nothing overlaps. Engine GPUs receive a bucket into a buffer of its size (the embedding's).
+    split = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.hybrid_engine=false",
+                                  "actor_rollout_ref.rollout.pool_nodes=[8]", "trainer.links.infiniband_gbps=25"]))
+    count = len(_7b_buckets(512 << 20))
+    assert split.sync.transport == "distributed" and split.sync.buckets == count
+    assert split.sync.seconds == pytest.approx(gather / 450e9 + model / 25e9 + count * 0.010 + model / 3350e9,
+                                               rel=1e-12)
+    assert split.sync.senders == (0, 2, 4, 6)  # the TP-0 rank of each DP replica
+    assert _kinds(split)["rollout pool, engine"].rows["sync_buffers"] == V * H * 2
 
 
 # ------------------------------------------------------------------------------------- formulas
@@ -148,19 +189,46 @@ def test_70b_recipe_fits_on_8x8_80gb(plan_70b):
     assert plan_70b.fits and plan_70b.gpu_memory_bytes == 80 * GiB
     assert plan_70b.worst.peak < 80 * GiB
     by_label = _kinds(plan_70b)
-    assert {k: g.gpus for k, g in by_label.items()} == {
-        "stage 0, engine, sender": (0, 8), "stage 0, engine": (*range(1, 8), *range(9, 16)),
-        "stage 1": tuple(range(16, 32)), "stage 2": tuple(range(32, 48)), "stage 3": tuple(range(48, 64))}
+    # One engine on every actor TP group (engine_layout per_tp_group): every GPU generates.
+    assert {k: g.gpus for k, g in by_label.items()} == {f"stage {s}, engine": tuple(range(16 * s, 16 * s + 16))
+                                                         for s in range(4)}
     # Stage 0 of TP 8 x PP 4: 20 layers and the embedding (128256 = 8 x 16032 rows).
     h, f, a, g, d = 8192, 28672, 64, 8, 128
     layer = ((a + 2 * g) * d * h + h * a * d + 3 * f * h) // 8 + 2 * h
     assert by_label["stage 0, engine"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h)
-    assert by_label["stage 1"].rows["actor_weights"] == 2 * 20 * layer
-    assert by_label["stage 3"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h + h)
-    # All training state offloaded: the idle stages hold only the actor's CUDA context while engines generate.
-    assert by_label["stage 1"].phases["rollout"] == CUDA_CONTEXT_BYTES
+    assert by_label["stage 1, engine"].rows["actor_weights"] == 2 * 20 * layer
+    assert by_label["stage 3, engine"].rows["actor_weights"] == 2 * (20 * layer + 16032 * h + h)
+    # All training state offloaded: beside its engine a GPU holds only the actor's CUDA context while it generates.
+    stage1 = by_label["stage 1, engine"]
+    assert stage1.phases["rollout"] == 2 * CUDA_CONTEXT_BYTES + stage1.rows["engine_weights"] + stage1.rows["kv_cache"]
     assert plan_70b.model.num_params == 70_553_706_496
-    assert sorted(plan_70b.sync.senders) == [0, 8]  # the first rank of each of the 2 DP replicas
+    assert plan_70b.sync.senders == tuple(range(0, 64, 8))  # each engine's first GPU
+
+
+def test_70b_weight_sync_estimate_under_3_s(plan_70b):
+    """Tensor transport, TP 8 x PP 4 (20 layers per stage in 5 chunks of 4), engines on every TP group, buckets of
+    4096 / 2 MiB; H100 links: NVLink 450 GB/s, 400 Gb/s InfiniBand per GPU, HBM 3350 GB/s, 10 ms per request."""
+    h, f, a, g, d, v = 8192, 28672, 64, 8, 128, 128256
+    layer = [h, (a + 2 * g) * d * h, h * a * d, h, 2 * f * h, h * f]  # norm, qkv, o, norm, fc1, fc2
+    # a bucket never spans two model chunks (of 4 layers)
+    tensors = [(0, 2 * v * h)] + [(i // 4, 2 * n) for i in range(80) for n in layer] + [(19, 2 * h), (19, 2 * v * h)]
+    sizes = _hand_buckets(tensors, 2 << 30)
+    model = 70_553_706_496 * 2
+    assert plan_70b.sync.model_bytes == model == sum(sizes) and plan_70b.sync.buckets == len(sizes)
+    split = model - (2 * 80 + 1) * h * 2  # everything but the norms is split over TP 8
+    actor = (split * 7 // 8 / 450e9  # each stage's TP all-gathers, stages in turn
+             + model / 8 / 50e9  # every bucket to the 3 other stages: one broadcast of a 1/8 stripe per GPU, over IB
+             + model * 7 // 8 / 450e9)  # the stripes all-gathered on the receiving stages
+    engine = len(sizes) * 0.010 + 2 * model // 8 / 3350e9
+    expected = max(actor, engine) + min(actor, engine) / len(sizes)
+    assert plan_70b.sync.seconds == pytest.approx(expected, rel=1e-9)
+    assert expected < 3.0
+    assert f"weight sync estimate: {expected:.2f} s" in plan_70b.report()
+    # The assumptions are printed, and they are settings: half the InfiniBand costs the stripes twice the time.
+    assert "InfiniBand 50 GB/s" in plan_70b.report()
+    slow = plan_run(load_config(["recipe=llama3_1_70b_grpo", "trainer.links.infiniband_gbps=25"]))
+    ib = next(s for s in slow.sync.steps if s.link == "infiniband")
+    assert ib.nbytes == model // 8 and ib.seconds(slow.sync.links) == pytest.approx(model / 8 / 25e9)
 
 
 def test_70b_with_tp1_is_refused_naming_a_key():
@@ -247,8 +315,8 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
 def test_cli_prints_the_plan_and_exits_0_when_it_fits(capsys):
     assert plan_main(["recipe=llama3_1_70b_grpo"]) == 0
     out = capsys.readouterr().out
-    for text in ("Placement", "TP groups (8 groups of 8): [0-7] [8-15]", "engine 1: GPUs 8-15",
-                 "actor optimizer (Adam, /2 ranks)", "KV cache tokens per engine", "Weight sync per step", "fits:"):
+    for text in ("Placement", "TP groups (8 groups of 8): [0-7] [8-15]", "engine 4: GPUs 8-15",
+                 "actor optimizer (Adam, /2 ranks)", "KV cache tokens per engine", "Weight sync per step", "weight sync estimate:", "fits:"):
         assert text in out
 
 
@@ -275,8 +343,10 @@ def test_critic_hf_and_disaggregated_layouts_are_planned():
                                   "actor_rollout_ref.rollout.pool_nodes=[8]"]))
     training, engines = _kinds(split)["actor"], _kinds(split)["rollout pool, engine"]
     assert training.rows["engine_weights"] == 0 and engines.pool == "rollout" and engines.gpus == tuple(range(8))
-    # Alone on its GPU, SGLang takes 0.6 x 80 GiB: its context, weights and KV pool.
-    assert engines.peak == int(0.6 * 80 * GiB)
+    # Alone on its GPU, SGLang takes 0.6 x 80 GiB: its context, weights and KV pool; during the sync also the
+    # bucket it receives (the embedding's, the largest).
+    assert engines.phases["rollout"] == int(0.6 * 80 * GiB)
+    assert engines.phases["weight sync"] == int(0.6 * 80 * GiB) + V * H * 2
 
 
 @pytest.mark.parametrize("recipe", ["qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo", "llama3_1_70b_grpo"])
@@ -293,7 +363,7 @@ def test_engines_on_every_tp_group_are_fed_by_the_replica_they_sit_on():
     assert len(engines) == 8
     # Ranks are TP-fastest, then DP, then PP: replica 0 holds GPUs 0-7, 16-23, 32-39, 48-55.
     assert {e.bundles[0]: e.dp_rank for e in engines} == {0: 0, 16: 0, 32: 0, 48: 0, 8: 1, 24: 1, 40: 1, 56: 1}
-    assert plan.sync.senders == {0: 4 * plan.sync.model_bytes, 8: 4 * plan.sync.model_bytes}
+    assert plan.sync.senders == tuple(sorted(e.bundles[0] for e in engines))
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.engine_layout"):
         load_config(["actor_rollout_ref.rollout.engine_layout=per_gpu"])
 
@@ -350,13 +420,13 @@ def test_megarl_plan_on_a_zero_width_config_exits_2_naming_the_field(tmp_path):
 
 
 def test_cli_prints_each_sglang_engine_servers_gpus(capsys):
-    """The Engines section (megarl.controller.engine_gpus): 70B, TP8 engines, one per DP replica of 8 nodes x 8."""
+    """The Engines section (megarl.controller.engine_gpus): 70B, TP8 engines, one on every TP group of 8 nodes x 8."""
     assert plan_main(["recipe=llama3_1_70b_grpo"]) == 0
     out = capsys.readouterr().out
     section = out[out.index("\nEngines"):out.index("\nMemory per GPU")]
     assert "pool bundle b on GPU b mod n of node b div n" in section
     every = "GPUs [0, 1, 2, 3, 4, 5, 6, 7] (CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7, base_gpu_id 0)"
-    assert f"  engine 0: node 0 {every}" in section and f"  engine 1: node 1 {every}" in section
+    assert f"  engine 0: node 0 {every}" in section and f"  engine 4: node 1 {every}" in section
     tp2 = plan_run(load_config(["recipe=qwen2_5_7b_grpo"]), check=False).report()
     assert "  engine 3: node 0 GPUs [6, 7] (CUDA_VISIBLE_DEVICES=6,7, base_gpu_id 0)" in tp2
     hf = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.name=hf",
