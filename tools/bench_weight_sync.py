@@ -14,10 +14,11 @@ are the slowest rank's, barrier to barrier):
 - **sync**: ``transport.sync`` with the bucket (verification off; a first sync reads back a sample of eight
   tensors from every engine);
 - **per-tensor way**: the same transport with one tensor per bucket (``bucket_bytes=1``);
-- **limit**: what the transport cannot avoid, run alone on the same bytes: the TP all-gather of each stage's
-  tensors (bucket-sized pieces), the delivery of the buckets (``tensor``: the pipeline broadcast to the other
-  stage; ``distributed``: a broadcast of each stage's bytes to as many receivers, in another process, as the
-  engines have TP ranks), plus one copy of the model's bytes;
+- **limit**: what the transport cannot avoid, run alone on the same buckets in the same order and
+  concurrency: its collectives (``tensor``: each bucket's TP all-gather on its stage, the 1/tp stripes
+  broadcast to the other stage and all-gathered there; ``distributed``: each stage at once, its buckets'
+  TP all-gather and the broadcast to as many receivers, threads of another process, as the engines have
+  TP ranks), plus one copy of the model's bytes (the engine's load);
 - **memory**: resident set size above the baseline on the actor ranks during one sync (sampled every
   ``--sample-ms``), against the bucket.
 
@@ -106,40 +107,62 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------------- limit
-def _pieces(nbytes: int, bucket_bytes: int) -> list[int]:
-    """``nbytes`` in float32 elements, cut into bucket-sized pieces."""
-    numel, step = nbytes // 4, max(1, bucket_bytes // 4)
-    return [min(step, numel - start) for start in range(0, numel, step)]
+def bucket_plan(exporter, bucket_bytes: int) -> list[tuple[int, int]]:
+    """``(owner stage, elements)`` of each bucket the exporter builds for ``bucket_bytes`` (in its order; elements
+    rounded up to a multiple of tp, as its buffers are)."""
+    from megarl.convert.param_map import buckets
+
+    tp = exporter.dims.tp
+    out = []
+    for bucket in buckets(exporter.units, exporter._full_bytes, bucket_bytes):
+        numel = sum(exporter._full_bytes(u) for u in bucket) // exporter._element_size
+        out.append((bucket[0].pp_rank, -(-numel // tp) * tp))
+    return out
 
 
-def _all_gather_s(groups, stage_bytes: int, bucket_bytes: int) -> float:
-    """Every stage all-gathers its bytes over TP at once (output ``stage_bytes``, in bucket pieces)."""
+def _tensor_limit_s(groups, plan: list[tuple[int, int]]) -> float:
+    """The tensor transport's collectives alone, bucket after bucket as it runs them when every stage hosts an
+    engine: the owner stage's TP all-gather of the bucket, the broadcast of each TP rank's 1/tp stripe to the
+    other stages, and their all-gather of the stripes."""
     import torch.distributed as dist
 
-    tp = groups.dims.tp
-    if tp == 1:
-        return 0.0
+    tp, pp, my_stage = groups.dims.tp, groups.dims.pp, groups.pp_rank
+    buffer = torch.ones(max(numel for _, numel in plan))
     dist.barrier()
     start = time.perf_counter()
-    for numel in _pieces(stage_bytes, bucket_bytes):
-        out = torch.empty(numel - numel % tp)
-        dist.all_gather_into_tensor(out, out[: out.numel() // tp].clone(), group=groups.tp)
+    for owner, numel in plan:
+        bucket = buffer[:numel]
+        stripe = bucket.view(tp, -1)[groups.tp_rank]
+        if owner == my_stage and tp > 1:
+            dist.all_gather_into_tensor(bucket, stripe, group=groups.tp)
+        if pp > 1:
+            dist.broadcast(stripe, src=dist.get_global_rank(groups.pp, owner), group=groups.pp)
+            if owner != my_stage and tp > 1:
+                dist.all_gather_into_tensor(bucket, stripe, group=groups.tp)
     dist.barrier()
     return time.perf_counter() - start
 
 
-def _pipeline_s(groups, stage_bytes: list[int], bucket_bytes: int) -> float:
-    """Each stage's buckets broadcast over the pipeline groups, stage after stage (the tensor transport when
-    every stage hosts an engine)."""
+def _distributed_limit_s(groups, plan: list[tuple[int, int]], receiver_group) -> float:
+    """The distributed transport's collectives alone: every stage at once, its buckets in turn: the stage's TP
+    all-gather, then its TP-0 rank's broadcast of the bucket to as many receivers as the engines have TP ranks
+    (``receiver_group``: threads of another process, :func:`_receive_broadcasts`)."""
     import torch.distributed as dist
 
-    if groups.dims.pp == 1:
-        return 0.0
+    tp, my_stage = groups.dims.tp, groups.pp_rank
+    own = [numel for owner, numel in plan if owner == my_stage]
+    buffer = torch.ones(max(own))
+    if receiver_group is not None:
+        receiver_group.broadcast(torch.tensor([len(own), max(own)], dtype=torch.int64), 0).wait()
+        receiver_group.broadcast(torch.tensor(own, dtype=torch.int64), 0).wait()
     dist.barrier()
     start = time.perf_counter()
-    for stage, nbytes in enumerate(stage_bytes):
-        for numel in _pieces(nbytes, bucket_bytes):
-            dist.broadcast(torch.empty(numel), src=dist.get_global_rank(groups.pp, stage), group=groups.pp)
+    for numel in own:
+        bucket = buffer[:numel]
+        if tp > 1:
+            dist.all_gather_into_tensor(bucket, bucket.view(tp, -1)[groups.tp_rank], group=groups.tp)
+        if receiver_group is not None:
+            receiver_group.broadcast(bucket, 0).wait()
     dist.barrier()
     return time.perf_counter() - start
 
@@ -154,38 +177,26 @@ def _copy_s(nbytes: int) -> float:
 
 
 def _receive_broadcasts(host: str, port: int, members: int, world_size: int, name: str) -> None:
-    """``members`` receivers of a gloo group (threads of one process, as the CPU engine server's TP ranks):
-    each round a header ``[pieces, numel]``, then the pieces; a header of 0 pieces ends."""
+    """``members`` receivers of a gloo group (threads of one process, as the CPU engine server's TP ranks): a
+    header ``[buckets, largest]``, the buckets' sizes, then each bucket."""
     from megarl.rollout.weight_group import join_group
 
     def member(rank: int) -> None:
         group = join_group(host, port, rank, world_size, name)
-        while True:
-            header = torch.zeros(2, dtype=torch.int64)
-            group.broadcast(header, 0).wait()
-            pieces, numel = header.tolist()
-            if pieces == 0:
-                return
-            buffer = torch.empty(numel)
-            for _ in range(pieces):
-                group.broadcast(buffer, 0).wait()
+        header = torch.zeros(2, dtype=torch.int64)
+        group.broadcast(header, 0).wait()
+        count, largest = header.tolist()
+        sizes = torch.zeros(count, dtype=torch.int64)
+        group.broadcast(sizes, 0).wait()
+        buffer = torch.empty(largest)
+        for numel in sizes.tolist():
+            group.broadcast(buffer[:numel], 0).wait()
 
     threads = [threading.Thread(target=member, args=(rank,)) for rank in range(1, members + 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-
-
-def _broadcast_s(group, nbytes: int, bucket_bytes: int) -> float:
-    """Broadcast ``nbytes`` in bucket pieces to the receivers of ``group`` (sender: rank 0)."""
-    pieces = _pieces(nbytes, bucket_bytes)
-    buffer = torch.ones(max(pieces))
-    start = time.perf_counter()
-    group.broadcast(torch.tensor([len(pieces), buffer.numel()], dtype=torch.int64), 0).wait()
-    for _ in pieces:
-        group.broadcast(buffer, 0).wait()
-    return time.perf_counter() - start
 
 
 # ------------------------------------------------------------------------------ ranks
@@ -200,6 +211,7 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
     from megarl.rollout.client import EngineAddress
     from megarl.rollout.weight_group import join_group
     from megarl.sync import make_transport, verify_sample
+    from megarl.sync.tensor import NUM_BUFFERS
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     groups = common.init_ranks("cpu", tp, pp)
@@ -214,7 +226,6 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
     # Verified once per transport: a seeded sample of the tensors small enough to read back as JSON quickly.
     small = [n for u in exporter.units for n, shape in zip(u.hf_names, u.hf_shapes) if math.prod(shape) <= 1 << 20]
     names = verify_sample(small, 8, 0)
-    stage_bytes = [sum(exporter._full_bytes(u) for u in exporter.units if u.pp_rank == s) for s in range(pp)]
     total = exporter.total_bytes
     out: dict = {"rank": dist.get_rank(), "total_bytes": total, "transports": {}}
     for name in TRANSPORTS:
@@ -235,24 +246,17 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
                 if method == "sync":
                     stats = result
         transport.close()
-        # The limit, on the same bytes.
-        limit = {"all_gather": _all_gather_s(groups, stage_bytes[groups.pp_rank], bucket_bytes),
-                 "copy": _copy_s(total)}
+        # The limit: the same buckets' collectives, alone, plus one copy of the bytes (the engine's load).
+        plan = bucket_plan(exporter, bucket_bytes // NUM_BUFFERS if name == "tensor" else bucket_bytes)
         if name == "tensor":
-            limit["deliver"] = _pipeline_s(groups, stage_bytes, bucket_bytes)
+            moved = _tensor_limit_s(groups, plan)
         else:
             group = None
             if groups.tp_rank == 0:  # each stage's sender, joined before the clock starts
                 host, port, world_size, group_name = receivers[groups.pp_rank]
                 group = join_group(host, port, 0, world_size, group_name)
-            dist.barrier()
-            start = time.perf_counter()
-            if group is not None:
-                _broadcast_s(group, stage_bytes[groups.pp_rank], bucket_bytes)
-            dist.barrier()
-            limit["deliver"] = time.perf_counter() - start
-            if group is not None:
-                group.broadcast(torch.zeros(2, dtype=torch.int64), 0).wait()  # the receivers stop
+            moved = _distributed_limit_s(groups, plan, group)
+        limit = {"collectives": moved, "copy": _copy_s(total)}
         out["transports"][name] = {"seconds": seconds, "limit": limit, "memory": memory.extra,
                                    "checked": checked, "stats": stats}
     return out

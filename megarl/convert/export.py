@@ -76,9 +76,10 @@ class WeightExporter:
         """Full HF tensors in buckets of at most ``bucket_bytes`` (one flat buffer each, at the export dtype).
 
         ``to_pp_ranks``: the pipeline stages (of this rank's pipeline group) that need every bucket besides its
-        owner; ``None``: all of them (one broadcast per bucket). A rank yields the buckets its stage owns or
-        receives; with one receiving stage other than the owner the bucket goes by one send, with none it
-        stays on its owner. All ranks of the model must call this with the same arguments.
+        owner; ``None``: all of them. A rank yields the buckets its stage owns or receives; a bucket crosses
+        stages in ``tp`` stripes (:meth:`_deliver`: one broadcast when every stage receives, point to point
+        otherwise, then an all-gather over the receiving stage's TP group); with no receiving stage it stays on
+        its owner. All ranks of the model must call this with the same arguments.
 
         ``num_buffers``: buckets take turns in that many buffers (bucket ``i`` in buffer ``i mod n``): a
         bucket stays valid while the next ``n - 1`` are produced (2: double buffering, a consumer may hold
@@ -87,19 +88,27 @@ class WeightExporter:
         """
         if num_buffers < 0:
             raise ValueError(f"num_buffers must be >= 0, got {num_buffers}")
-        pp, my_stage = self.dims.pp, self.groups.pp_rank
+        pp, my_stage, tp = self.dims.pp, self.groups.pp_rank, self.dims.tp
         receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
         sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
         held = [i for i, bucket in enumerate(groups)
                 if receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers]
-        buffers = self._ring([sizes[i] for i in held], num_buffers, shared_memory)
-        held_set = set(held)
+        # Buffers hold a multiple of tp elements: a bucket crosses stages in tp stripes (see _deliver).
+        buffers = self._ring([-(-sizes[i] // tp) * tp for i in held], num_buffers, shared_memory)
+        try:
+            yield from self._fill(groups, sizes, set(held), buffers, receivers)
+        finally:
+            self._gather_buffer = None  # the gather scratch lives only as long as an export
+
+    def _fill(self, groups, sizes, held_set, buffers, receivers) -> Iterator[Bucket]:
+        pp, my_stage = self.dims.pp, self.groups.pp_rank
         for i, bucket in enumerate(groups):
             owner = bucket[0].pp_rank
             if i not in held_set:
                 continue
-            buffer = next(buffers)
+            padded = next(buffers)
+            buffer = padded[: sizes[i]]
             shapes = [s for u in bucket for s in u.hf_shapes]
             views = split_flat(buffer, shapes)
             if owner == my_stage:
@@ -108,10 +117,8 @@ class WeightExporter:
                     self._gather_into(unit, views[start : start + len(unit.hf_names)])
                     start += len(unit.hf_names)
             if pp > 1:
-                if receivers is None:
-                    self._broadcast(buffer, owner)
-                else:
-                    self._send_to(buffer, owner, sorted(receivers - {owner}))
+                others = [s for s in range(pp) if s != owner and (receivers is None or s in receivers)]
+                self._deliver(padded, owner, others)
             yield Bucket([n for u in bucket for n in u.hf_names], views, buffer, owner)
 
     def _gather_into(self, unit: Unit, out: list[torch.Tensor]) -> None:
@@ -194,14 +201,27 @@ class WeightExporter:
             src = dist.get_global_rank(self.groups.pp, owner_pp_rank)
             dist.broadcast(buffer, src=src, group=self.groups.pp)
 
-    def _send_to(self, buffer: torch.Tensor, owner_pp_rank: int, receivers: list[int]) -> None:
-        """The owner stage's bucket to each receiving stage of the pipeline group, point to point."""
-        my_stage = self.groups.pp_rank
-        if my_stage == owner_pp_rank:
-            for stage in receivers:
-                dist.send(buffer, dst=dist.get_global_rank(self.groups.pp, stage), group=self.groups.pp)
-        elif my_stage in receivers:
-            dist.recv(buffer, src=dist.get_global_rank(self.groups.pp, owner_pp_rank), group=self.groups.pp)
+    def _deliver(self, padded: torch.Tensor, owner_pp_rank: int, stages: list[int]) -> None:
+        """The owner stage's full bucket (``padded``: its buffer, a multiple of tp elements) to the ``stages`` of
+        the pipeline group that need it, in stripes: TP rank ``t`` of the owner sends only the ``t``-th of ``tp``
+        equal stripes to TP rank ``t`` of each receiving stage (by one broadcast when every other stage
+        receives, else point to point), and each receiving stage all-gathers the stripes over its TP group. A
+        pipeline link between nodes carries ``1/tp`` of the bucket per GPU; the rest moves inside the node."""
+        if not stages:
+            return
+        tp, my_stage, pp_group = self.dims.tp, self.groups.pp_rank, self.groups.pp
+        width = padded.numel() // tp
+        stripe = padded[self.groups.tp_rank * width : (self.groups.tp_rank + 1) * width]
+        src = dist.get_global_rank(pp_group, owner_pp_rank)
+        if len(stages) == self.dims.pp - 1:
+            dist.broadcast(stripe, src=src, group=pp_group)
+        elif my_stage == owner_pp_rank:
+            for stage in stages:
+                dist.send(stripe, dst=dist.get_global_rank(pp_group, stage), group=pp_group)
+        elif my_stage in stages:
+            dist.recv(stripe, src=src, group=pp_group)
+        if tp > 1 and my_stage in stages:
+            _all_gather(padded, stripe, group=self.groups.tp)  # in place: stripe t is already at its offset
 
 
 @dataclasses.dataclass

@@ -2,8 +2,9 @@
 
 Every actor rank that sits on one of an engine's GPUs (the engine's *host ranks*, in engine TP order) holds
 every full HF bucket: its pipeline stage builds the stage's buckets (TP shards all-gathered within the node),
-and the buckets of the other stages come to it from their owners, point to point when it is the only stage
-of its pipeline group that needs them, by one broadcast when several do, and not at all to stages that host
+and the buckets of the other stages come to it from their owners in ``tp`` stripes (each TP rank of the owner
+sends one stripe to its pipeline peer: by one broadcast when every stage hosts engine ranks, point to point
+otherwise; the receiving stage all-gathers the stripes within its node), and not at all to stages that host
 no engine rank. Each host rank serialises a handle to its own bucket buffer (:func:`flattened_payload`:
 CUDA IPC on GPU, shared memory on CPU), the handles are all-gathered over the engine's host ranks, and the
 first host rank (the *driver*) posts one ``/update_weights_from_tensor`` whose payload ``r`` is host rank

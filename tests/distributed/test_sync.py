@@ -4,7 +4,8 @@ servers that behave as TP=2 SGLang engines (two payloads per update, two group m
 One 4-rank job (sync_jobs.transports_job) runs three cases, each twice, after changing every weight:
 
 - ``tensor`` with an engine on each pipeline stage's GPUs (per_tp_group: both stages need every bucket, one
-  broadcast each), and with one engine on stage 0 only (per_replica: stage 1's buckets go point to point);
+  broadcast of a 1/tp stripe per TP rank, then an all-gather of the stripes), and with one engine on stage 0
+  only (per_replica: stage 1's stripes go point to point);
 - ``distributed``: each stage's TP-0 rank broadcasts its own buckets to both engines (two groups of 5).
 
 Every tensor is verified by the transport and read back again by rank 0 against an independent full export.
