@@ -14,11 +14,13 @@ are the slowest rank's, barrier to barrier):
 - **sync**: ``transport.sync`` with the bucket (verification off; a first sync reads back a sample of eight
   tensors from every engine);
 - **per-tensor way**: the same transport with one tensor per bucket (``bucket_bytes=1``);
-- **limit**: what the transport cannot avoid, run alone on the same buckets in the same order and
-  concurrency: its collectives (``tensor``: each bucket's TP all-gather on its stage, the 1/tp stripes
-  broadcast to the other stage and all-gathered there; ``distributed``: each stage at once, its buckets'
-  TP all-gather and the broadcast to as many receivers, threads of another process, as the engines have
-  TP ranks), plus one copy of the model's bytes (the engine's load);
+- **limit**: the transport's own collectives, run alone on the same buckets in the same order and
+  concurrency (``tensor``: each bucket's TP all-gathers on its stage as the exporter issues them
+  (:meth:`~megarl.convert.export.WeightExporter.gather_ops`), the 1/tp stripes broadcast to the other stage
+  and all-gathered there; ``distributed``: each stage at once, its buckets' TP all-gathers and the
+  broadcast to as many receivers, threads of another process, as the engines have TP ranks), plus one copy
+  of the model's bytes (the engine's load): what is left of a sync without its copies, serialisation,
+  HTTP and engine work;
 - **memory**: resident set size above the baseline on the actor ranks during one sync (sampled every
   ``--sample-ms``), against the bucket.
 
@@ -49,9 +51,14 @@ import bench_convert as common
 import torch
 
 import megarl.parallel  # noqa: F401  (before Megatron: silences its CPU fallback warnings in ranks)
+from megarl.parallel.cpu_support import all_gather_into_tensor
 
 MB = common.MB
 TRANSPORTS = ("tensor", "distributed")
+LIVE_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+"""The ranks' allocator: glibc serves every block over 128 KiB by its own mapping and unmaps it when freed (the
+default threshold climbs to 32 MiB after the first large free, and freed heap memory stays resident), so the
+resident set follows the live buffers, as ``torch.cuda.max_memory_allocated`` would on GPU."""
 
 
 # --------------------------------------------------------------------------- memory
@@ -107,62 +114,73 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------------- limit
-def bucket_plan(exporter, bucket_bytes: int) -> list[tuple[int, int]]:
-    """``(owner stage, elements)`` of each bucket the exporter builds for ``bucket_bytes`` (in its order; elements
-    rounded up to a multiple of tp, as its buffers are)."""
+def bucket_plan(exporter, bucket_bytes: int) -> list[tuple[int, int, list[int]]]:
+    """Per bucket the exporter builds for ``bucket_bytes``, in its order: ``(owner stage, elements rounded up to a
+    multiple of tp as its buffers are, elements of each TP all-gather its owner stage runs to fill it: known on
+    that stage's ranks only)``."""
     from megarl.convert.param_map import buckets
 
     tp = exporter.dims.tp
     out = []
     for bucket in buckets(exporter.units, exporter._full_bytes, bucket_bytes):
         numel = sum(exporter._full_bytes(u) for u in bucket) // exporter._element_size
-        out.append((bucket[0].pp_rank, -(-numel // tp) * tp))
+        mine = bucket[0].pp_rank == exporter.groups.pp_rank  # (a rank holds only its own stage's parameters)
+        gathers = [tp * sum(exporter.params[u.megatron_name].numel() for u in units)
+                   for kind, units in (exporter.gather_ops(bucket) if mine else []) if kind != "copy"]
+        out.append((bucket[0].pp_rank, -(-numel // tp) * tp, gathers))
     return out
 
 
-def _tensor_limit_s(groups, plan: list[tuple[int, int]]) -> float:
+def _gathers(groups, scratch: torch.Tensor, sizes: list[int]) -> None:
+    """The owner stage's TP all-gathers of one bucket (``sizes``: their output elements)."""
+    for numel in sizes:
+        out = scratch[:numel].view(groups.dims.tp, -1)
+        all_gather_into_tensor(out, out[groups.tp_rank], group=groups.tp)
+
+
+def _tensor_limit_s(groups, plan: list[tuple[int, int, list[int]]]) -> float:
     """The tensor transport's collectives alone, bucket after bucket as it runs them when every stage hosts an
-    engine: the owner stage's TP all-gather of the bucket, the broadcast of each TP rank's 1/tp stripe to the
-    other stages, and their all-gather of the stripes."""
+    engine: the owner stage's TP all-gathers filling the bucket, the broadcast of each TP rank's 1/tp stripe
+    to the other stages, and their all-gather of the stripes."""
     import torch.distributed as dist
 
     tp, pp, my_stage = groups.dims.tp, groups.dims.pp, groups.pp_rank
-    buffer = torch.ones(max(numel for _, numel in plan))
+    buffer = torch.ones(max(numel for _, numel, _ in plan))
+    scratch = torch.ones(max((n for _, _, sizes in plan for n in sizes), default=1))
     dist.barrier()
     start = time.perf_counter()
-    for owner, numel in plan:
+    for owner, numel, gathers in plan:
         bucket = buffer[:numel]
         stripe = bucket.view(tp, -1)[groups.tp_rank]
-        if owner == my_stage and tp > 1:
-            dist.all_gather_into_tensor(bucket, stripe, group=groups.tp)
+        if owner == my_stage:
+            _gathers(groups, scratch, gathers)
         if pp > 1:
             dist.broadcast(stripe, src=dist.get_global_rank(groups.pp, owner), group=groups.pp)
             if owner != my_stage and tp > 1:
-                dist.all_gather_into_tensor(bucket, stripe, group=groups.tp)
+                all_gather_into_tensor(bucket, stripe, group=groups.tp)
     dist.barrier()
     return time.perf_counter() - start
 
 
-def _distributed_limit_s(groups, plan: list[tuple[int, int]], receiver_group) -> float:
+def _distributed_limit_s(groups, plan: list[tuple[int, int, list[int]]], receiver_group) -> float:
     """The distributed transport's collectives alone: every stage at once, its buckets in turn: the stage's TP
-    all-gather, then its TP-0 rank's broadcast of the bucket to as many receivers as the engines have TP ranks
-    (``receiver_group``: threads of another process, :func:`_receive_broadcasts`)."""
+    all-gathers filling the bucket, then its TP-0 rank's broadcast of the bucket to as many receivers as the
+    engines have TP ranks (``receiver_group``: threads of another process, :func:`_receive_broadcasts`)."""
     import torch.distributed as dist
 
-    tp, my_stage = groups.dims.tp, groups.pp_rank
-    own = [numel for owner, numel in plan if owner == my_stage]
-    buffer = torch.ones(max(own))
+    own = [(numel, gathers) for owner, numel, gathers in plan if owner == groups.pp_rank]
+    largest = max(numel for numel, _ in own)
+    buffer = torch.ones(largest)
+    scratch = torch.ones(max((n for _, sizes in own for n in sizes), default=1))
     if receiver_group is not None:
-        receiver_group.broadcast(torch.tensor([len(own), max(own)], dtype=torch.int64), 0).wait()
-        receiver_group.broadcast(torch.tensor(own, dtype=torch.int64), 0).wait()
+        receiver_group.broadcast(torch.tensor([len(own), largest], dtype=torch.int64), 0).wait()
+        receiver_group.broadcast(torch.tensor([n for n, _ in own], dtype=torch.int64), 0).wait()
     dist.barrier()
     start = time.perf_counter()
-    for numel in own:
-        bucket = buffer[:numel]
-        if tp > 1:
-            dist.all_gather_into_tensor(bucket, bucket.view(tp, -1)[groups.tp_rank], group=groups.tp)
+    for numel, gathers in own:
+        _gathers(groups, scratch, gathers)
         if receiver_group is not None:
-            receiver_group.broadcast(bucket, 0).wait()
+            receiver_group.broadcast(buffer[:numel], 0).wait()
     dist.barrier()
     return time.perf_counter() - start
 
@@ -257,7 +275,19 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
                 group = join_group(host, port, 0, world_size, group_name)
             moved = _distributed_limit_s(groups, plan, group)
         limit = {"collectives": moved, "copy": _copy_s(total)}
-        out["transports"][name] = {"seconds": seconds, "limit": limit, "memory": memory.extra,
+        # Where the time goes: the export alone (the transport's buckets built and delivered, no engine).
+        if name == "tensor":
+            export = {"bucket_bytes": bucket_bytes // NUM_BUFFERS, "num_buffers": NUM_BUFFERS,
+                      "to_pp_ranks": transport.receivers, "shared_memory": True}
+        else:
+            export = {"bucket_bytes": bucket_bytes, "num_buffers": 1, "to_pp_ranks": ()}
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in exporter.iter_buckets(**export):
+            pass
+        dist.barrier()
+        limit_export = time.perf_counter() - start
+        out["transports"][name] = {"seconds": seconds, "limit": limit, "export": limit_export, "memory": memory.extra,
                                    "checked": checked, "stats": stats}
     return out
 
@@ -285,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Run the benchmark; print a report ending with one RESULT line per transport; return their numbers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_model_arguments(parser)
+    common.add_model_arguments(parser, hidden=256, layers=64)
     parser.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds, the methods interleaved; the best of each is kept (default: %(default)s)")
@@ -333,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             helper.start()
             helpers.append(helper)
         results = run_ranks(sync_rank_job, world, str(hf_dir), engines, bucket_bytes, args.repeats, args.sample_ms,
-                            tp, pp, receivers, timeout_s=args.timeout, env=common.rank_env("cpu"))
+                            tp, pp, receivers, timeout_s=args.timeout, env=common.rank_env("cpu") | LIVE_MEMORY)
     finally:
         for helper in helpers:
             helper.join(10)
@@ -373,6 +403,7 @@ def report(results: list[dict], args, bucket_bytes: int) -> dict[str, dict[str, 
               f"{stats['weight_sync/buckets']:.0f} buckets), every tensor verified: {exact}")
         print(f"  limit {limit:.3f} s = " + " + ".join(f"{k} {v:.3f}" for k, v in limit_parts.items())
               + f" -> ratio {values['ratio_vs_limit']:.2f} (bar >= 0.5 {common.bar(values['ratio_vs_limit'] >= 0.5)})")
+        print(f"  the export alone (buckets built and delivered, no engine): {max(r['export'] for r in per_rank):.3f} s")
         print(f"  per-tensor way {best['per_tensor']:.3f} s -> speedup {values['speedup_vs_per_tensor']:.2f}x "
               f"(bar >= 3x {common.bar(values['speedup_vs_per_tensor'] >= 3)})")
         print(f"  memory above the model on the actor ranks: peak {peak / MB:.1f} MiB = "

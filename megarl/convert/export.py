@@ -28,11 +28,14 @@ from megarl.convert.hf_io import expected_shapes
 from megarl.convert.layout import ModelSizes, hf_split_dim, unfuse
 from megarl.convert.param_map import Unit, buckets, build_plan, local_parameters
 from megarl.models.weights import Fuse
+from megarl.parallel.cpu_support import all_gather_into_tensor as _all_gather
+from megarl.parallel.cpu_support import plain_torch
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-
-# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); torch < 2.13 has only it.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+COALESCE_BYTES = 8 << 20
+"""TP-split parameters smaller than this are all-gathered several at a time (their full sizes together under
+it): one collective per run of small tensors instead of one each; the gather scratch stays below it or the
+largest parameter."""
 
 
 class WeightExporter:
@@ -88,7 +91,7 @@ class WeightExporter:
         """
         if num_buffers < 0:
             raise ValueError(f"num_buffers must be >= 0, got {num_buffers}")
-        pp, my_stage, tp = self.dims.pp, self.groups.pp_rank, self.dims.tp
+        my_stage, tp = self.groups.pp_rank, self.dims.tp
         receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
         sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
@@ -110,39 +113,91 @@ class WeightExporter:
             padded = next(buffers)
             buffer = padded[: sizes[i]]
             shapes = [s for u in bucket for s in u.hf_shapes]
-            views = split_flat(buffer, shapes)
-            if owner == my_stage:
-                start = 0
-                for unit in bucket:
-                    self._gather_into(unit, views[start : start + len(unit.hf_names)])
-                    start += len(unit.hf_names)
-            if pp > 1:
-                others = [s for s in range(pp) if s != owner and (receivers is None or s in receivers)]
-                self._deliver(padded, owner, others)
+            with plain_torch():  # (not across the yield: the consumer runs with the thread's usual torch)
+                views = split_flat(buffer, shapes)
+                if owner == my_stage:
+                    self._gather_bucket(bucket, views)
+                if pp > 1:
+                    others = [s for s in range(pp) if s != owner and (receivers is None or s in receivers)]
+                    self._deliver(padded, owner, others)
             yield Bucket([n for u in bucket for n in u.hf_names], views, buffer, owner)
 
-    def _gather_into(self, unit: Unit, out: list[torch.Tensor]) -> None:
-        """All-gather ``unit``'s TP shards and write the HF tensors into ``out`` (no concatenation)."""
-        shard = self.params[unit.megatron_name].detach()
-        tp = self.dims.tp
-        dim = hf_split_dim(unit.rule)
-        if tp == 1 or dim is None:  # nothing to gather: the whole tensor is here
-            for view, part in zip(out, unfuse(unit.rule, shard, self.sizes, self.groups.tp_rank, tp), strict=True):
-                view.copy_(part)
-            return
-        if dim == 0 and unit.rule.fuse is Fuse.NONE and out[0].shape[0] == tp * shard.shape[0] and out[0].dtype == shard.dtype:
-            # Row blocks in rank order are the HF tensor itself (unpadded vocabulary too): gather in place.
-            _all_gather(out[0], shard.contiguous(), group=self.groups.tp)
-            return
-        flat = self._scratch(tp * shard.numel(), shard)
-        # Ranks' shards stacked along dim 0 (the layout all_gather_into_tensor writes).
-        _all_gather(flat.view(-1, *shard.shape[1:]), shard.contiguous(), group=self.groups.tp)
-        gathered = flat.view(tp, *shard.shape)
-        offsets = [0] * len(out)
-        for r in range(tp):
-            for k, part in enumerate(unfuse(unit.rule, gathered[r], self.sizes, r, tp)):
-                out[k].narrow(dim, offsets[k], part.shape[dim]).copy_(part)
-                offsets[k] += part.shape[dim]
+    def gather_ops(self, bucket: list[Unit]) -> list[tuple[str, list[Unit]]]:
+        """How the owner stage fills ``bucket``, in order: ``("copy", [unit])`` (a whole tensor is here),
+        ``("in_place", [unit])`` (vocabulary rows all-gathered straight into the bucket) or ``("gather", units)``
+        (one all-gather of the units' shards through the scratch buffer: consecutive small ones, together under
+        :data:`COALESCE_BYTES`, share one). Every TP rank of the stage gets the same ops (they depend on shapes
+        only), so the collectives match."""
+        ops: list[tuple[str, list[Unit]]] = []
+        pending: list[Unit] = []
+        pending_bytes = 0
+        for unit in bucket:
+            shard = self.params[unit.megatron_name]
+            nbytes = shard.numel() * shard.element_size() * self.dims.tp
+            if self.dims.tp == 1 or hf_split_dim(unit.rule) is None:
+                ops.append(("copy", [unit]))
+            elif self._in_place(unit, shard):
+                ops.append(("in_place", [unit]))
+            elif nbytes >= COALESCE_BYTES:
+                ops.append(("gather", [unit]))
+            else:  # small: joins the pending run (the other ops of the bucket do not interrupt it)
+                if pending and (pending_bytes + nbytes > COALESCE_BYTES
+                                or self.params[pending[0].megatron_name].dtype != shard.dtype):
+                    ops.append(("gather", pending))
+                    pending, pending_bytes = [], 0
+                pending.append(unit)
+                pending_bytes += nbytes
+        if pending:
+            ops.append(("gather", pending))
+        return ops
+
+    def _gather_bucket(self, bucket: list[Unit], views: list[torch.Tensor]) -> None:
+        """Write the HF tensors of ``bucket``'s units into ``views`` by :meth:`gather_ops`."""
+        where, start = {}, 0
+        for unit in bucket:
+            where[id(unit)] = views[start : start + len(unit.hf_names)]
+            start += len(unit.hf_names)
+        tp, rank = self.dims.tp, self.groups.tp_rank
+        for kind, units in self.gather_ops(bucket):
+            if kind == "copy":
+                shard = self.params[units[0].megatron_name].detach()
+                for view, part in zip(where[id(units[0])], unfuse(units[0].rule, shard, self.sizes, rank, tp),
+                                      strict=True):
+                    view.copy_(part)
+            elif kind == "in_place":
+                shard = self.params[units[0].megatron_name].detach()
+                _all_gather(where[id(units[0])][0], shard.contiguous(), group=self.groups.tp)
+            else:
+                self._gather_many([(unit, where[id(unit)]) for unit in units])
+
+    def _in_place(self, unit: Unit, shard: torch.Tensor) -> bool:
+        """Row blocks in rank order that are the HF tensor itself (an unpadded vocabulary, exported in the
+        parameters' dtype): all-gathered straight into the bucket."""
+        return (hf_split_dim(unit.rule) == 0 and unit.rule.fuse is Fuse.NONE and len(unit.hf_shapes) == 1
+                and unit.hf_shapes[0][0] == self.dims.tp * shard.shape[0] and self.dtype == shard.dtype)
+
+    def _gather_many(self, units: list[tuple[Unit, list[torch.Tensor]]]) -> None:
+        """One all-gather of several units' shards (each rank's shards end to end in its block of the scratch),
+        then each rank's shard of each unit unfused into the HF tensors."""
+        tp, my_rank = self.dims.tp, self.groups.tp_rank
+        shards = [self.params[unit.megatron_name].detach() for unit, _ in units]
+        width = sum(shard.numel() for shard in shards)
+        blocks = self._scratch(tp * width, shards[0]).view(tp, width)
+        offset = 0
+        for shard in shards:
+            blocks[my_rank, offset : offset + shard.numel()].copy_(shard.reshape(-1))
+            offset += shard.numel()
+        _all_gather(blocks, blocks[my_rank], group=self.groups.tp)
+        offset = 0
+        for (unit, out), shard in zip(units, shards):
+            dim = hf_split_dim(unit.rule)
+            offsets = [0] * len(out)
+            for r in range(tp):
+                gathered = blocks[r, offset : offset + shard.numel()].view(shard.shape)
+                for k, part in enumerate(unfuse(unit.rule, gathered, self.sizes, r, tp)):
+                    out[k].narrow(dim, offsets[k], part.shape[dim]).copy_(part)
+                    offsets[k] += part.shape[dim]
+            offset += shard.numel()
 
     def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A reusable flat buffer for gathers (grows to the largest gathered parameter)."""
@@ -185,8 +240,7 @@ class WeightExporter:
         device = next(iter(self.params.values())).device
 
         def allocate(numel: int) -> torch.Tensor:
-            buffer = torch.empty(numel, dtype=self.dtype, device=device)
-            return _shared(buffer) if shared_memory else buffer
+            return empty_buffer(numel, self.dtype, device, shared_memory=shared_memory)
 
         if count == 0:
             for numel in sizes:
@@ -246,9 +300,8 @@ class Bucket:
         dtypes = {t.dtype for _, t in named}
         if len(dtypes) > 1:
             raise ValueError(f"a bucket holds one dtype (the engines'); got {sorted(map(str, dtypes))}: cast first")
-        flat = torch.empty(sum(t.numel() for _, t in named), dtype=named[0][1].dtype, device=named[0][1].device)
-        if shared_memory:
-            _shared(flat)
+        flat = empty_buffer(sum(t.numel() for _, t in named), named[0][1].dtype, named[0][1].device,
+                            shared_memory=shared_memory)
         views = split_flat(flat, [t.shape for _, t in named])
         for view, (_, tensor) in zip(views, named):
             view.copy_(tensor)
@@ -259,16 +312,20 @@ class Bucket:
         return self.flat.numel() * self.flat.element_size()
 
 
-def _shared(buffer: torch.Tensor) -> torch.Tensor:
-    """A CPU ``buffer`` moved into shared memory that any process of the machine can open by file name (torch's
-    ``file_system`` sharing strategy, set here: the default strategy's file descriptors reach only the sender's own
-    children); CUDA buffers are returned as they are (their IPC handles need nothing)."""
-    if buffer.device.type != "cpu":
-        return buffer
-    import torch.multiprocessing
+def empty_buffer(numel: int, dtype: torch.dtype, device, *, shared_memory: bool = False) -> torch.Tensor:
+    """A flat uninitialised buffer; with ``shared_memory`` a CPU one is created in shared memory that any process
+    of the machine can open by file name (torch's ``file_system`` sharing strategy, set here: the default
+    strategy's file descriptors reach only the sender's own children). Created there directly: moving a buffer
+    in (``share_memory_``) copies it, ~20x slower. CUDA buffers need nothing (their IPC handles just work)."""
+    device = torch.device(device)
+    if not shared_memory or device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    from torch import multiprocessing
 
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    return buffer.share_memory_()
+    multiprocessing.set_sharing_strategy("file_system")
+    element = torch.empty((), dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(numel * element)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
 
 
 def split_flat(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:

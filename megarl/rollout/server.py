@@ -111,6 +111,9 @@ class EngineServer:
         self._in_session = False
         self._groups: dict[str, list[Any]] = {}
         """Weight-update process groups by name (``/init_weights_update_group``): one member per TP rank."""
+        self._receive_buffers: dict[str, list[_Buffer]] = {}
+        """Per group, each member's receive buffer, reused from bucket to bucket (what CUDA's caching allocator
+        gives SGLang's ranks: fresh host memory per bucket would cost its page faults every time)."""
 
     # ------------------------------------------------------------------------ application
 
@@ -397,6 +400,7 @@ class EngineServer:
             if rank_offset < 1 or rank_offset + self.tp_size > world_size:
                 raise ValueError(f"ranks {rank_offset}..{rank_offset + self.tp_size - 1} (this engine's "
                                  f"{self.tp_size} TP ranks) do not fit a group of {world_size} whose rank 0 sends")
+            self._receive_buffers[name] = [_Buffer() for _ in range(self.tp_size)]
             self._groups[name] = list(await asyncio.gather(*[
                 self._off_loop(join_group, str(body["master_address"]), int(body["master_port"]), rank_offset + r,
                                world_size, name) for r in range(self.tp_size)]))
@@ -418,8 +422,9 @@ class EngineServer:
             return _result(False, "update_weights_from_distributed must run between begin_weight_update() and "
                                   "end_weight_update()")
         ranks = await asyncio.gather(*[
-            self._off_loop(_receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"))
-            for member in self._groups[name]])
+            self._off_loop(_receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
+                           buffer)
+            for member, buffer in zip(self._groups[name], self._receive_buffers[name], strict=True)])
         named = ranks[0]
         await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
@@ -428,6 +433,7 @@ class EngineServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = (await _json(request)).get("group_name", "weight_update_group")
+        self._receive_buffers.pop(name, None)
         if self._groups.pop(name, None) is None:
             return _result(False, "The group to be destroyed does not exist.")
         return _result(True, "Succeeded to destroy custom process group.")
@@ -534,15 +540,30 @@ def _deserialize(payload: Any, load_format: str | None) -> list[tuple[str, Any]]
     return list(obj)
 
 
+class _Buffer:
+    """A growing flat byte buffer, reused by one group member from bucket to bucket."""
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+        return self.data[:nbytes]
+
+
 def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
-             load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """The tensors rank 0 broadcasts: one per name, or one flattened bucket of them all."""
+             load_format: str | None, buffer: _Buffer) -> list[tuple[str, torch.Tensor]]:
+    """The tensors rank 0 broadcasts: one per name, or one flattened bucket of them all (into ``buffer``; the
+    tensors returned are views of it, valid until this member's next bucket)."""
     if load_format == FLATTENED_BUCKET:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-        bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
-        group.broadcast(bucket.get_flattened_tensor(), 0).wait()
-        return bucket.reconstruct_tensors()
+        layout = FlattenedTensorBucket.empty(names, dtypes, shapes, "meta")  # its metadata (checks names, shapes)
+        flat = buffer.take(layout.get_flattened_tensor().numel())
+        group.broadcast(flat, 0).wait()
+        return FlattenedTensorBucket(flattened_tensor=flat, metadata=layout.get_metadata()).reconstruct_tensors()
     if load_format is not None:
         raise RequestError(f"/update_weights_from_distributed: load_format {load_format!r}; use "
                            f"{FLATTENED_BUCKET!r} or none")

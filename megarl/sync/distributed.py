@@ -7,7 +7,8 @@ buckets) and owns one weight-update group per stage with the engines its replica
 (``/init_weights_update_group``, once, on the first sync; group ``megarl_weights_dp<d>_pp<p>``). Per bucket
 the sender posts ``/update_weights_from_distributed`` (names, dtypes, shapes, ``load_format=
 "flattened_bucket"``) to each of its engines and broadcasts the bucket's flat buffer once; every engine TP
-rank receives it into a buffer of its own and loads it. NCCL on GPU, gloo on CPU (megarl's CPU engine
+rank receives it into a buffer of its own and loads it, while the sender already builds the next bucket in
+its buffer (it waits for the engines' answers only before the next broadcast). NCCL on GPU, gloo on CPU (megarl's CPU engine
 server implements the receiving side). Stage 0's sender opens the engines' session before any stage sends
 and closes it after all have sent (the replica's senders form its pipeline group and meet there).
 
@@ -72,22 +73,27 @@ class DistributedTransport(WeightTransport):
             gather_sync([self.client(e).begin_weight_update() for e in self.targets])
         self._meet(active)  # every stage sends only once the sessions are open
         sent = buckets = 0
-        for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=()):
-            if not active:
-                continue
-            dtype = str(bucket.flat.dtype).removeprefix("torch.")
-            replies = [submit(self.client(e).update_weights_from_distributed(
-                bucket.names, [dtype] * len(bucket.names), [list(t.shape) for t in bucket.tensors],
-                group_name=self.group_name, load_format=FLATTENED_BUCKET, weight_version=version))
-                for e in self.targets]
-            try:
+        loading: list[concurrent.futures.Future] = []  # the engines' answers on the previous bucket
+        try:
+            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=()):
+                if not active:
+                    continue
+                _answers(loading)  # the engines loaded the previous bucket: they receive the next
+                dtype = str(bucket.flat.dtype).removeprefix("torch.")
+                loading = [submit(self.client(e).update_weights_from_distributed(
+                    bucket.names, [dtype] * len(bucket.names), [list(t.shape) for t in bucket.tensors],
+                    group_name=self.group_name, load_format=FLATTENED_BUCKET, weight_version=version))
+                    for e in self.targets]
                 self.group.broadcast(bucket.flat.view(torch.uint8), 0).wait()
-            finally:
-                for reply in concurrent.futures.as_completed(replies, timeout=660):
-                    reply.result()
-            expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
-            sent += bucket.nbytes
-            buckets += 1
+                # The engines hold the bytes now: they load them while the next bucket is built in this buffer.
+                expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+                sent += bucket.nbytes
+                buckets += 1
+            _answers(loading)
+            loading = []
+        finally:
+            if loading:  # an error here: let the requests end (an engine's error names it) before leaving
+                concurrent.futures.wait(loading, timeout=60)
         self._meet(active)  # every stage has sent
         if active and self.lead:
             close_sessions(self, self.targets)
@@ -107,3 +113,9 @@ class DistributedTransport(WeightTransport):
             gather_sync([self.client(e).destroy_weights_update_group(self.group_name) for e in self.targets])
             self.group = None
         super().close()
+
+
+def _answers(replies: list[concurrent.futures.Future]) -> None:
+    """Wait for every engine's answer (an engine's error, naming it, is raised)."""
+    for reply in concurrent.futures.as_completed(replies, timeout=660):
+        reply.result()
