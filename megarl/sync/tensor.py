@@ -24,6 +24,7 @@ rank and slices them itself, so TP-matched shards cannot be sent this way: the a
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 from collections.abc import Sequence
@@ -73,7 +74,7 @@ class TensorTransport(WeightTransport):
         start = time.perf_counter()
         if client is not None:
             run_sync(client.begin_weight_update())
-        pending: concurrent.futures.Future | None = None
+        pending: collections.deque[concurrent.futures.Future] = collections.deque()  # requests, oldest first
         sent = buckets = 0
         try:
             for bucket in exporter.iter_buckets(max(1, bucket_bytes // NUM_BUFFERS), num_buffers=NUM_BUFFERS,
@@ -81,21 +82,19 @@ class TensorTransport(WeightTransport):
                 if engine is None:
                     continue  # this rank only built (or passed on) the bucket
                 payload = flattened_payload(bucket)
-                if pending is not None:
-                    pending.result()  # the engine is done with the buffer the next bucket fills
-                    pending = None
+                while len(pending) > NUM_BUFFERS - 2:
+                    pending.popleft().result()  # the engine is done with the buffer the next bucket fills
                 handles = [payload] if self.group is None else _all_gather(payload, self.group, engine.host_ranks)
                 if client is not None:
                     expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
-                    pending = submit(client.update_weights_from_tensor(handles, weight_version=version))
+                    pending.append(submit(client.update_weights_from_tensor(handles, weight_version=version)))
                     sent += bucket.nbytes
                     buckets += 1
-            if pending is not None:
-                pending.result()
-                pending = None
+            while pending:
+                pending.popleft().result()
         finally:
-            if pending is not None:  # an error elsewhere: let the request end before the buffers go
-                concurrent.futures.wait([pending], timeout=60)
+            if pending:  # an error elsewhere: let the requests end before the buffers go
+                concurrent.futures.wait(list(pending), timeout=60)
         if client is None:
             return None
         close_sessions(self, [engine])
