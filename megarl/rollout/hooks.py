@@ -22,6 +22,7 @@ on one loop for as long as no hook blocks it. Hooks may be ``async def`` or plai
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import threading
@@ -111,18 +112,36 @@ _NOT_RUN = object()
 
 
 async def _invoke(hook_loop: _HookLoop, claim: _Claim, hook: str, function: Callable[..., Any], args: tuple,
-                  kwargs: dict) -> Any:
-    """Run one hook on ``hook_loop`` unless its call moved elsewhere before it started."""
+                  kwargs: dict, outcome: concurrent.futures.Future) -> None:
+    """Run one hook on ``hook_loop`` unless its call moved elsewhere before it started; its result (or error)
+    goes into ``outcome`` within the hook's own step of the loop. (Through the task's done callback it would
+    wait for the loop's next turn, and a blocking hook scheduled in between would hold a finished hook's result
+    until the caller timed it out.)"""
     if not claim.start():
-        return _NOT_RUN
+        _settle(outcome, outcome.set_result, _NOT_RUN)
+        return
     hook_loop.running_hooks.add(hook)
     try:
         result = function(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result
-        return result
+    except asyncio.CancelledError:
+        outcome.cancel()
+        raise
+    except BaseException as error:
+        _settle(outcome, outcome.set_exception, error)
+        raise
+    else:
+        _settle(outcome, outcome.set_result, result)
     finally:
         hook_loop.running_hooks.discard(hook)
+
+
+def _settle(outcome: concurrent.futures.Future, setter: Callable[[Any], None], value: Any) -> None:
+    try:
+        setter(value)
+    except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile
+        pass
 
 
 class HookRunner:
@@ -167,9 +186,11 @@ class HookRunner:
         while True:
             hook_loop = self._current()
             claim = _Claim()
-            future = asyncio.run_coroutine_threadsafe(_invoke(hook_loop, claim, hook, function, args, kwargs),
-                                                      hook_loop.loop)
-            waiting = asyncio.wrap_future(future)
+            outcome: concurrent.futures.Future = concurrent.futures.Future()
+            future = asyncio.run_coroutine_threadsafe(
+                _invoke(hook_loop, claim, hook, function, args, kwargs, outcome), hook_loop.loop)
+            future.add_done_callback(lambda task: task.cancelled() and outcome.cancel())
+            waiting = asyncio.wrap_future(outcome)
             while True:
                 left = None
                 if claim.started_at is not None and self.timeout_s is not None:

@@ -129,3 +129,28 @@ def test_calls_queued_behind_a_blocking_hook_move_to_a_fresh_loop_and_run_once()
     assert [value for value, _ in quick_results] == list(range(10))
     assert max(seconds for _, seconds in quick_results) < 0.9  # moved once the loop was blocked for 0.5 s
     assert sorted(runs) == list(range(10))  # each ran exactly once
+
+
+def test_a_finished_hook_keeps_its_result_when_a_blocking_hook_runs_right_after_it():
+    """A quick hook and a blocking one submitted together: the quick one finishes in the loop's first turn and the
+    blocking one takes the next. The quick result must reach its caller at once; handed over through the task's
+    done callback it would wait behind the blocking hook until its caller timed it out (the extra calc_reward
+    timeouts of the e2e hanging-tool run)."""
+
+    async def quick():
+        return "done"
+
+    async def blocking():
+        time.sleep(1.5)
+
+    async def main(runner):
+        start = time.perf_counter()
+        results = await asyncio.gather(runner.call("tool 'quick' calc_reward", quick),
+                                       runner.call("tool 'slow' release", blocking), return_exceptions=True)
+        return results, time.perf_counter() - start
+
+    with HookRunner(0.5) as runner:
+        (value, error), _ = asyncio.run(main(runner))
+        assert value == "done"
+        assert isinstance(error, HookTimeout) and error.hook == "tool 'slow' release"
+        time.sleep(1.5)  # the blocked thread ends before the runner closes
