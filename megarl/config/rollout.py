@@ -35,7 +35,8 @@ def resolve_transport(name: str, *, colocated: bool) -> str:
         raise ValueError(f"actor_rollout_ref.rollout.weight_transport={name!r}: use one of {list(WEIGHT_TRANSPORTS)}")
     if name == "tensor" and not colocated:
         raise ValueError("actor_rollout_ref.rollout.weight_transport=tensor needs the engines on the actor's GPUs "
-                         "(actor_rollout_ref.hybrid_engine=true); disaggregated engines use distributed (or auto)")
+                         "(actor_rollout_ref.hybrid_engine=true); disaggregated engines receive weights by "
+                         "broadcast: set actor_rollout_ref.rollout.weight_transport=distributed or auto")
     return name
 
 

@@ -37,11 +37,13 @@ class LinksConfig:
             check_positive(f"trainer.links.{key}", getattr(self, key))
         check_choice("trainer.links.intra_node", self.intra_node, INTRA_NODE_LINKS)
 
+    def physical(self, link: str) -> str:
+        """The link ``link`` names: ``intra_node`` is ``nvlink`` or ``pcie``; others are themselves."""
+        return self.intra_node if link == "intra_node" else link
+
     def gbps(self, link: str) -> float:
         """GB/s of ``link``: ``intra_node``, ``infiniband`` or ``hbm``."""
-        if link == "intra_node":
-            link = self.intra_node
-        return getattr(self, f"{link}_gbps")
+        return getattr(self, f"{self.physical(link)}_gbps")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from megarl.algo.advantages import uses_critic
 from megarl.config.actor import ActorConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.parallel import ParallelDims
+from megarl.config.rollout import resolve_transport
 from megarl.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -168,10 +169,7 @@ def _check_engines(cfg: RunConfig) -> None:
     if not hybrid and rollout.pool_nodes is None:
         raise ValueError(f"{ARR}.hybrid_engine=false puts the engines on their own pool: give its size in "
                          f"{prefix}.pool_nodes (GPUs per node, e.g. [8]), or set {ARR}.hybrid_engine=true")
-    if not hybrid and rollout.weight_transport == "tensor":
-        raise ValueError(f"{prefix}.weight_transport=tensor needs the engines on the actor's GPUs ({ARR}.hybrid_engine="
-                         f"true); disaggregated engines receive weights by broadcast: set {prefix}.weight_transport="
-                         f"distributed or auto")
+    resolve_transport(rollout.weight_transport, colocated=hybrid)  # tensor needs colocated engines
     if hybrid and rollout.pool_nodes is not None:
         raise ValueError(f"{prefix}.pool_nodes={rollout.pool_nodes} is for disaggregated engines: set "
                          f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")

@@ -209,12 +209,11 @@ def _sync_lines(plan: RunPlan) -> list[str]:
               f"most {sync.bucket_bytes / (1 << 20):.0f} MiB{per_buffer}; requests posted by actor GPUs "
               f"{ranges(sync.senders)}")]
     for step in sync.steps:
-        link = links.intra_node if step.link == "intra_node" else step.link
         amount = f"{step.count} x {links.request_ms:g} ms" if step.link == "requests" else \
-            f"{_gib(step.nbytes)} GiB over {_LINK_NAMES[link]}"
+            f"{_gib(step.nbytes)} GiB over {_LINK_NAMES[links.physical(step.link)]}"
         lines.append(f"  {step.side:<6} {step.what}: {amount}: {step.seconds(links):.2f} s")
     how = ("the engine loads a bucket while the actor builds the next: the slower side "
-           f"({_seconds(max(sync.side_seconds('actor'), sync.side_seconds('engine')))}) plus one bucket of the other"
+           f"({max(sync.side_seconds('actor'), sync.side_seconds('engine')):.2f} s) plus one bucket of the other"
            if sync.overlapped else "the steps in turn")
     lines.append(f"weight sync estimate: {sync.seconds:.2f} s per sync ({how})")
     lines.append(f"  assumed (trainer.links.*): NVLink {links.nvlink_gbps:g} GB/s, PCIe {links.pcie_gbps:g} GB/s, "
@@ -222,10 +221,6 @@ def _sync_lines(plan: RunPlan) -> list[str]:
                  f"{links.request_ms:g} ms per engine request; GPUs of a node over {_LINK_NAMES[links.intra_node]} "
                  f"(trainer.links.intra_node)")
     return lines
-
-
-def _seconds(x: float) -> str:
-    return f"{x:.2f} s"
 
 
 def _engine_note(plan: RunPlan) -> list[str]:

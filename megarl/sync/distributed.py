@@ -8,8 +8,8 @@ buckets) and owns one weight-update group per stage with the engines its replica
 the sender posts ``/update_weights_from_distributed`` (names, dtypes, shapes, ``load_format=
 "flattened_bucket"``) to each of its engines and broadcasts the bucket's flat buffer once; every engine TP
 rank receives it into a buffer of its own and loads it, while the sender already builds the next bucket in
-its buffer (it waits for the engines' answers only before the next broadcast). NCCL on GPU, gloo on CPU (megarl's CPU engine
-server implements the receiving side). Stage 0's sender opens the engines' session before any stage sends
+its buffer (it waits for the engines' answers only before the next broadcast). NCCL on GPU, gloo on CPU
+(megarl's CPU engine server implements the receiving side). Stage 0's sender opens the engines' session before any stage sends
 and closes it after all have sent (the replica's senders form its pipeline group and meet there).
 
 SGLang's loader takes full HF tensors on every rank (``update_weights_from_distributed`` →
