@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.hf_io import expected_shapes
-from megarl.convert.layout import ModelSizes, hf_split_dim, unfuse
+from megarl.convert.layout import ModelSizes, hf_slices, hf_split_dim, unfuse_into
 from megarl.convert.param_map import Unit, buckets, build_plan, local_parameters
 from megarl.models.weights import Fuse
 from megarl.parallel.cpu_support import all_gather_into_tensor as _all_gather
@@ -160,10 +160,8 @@ class WeightExporter:
         tp, rank = self.dims.tp, self.groups.tp_rank
         for kind, units in self.gather_ops(bucket):
             if kind == "copy":
-                shard = self.params[units[0].megatron_name].detach()
-                for view, part in zip(where[id(units[0])], unfuse(units[0].rule, shard, self.sizes, rank, tp),
-                                      strict=True):
-                    view.copy_(part)
+                unfuse_into(units[0].rule, self.params[units[0].megatron_name].detach(), self.sizes, rank, tp,
+                            where[id(units[0])])
             elif kind == "in_place":
                 shard = self.params[units[0].megatron_name].detach()
                 _all_gather(where[id(units[0])][0], shard.contiguous(), group=self.groups.tp)
@@ -190,13 +188,11 @@ class WeightExporter:
         _all_gather(blocks, blocks[my_rank], group=self.groups.tp)
         offset = 0
         for (unit, out), shard in zip(units, shards):
-            dim = hf_split_dim(unit.rule)
-            offsets = [0] * len(out)
             for r in range(tp):
                 gathered = blocks[r, offset : offset + shard.numel()].view(shard.shape)
-                for k, part in enumerate(unfuse(unit.rule, gathered, self.sizes, r, tp)):
-                    out[k].narrow(dim, offsets[k], part.shape[dim]).copy_(part)
-                    offsets[k] += part.shape[dim]
+                targets = [piece.apply(full) for piece, full in
+                           zip(hf_slices(unit.rule, unit.hf_shapes, self.sizes, r, tp), out, strict=True)]
+                unfuse_into(unit.rule, gathered, self.sizes, r, tp, targets)
             offset += shard.numel()
 
     def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -219,11 +215,11 @@ class WeightExporter:
             shapes = [s for u in bucket for s in u.shard_shapes(self.sizes, tp_rank, tp)]
             views = split_flat(buffer, shapes)
             if bucket[0].pp_rank == self.groups.pp_rank:
-                parts = [
-                    t for u in bucket for t in unfuse(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp)
-                ]
-                for view, part in zip(views, parts, strict=True):
-                    view.copy_(part)
+                start = 0
+                for u in bucket:
+                    unfuse_into(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp,
+                                views[start : start + len(u.hf_names)])
+                    start += len(u.hf_names)
             self._broadcast(buffer, bucket[0].pp_rank)
             names = [n for u in bucket for n in u.hf_names]
             yield list(zip(names, views))

@@ -118,3 +118,22 @@ def unfuse(rule: WeightRule, shard: torch.Tensor, sizes: ModelSizes, tp_rank: in
         real = max(0, min(rows, sizes.vocab_size - tp_rank * rows))
         return [shard[:real]]
     return [shard]
+
+
+def unfuse_into(rule: WeightRule, shard: torch.Tensor, sizes: ModelSizes, tp_rank: int, tp: int,
+                targets: list[torch.Tensor]) -> None:
+    """Write this rank's HF slices (:func:`unfuse`) into ``targets`` (tensors of their shapes, e.g. the slices
+    :func:`hf_slices` names in the full HF tensors), straight from the shard: query, key and value rows go
+    through views of both sides instead of a reshaped copy each."""
+    if rule.fuse is not Fuse.QKV:
+        for target, part in zip(targets, unfuse(rule, shard, sizes, tp_rank, tp), strict=True):
+            target.copy_(part)
+        return
+    groups = sizes.num_groups // tp
+    per_group = sizes.num_heads // sizes.num_groups
+    rest = tuple(shard.shape[1:])
+    grouped = shard.view(groups, per_group + 2, sizes.head_dim, *rest)
+    q, k, v = targets
+    q.view(groups, per_group, sizes.head_dim, *rest).copy_(grouped[:, :per_group])
+    k.view(groups, sizes.head_dim, *rest).copy_(grouped[:, per_group])
+    v.view(groups, sizes.head_dim, *rest).copy_(grouped[:, per_group + 1])
