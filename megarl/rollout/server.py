@@ -114,6 +114,8 @@ class EngineServer:
         self._receive_buffers: dict[str, list[_Buffer]] = {}
         """Per group, each member's receive buffer, reused from bucket to bucket (what CUDA's caching allocator
         gives SGLang's ranks: fresh host memory per bucket would cost its page faults every time)."""
+        self._opened: dict[int, Any] = {}
+        """The bucket buffers opened during the weight-update session (:meth:`_Payload.keep_open`)."""
 
     # ------------------------------------------------------------------------ application
 
@@ -356,6 +358,7 @@ class EngineServer:
         await _json(request)
         await self._off_loop(self.engine.end_weight_update)
         self._in_session = False
+        self._opened.clear()
         return _result(True, "Weight update session closed.")
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -372,12 +375,16 @@ class EngineServer:
             raise RequestError(f"/update_weights_from_tensor: serialized_named_tensors must hold one payload per "
                                f"engine TP rank ({self.tp_size}), got "
                                f"{len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
-        ranks = [_deserialize(payload, body.get("load_format")) for payload in payloads]
-        named = ranks[0]
+        # Every payload is opened (each holds a reference its sender counted) and its layout checked; this one
+        # process loads rank 0's tensors (SGLang's ranks load theirs in parallel, one process each).
+        ranks = [_Payload(payload, body.get("load_format")) for payload in payloads]
         for rank, other in enumerate(ranks[1:], 1):
-            if [(n, tuple(t.shape)) for n, t in other] != [(n, tuple(t.shape)) for n, t in named]:
+            if other.layout() != ranks[0].layout():
                 raise RequestError(f"/update_weights_from_tensor: TP rank {rank}'s payload names other tensors than "
                                    f"rank 0's (every rank takes the full bucket)")
+        for rank in ranks:
+            rank.keep_open(self._opened, limit=4 * self.tp_size)
+        named = ranks[0].named()
         await self._off_loop(self.engine.update_weights_from_tensor, named)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
@@ -523,21 +530,47 @@ def _tags(tags: Any, route: str) -> set[str]:
     return set(tags)
 
 
-def _deserialize(payload: Any, load_format: str | None) -> list[tuple[str, Any]]:
-    """One TP rank's ``serialized_named_tensors`` entry as ``(name, tensor)`` pairs."""
-    from sglang.srt.utils import MultiprocessingSerializer
+class _Payload:
+    """One TP rank's ``serialized_named_tensors`` entry, opened (its shared memory mapped, or its CUDA IPC handle)."""
 
-    data = base64.b64decode(payload) if isinstance(payload, str) else payload
-    obj = MultiprocessingSerializer.deserialize(data)
-    if load_format == FLATTENED_BUCKET:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    def __init__(self, payload: Any, load_format: str | None) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
 
-        bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
-        return bucket.reconstruct_tensors()
-    if load_format not in (None, "direct"):
-        raise RequestError(f"/update_weights_from_tensor: load_format {load_format!r} is not supported here; use "
-                           f"{FLATTENED_BUCKET!r} or none")
-    return list(obj)
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
+            raise RequestError(f"/update_weights_from_tensor: load_format {load_format!r} is not supported here; "
+                               f"use {FLATTENED_BUCKET!r} or none")
+        self.flattened = load_format == FLATTENED_BUCKET
+        data = base64.b64decode(payload) if isinstance(payload, str) else payload
+        self.obj = MultiprocessingSerializer.deserialize(data)
+
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of each tensor, without building them."""
+        if self.flattened:
+            return [(m.name, tuple(m.shape)) for m in self.obj["metadata"]]
+        return [(n, tuple(t.shape)) for n, t in self.obj]
+
+    def keep_open(self, opened: dict[int, Any], *, limit: int) -> None:
+        """Hold this payload's flat buffer in ``opened`` (by address; the oldest beyond ``limit`` let go): a sender
+        that reuses its bucket buffers sends the same handle again, which torch then opens from its cache of
+        live shared storages instead of mapping the memory afresh (1.7 ms per handle and the page faults of every
+        byte read). The server lets go of all at the end of the weight-update session."""
+        if not self.flattened:
+            return
+        flat = self.obj["flattened_tensor"]
+        key = flat.untyped_storage().data_ptr()
+        opened.pop(key, None)
+        opened[key] = flat
+        while len(opened) > limit:
+            opened.pop(next(iter(opened)))
+
+    def named(self) -> list[tuple[str, Any]]:
+        """The ``(name, tensor)`` pairs."""
+        if self.flattened:
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            return FlattenedTensorBucket(flattened_tensor=self.obj["flattened_tensor"],
+                                         metadata=self.obj["metadata"]).reconstruct_tensors()
+        return list(self.obj)
 
 
 class _Buffer:

@@ -61,8 +61,8 @@ class DistributedTransport(WeightTransport):
         for future in concurrent.futures.as_completed(joins, timeout=660):
             future.result()  # an engine that failed to join names itself
 
-    def sync(self, exporter, *, bucket_bytes: int, version: str | None,
-             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+    def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
+              verify_names: Sequence[str]) -> dict[str, float] | None:
         active = self.sender and bool(self.targets)
         if active and self.group is None:
             self._connect()

@@ -66,8 +66,8 @@ class TensorTransport(WeightTransport):
         self.receivers = [stage for stage, member in enumerate(members) if member in hosts]
         """Stages of this rank's pipeline group that need every bucket (those hosting an engine rank)."""
 
-    def sync(self, exporter, *, bucket_bytes: int, version: str | None,
-             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+    def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
+              verify_names: Sequence[str]) -> dict[str, float] | None:
         engine, client = self.engine, (self.client(self.engine) if self.driver else None)
         wanted = set(verify_names)
         expected: dict[str, torch.Tensor] = {}

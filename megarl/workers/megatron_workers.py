@@ -187,6 +187,7 @@ class ActorWorker(_MegatronWorker):
         if getattr(self, "_transport_key", None) != key:
             if getattr(self, "_transport", None) is not None:
                 self._transport.close()
+                self.sharded.release_export_buffers()  # the old transport's buckets
             device = next(self.sharded.module_chunks[0].parameters()).device.type
             self._transport = make_transport(transport, self.sharded.groups, engines, device=device)
             self._transport_key = key

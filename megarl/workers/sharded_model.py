@@ -259,3 +259,8 @@ class ShardedModel:
             self._exporters[dtype] = WeightExporter(self.module_chunks, self.family, self.hf_config, self.groups,
                                                     dtype=dtype)
         return self._exporters[dtype]
+
+    def release_export_buffers(self) -> None:
+        """Free the bucket buffers the exporters keep between syncs (shared memory on CPU)."""
+        for exporter in self._exporters.values():
+            exporter.release_buffers()

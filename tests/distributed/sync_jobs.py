@@ -46,15 +46,17 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     for index, (name, engine_fields) in enumerate(cases):
         engines = [EngineAddress(**fields) for fields in engine_fields]
         transport = make_transport(name, groups, engines, device="cpu")
-        stats = []
+        stats, rings = [], []
         for attempt in range(2):  # the second sync reuses the groups and buffers of the first
             perturb(chunks, 2 * index + attempt)
             truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
             # The transport reads every tensor back the first time; rank 0 does it itself after the second.
             stats.append(transport.sync(exporter, bucket_bytes=BUCKET_BYTES, version=f"v{index}.{attempt}",
                                         verify_names=list(truth) if attempt == 0 else []))
+            kept = exporter._kept_ring  # the shared-memory bucket buffers kept for the next sync
+            rings.append(None if kept is None else [b.untyped_storage().data_ptr() for b in kept])
         transport.close()
-        case = {"transport": name, "stats": stats, "names": len(truth)}
+        case = {"transport": name, "stats": stats, "names": len(truth), "rings": rings}
         dist.barrier()
         if dist.get_rank() == 0:
             clients = [EngineClient(e.url, name=e.name) for e in engines]

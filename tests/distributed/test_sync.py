@@ -56,6 +56,17 @@ def test_every_tensor_arrives_bit_exact(synced, case):
         assert merged["weight_sync/buckets"] > 10  # dozens of small buckets: the double buffers take turns
 
 
+def test_tensor_buckets_reuse_their_shared_memory_from_sync_to_sync(synced):
+    """tensor: each rank's two shared-memory bucket buffers outlive a sync and serve the next (creating them costs
+    more than filling them); distributed's plain buffers are not kept, nor do they replace the kept ones."""
+    results, _ = synced
+    for r in results:
+        first, second = r["cases"][0]["rings"]
+        assert first is not None and len(first) == 2 and second == first
+        assert r["cases"][1]["rings"][0] == first  # the next transport's sync too (same buckets)
+        assert r["cases"][2]["rings"] == [first, first]
+
+
 def test_who_sends(synced):
     """tensor: each engine's first host rank drives it; distributed: each stage's TP-0 rank sends its buckets."""
     results, _ = synced

@@ -127,6 +127,32 @@ def test_weights_update_in_a_session_by_flattened_bucket_and_read_back(client, l
         run_sync(client.end_weight_update())
 
 
+def test_a_reused_bucket_buffer_is_held_only_for_the_session(client, local):
+    """A sender that refills one shared-memory buffer sends the same handle each bucket: the server keeps it open
+    for the session (torch reopens a live storage from its cache) and lets go at the session's end, so the
+    memory is freed once the sender frees it."""
+    from pathlib import Path
+
+    name = "model.norm.weight"
+    bucket = Bucket.pack([(name, torch.zeros_like(local._params[name]))], shared_memory=True)
+    shm = Path("/dev/shm") / bucket.flat.untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/")
+    assert shm.exists()
+    run_sync(client.begin_weight_update())
+    try:
+        for value in (1.5, 2.5):
+            bucket.flat.fill_(value)
+            run_sync(client.update_weights_from_tensor([flattened_payload(bucket) for _ in range(2)]))
+    finally:
+        run_sync(client.end_weight_update())
+    got = run_sync(client.get_weights_by_name(name, truncate_size=10_000))
+    assert torch.tensor(got).eq(2.5).all()
+    del bucket
+    deadline = time.monotonic() + 10
+    while shm.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm.exists(), "the server still holds the bucket buffer after the session"
+
+
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
     """/init_weights_update_group + /update_weights_from_distributed: this process is rank 0 of a gloo group
