@@ -282,7 +282,7 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
             export = {"bucket_bytes": bucket_bytes // NUM_BUFFERS, "num_buffers": NUM_BUFFERS,
                       "to_pp_ranks": transport.receivers, "shared_memory": True}
         else:
-            export = {"bucket_bytes": bucket_bytes, "num_buffers": 1, "to_pp_ranks": ()}
+            export = {"bucket_bytes": bucket_bytes, "num_buffers": 1, "to_pp_ranks": (), "tp_ranks": (0,)}
         dist.barrier()
         start = time.perf_counter()
         for _ in exporter.iter_buckets(**export):

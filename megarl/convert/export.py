@@ -76,7 +76,7 @@ class WeightExporter:
             yield bucket.named()
 
     def iter_buckets(self, bucket_bytes: int, *, num_buffers: int = 1, to_pp_ranks: Iterable[int] | None = None,
-                     shared_memory: bool = False) -> Iterator[Bucket]:
+                     tp_ranks: Iterable[int] | None = None, shared_memory: bool = False) -> Iterator[Bucket]:
         """Full HF tensors in buckets of at most ``bucket_bytes`` (one flat buffer each, at the export dtype).
 
         ``to_pp_ranks``: the pipeline stages (of this rank's pipeline group) that need every bucket besides its
@@ -84,6 +84,10 @@ class WeightExporter:
         stages in ``tp`` stripes (:meth:`_deliver`: one broadcast when every stage receives, point to point
         otherwise, then an all-gather over the receiving stage's TP group); with no receiving stage it stays on
         its owner. All ranks of the model must call this with the same arguments.
+
+        ``tp_ranks``: the TP ranks that need the buckets (``None``: all); the others take part in the TP
+        all-gathers only (no bucket buffer, no copies) and yield nothing. Only without receiving stages
+        (``to_pp_ranks=()``, or ``pp == 1``): a bucket crosses stages in stripes from every TP rank.
 
         ``num_buffers``: buckets take turns in that many buffers (bucket ``i`` in buffer ``i mod n``): a
         bucket stays valid while the next ``n - 1`` are produced (2: double buffering, a consumer may hold
@@ -97,10 +101,14 @@ class WeightExporter:
             raise ValueError(f"num_buffers must be >= 0, got {num_buffers}")
         my_stage, tp = self.groups.pp_rank, self.dims.tp
         receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
+        holds = tp_ranks is None or self.groups.tp_rank in set(tp_ranks)
+        if tp_ranks is not None and self.dims.pp > 1 and receivers != frozenset():
+            raise ValueError("iter_buckets: tp_ranks needs to_pp_ranks=() with pipeline stages (a bucket crosses "
+                             "stages in stripes from every TP rank)")
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
         sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
         held = [i for i, bucket in enumerate(groups)
-                if receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers]
+                if holds and (receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers)]
         # Buffers hold a multiple of tp elements: a bucket crosses stages in tp stripes (see _deliver).
         buffers = self._ring([-(-sizes[i] // tp) * tp for i in held], num_buffers, shared_memory)
         try:
@@ -113,6 +121,9 @@ class WeightExporter:
         for i, bucket in enumerate(groups):
             owner = bucket[0].pp_rank
             if i not in held_set:
+                if owner == my_stage:  # a TP rank that needs no bucket: the all-gathers only
+                    with plain_torch():
+                        self._gather_bucket(bucket, None)
                 continue
             padded = next(buffers)
             buffer = padded[: sizes[i]]
@@ -155,20 +166,23 @@ class WeightExporter:
             ops.append(("gather", pending))
         return ops
 
-    def _gather_bucket(self, bucket: list[Unit], views: list[torch.Tensor]) -> None:
-        """Write the HF tensors of ``bucket``'s units into ``views`` by :meth:`gather_ops`."""
+    def _gather_bucket(self, bucket: list[Unit], views: list[torch.Tensor] | None) -> None:
+        """Write the HF tensors of ``bucket``'s units into ``views`` by :meth:`gather_ops` (``None``: this rank
+        takes part in the all-gathers only)."""
         where, start = {}, 0
         for unit in bucket:
-            where[id(unit)] = views[start : start + len(unit.hf_names)]
+            where[id(unit)] = None if views is None else views[start : start + len(unit.hf_names)]
             start += len(unit.hf_names)
         tp, rank = self.dims.tp, self.groups.tp_rank
         for kind, units in self.gather_ops(bucket):
+            out = where[id(units[0])]
             if kind == "copy":
-                unfuse_into(units[0].rule, self.params[units[0].megatron_name].detach(), self.sizes, rank, tp,
-                            where[id(units[0])])
+                if out is not None:
+                    unfuse_into(units[0].rule, self.params[units[0].megatron_name].detach(), self.sizes, rank, tp, out)
             elif kind == "in_place":
                 shard = self.params[units[0].megatron_name].detach()
-                _all_gather(where[id(units[0])][0], shard.contiguous(), group=self.groups.tp)
+                target = out[0] if out is not None else self._scratch(tp * shard.numel(), shard).view(tp, -1)
+                _all_gather(target, shard.contiguous(), group=self.groups.tp)
             else:
                 self._gather_many([(unit, where[id(unit)]) for unit in units])
 
@@ -192,6 +206,8 @@ class WeightExporter:
         _all_gather(blocks, blocks[my_rank], group=self.groups.tp)
         offset = 0
         for (unit, out), shard in zip(units, shards):
+            if out is None:  # (a rank that needs no bucket)
+                break
             for r in range(tp):
                 gathered = blocks[r, offset : offset + shard.numel()].view(shard.shape)
                 targets = [piece.apply(full) for piece, full in

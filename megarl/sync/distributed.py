@@ -2,7 +2,7 @@
 
 Each pipeline stage's first rank (TP 0, CP 0) of every actor DP replica is a *sender*: it builds the full HF
 buckets of its stage (TP shards all-gathered within the stage, no pipeline traffic: a stage sends its own
-buckets) and owns one weight-update group per stage with the engines its replica feeds
+buckets; the stage's other TP ranks join the all-gathers and build no bucket) and owns one weight-update group per stage with the engines its replica feeds
 (:attr:`EngineAddress.replica`): the sender is rank 0, engine ``k``'s TP ranks follow it
 (``/init_weights_update_group``, once, on the first sync; group ``megarl_weights_dp<d>_pp<p>``). Per bucket
 the sender posts ``/update_weights_from_distributed`` (names, dtypes, shapes, ``load_format=
@@ -75,7 +75,7 @@ class DistributedTransport(WeightTransport):
         sent = buckets = 0
         loading: list[concurrent.futures.Future] = []  # the engines' answers on the previous bucket
         try:
-            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=()):
+            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=(), tp_ranks=(0,)):
                 if not active:
                     continue
                 _answers(loading)  # the engines loaded the previous bucket: they receive the next

@@ -43,6 +43,18 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
     exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
     out: dict = {"rank": dist.get_rank(), "cases": []}
+    # Buckets for TP rank 0 only (the distributed transport's senders): the other TP ranks join the all-gathers.
+    full = {n: t.clone() for bucket in exporter.iter_full(1 << 30) for n, t in bucket}
+    names, differ = [], []
+    for bucket in exporter.iter_buckets(BUCKET_BYTES, to_pp_ranks=(), tp_ranks=(0,)):
+        names += bucket.names
+        differ += [n for n, t in bucket.named() if not torch.equal(t, full[n])]
+    out["first_tp_only"] = {"names": names, "differ": differ, "stage_names": sorted(
+        n for u in exporter.units if u.pp_rank == groups.pp_rank for n in u.hf_names)}
+    try:
+        next(exporter.iter_buckets(BUCKET_BYTES, tp_ranks=(0,)))
+    except ValueError as error:
+        out["first_tp_only"]["refused"] = str(error)
     for index, (name, engine_fields) in enumerate(cases):
         engines = [EngineAddress(**fields) for fields in engine_fields]
         transport = make_transport(name, groups, engines, device="cpu")

@@ -67,6 +67,20 @@ def test_tensor_buckets_reuse_their_shared_memory_from_sync_to_sync(synced):
         assert r["cases"][2]["rings"] == [first, first]
 
 
+def test_buckets_for_the_first_tp_rank_only(synced):
+    """iter_buckets(tp_ranks=(0,)) (distributed's senders): TP rank 0 of each stage gets exactly its stage's tensors,
+    equal to a full export; the other TP ranks only join the all-gathers and get none. It refuses pipeline
+    delivery (stripes come from every TP rank)."""
+    results, _ = synced
+    for r in results:
+        got = r["first_tp_only"]
+        tp_rank = r["rank"] % sync_jobs.TP
+        assert got["differ"] == []
+        assert sorted(got["names"]) == (got["stage_names"] if tp_rank == 0 else [])
+        assert len(got["stage_names"]) > 10
+        assert "tp_ranks needs to_pp_ranks=()" in got["refused"]
+
+
 def test_who_sends(synced):
     """tensor: each engine's first host rank drives it; distributed: each stage's TP-0 rank sends its buckets."""
     results, _ = synced
