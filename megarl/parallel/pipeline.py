@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.parallel.logprob import vocab_parallel_logprobs
+from megarl.parallel.packing import left_align
 
 if TYPE_CHECKING:
     from megarl.parallel.groups import ProcessGroups
@@ -56,26 +57,6 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def emits_values(model_chunks: Sequence[torch.nn.Module]) -> bool:
     """True when one of these (possibly wrapped) chunks ends in an output layer marked :data:`EMITS_VALUES`."""
     return any(getattr(getattr(_unwrap(c), "output_layer", None), EMITS_VALUES, False) is True for c in model_chunks)
-
-
-def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:
-    """Gather indices that move each row's contiguous tokens to the front.
-
-    Raises ``ValueError`` when a row's tokens are not contiguous (padding in the middle).
-    """
-    mask = attention_mask_BS.bool()
-    B, S = mask.shape
-    num_tokens_B = mask.sum(dim=1)
-    first_B = torch.where(num_tokens_B > 0, mask.int().argmax(dim=1), torch.zeros_like(num_tokens_B))
-    positions_S = torch.arange(S, device=mask.device)
-    expected = (positions_S >= first_B[:, None]) & (positions_S < (first_B + num_tokens_B)[:, None])
-    if not torch.equal(expected, mask):
-        bad = (expected != mask).any(dim=1).nonzero().flatten().tolist()
-        raise ValueError(
-            f"attention_mask rows {bad[:8]} have padding between tokens; each row must be "
-            "[left padding, tokens, right padding]"
-        )
-    return (positions_S[None, :] + first_B[:, None]) % S
 
 
 def _prepare(micro_batch: dict, shape: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
