@@ -18,6 +18,8 @@ class CriticConfig:
     """Train a critic (PPO with GAE)."""
     model_path: str | None = None
     """HF directory the value model starts from (its LM head replaced by a value head); None: the policy's."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's sequences end to end (THD) in the critic's passes; false: pad them."""
     ppo_mini_batch_size: int = 256
     """Prompts per critic optimizer step (times ``rollout.n`` trajectories)."""
     ppo_micro_batch_size_per_gpu: int | None = 8

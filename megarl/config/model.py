@@ -35,6 +35,9 @@ class ModelConfig:
     """Compute dtype of the policy: ``float32``, ``bfloat16`` or ``float16`` (master weights stay fp32)."""
     trust_remote_code: bool = False
     """Allow model and tokenizer code from the model directory (passed to every transformers loader)."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's sequences end to end (THD, no compute on padding) in the actor's and reference's
+    forward and backward passes; false: pad them to a rectangle (megarl.parallel.packing)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.model"

@@ -209,14 +209,18 @@ class ModelFamily:
         )
 
     def layer_spec(self, *, use_te: bool | None = None):
-        """TransformerEngine layer spec when TE is importable and a GPU is present, else local."""
+        """TransformerEngine layer spec when TE is importable and a GPU is present, else Megatron's local one with
+        megarl's attention and norms (:func:`megarl.parallel.cpu_support.local_spec`)."""
         from megatron.core.models.gpt import gpt_layer_specs
 
         if use_te is None:
             use_te = torch.cuda.is_available() and _te_importable()
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
-        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        from megarl.parallel.cpu_support import local_spec
+
+        # Megatron's local spec with megarl's packed / context-parallel attention and sequence-parallel norms.
+        return local_spec(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm"))
 
 
 def sglang_padded_vocab(vocab_size: int, tp: int, padding: int = 64) -> int:

@@ -33,6 +33,7 @@ The mode is thread-local: call ``install()`` in each thread that runs Megatron c
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 
@@ -231,3 +232,121 @@ def cpu_support():
     finally:
         if not entered:
             uninstall_thread_mode()
+
+
+# ----------------------------------------------------------------------- local layer spec
+def local_spec(spec):
+    """Megatron's local layer ``spec`` with megarl's core attention (:func:`core_attention`: packed
+    sequences and context parallelism) and RMSNorms that support sequence parallelism (:class:`CpuRMSNorm`).
+    Parameter names do not change. Used wherever TransformerEngine is not (every CPU run)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = CpuRMSNorm
+    attention = layer.self_attention.submodules
+    attention.core_attention = core_attention()
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, IdentityOp) is not IdentityOp:
+            setattr(attention, name, CpuRMSNorm)
+    return spec
+
+
+class CpuRMSNorm(torch.nn.RMSNorm):
+    """7. Megatron's torch norm (``WrappedTorchNorm``) refuses sequence parallelism; this RMSNorm marks its weight
+    ``sequence_parallel`` as TransformerEngine's norms do, so Megatron all-reduces its gradient over the TP
+    group (each TP rank normalises its own slice of the sequence). Same arguments as ``WrappedTorchNorm``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"CpuRMSNorm: normalization {config.normalization!r}; megarl's families use RMSNorm")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+@functools.cache
+def core_attention():
+    """:class:`CpuCoreAttention` (built on first use: it subclasses Megatron's local attention, and this module is
+    imported before Megatron)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CpuCoreAttention(DotProductAttention):
+        """8. Megatron's local core attention with packed sequences and context parallelism (TransformerEngine's
+        attention does both on GPU; Megatron's local one refuses them).
+
+        - Packed (THD, ``PackedSeqParams``): causal attention within each segment (bounds from
+          ``cu_seqlens_q_padded``), Megatron's own math per segment: cost Σ len², no block mask over the pack.
+        - Context parallel (``cp > 1``): the keys and values of the CP group are all-gathered (autograd: the
+          backward reduce-scatters their gradients to their owners), put back in sequence order, and each local
+          query attends causally by its global position in the 2·cp zigzag split
+          (:func:`megarl.parallel.packing.zigzag_index`): of the padded row, or of each segment when packed.
+          TransformerEngine's ``all_gather`` CP communication, in plain torch.
+        """
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            import copy
+
+            self.cp = config.context_parallel_size
+            local = copy.copy(config)
+            local.context_parallel_size = 1  # the base class accepts only that; the CP split is handled here
+            super().__init__(local, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            self.cp_group = None
+            if self.cp > 1:
+                self.cp_group = getattr(pg_collection, "cp", None)
+                if self.cp_group is None:
+                    from megatron.core import parallel_state
+
+                    self.cp_group = parallel_state.get_context_parallel_group()
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            base = super().forward
+            if packed_seq_params is None:
+                if self.cp == 1:
+                    return base(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                attention_bias=attention_bias)
+                length = query.shape[0] * self.cp
+                keys, values = self._gather(key, value, [length])
+                return base(query, keys, values, self._causal(length), attn_mask_type=attn_mask_type)
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"CpuCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}; use 'thd'")
+            bounds = packed_seq_params.cu_seqlens_q_padded
+            if bounds is None:
+                bounds = packed_seq_params.cu_seqlens_q
+            bounds = [int(b) for b in bounds.tolist()]
+            lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+            # Attention.forward squeezed the batch dimension of THD: [t, heads, dim] -> [t, 1, heads, dim].
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if self.cp == 1:
+                return torch.cat([base(query[s:e], key[s:e], value[s:e], None, attn_mask_type=attn_mask_type)
+                                  for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+            keys, values = self._gather(key, value, lengths)
+            outs, local = [], 0
+            for start, length in zip(bounds[:-1], lengths):
+                mine = length // self.cp
+                outs.append(base(query[local : local + mine], keys[start : start + length], values[start : start + length],
+                                 self._causal(length), attn_mask_type=attn_mask_type))
+                local += mine
+            return torch.cat(outs)
+
+        def _gather(self, key, value, lengths):
+            """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            from megarl.parallel.packing import cp_inverse
+
+            inverse = cp_inverse(lengths, self.cp).to(key.device)
+            return [gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group).index_select(0, inverse)
+                    for t in (key, value)]
+
+        def _causal(self, length: int) -> torch.Tensor:
+            """The mask (True: masked) of this rank's queries of one sequence of ``length`` tokens over all its keys."""
+            from megarl.parallel.packing import zigzag_index
+
+            rank = torch.distributed.get_rank(self.cp_group)
+            mine = zigzag_index([length], self.cp, rank)
+            return (torch.arange(length)[None, :] > mine[:, None])[None, None]
+
+    return CpuCoreAttention

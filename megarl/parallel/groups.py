@@ -83,11 +83,6 @@ def init_parallel(
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if dims.cp > 1 and not torch.cuda.is_available():
-        raise ValueError(
-            f"parallel.cp={dims.cp}: context parallelism needs TransformerEngine attention on GPU; "
-            "set parallel.cp=1 on CPU"
-        )
     cpu_support.install()
     init_distributed(backend, timeout_s=timeout_s)
     dims = dims.for_world(dist.get_world_size())

@@ -77,16 +77,23 @@ def _inverse(lengths: tuple[int, ...], cp: int) -> torch.Tensor:
     return torch.argsort(order)
 
 
+def cp_inverse(lengths: Sequence[int], cp: int) -> torch.Tensor:
+    """The index that puts the CP ranks' tokens, gathered rank after rank, back in stream order."""
+    return _inverse(tuple(int(n) for n in lengths), int(cp))
+
+
 def gather_cp(x_bt: torch.Tensor, lengths: Sequence[int], cp: int, group) -> torch.Tensor:
     """The full ``[b, T]`` from every CP rank's ``[b, t]`` (their :func:`zigzag_index` tokens), in stream order.
     Backward: each rank keeps the gradient of its own tokens (no reduction). Identity when ``cp == 1``."""
     if cp == 1:
         return x_bt
+    if x_bt.dim() != 2:
+        raise ValueError(f"gather_cp takes [b, t] per-token values, got shape {tuple(x_bt.shape)}")
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     gathered = gather_from_sequence_parallel_region(x_bt.transpose(0, 1).contiguous(),
                                                     tensor_parallel_output_grad=False, group=group)
-    inverse = _inverse(tuple(int(n) for n in lengths), int(cp)).to(x_bt.device)
+    inverse = cp_inverse(lengths, cp).to(x_bt.device)
     return gathered.index_select(0, inverse).transpose(0, 1)
 
 
@@ -120,15 +127,15 @@ class Prepared:
     """Padded: the row rotation (:func:`left_align`) of the padded ``[B', S']``."""
 
     def restore(self, x_bt: torch.Tensor) -> torch.Tensor:
-        """A per-token output ``[b, t]`` of this rank (e.g. log-probs, values) as the caller's ``[B, S]``
-        (gathered over CP ranks; zeros where the caller has padding). Differentiable."""
+        """A per-token output ``[b, t, ...]`` of this rank (log-probs, values; logits when ``cp == 1``) as the
+        caller's ``[B, S, ...]`` (gathered over CP ranks; zeros where the caller has padding). Differentiable."""
         full = gather_cp(x_bt, self.lengths, self.cp, self.cp_group)
         if self.token_index is not None:
             rows, columns = self.mask.nonzero(as_tuple=True)
-            out = full.new_zeros(self.rows, self.columns)
+            out = full.new_zeros(self.rows, self.columns, *full.shape[2:])
             return out.index_put((rows, columns), full[0].index_select(0, self.token_index))
-        unaligned = torch.zeros_like(full).scatter(1, self.align_index, full)
-        return unaligned[: self.rows, : self.columns]
+        index = self.align_index.view(*self.align_index.shape, *([1] * (full.dim() - 2))).expand_as(full)
+        return torch.zeros_like(full).scatter(1, index, full)[: self.rows, : self.columns]
 
 
 def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,12 @@ Process groups. Given the rank's :class:`~megarl.parallel.groups.ProcessGroups`,
 runs on those groups (Megatron's ``pg_collection`` and a p2p communicator on their pipeline
 group); without them it falls back to Megatron's global ``parallel_state``.
 
-Positions. RL batches hold left-padded prompts followed by right-padded responses, so each
-row's tokens are contiguous but start at different offsets. Megatron's RoPE numbers
-positions 0..S-1 for every row; the HF models and the rollout engines number each row from
-its first real token. Each row is therefore rotated so that its tokens start at index 0
-(all padding moves to the right), which makes positions exact and lets plain causal
-attention ignore the padding (a real token never attends to a later position). Results are
-rotated back, so callers see their original layout.
+Inputs. RL batches hold left-padded prompts followed by right-padded responses. Each micro-batch reaches
+the model packed (the rows' tokens end to end, one sequence per row: ``packed=True``) or padded, with each
+row rotated to start at index 0, so that positions are exact (the HF models and the rollout engines number
+each row from its first real token) and plain causal attention ignores the padding. Context parallelism
+splits the sequence over CP ranks. :mod:`megarl.parallel.packing` builds the inputs and brings the outputs
+back, so callers see their original layout.
 
 Legend: B micro-batch size, S sequence length.
 """
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.parallel.logprob import vocab_parallel_logprobs
-from megarl.parallel.packing import left_align
+from megarl.parallel.packing import Prepared, pack_alignment, packed_length, prepare_packed, prepare_padded
 
 if TYPE_CHECKING:
     from megarl.parallel.groups import ProcessGroups
@@ -59,30 +58,6 @@ def emits_values(model_chunks: Sequence[torch.nn.Module]) -> bool:
     return any(getattr(getattr(_unwrap(c), "output_layer", None), EMITS_VALUES, False) is True for c in model_chunks)
 
 
-def _prepare(micro_batch: dict, shape: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model inputs for one micro-batch: left-aligned ids, positions and the alignment index.
-
-    With ``shape`` the inputs are padded (rows and columns of padding) to that [B, S].
-    """
-    input_ids_BS = micro_batch["input_ids"]
-    attention_mask_BS = micro_batch.get("attention_mask")
-    if attention_mask_BS is None:
-        attention_mask_BS = torch.ones_like(input_ids_BS)
-    if shape is not None and shape != tuple(input_ids_BS.shape):
-        pad = (0, shape[1] - input_ids_BS.shape[1], 0, shape[0] - input_ids_BS.shape[0])
-        input_ids_BS = torch.nn.functional.pad(input_ids_BS, pad)
-        attention_mask_BS = torch.nn.functional.pad(attention_mask_BS, pad)
-    index_BS = left_align(attention_mask_BS)
-    aligned_ids_BS = torch.gather(input_ids_BS, 1, index_BS)
-    position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-    return aligned_ids_BS, position_ids_BS, index_BS
-
-
-def _unalign(aligned_BS: torch.Tensor, index_BS: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`left_align`'s gather: put each row's values back at their original positions."""
-    return torch.zeros_like(aligned_BS).scatter(1, index_BS, aligned_BS)
-
-
 def forward_backward(
     model_chunks: Sequence[torch.nn.Module],
     micro_batches: Sequence[dict],
@@ -94,6 +69,7 @@ def forward_backward(
     groups: ProcessGroups | None = None,
     tp_group=None,
     return_logits: bool = False,
+    packed: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the pipeline schedule over ``micro_batches``; return per-micro-batch results.
 
@@ -116,6 +92,11 @@ def forward_backward(
     ``groups``: this rank's process groups (what :func:`megarl.parallel.init_parallel` returned);
     the pipeline size, TP group and the schedule's groups come from them. None: from Megatron's
     global ``parallel_state`` (the TP group from ``tp_group`` when given).
+
+    ``packed``: each micro-batch's rows reach the model packed into one sequence (THD,
+    :func:`megarl.parallel.packing.prepare_packed`; the layer spec's attention must take packed sequences), else
+    padded to a rectangle. Either way the sequence is split over context-parallel ranks and results come back
+    in the caller's ``[B, S]`` (:mod:`megarl.parallel.packing`).
     """
     from megatron.core.utils import get_model_config
 
@@ -128,15 +109,17 @@ def forward_backward(
         loss_func = functools.partial(_value_loss, loss_fn)
     else:
         loss_func = functools.partial(_lm_loss, loss_fn, temperature, tp_group, vocab_size, return_logits)
-    prepared, max_batch, max_len = _prepare_micro_batches(micro_batches, pp)
+    if return_logits and _cp_layout(groups)[0] > 1:
+        raise ValueError("return_logits=True needs parallel.cp=1 (logits stay split over context-parallel ranks)")
+    prepared = _prepare_micro_batches(micro_batches, pp, packed, groups, config)
     iterators = [iter(prepared) for _ in range(len(model_chunks))]
     return schedule(
         forward_step_func=functools.partial(_forward_step, loss_func),
         data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
         model=list(model_chunks),
         num_microbatches=len(micro_batches),
-        seq_length=max_len,
-        micro_batch_size=max_batch,
+        seq_length=max(p.seq_length for _, p in prepared),
+        micro_batch_size=max(p.micro_batch_size for _, p in prepared),
         forward_only=forward_only,
         **schedule_groups,
     )
@@ -203,16 +186,34 @@ def _check_interleaving(num_chunks: int, num_micro_batches: int, pp: int) -> Non
         )
 
 
-def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int) -> tuple[list, int, int]:
-    """Each micro-batch with its model inputs (:func:`_prepare`), and the largest B and S.
+def _cp_layout(groups: ProcessGroups | None) -> tuple[int, int, Any]:
+    """``(cp, cp_rank, cp_group)`` of this rank."""
+    if groups is not None:
+        return groups.dims.cp, groups.cp_rank, groups.cp if groups.dims.cp > 1 else None
+    from megatron.core import parallel_state
 
-    Pipeline stages exchange activations of one fixed shape per call (no shape exchange
-    before every send), so with PP > 1 every micro-batch is padded to the largest.
-    """
-    max_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
-    max_batch = max(mb["input_ids"].shape[0] for mb in micro_batches)
-    shape = (max_batch, max_len) if pp > 1 else None
-    return [(mb, _prepare(mb, shape)) for mb in micro_batches], max_batch, max_len
+    cp = parallel_state.get_context_parallel_world_size()
+    return cp, parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group() if cp > 1 else None
+
+
+def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int, packed: bool, groups: ProcessGroups | None,
+                           config) -> list[tuple[dict, Prepared]]:
+    """Each micro-batch with its model inputs (:mod:`megarl.parallel.packing`), aligned for sequence and context
+    parallelism. Pipeline stages exchange activations of one fixed shape per call (no shape exchange before
+    every send), so with PP > 1 every micro-batch is padded to the largest (rows and columns, or pack length)."""
+    cp, cp_rank, cp_group = _cp_layout(groups)
+    tp = groups.dims.tp if groups is not None else config.tensor_model_parallel_size
+    seg_align, total_align = pack_alignment(cp=cp, tp=tp, sequence_parallel=config.sequence_parallel)
+    split = {"cp": cp, "cp_rank": cp_rank, "cp_group": cp_group}
+    if packed:
+        pad_to = max(packed_length(mb, seg_align, total_align) for mb in micro_batches) if pp > 1 else None
+        return [(mb, prepare_packed(mb, seg_align=seg_align, total_align=total_align, pad_to=pad_to, **split))
+                for mb in micro_batches]
+    shape = None
+    if pp > 1:
+        shape = (max(mb["input_ids"].shape[0] for mb in micro_batches),
+                 max(mb["input_ids"].shape[1] for mb in micro_batches))
+    return [(mb, prepare_padded(mb, shape=shape, total_align=total_align, **split)) for mb in micro_batches]
 
 
 def _forward_step(loss_func: Callable, data_iterator, model: torch.nn.Module):
@@ -221,9 +222,9 @@ def _forward_step(loss_func: Callable, data_iterator, model: torch.nn.Module):
     Returns the chunk's output and the loss function bound to that micro-batch's inputs, which
     Megatron calls with the output on the last stage.
     """
-    micro_batch, (input_ids_BS, position_ids_BS, index_BS) = next(data_iterator)
-    output = model(input_ids_BS, position_ids_BS, None)
-    return output, functools.partial(loss_func, micro_batch, input_ids_BS, index_BS)
+    micro_batch, prepared = next(data_iterator)
+    output = model(prepared.input_ids, prepared.position_ids, None, packed_seq_params=prepared.packed_seq_params)
+    return output, functools.partial(loss_func, micro_batch, prepared)
 
 
 def _lm_loss(
@@ -233,30 +234,24 @@ def _lm_loss(
     vocab_size: int | None,
     return_logits: bool,
     micro_batch: dict,
-    input_ids_BS: torch.Tensor,
-    index_BS: torch.Tensor,
-    logits_BSV: torch.Tensor,
+    prepared: Prepared,
+    logits_btV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Megatron's loss function for a language model: log-probs and entropy, then ``loss_fn``.
 
     Returns ``(loss, count, outputs)``. Without ``loss_fn`` the loss is 0 and the outputs are the
     log-probs and entropy (and with ``return_logits`` the logits) in the caller's layout.
     """
-    labels_BS = torch.roll(input_ids_BS, shifts=-1, dims=1)
-    logp_BS, entropy_BS = vocab_parallel_logprobs(
-        logits_BSV, labels_BS, temperature, tp_group=tp_group, vocab_size=vocab_size
+    logp_bt, entropy_bt = vocab_parallel_logprobs(
+        logits_btV, prepared.labels, temperature, tp_group=tp_group, vocab_size=vocab_size
     )
-    # Back to the caller's layout (and shape, if the pipeline padded it).
-    B, S = micro_batch["input_ids"].shape
-    logp_BS = _unalign(logp_BS, index_BS)[:B, :S]
-    entropy_BS = _unalign(entropy_BS, index_BS)[:B, :S]
+    # Back to the caller's layout (gathered over CP ranks, unpacked or unaligned, unpadded).
+    logp_BS, entropy_BS = prepared.restore(logp_bt), prepared.restore(entropy_bt)
     if loss_fn is None:
         outputs = {"logp": logp_BS.detach(), "entropy": entropy_BS.detach()}
         if return_logits:
-            outputs["logits"] = torch.zeros_like(logits_BSV).scatter(
-                1, index_BS.unsqueeze(-1).expand_as(logits_BSV), logits_BSV.detach()
-            )[:B, :S]
-        zero = logits_BSV.new_zeros((), dtype=torch.float32)
+            outputs["logits"] = prepared.restore(logits_btV.detach())
+        zero = logits_btV.new_zeros((), dtype=torch.float32)
         return zero, torch.tensor(0, dtype=torch.int), outputs
     loss, metrics = loss_fn(logp_BS, entropy_BS, micro_batch)
     metrics = {"loss": loss.detach(), **metrics}
@@ -268,16 +263,14 @@ def _lm_loss(
 def _value_loss(
     loss_fn: ValueLossFn | None,
     micro_batch: dict,
-    input_ids_BS: torch.Tensor,
-    index_BS: torch.Tensor,
-    values_BS1: torch.Tensor,
+    prepared: Prepared,
+    values_bt1: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Megatron's loss function for a value head: float32 values [B, S] in the caller's layout, then ``loss_fn``.
 
     Returns ``(loss, count, outputs)``; without ``loss_fn`` the loss is 0 and the outputs are the values.
     """
-    B, S = micro_batch["input_ids"].shape
-    values_BS = _unalign(values_BS1.squeeze(-1).float(), index_BS)[:B, :S]
+    values_BS = prepared.restore(values_bt1.squeeze(-1).float())
     if loss_fn is None:
         zero = values_BS.new_zeros(())
         return zero, torch.tensor(0, dtype=torch.int), {"values": values_BS.detach()}

@@ -52,7 +52,7 @@ class LogProbRole:
         budget = max_token_len or (None if micro_batch_size else self.max_token_len)
         micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
-                                      max_tokens=budget, multiple_of=self.micro_multiple)
+                                      max_tokens=budget, multiple_of=self.micro_multiple, **self.model.token_layout)
         out = self.model.forward_logprobs(micro, temperature=temperature)
         if out is None or not self.model.groups.is_collect_rank:
             return None
@@ -145,7 +145,7 @@ class ActorRole(LogProbRole):
         micro, _ = micro_batches(mini, keys,
                                  size=None if ppo.use_dynamic_bsz else ppo.ppo_micro_batch_size_per_gpu,
                                  max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
-                                 multiple_of=self.micro_multiple)
+                                 multiple_of=self.micro_multiple, **self.model.token_layout)
         result = self.model.train_step(micro, loss_fn, temperature=temperature)
         # pg_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over all micro-batches of all DP ranks, the mini-batch value is their sum.

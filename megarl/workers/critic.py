@@ -48,7 +48,7 @@ class CriticRole:
         micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
                                       size=None if cfg.use_dynamic_bsz else cfg.forward_micro_batch_size_per_gpu,
                                       max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                                      multiple_of=self._micro_multiple)
+                                      multiple_of=self._micro_multiple, **self.model.token_layout)
         out = self.model.forward_values(micro)
         if out is None or not self.model.groups.is_collect_rank:
             return None
@@ -113,7 +113,7 @@ class CriticRole:
         micro, _ = micro_batches(mini, keys,
                                  size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
                                  max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                                 multiple_of=self._micro_multiple)
+                                 multiple_of=self._micro_multiple, **self.model.token_layout)
         result = self.model.train_step(micro, loss_fn)
         # vf_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).

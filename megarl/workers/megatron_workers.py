@@ -44,6 +44,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def _build_sharded(model: ModelConfig, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
                   seed: int, **kwargs) -> ShardedModel:
     """A role's :class:`ShardedModel` from the run's model section (``path`` overrides its directory)."""
+    kwargs.setdefault("packed", model.use_remove_padding)
     return ShardedModel(path or model.local_path, dims, optim=optim, params_dtype=torch_dtype(model.dtype),
                           seed=seed, trust_remote_code=model.trust_remote_code, **kwargs)
 
@@ -204,7 +205,8 @@ class CriticWorker(_MegatronWorker):
     def init_model(self, *, model: ModelConfig, critic: CriticConfig, rollout_n: int, seed: int) -> Coordinates:
         """Build the value model: ``critic.model_path`` (else the policy's directory) with a value head."""
         path = str(Path(critic.model_path).expanduser()) if critic.model_path else None
-        sharded = _build_sharded(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True)
+        sharded = _build_sharded(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True,
+                                 packed=critic.use_remove_padding)
         coords = self._init(sharded)
         self.critic = CriticRole(sharded, critic, rollout_n=rollout_n)
         return coords

@@ -6,10 +6,12 @@ and its longest response ``r``. Sequence fields (width ``P + R``) keep columns
 ``P - p .. P + r``; response fields (width ``R``) keep ``:r``. Positions and log-probs do not
 change (the pipeline computes positions from the mask), only the wasted columns go.
 
-With a token budget (``use_dynamic_bsz``), consecutive rows are packed while
-``rows × (p + r)`` stays within ``max_tokens`` (a row longer than the budget goes alone),
-so micro-batches of short responses carry more rows. Losses are normalised by the whole
-mini-batch's count, so the split never changes a gradient.
+With a token budget (``use_dynamic_bsz``), consecutive rows are grouped while their cost stays within
+``max_tokens`` (a row longer than the budget goes alone), so micro-batches of short responses carry more
+rows. The cost is what the model computes: padded, ``rows × (p + r)``; packed (THD), the rows' real tokens,
+each row rounded up to the pack's segment alignment. The budget is per GPU: with context parallelism a
+micro-batch's sequence is split over ``cp`` GPUs, so it may hold ``cp ×`` the budget. Losses are normalised
+by the whole mini-batch's count, so the split never changes a gradient.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ def _widths(batch: Batch) -> tuple[int, int, torch.Tensor, torch.Tensor]:
 
 
 def plan(batch: Batch, *, size: int | None = None, max_tokens: int | None = None,
-         multiple_of: int = 1) -> list[tuple[int, int, int, int]]:
+         multiple_of: int = 1, packed_align: int | None = None, cp: int = 1) -> list[tuple[int, int, int, int]]:
     """``(start, end, p, r)`` per micro-batch: rows ``start:end`` trimmed to prompt ``p``, response ``r``.
 
-    Exactly one of ``size`` (rows per micro-batch) and ``max_tokens`` (padded tokens per
-    micro-batch) is given. ``multiple_of``: the number of micro-batches is raised to a
+    Exactly one of ``size`` (rows per micro-batch) and ``max_tokens`` (tokens per GPU and
+    micro-batch) is given. ``packed_align``: the model packs micro-batches (each row's tokens
+    rounded up to this), else pads them; ``cp``: the context-parallel GPUs a sequence is split
+    over (see the module docstring). ``multiple_of``: the number of micro-batches is raised to a
     multiple of it (interleaved pipelines need a multiple of ``pp``) by splitting the
     largest ones, when there are enough rows.
     """
@@ -50,13 +54,17 @@ def plan(batch: Batch, *, size: int | None = None, max_tokens: int | None = None
     else:
         if max_tokens < 1:
             raise ValueError(f"max_token_len_per_gpu must be >= 1, got {max_tokens}")
-        start, p, r = 0, 0, 0
+        budget = max_tokens * cp
+        start, p, r, used = 0, 0, 0, 0
         for i in range(rows):
             np_, nr = max(p, int(prompt_N[i])), max(r, int(response_N[i]), 1)
-            if i > start and (i - start + 1) * (np_ + nr) > max_tokens:
+            own = -(-(int(prompt_N[i]) + max(int(response_N[i]), 1)) // packed_align) * packed_align \
+                if packed_align else 0
+            cost = used + own if packed_align else (i - start + 1) * (np_ + nr)
+            if i > start and cost > budget:
                 bounds.append((start, i))
-                start, np_, nr = i, int(prompt_N[i]), max(int(response_N[i]), 1)
-            p, r = np_, nr
+                start, np_, nr, cost = i, int(prompt_N[i]), max(int(response_N[i]), 1), own
+            p, r, used = np_, nr, cost
         if rows:
             bounds.append((start, rows))
     while multiple_of > 1 and len(bounds) % multiple_of and any(e - s > 1 for s, e in bounds):
@@ -86,9 +94,10 @@ def take(batch: Batch, keys: Sequence[str], start: int, end: int, p: int, r: int
 
 
 def micro_batches(batch: Batch, keys: Sequence[str], *, size: int | None = None, max_tokens: int | None = None,
-                  multiple_of: int = 1) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """The micro-batches (trimmed dicts of ``keys``) and each one's response width ``r``."""
-    parts = plan(batch, size=size, max_tokens=max_tokens, multiple_of=multiple_of)
+                  multiple_of: int = 1, packed_align: int | None = None,
+                  cp: int = 1) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """The micro-batches (trimmed dicts of ``keys``) and each one's response width ``r`` (:func:`plan`)."""
+    parts = plan(batch, size=size, max_tokens=max_tokens, multiple_of=multiple_of, packed_align=packed_align, cp=cp)
     return [take(batch, keys, *part) for part in parts], [part[3] for part in parts]
 
 

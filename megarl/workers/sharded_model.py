@@ -54,14 +54,16 @@ class ShardedModel:
     loads from ``hf_dir`` as for the actor. ``dims`` (a role's ``parallel`` section) carries the
     layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
     (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
-    role's activation recomputation. ``transformer_overrides`` set other ``TransformerConfig``
+    role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
+    (:func:`megarl.parallel.forward_backward`). ``transformer_overrides`` set other ``TransformerConfig``
     fields directly (tests).
     """
 
     def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
                  groups=None, value_head: bool = False, recompute_granularity: str | None = None,
-                 recompute_num_layers: int = 1, trust_remote_code: bool = False, **transformer_overrides):
+                 recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
+                 **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -69,6 +71,7 @@ class ShardedModel:
         from megarl.parallel import init_parallel
 
         self.hf_dir = str(hf_dir)
+        self.packed = packed
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, trust_remote_code=trust_remote_code)
         self.family = family_for(self.hf_config)
         # A second role in the same process (same layout) passes the first one's groups.
@@ -132,6 +135,16 @@ class ShardedModel:
         return optimizer, scheduler
 
     # ------------------------------------------------------------------------- compute
+    @property
+    def token_layout(self) -> dict[str, int | None]:
+        """How a token budget counts on this model (the ``packed_align`` and ``cp`` of
+        :func:`megarl.workers.micro.plan`)."""
+        from megarl.parallel.packing import pack_alignment
+
+        dims = self.groups.dims
+        align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=self.config.sequence_parallel)[0]
+        return {"packed_align": align if self.packed else None, "cp": dims.cp}
+
     def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0) -> list[dict] | None:
         """Per micro-batch ``{"logp", "entropy"}`` [B, S] on the last pipeline stage (None elsewhere).
 
@@ -143,7 +156,7 @@ class ShardedModel:
             raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, groups=self.groups)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed)
         return out if self.groups.is_last_stage else None
 
     def forward_values(self, micro_batches: Sequence[dict]) -> list[dict] | None:
@@ -156,7 +169,8 @@ class ShardedModel:
         if not self.value_head:
             raise ValueError("forward_values needs a critic: build the ShardedModel with value_head=True")
         with torch.no_grad():
-            out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups)
+            out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups,
+                                   packed=self.packed)
         return out if self.groups.is_last_stage else None
 
     def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0) -> StepResult:
@@ -176,7 +190,7 @@ class ShardedModel:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, groups=self.groups)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed)
         loss, metrics = self._reduce_metrics(outputs, len(micro_batches))
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):

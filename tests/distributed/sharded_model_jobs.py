@@ -1,11 +1,12 @@
-"""Rank-side job for the sharded model tests: log-probs vs HF, and one PPO step at two layouts."""
+"""Rank-side job for the sharded model tests: log-probs vs HF, and one PPO step at three layouts."""
 
 from __future__ import annotations
 
 import torch
 
 NUM_ROWS, SEQ = 4, 12
-LAYOUTS = [(1, 1), (2, 2)]  # 4 ranks: DP=4, then TP=2 × PP=2 × DP=1
+LAYOUTS = [(1, 1, True), (2, 2, True), (2, 2, False)]
+"""(tp, pp, packed) on 4 ranks: DP=4, then TP=2 × PP=2 × DP=1, packed (THD) and padded."""
 
 
 def make_batch(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,8 +51,9 @@ def sharded_model_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
 
     global_norm = agg_norm(batch["loss_mask"], "token-mean")
     out = {}
-    for tp, pp in layouts:
-        sharded = ShardedModel(hf_dir, ParallelDims(tp=tp, pp=pp), optim=OptimConfig(lr=1e-3, eps=1e-3, clip_grad=1.0))
+    for tp, pp, packed in layouts:
+        sharded = ShardedModel(hf_dir, ParallelDims(tp=tp, pp=pp), optim=OptimConfig(lr=1e-3, eps=1e-3, clip_grad=1.0),
+                               packed=packed)
         groups = sharded.groups
         micro = [_rows(batch, slice(i, i + 2)) for i in range(0, NUM_ROWS, 2)]
         fwd = sharded.forward_logprobs(micro, temperature=1.0)
@@ -76,7 +78,7 @@ def sharded_model_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
 
         skipped = sharded.train_step(mine, nan_loss)
         after_nan = {n: t.clone() for b in sharded.exporter().iter_full(1 << 22) for n, t in b}
-        out[(tp, pp)] = {
+        out[(tp, pp, packed)] = {
             "logp": logp, "loss": step.loss, "grad_norm": step.grad_norm, "applied": step.applied,
             "lr": step.lr, "metrics": step.metrics, "weights": weights if groups.rank == 0 else None,
             "nan_applied": skipped.applied,

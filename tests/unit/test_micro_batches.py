@@ -52,3 +52,17 @@ def test_pad_responses_restores_the_full_width():
     out = pad_responses([torch.ones(2, 2), torch.full((1, 4), 2.0)], R)
     assert out.shape == (3, R)
     assert out[:2, 2:].abs().sum() == 0 and torch.equal(out[2], torch.full((4,), 2.0))
+
+
+def test_packed_budget_counts_real_tokens_rounded_to_the_segment_alignment():
+    # Rows of 3, 9, 2, 6 and 5 tokens. Padded, a micro-batch costs rows × its longest row; packed, its rows' tokens.
+    batch = _batch([2, 5, 1, 4, 1], [1, 4, 1, 2, 4])
+    assert plan(batch, max_tokens=12) == [(0, 1, 2, 1), (1, 2, 5, 4), (2, 4, 4, 2), (4, 5, 1, 4)]
+    assert plan(batch, max_tokens=12, packed_align=1) == [(0, 2, 5, 4), (2, 4, 4, 2), (4, 5, 1, 4)]  # 3+9 fit
+    parts = plan(batch, max_tokens=12, packed_align=4)  # 4, 12, 4, 8, 8 with each row rounded up to 4
+    assert parts == [(0, 1, 2, 1), (1, 2, 5, 4), (2, 4, 4, 2), (4, 5, 1, 4)]
+    lengths = (batch["attention_mask"].sum(-1) + 3) // 4 * 4
+    for s, e, *_ in parts:
+        assert e - s == 1 or int(lengths[s:e].sum()) <= 12
+    # The budget is per GPU: a context-parallel split over 2 GPUs lets a pack hold twice as many tokens.
+    assert plan(batch, max_tokens=12, packed_align=4, cp=2) == [(0, 3, 5, 4), (3, 5, 4, 4)]  # 20, then 16

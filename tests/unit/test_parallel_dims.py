@@ -61,10 +61,3 @@ def test_uneven_layer_split():
     with pytest.raises(ValueError, match=r"6 layers do not split evenly into parallel.pp × parallel.vpp = 4"):
         ParallelDims(pp=4).check_model(num_layers=6, num_attention_heads=4, num_query_groups=4)
     ParallelDims(pp=2, vpp=2).check_model(num_layers=8, num_attention_heads=4, num_query_groups=4)
-
-
-def test_context_parallel_refused_on_cpu():
-    from megarl.parallel import init_parallel
-
-    with pytest.raises(ValueError, match=r"parallel.cp=2: context parallelism needs TransformerEngine"):
-        init_parallel(ParallelDims(cp=2))

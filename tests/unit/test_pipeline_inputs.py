@@ -1,9 +1,9 @@
-"""Row alignment used by the pipeline wrapper: exact positions for padded RL batches."""
+"""Row alignment used for padded micro-batches: exact positions for padded RL batches."""
 
 import pytest
 import torch
 
-from megarl.parallel.pipeline import _prepare, _unalign, left_align
+from megarl.parallel.packing import left_align, prepare_padded
 
 
 def test_left_align_moves_tokens_to_the_front_and_back():
@@ -14,7 +14,7 @@ def test_left_align_moves_tokens_to_the_front_and_back():
     assert aligned[0, :3].tolist() == [2, 3, 4]
     assert aligned[1, :4].tolist() == [6, 7, 8, 9]
     assert aligned[2].tolist() == ids[2].tolist()
-    assert torch.equal(_unalign(aligned, index), ids)
+    assert torch.equal(torch.zeros_like(aligned).scatter(1, index, aligned), ids)
 
 
 def test_padding_between_tokens_is_refused_with_row_numbers():
@@ -25,7 +25,7 @@ def test_padding_between_tokens_is_refused_with_row_numbers():
 
 def test_prepare_pads_to_pipeline_shape():
     mb = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[0, 1, 1]])}
-    ids, positions, index = _prepare(mb, (2, 5))
-    assert ids.shape == positions.shape == index.shape == (2, 5)
-    assert ids[0, :2].tolist() == [6, 7]
-    assert positions[1].tolist() == [0, 1, 2, 3, 4]
+    p = prepare_padded(mb, shape=(2, 5))
+    assert p.input_ids.shape == p.position_ids.shape == p.align_index.shape == (2, 5)
+    assert p.input_ids[0, :2].tolist() == [6, 7]
+    assert p.position_ids[1].tolist() == [0, 1, 2, 3, 4]
