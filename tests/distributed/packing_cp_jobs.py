@@ -68,7 +68,7 @@ def sharded_inputs(sharded, micro_batch: dict) -> int:
     from megarl.parallel.packing import pack_alignment, prepare_packed, prepare_padded
     from megarl.parallel.pipeline import _cp_layout
 
-    cp, rank, group = _cp_layout(sharded.groups)
+    cp, rank, _ = _cp_layout(sharded.groups)
     seg, total = pack_alignment(cp=cp, tp=sharded.groups.dims.tp, sequence_parallel=False)
     if sharded.packed:
         return prepare_packed(micro_batch, seg_align=seg, total_align=total, cp=cp, cp_rank=rank).input_ids.numel()

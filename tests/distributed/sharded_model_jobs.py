@@ -39,6 +39,18 @@ def hf_logprobs(model, batch) -> torch.Tensor:
     return torch.cat([logp, torch.zeros(NUM_ROWS, 1)], dim=1)
 
 
+def tiny_reference(directory) -> tuple[str, dict, torch.Tensor]:
+    """A tiny Qwen2 saved under ``directory``, the test batch for it, and HF transformers' log-probs of the batch."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.tiny import save_tiny
+
+    hf_dir = save_tiny(directory / "model", num_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = make_batch(model.config.vocab_size)
+    return str(hf_dir), batch, hf_logprobs(model, batch)
+
+
 def _rows(batch, rows):
     return {k: v[rows] for k, v in batch.items()}
 

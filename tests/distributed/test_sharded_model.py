@@ -2,7 +2,6 @@
 padded."""
 
 import pytest
-import torch
 
 from megarl.parallel.launch import run_ranks
 from tests.distributed import sharded_model_jobs
@@ -10,15 +9,8 @@ from tests.distributed import sharded_model_jobs
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from megarl.models.tiny import save_tiny
-
-    hf_dir = save_tiny(tmp_path_factory.mktemp("tiny") / "model", num_layers=2)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    batch = sharded_model_jobs.make_batch(model.config.vocab_size)
-    expected = sharded_model_jobs.hf_logprobs(model, batch)
-    return run_ranks(sharded_model_jobs.sharded_model_job, 4, str(hf_dir), batch, timeout_s=300), batch, expected
+    hf_dir, batch, expected = sharded_model_jobs.tiny_reference(tmp_path_factory.mktemp("tiny"))
+    return run_ranks(sharded_model_jobs.sharded_model_job, 4, hf_dir, batch, timeout_s=300), batch, expected
 
 
 @pytest.mark.parametrize("layout", sharded_model_jobs.LAYOUTS)
