@@ -3,8 +3,8 @@
 Each script's ``main`` runs at a tiny size on 2 gloo ranks (the benchmark itself uses
 TP=2×PP=2 on 4; a 4-rank spawn alone costs ~12 s on 2 cores). The layouts are chosen so
 that between them both collectives run: the export's TP gather (bench_convert at TP=2) and
-the pipeline delivery (bench_weight_sync at PP=2, both transports into CPU engine servers). No timing
-is asserted: benchmarks report numbers, tests check that the numbers exist.
+the pipeline delivery (bench_weight_sync at PP=2, both transports into CPU engine servers);
+bench_packing runs on one rank. No timing is asserted: benchmarks report numbers, tests check that the numbers exist.
 """
 
 import importlib
@@ -16,7 +16,8 @@ import pytest
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 TINY = ["--hidden", "64", "--layers", "2", "--vocab", "250", "--repeats", "1", "--bucket-mb", "0.25", "--timeout", "120"]
 # Memory above the baseline can be 0 at this size (RSS moves in pages); everything else must be > 0.
-MAY_BE_ZERO = {"peak_extra_mb", "peak_over_bucket", "peak_regular_over_bucket", "shards_peak_extra_mb"}
+MAY_BE_ZERO = {"peak_extra_mb", "peak_over_bucket", "peak_regular_over_bucket", "shards_peak_extra_mb",
+               "max_logp_diff"}
 
 
 @pytest.fixture
@@ -67,3 +68,12 @@ def test_bench_weight_sync_smoke(tools, tmp_path, capsys):
         for key, value in values.items():
             assert math.isfinite(value), (name, key, value)
             assert value >= 0 if key in MAY_BE_ZERO else value > 0, (name, key, value)
+
+
+def test_bench_packing_smoke(tools, capsys):
+    """Padded against packed on one rank: the same log-probs, both timed."""
+    values = _run(tools("bench_packing"), ["--hidden", "64", "--layers", "2", "--vocab", "250", "--repeats", "1",
+                                           "--rows", "4", "--min-len", "4", "--max-len", "24", "--timeout", "120"],
+                  capsys)
+    assert values.keys() == {"packed_speedup", "padded_s", "packed_s", "max_logp_diff"}
+    assert values["max_logp_diff"] <= 1e-5
