@@ -23,6 +23,9 @@ class MeshAxis(str, enum.Enum):
     DP = "dp"
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
 @dataclasses.dataclass(kw_only=True)
 class ParallelDims:
     """Degrees of parallelism for one model replica set (``<role>.parallel.*``).
@@ -37,7 +40,12 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel degree: the layers are split into this many stages."""
     cp: int = 1
-    """Context-parallel degree: each sequence is split over this many ranks (GPU only)."""
+    """Context-parallel degree: each sequence is split over this many ranks (Megatron's 2·cp zigzag split; every
+    sequence of a pack split the same way)."""
+    cp_comm_type: str = "p2p"
+    """How TransformerEngine's attention exchanges keys and values under ``cp > 1`` on GPU: ``p2p`` (a ring,
+    overlapped with compute), ``all_gather`` or ``a2a`` (Ulysses: heads ↔ sequence; needs the heads per TP rank
+    divisible by ``cp``). On CPU megarl's attention always all-gathers."""
     dp: int | None = None
     """Data-parallel degree; ``None`` until bound to a world size."""
     vpp: int | None = None
@@ -60,6 +68,9 @@ class ParallelDims:
                     f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp > 1 "
                     "or parallel.vpp to null"
                 )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)} "
+                             "(a2a+p2p needs hierarchical CP sizes, which megarl does not set)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=True needs parallel.tp > 1; set it to false")
 

@@ -5,7 +5,8 @@ Every error names the full key to change and what to change it to. The rules:
 1. World size: each Megatron layout (the actor's, which the reference shares; the critic's when enabled)
    has ``tp × pp × cp`` dividing the world (``trainer.nnodes × trainer.n_gpus_per_node`` on
    cuda, ``trainer.n_cpu_ranks`` on cpu), and an explicit ``dp`` equal to what is left.
-   Context parallelism and multi-node runs need cuda.
+   Multi-node runs need cuda; context and sequence parallelism run on both (the critic refuses sequence
+   parallelism: its replicated value head reads whole sequences).
 2. Batch divisibility: ``data.train_batch_size × rollout.n`` splits over the world; the
    train batch is a whole number of mini-batches; each mini-batch's trajectories split over
    the role's ``dp``; each rank's share is a whole number of micro-batches (fixed-size
@@ -75,15 +76,9 @@ def _check_world(cfg: RunConfig) -> None:
                          f"(trainer.n_cpu_ranks processes); set trainer.nnodes=1 or trainer.device=cuda")
     for prefix, parallel in _roles(cfg):
         model_parallel = parallel.tp * parallel.pp * parallel.cp
-        if trainer.device == "cpu" and parallel.sequence_parallel:
-            raise ValueError(f"{prefix}.sequence_parallel=true needs trainer.device=cuda (Megatron's sequence "
-                             f"parallelism needs TransformerEngine layers); set {prefix}.sequence_parallel=false")
         if prefix == "critic.parallel" and parallel.sequence_parallel:
             raise ValueError("critic.parallel.sequence_parallel=true: the critic's value head reads the full sequence "
                              "on every TP rank; set critic.parallel.sequence_parallel=false")
-        if trainer.device == "cpu" and parallel.cp > 1:
-            raise ValueError(f"{prefix}.cp={parallel.cp} needs trainer.device=cuda (context parallelism uses "
-                             f"GPU attention kernels); set {prefix}.cp=1")
         if world % model_parallel != 0:
             raise ValueError(
                 f"{prefix}.tp × {prefix}.pp × {prefix}.cp = {parallel.tp} × {parallel.pp} × {parallel.cp} = "

@@ -37,7 +37,7 @@ def build_gpt_model(
         kwargs["share_embeddings_and_output_weights"] = False
     model = GPTModel(
         config=config,
-        transformer_layer_spec=family.layer_spec(use_te=use_te),
+        transformer_layer_spec=family.block_spec(config, vp_stage=vp_stage, use_te=use_te),
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,

@@ -89,6 +89,7 @@ class ModelFamily:
             pipeline_model_parallel_size=dims.pp,
             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp and dims.vpp > 1 else None,
             context_parallel_size=dims.cp,
+            cp_comm_type=dims.cp_comm_type if dims.cp > 1 else None,
             sequence_parallel=dims.sequence_parallel,
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,
@@ -208,19 +209,20 @@ class ModelFamily:
             **self.rope_kwargs(hf_config),
         )
 
-    def layer_spec(self, *, use_te: bool | None = None):
-        """TransformerEngine layer spec when TE is importable and a GPU is present, else Megatron's local one with
-        megarl's attention and norms (:func:`megarl.parallel.cpu_support.local_spec`)."""
+    def block_spec(self, config, *, vp_stage: int | None = None, use_te: bool | None = None):
+        """The transformer block's spec: TransformerEngine's layer spec when TE is importable and a GPU is present,
+        else Megatron's local one with megarl's attention and norms, final norm included
+        (:func:`megarl.parallel.cpu_support.local_block_spec`: packing, context and sequence parallelism)."""
         from megatron.core.models.gpt import gpt_layer_specs
 
         if use_te is None:
             use_te = torch.cuda.is_available() and _te_importable()
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
-        from megarl.parallel.cpu_support import local_spec
+        from megarl.parallel.cpu_support import local_block_spec
 
-        # Megatron's local spec with megarl's packed / context-parallel attention and sequence-parallel norms.
-        return local_spec(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm"))
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        return local_block_spec(layer, config, vp_stage=vp_stage)
 
 
 def sglang_padded_vocab(vocab_size: int, tp: int, padding: int = 64) -> int:

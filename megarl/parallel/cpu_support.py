@@ -25,6 +25,11 @@ export ~17 % on CPU).
    the whole output in a temporary flat tensor and copies it out, doubling the memory of every large
    gather; on gloo each rank's block is broadcast straight into its place in the output instead. NCCL
    (or any other backend) runs torch's all-gather.
+7. :class:`CpuRMSNorm` replaces Megatron's torch norm (which refuses sequence parallelism) in the local layer spec
+   and as the block's final norm (:func:`local_block_spec`), so sequence parallelism runs on CPU.
+8. :func:`core_attention` replaces Megatron's local core attention (which refuses both) with one that runs packed
+   sequences (THD, per segment) and context parallelism (an all-gather of keys and values): TransformerEngine's
+   attention does these on GPU.
 
 Measured cost of the mode: about 8 % of a tiny model's training step (reference/megatron-cpu.md).
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
@@ -235,6 +240,16 @@ def cpu_support():
 
 
 # ----------------------------------------------------------------------- local layer spec
+def local_block_spec(spec, config, *, vp_stage: int | None = None):
+    """The transformer block of this rank's pipeline stage (``vp_stage``) from Megatron's local layer ``spec``:
+    :func:`local_spec` layers and a :class:`CpuRMSNorm` final norm (Megatron's default final norm for the local
+    spec is its torch norm, which refuses sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[local_spec(spec)] * layers, layer_norm=CpuRMSNorm)
+
+
 def local_spec(spec):
     """Megatron's local layer ``spec`` with megarl's core attention (:func:`core_attention`: packed
     sequences and context parallelism) and RMSNorms that support sequence parallelism (:class:`CpuRMSNorm`).

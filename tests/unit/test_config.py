@@ -159,10 +159,9 @@ RULE_CASES = [
     # world size
     ("world_tp", ["trainer.n_cpu_ranks=3"], f"{ARR}.actor.parallel.tp"),
     ("world_dp", [f"{ARR}.actor.parallel.dp=2"], f"{ARR}.actor.parallel.dp=2"),
-    ("world_cp_cpu", [f"{ARR}.actor.parallel.tp=1", f"{ARR}.actor.parallel.cp=2"], f"{ARR}.actor.parallel.cp"),
+    ("world_cp", [f"{ARR}.actor.parallel.cp=2"], f"{ARR}.actor.parallel.tp/pp/cp"),
     ("world_nodes_cpu", ["trainer.nnodes=2"], "trainer.nnodes"),
     ("world_critic", ["recipe=qwen2_5_7b_ppo", "critic.parallel.tp=3"], "critic.parallel.tp"),
-    ("world_sp_cpu", [f"{ARR}.actor.parallel.sequence_parallel=true"], f"{ARR}.actor.parallel.sequence_parallel"),
     ("world_critic_sp", ["recipe=qwen2_5_7b_ppo", "critic.parallel.sequence_parallel=true"],
      "critic.parallel.sequence_parallel"),
     # batches
@@ -223,6 +222,9 @@ def test_cross_component_rule_names_the_key(name, overrides, key):
 
 def test_fixed_variants_of_the_rules_pass():
     validate(_cfg("trainer.n_cpu_ranks=4"))  # tp=2 on 4 ranks: dp=2
+    # context and sequence parallelism run on CPU too
+    validate(_cfg("trainer.n_cpu_ranks=4", f"{ARR}.actor.parallel.cp=2"))
+    validate(_cfg(f"{ARR}.actor.parallel.sequence_parallel=true"))
     validate(_cfg(f"{ARR}.rollout.multi_turn.enable=true", "data.return_raw_chat=true"))
     validate(_cfg("algorithm.adv_estimator=gae", "critic.enable=true", "trainer.critic_warmup=1",
                   "critic.parallel.tp=2", "critic.ppo_mini_batch_size=8"))

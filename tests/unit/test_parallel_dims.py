@@ -28,7 +28,8 @@ def test_explicit_dp_must_agree():
 @pytest.mark.parametrize(
     "kwargs, setting",
     [(dict(tp=0), "parallel.tp"), (dict(pp=-1), "parallel.pp"), (dict(cp=0), "parallel.cp"), (dict(dp=0), "parallel.dp"),
-     (dict(vpp=0, pp=2), "parallel.vpp"), (dict(vpp=2), r"parallel.vpp=2 needs pipeline parallelism")],
+     (dict(vpp=0, pp=2), "parallel.vpp"), (dict(vpp=2), r"parallel.vpp=2 needs pipeline parallelism"),
+     (dict(cp=2, cp_comm_type="a2a+p2p"), r"parallel.cp_comm_type='a2a\+p2p': choose one of p2p, all_gather, a2a")],
 )
 def test_bad_degrees(kwargs, setting):
     with pytest.raises(ValueError, match=setting):
@@ -61,3 +62,15 @@ def test_uneven_layer_split():
     with pytest.raises(ValueError, match=r"6 layers do not split evenly into parallel.pp × parallel.vpp = 4"):
         ParallelDims(pp=4).check_model(num_layers=6, num_attention_heads=4, num_query_groups=4)
     ParallelDims(pp=2, vpp=2).check_model(num_layers=8, num_attention_heads=4, num_query_groups=4)
+
+
+def test_cp_comm_type_reaches_megatron_only_under_cp():
+    from transformers import Qwen2Config
+
+    from megarl.models import family_for
+
+    hf = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    family = family_for(hf)
+    assert family.transformer_config(hf, ParallelDims(cp=2, cp_comm_type="a2a")).cp_comm_type == "a2a"
+    assert family.transformer_config(hf, ParallelDims(cp=1, cp_comm_type="a2a")).cp_comm_type is None
