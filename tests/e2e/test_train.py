@@ -146,12 +146,14 @@ def test_grpo_steps_resume_and_crashed_save(assets):
 def test_ppo_with_critic(assets):
     """PPO with GAE: the critic trains alone for one warm-up step, then both update.
 
-    Also: token-budget micro-batches on every role, and engines on their own pool (disaggregated).
+    Also: token-budget micro-batches on every role, engines on their own pool (disaggregated), and the actor's
+    micro-batches padded (``model.use_remove_padding=false``) while the critic's are packed.
     """
     trainer = _run(_config(assets, "ppo", "trainer.total_steps=2", "algorithm.adv_estimator=gae",
                            "critic.enable=true", "critic.parallel.tp=2", "critic.ppo_mini_batch_size=2",
                            "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=8",
                            "critic.optim.lr=1e-3", "trainer.critic_warmup=1",
+                           "actor_rollout_ref.model.use_remove_padding=false",
                            "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
                            # token-budget micro-batches on every role
                            "actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -179,13 +181,17 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
     """``rollout.do_sample=false`` with ``temperature=0.7``: the engines decode greedily and report log-probs at
     T=1 (the batch's meta says so); the actor recomputes at the meta's temperature, not the setting's.
 
-    Also GRPO with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back."""
+    Also GRPO with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back;
+    and with context parallelism on the actor (cp=2, packed): the recomputed log-probs gathered over the CP ranks
+    equal the engines', and the weights the CP ranks send are the engines' after the update."""
     trainer = _run(_config(assets, "greedy", "trainer.total_steps=1", "actor_rollout_ref.rollout.do_sample=false",
                            "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=1",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                           "actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.cp=2",
                            "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
     (_, metrics), = trainer.history
     assert trainer.weight_transport == "distributed"
+    assert trainer.cfg.actor_rollout_ref.actor.parallel.cp == 2
     assert metrics["weight_sync/verified_tensors"] == len(trainer.weight_names)
     assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
     # Recomputing at 0.7 instead differs by 0.43 nat per token on this model (measured).
