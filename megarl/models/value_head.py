@@ -33,12 +33,14 @@ class ValueHead(torch.nn.Module):
     emits_values = True
     """Marks this output layer as returning values, not logits (``megarl.parallel.pipeline.EMITS_VALUES``)."""
 
-    def __init__(self, hidden_size: int, *, init_std: float, seed: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden_size: int, *, init_std: float, seed: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         super().__init__()
+        # Drawn on the CPU whatever ``device`` is: the same values on every device.
         generator = torch.Generator().manual_seed(seed)
         weight_1H = torch.empty(1, hidden_size, dtype=torch.float32).normal_(0.0, init_std, generator=generator)
-        self.weight = torch.nn.Parameter(weight_1H.to(dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(weight_1H.to(device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
         # Megatron tags its output layer's weight so (decoupled-lr) optimizer groups find it.
         self.weight.is_embedding_or_output_parameter = True
 
@@ -60,7 +62,12 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def attach_value_head(model, *, seed: int) -> None:
-    """Replace the vocabulary output layer of a last-stage ``GPTModel`` chunk with a :class:`ValueHead`."""
+    """Replace the vocabulary output layer of a last-stage ``GPTModel`` chunk with a :class:`ValueHead`.
+
+    The head goes on the device of the model's parameters, in the model's ``params_dtype``: on GPU Megatron
+    builds them on the current device, and its DDP moves a parameter into its GPU buffer only with the
+    distributed optimizer, so a head built on the CPU would otherwise stay there.
+    """
     config = model.config
     if config.sequence_parallel:
         raise ValueError(
@@ -70,7 +77,7 @@ def attach_value_head(model, *, seed: int) -> None:
     if model.share_embeddings_and_output_weights:
         raise ValueError("a value head cannot be tied to the embedding: build the critic untied")
     model.output_layer = ValueHead(config.hidden_size, init_std=config.init_method_std, seed=seed,
-                                   dtype=config.params_dtype)
+                                   dtype=config.params_dtype, device=next(model.parameters()).device)
 
 
 def has_value_head(model_chunks) -> bool:

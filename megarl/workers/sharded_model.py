@@ -36,6 +36,15 @@ class StepResult:
     """Per-micro-batch metrics of the loss function, averaged."""
 
 
+FP16_LOSS_SCALING = {"initial_loss_scale": 2.0**16, "min_loss_scale": 1.0, "loss_scale_window": 1000,
+                     "hysteresis": 2}
+"""Megatron's dynamic loss scaling for fp16 (``OptimizerConfig`` fields): halve the scale after ``hysteresis``
+overflowing steps in a row (each skipped), double it after ``loss_scale_window`` steps without one. Window,
+hysteresis and floor are Megatron's defaults; the initial scale is torch.amp's (2^16) rather than Megatron's
+2^32, which skips ~17 steps before it gets back to 2^16: a pretraining run does not notice, an RL run with a
+few optimizer steps per rollout would discard several rollouts' updates."""
+
+
 def _recompute_fields(recompute_granularity: str | None, recompute_num_layers: int) -> dict:
     """``TransformerConfig`` fields of a role's activation recomputation (``full`` recomputes uniform blocks)."""
     fields: dict = {}
@@ -122,9 +131,14 @@ class ShardedModel:
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
             clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
-            params_dtype=self.config.params_dtype, bf16=self.config.bf16,
+            params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16,
+            **FP16_LOSS_SCALING,
         )
         optimizer = get_megatron_optimizer(config, self.chunks)
+        # The schedules multiply each micro-batch's loss by the optimizer's loss scale before its backward
+        # (fp16: gradients small enough to underflow survive); the optimizer unscales before clipping and
+        # skips the step on an overflow. Without fp16 the scale is 1.
+        self.config.grad_scale_func = optimizer.scale_loss if self.config.fp16 else None
         decay_steps = optim.decay_steps or 1
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
@@ -180,7 +194,9 @@ class ShardedModel:
         ``loss_fn(values_BS, micro_batch) -> (loss, metrics)``, must already be
         normalised by the mini-batch's global count (see megarl.algo.losses.agg_norm):
         gradients are summed over micro-batches and DP ranks. A non-finite loss or gradient
-        norm skips the update (reported in ``applied``).
+        norm skips the update (reported in ``applied``); with fp16 so does an overflow of the
+        loss-scaled gradients, after which Megatron's scaler lowers the scale (:data:`FP16_LOSS_SCALING`).
+        The reported loss and gradient norm are unscaled.
         """
         from megarl.parallel import forward_backward
 

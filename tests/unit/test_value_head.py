@@ -1,11 +1,13 @@
 """The critic's value head (GPTModel output-layer convention, seeded init) and its config checks."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from megarl.models.value_head import ValueHead, has_value_head, value_head_parameter_names
-from megarl.parallel.pipeline import emits_values
 from megarl.config import CriticConfig
+from megarl.models.value_head import ValueHead, attach_value_head, has_value_head, value_head_parameter_names
+from megarl.parallel.pipeline import emits_values
 
 
 def test_value_head_is_seeded_and_called_like_megatrons_output_layer():
@@ -21,6 +23,29 @@ def test_value_head_is_seeded_and_called_like_megatrons_output_layer():
     assert torch.allclose(values_SB1[..., 0], hidden_SBH @ a.weight[0] + a.bias)
     with pytest.raises(AssertionError, match="never tied"):
         a(hidden_SBH, weight=torch.zeros(10, 16))
+
+
+def _last_stage_chunk(device: str, params_dtype: torch.dtype) -> torch.nn.Module:
+    """A stand-in for a last-stage GPTModel: the attributes attach_value_head reads, parameters on ``device``."""
+    chunk = torch.nn.Module()
+    chunk.body = torch.nn.Linear(8, 8, device=device, dtype=params_dtype)
+    chunk.config = SimpleNamespace(sequence_parallel=False, hidden_size=8, init_method_std=0.02,
+                                   params_dtype=params_dtype)
+    chunk.share_embeddings_and_output_weights = False
+    return chunk
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_attached_value_head_is_on_the_models_device_in_its_dtype(device):
+    """On GPU the body is on the current device: a head built on the CPU stayed there (DDP does not move it)."""
+    chunk = _last_stage_chunk(device, torch.bfloat16)
+    attach_value_head(chunk, seed=3)
+    head = chunk.output_layer
+    assert isinstance(head, ValueHead)
+    for parameter in (head.weight, head.bias):
+        assert parameter.device.type == device and parameter.dtype == torch.bfloat16
+    if device == "cpu":  # the seeded values do not depend on the device
+        assert torch.equal(head.weight, ValueHead(8, init_std=0.02, seed=3, dtype=torch.bfloat16).weight)
 
 
 def test_value_head_is_found_through_wrappers():
