@@ -109,7 +109,7 @@ def forward_backward(
         loss_func = functools.partial(_value_loss, loss_fn)
     else:
         loss_func = functools.partial(_lm_loss, loss_fn, temperature, tp_group, vocab_size, return_logits)
-    if return_logits and _cp_layout(groups)[0] > 1:
+    if return_logits and cp_layout(groups)[0] > 1:
         raise ValueError("return_logits=True needs parallel.cp=1 (logits stay split over context-parallel ranks)")
     prepared = _prepare_micro_batches(micro_batches, pp, packed, groups, config)
     iterators = [iter(prepared) for _ in range(len(model_chunks))]
@@ -186,7 +186,7 @@ def _check_interleaving(num_chunks: int, num_micro_batches: int, pp: int) -> Non
         )
 
 
-def _cp_layout(groups: ProcessGroups | None) -> tuple[int, int, Any]:
+def cp_layout(groups: ProcessGroups | None) -> tuple[int, int, Any]:
     """``(cp, cp_rank, cp_group)`` of this rank."""
     if groups is not None:
         return groups.dims.cp, groups.cp_rank, groups.cp if groups.dims.cp > 1 else None
@@ -201,7 +201,7 @@ def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int, packed: bool,
     """Each micro-batch with its model inputs (:mod:`megarl.parallel.packing`), aligned for sequence and context
     parallelism. Pipeline stages exchange activations of one fixed shape per call (no shape exchange before
     every send), so with PP > 1 every micro-batch is padded to the largest (rows and columns, or pack length)."""
-    cp, cp_rank, cp_group = _cp_layout(groups)
+    cp, cp_rank, cp_group = cp_layout(groups)
     tp = groups.dims.tp if groups is not None else config.tensor_model_parallel_size
     seg_align, total_align = pack_alignment(cp=cp, tp=tp, sequence_parallel=config.sequence_parallel)
     split = {"cp": cp, "cp_rank": cp_rank, "cp_group": cp_group}

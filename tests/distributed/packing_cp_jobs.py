@@ -125,9 +125,9 @@ def _critic(hf_dir: str, batch: dict, layout) -> dict:
 def sharded_inputs(sharded, micro_batch: dict) -> int:
     """How many tokens of ``micro_batch`` this rank's model input holds (the CP split's share)."""
     from megarl.parallel.packing import pack_alignment, prepare_packed, prepare_padded
-    from megarl.parallel.pipeline import _cp_layout
+    from megarl.parallel.pipeline import cp_layout
 
-    cp, rank, _ = _cp_layout(sharded.groups)
+    cp, rank, _ = cp_layout(sharded.groups)
     seg, total = pack_alignment(cp=cp, tp=sharded.groups.dims.tp, sequence_parallel=sharded.config.sequence_parallel)
     if sharded.packed:
         return prepare_packed(micro_batch, seg_align=seg, total_align=total, cp=cp, cp_rank=rank).input_ids.numel()
