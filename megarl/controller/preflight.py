@@ -20,7 +20,7 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
-  hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank), per layer:
+  hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank: divided by ``cp``), per layer:
   no recompute ``T h (10 + 24/t) + 5 a s T / t`` (``34 T h / t + 5 a s T / t`` with sequence
   parallelism), selective ``T h (10 + 24/t)`` (``34 T h / t``), full ``2 T h`` (``2 T h / t``) per
   block of ``recompute_num_layers`` layers, plus one block rematerialised at the selective size
@@ -29,6 +29,14 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   chunks of ``L/(pp vpp)`` layers (Megatron's warm-up count + 1), at most all micro-batches.
   The scores term ``5 a s T / t`` is left out (:data:`FUSED_ATTENTION`): TransformerEngine's fused
   attention stores none, so without recompute a layer keeps what selective recompute keeps.
+- **micro-batch tokens** ``T`` (the worst case: every row ``S = P + R`` tokens; as
+  :func:`megarl.workers.micro.plan` groups rows and :mod:`megarl.parallel.pipeline` lays them out; ``(seg, total)``
+  = :func:`~megarl.parallel.packing.pack_alignment` of the role's cp, tp and sequence parallelism):
+  packed (``<role>.use_remove_padding``, THD) ``round_up(rows × round_up(S, seg), total)``, with a token budget
+  ``round_up(max(budget × cp, round_up(S, seg)), total)`` (the budget is per GPU, a pack spans ``cp`` GPUs; a
+  longer row goes alone), ``s = round_up(S, seg)``; padded ``rows × round_up(S, total)``, with a budget
+  ``max(budget × cp, rows × round_up(S, total))`` for ``rows = max(budget × cp // S, 1)``, ``s = round_up(S, total)``.
+  Under PP every micro-batch of a call takes the largest one's shape: this worst case.
 - **logits** (last stage): ``T × V_padded/t × 14`` bytes: the bf16 logits (2) and, inside
   ``megarl.parallel.logprob``, the fp32 scaled logits (4), their exponentials (4) and ``exp·z`` (4).
 - **engine weights**: the model in ``rollout.dtype`` sharded over the engine's TP (vocabulary padded
@@ -82,13 +90,14 @@ import dataclasses
 import math
 from typing import Any
 
+from megarl.config.parallel import ParallelDims
 from megarl.config.schema import RunConfig
 from megarl.config.trainer import LinksConfig
 from megarl.controller.placement import PlacementPlan, engine_replica, megatron_coordinates, placement_for
 from megarl.controller.preflight_report import ROWS, format_report, kv_problem, overflow_problem
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.models.weights import Split
-from megarl.config.parallel import ParallelDims
+from megarl.parallel.packing import pack_alignment, round_up
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = GiB // 2
@@ -140,12 +149,27 @@ class MicroBatch:
     """Micro-batches per mini-batch on one rank (the 1F1B cap)."""
 
 
-def micro_batch(*, seq: int, rows: int | None, dynamic: bool, budget: int, rows_per_rank: int = 1) -> MicroBatch:
-    """``rows`` × ``seq`` tokens, or with a token budget at most ``max(budget, seq)`` (a longer row goes alone)."""
-    if dynamic:
-        per_micro = max(budget // seq, 1)
-        return MicroBatch(max(budget, seq), seq, math.ceil(rows_per_rank / per_micro))
-    return MicroBatch(rows * seq, seq, math.ceil(rows_per_rank / rows))
+def micro_batch(*, seq: int, rows: int | None, dynamic: bool, budget: int, packed: bool, cp: int = 1,
+                align: tuple[int, int] = (1, 1), rows_per_rank: int = 1) -> MicroBatch:
+    """The largest micro-batch of rows of ``seq`` tokens before the CP split (see the module docstring).
+
+    ``rows`` per micro-batch, or with ``dynamic`` a token ``budget`` per GPU (a micro-batch spans the ``cp`` GPUs
+    of a CP group: ``budget × cp`` tokens). ``packed``: THD, every row a segment of ``round_up(seq, seg)``, the
+    pack rounded up to ``total``; else every row padded to ``round_up(seq, total)`` columns. ``align``: ``(seg,
+    total)`` of :func:`~megarl.parallel.packing.pack_alignment`. ``count``: micro-batches of ``rows_per_rank``.
+    """
+    seg, total = align
+    width = round_up(seq, seg) if packed else round_up(seq, total)
+    if not dynamic:
+        tokens = round_up(rows * width, total) if packed else rows * width
+        return MicroBatch(tokens, width, math.ceil(rows_per_rank / rows))
+    pack = budget * cp
+    if packed:
+        per_micro = max(pack // width, 1)
+        return MicroBatch(round_up(max(pack, width), total), width, math.ceil(rows_per_rank / per_micro))
+    # Padded: full-width rows round their columns up; narrower rows fill the budget itself.
+    per_micro = max(pack // seq, 1)
+    return MicroBatch(max(pack, per_micro * width), width, math.ceil(rows_per_rank / per_micro))
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -359,19 +383,24 @@ class _MemoryModel:
         """(update micro-batch, largest log-prob forward micro-batch) of the actor, per CP rank."""
         arr, dims = self.arr, self.actor_dims
         actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        packed = arr.model.use_remove_padding  # actor, reference and log-prob recompute alike
         rows_per_rank = actor.ppo_mini_batch_size * rollout.n // dims.dp
-        update = micro_batch(seq=self.seq, rows=actor.ppo_micro_batch_size_per_gpu, dynamic=actor.use_dynamic_bsz,
+        update = self._micro(dims, packed, rows=actor.ppo_micro_batch_size_per_gpu, dynamic=actor.use_dynamic_bsz,
                              budget=actor.ppo_max_token_len_per_gpu, rows_per_rank=rows_per_rank)
         # The trainer's defaults: 16 rows when a micro-batch size is null.
-        forwards = [micro_batch(seq=self.seq, rows=rollout.log_prob_micro_batch_size_per_gpu or 16,
+        forwards = [self._micro(dims, packed, rows=rollout.log_prob_micro_batch_size_per_gpu or 16,
                                 dynamic=rollout.log_prob_use_dynamic_bsz,
                                 budget=rollout.log_prob_max_token_len_per_gpu)]
         if self.cfg.needs_ref:
-            forwards.append(micro_batch(seq=self.seq, rows=ref.log_prob_micro_batch_size_per_gpu or 16,
+            forwards.append(self._micro(dims, packed, rows=ref.log_prob_micro_batch_size_per_gpu or 16,
                                         dynamic=ref.log_prob_use_dynamic_bsz,
                                         budget=ref.log_prob_max_token_len_per_gpu))
-        forward = max(forwards, key=lambda m: m.tokens)
-        return _per_cp(update, dims.cp), _per_cp(forward, dims.cp)
+        return update, max(forwards, key=lambda m: m.tokens)
+
+    def _micro(self, dims: ParallelDims, packed: bool, **kwargs) -> MicroBatch:
+        """:func:`micro_batch` of this run's sequences on a role's layout, per CP rank."""
+        align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=dims.sequence_parallel)
+        return _per_cp(micro_batch(seq=self.seq, packed=packed, cp=dims.cp, align=align, **kwargs), dims.cp)
 
     def _activations(self, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *, heads: int, hidden: int,
                      num_layers: int, sequence_parallel: bool, recompute: str | None, block: int) -> int:
@@ -417,11 +446,11 @@ class _MemoryModel:
         _, _, _, pp_rank = megatron_coordinates(bundle, dims)
         state = self._state(m, dims, pp_rank, value_head=True, optim=critic.optim)
         rows_per_rank = critic.ppo_mini_batch_size * self.arr.rollout.n // dims.dp
-        update = _per_cp(micro_batch(seq=self.seq, rows=critic.ppo_micro_batch_size_per_gpu,
-                                     dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu,
-                                     rows_per_rank=rows_per_rank), dims.cp)
-        forward = _per_cp(micro_batch(seq=self.seq, rows=critic.forward_micro_batch_size_per_gpu or 1,
-                                      dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu), dims.cp)
+        packed = critic.use_remove_padding
+        update = self._micro(dims, packed, rows=critic.ppo_micro_batch_size_per_gpu, dynamic=critic.use_dynamic_bsz,
+                             budget=critic.ppo_max_token_len_per_gpu, rows_per_rank=rows_per_rank)
+        forward = self._micro(dims, packed, rows=critic.forward_micro_batch_size_per_gpu or 1,
+                              dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu)
         sp = critic.parallel.sequence_parallel
         off = {"weights": critic.param_offload, "grads": critic.grad_offload, "optimizer": critic.optimizer_offload}
         return {"critic_state": state["weights"] + state["grads"] + state["optimizer"],
@@ -659,6 +688,7 @@ class _MemoryModel:
 
 
 def _per_cp(mb: MicroBatch, cp: int) -> MicroBatch:
+    """One CP rank's share: the aligned tokens and sequence divided by ``cp``."""
     return MicroBatch(math.ceil(mb.tokens / cp), math.ceil(mb.seq / cp), mb.count)
 
 

@@ -146,16 +146,17 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
     dtype, engine_dtype = _DTYPE_NAMES[arr.model.dtype], _DTYPE_NAMES[rollout.dtype]
     shards = dims.dp * dims.cp if actor.optim.use_distributed_optimizer else 1
     recompute = actor.recompute_granularity or "no"
+    layout = {True: "packed", False: "padded"}  # micro-batch tokens as the planner counts them
     return {
         "actor_weights": f"actor weights ({dtype})",
         "actor_grads": "actor grads (fp32 buffer)",
         "actor_optimizer": f"actor optimizer (Adam, /{shards} ranks)",
         "ref_weights": f"reference weights ({dtype})",
         "critic_state": "critic weights+grads+optimizer",
-        "activations": f"actor activations ({recompute} recompute)",
+        "activations": f"actor activations ({recompute} recompute, {layout[arr.model.use_remove_padding]})",
         "logits": "actor logits (update)",
         "forward": "log-prob forward (layer+logits)",
-        "critic_activations": "critic activations",
+        "critic_activations": f"critic activations ({layout[cfg.critic.use_remove_padding]})",
         "critic_forward": "critic forward (one layer)",
         "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp})",
         "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),

@@ -15,13 +15,16 @@ from megarl.cli.plan import main as plan_main
 from megarl.config import load_config
 from megarl.controller.preflight import (
     CUDA_CONTEXT_BYTES,
+    MicroBatch,
     activation_bytes_per_layer,
     chunks_in_flight,
+    micro_batch,
     plan_run,
     preflight,
 )
 from megarl.models.known import KNOWN_ARCHITECTURES, known_config, known_name, resolve_hf_config
 from megarl.models.sizes import Architecture
+from megarl.parallel.packing import pack_alignment
 
 GiB = 2**30
 
@@ -180,6 +183,77 @@ def test_chunks_in_flight_follow_megatron_warmup():
     assert chunks_in_flight(pp=4, vpp=5, pp_rank=0, num_micro_batches=128) == 2 * 3 + 4 * 4 + 1
     assert chunks_in_flight(pp=4, vpp=5, pp_rank=3, num_micro_batches=128) == 4 * 4 + 1
     assert chunks_in_flight(pp=4, vpp=5, pp_rank=0, num_micro_batches=2) == 10
+
+
+# ------------------------------------------------------------- packed and padded micro-batches (issue 15)
+
+
+def test_micro_batch_counts_aligned_packed_or_padded_tokens_before_the_cp_split():
+    """Rows of 1001 tokens at CP 2 x TP 3 with sequence parallelism: segments of a multiple of 2 cp = 4, the pack
+    (or a padded row) a multiple of lcm(4, cp tp = 6) = 12. A token budget is per GPU: a pack spans cp GPUs."""
+    align = pack_alignment(cp=2, tp=3, sequence_parallel=True)
+    assert align == (4, 12)
+    fixed = {"seq": 1001, "rows": 5, "dynamic": False, "budget": 0, "cp": 2, "align": align, "rows_per_rank": 32}
+    # packed: 5 segments of 1004 = 5020, the pack rounded up to 5028; padded: 5 rows of 1008 columns
+    assert micro_batch(**fixed, packed=True) == MicroBatch(5028, 1004, 7)
+    assert micro_batch(**fixed, packed=False) == MicroBatch(5040, 1008, 7)
+    for packed in (True, False):  # CP 1 without SP: no alignment
+        assert micro_batch(**fixed | {"cp": 1, "align": (1, 1)}, packed=packed) == MicroBatch(5005, 1001, 7)
+    budget = {"seq": 1001, "rows": None, "dynamic": True, "cp": 2, "align": align, "rows_per_rank": 32}
+    # 3001 per GPU: a pack of 6002 tokens rounded up to 6012 (5 full segments per pack); padded, 5 full rows take
+    # 5 x 1008 = 5040 columns, narrower rows the whole 6002
+    assert micro_batch(**budget, budget=3001, packed=True) == MicroBatch(6012, 1004, 7)
+    assert micro_batch(**budget, budget=3001, packed=False) == MicroBatch(6002, 1008, 7)
+    # 1001 per GPU: 2002 per pack (one full segment, or shorter ones up to 2004); padded, 2 rows of 1008 columns
+    assert micro_batch(**budget, budget=1001, packed=True) == MicroBatch(2004, 1004, 32)
+    assert micro_batch(**budget, budget=1001, packed=False) == MicroBatch(2016, 1008, 16)
+    # A budget below one row: the row goes alone
+    assert micro_batch(**budget, budget=300, packed=True) == MicroBatch(1008, 1004, 32)
+    assert micro_batch(**budget, budget=300, packed=False) == MicroBatch(1008, 1008, 32)
+
+
+@pytest.mark.parametrize("cp, packed, tokens", [(1, True, 15336), (1, False, 15340), (2, True, 15336),
+                                                (2, False, 15360)])
+def test_actor_activations_count_packed_or_padded_tokens_per_cp_rank(cp, packed, tokens):
+    """The 7B GRPO recipe at TP 4 with SP, rows of 1019 + 2048 = 3067 tokens, 15335 = 5 x 3067 tokens per GPU.
+    CP 1: the pack (or row) a multiple of tp = 4: packed round_up(15335, 4) = 15336; padded 5 rows of 3068.
+    CP 2: segments of a multiple of 4, the pack of 8 (cp tp); the pack spans 2 GPUs, 30670 tokens: packed
+    round_up(30670, 8) = 30672, 15336 per CP rank; padded 10 rows of 3072 = 30720, 15360 per CP rank."""
+    cfg = load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.actor.parallel.tp=4",
+                       f"actor_rollout_ref.actor.parallel.cp={cp}", "data.max_prompt_length=1019",
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=15335",
+                       f"actor_rollout_ref.model.use_remove_padding={str(packed).lower()}"])
+    plan = plan_run(cfg, check=False)
+    gpu = _kinds(plan)["actor, engine"]
+    # Full recompute of every layer with SP (as in test_7b_activation_logits_and_kv_estimates), TP 4.
+    assert gpu.rows["activations"] == L * (2 * tokens * H // 4) + 34 * tokens * H // 4
+    assert gpu.rows["logits"] == tokens * (V // 4) * 14  # 152064 = 297 x 512: no vocabulary padding at TP 4
+    # Log-prob forwards: 32768 tokens per GPU (CP 2: a pack of 65536 over 2 GPUs), aligned already.
+    assert gpu.rows["forward"] == 34 * 32768 * H // 4 + 32768 * (V // 4) * 14
+    assert f"actor activations (full recompute, {'packed' if packed else 'padded'})" in plan.report()
+
+
+@pytest.mark.parametrize("cp, packed, budget, tokens, forward", [
+    (1, True, None, 4090, 16360),  # 2 rows (update), 8 rows (values) of 2045 tokens
+    (2, True, None, 2048, 8192),  # rows of 2048 (a multiple of 2 cp), split over 2 CP ranks
+    (2, False, None, 2048, 8192),  # without SP packed and padded full rows align alike
+    (1, True, 2045, 2045, 2045),
+    (2, True, 2045, 2046, 2046),  # a pack of 4090 tokens over 2 GPUs, rounded up to 4092
+    (2, False, 2045, 2048, 2048),  # 2 padded rows of 2048
+])
+def test_critic_activations_count_packed_or_padded_tokens_per_cp_rank(cp, packed, budget, tokens, forward):
+    """The 7B PPO recipe's critic (TP 4, no SP, its own critic.use_remove_padding) at CP 1 and 2, rows of
+    1021 + 1024 = 2045 tokens; micro-batches of rows, or a budget of 2045 tokens per GPU."""
+    overrides = ["recipe=qwen2_5_7b_ppo", "data.max_prompt_length=1021", f"critic.parallel.cp={cp}",
+                 f"critic.use_remove_padding={str(packed).lower()}"]
+    if budget:
+        overrides += ["critic.use_dynamic_bsz=true", f"critic.ppo_max_token_len_per_gpu={budget}"]
+    plan = plan_run(load_config(overrides), check=False)
+    gpu = _kinds(plan)["actor, engine"]
+    # No recompute, fused attention: T h (10 + 24/t) = 16 T h per layer at TP 4, all 28 layers (pp 1).
+    assert gpu.rows["critic_activations"] == L * 16 * tokens * H
+    assert gpu.rows["critic_forward"] == 16 * forward * H
+    assert f"critic activations ({'packed' if packed else 'padded'})" in plan.report()
 
 
 # --------------------------------------------------------------------------------- Llama-3.1-70B
