@@ -332,17 +332,33 @@ def core_attention():
                 bounds = packed_seq_params.cu_seqlens_q
             bounds = [int(b) for b in bounds.tolist()]
             lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-            # Attention.forward squeezed the batch dimension of THD: [t, heads, dim] -> [t, 1, heads, dim].
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-            if self.cp == 1:
-                # split, not slices: the backward of a split is one concatenation, that of T slices T full-size
-                # zero tensors (7 % of a packed step of 16 rows).
-                parts = zip(*(t.split(lengths) for t in (query, key, value)), lengths)
-                return torch.cat([base(q, k, v, None, attn_mask_type=attn_mask_type) for q, k, v, n in parts if n])
-            keys, values = (t.split(lengths) for t in self._gather(key, value, lengths))
+            # Attention.forward squeezed the batch dimension of THD: [t, heads, dim]. Views per segment (a split's
+            # backward is one concatenation; a slice's, a zero tensor of the whole pack per segment).
+            from torch.nn.utils.rnn import pad_sequence
+
+            from megarl.parallel.packing import segment_batches
+
+            rank = torch.distributed.get_rank(self.cp_group) if self.cp > 1 else 0
+            if self.cp > 1:
+                key, value = self._gather(key, value, lengths)
             queries = query.split([n // self.cp for n in lengths])
-            return torch.cat([base(q, k, v, self._causal(n), attn_mask_type=attn_mask_type)
-                              for q, k, v, n in zip(queries, keys, values, lengths) if n])
+            keys, values = key.split(lengths), value.split(lengths)
+            outs: list = [None] * len(lengths)
+            for batch in segment_batches(lengths, heads=query.shape[-2], cp=self.cp, rank=rank):
+                picked = batch.segments
+                if len(picked) == 1 and batch.query_positions is None:
+                    (i,) = picked
+                    outs[i] = base(queries[i].unsqueeze(1), keys[i].unsqueeze(1), values[i].unsqueeze(1), None,
+                                   attn_mask_type=attn_mask_type)
+                    continue
+                q, k, v = (pad_sequence([parts[i] for i in picked]) for parts in (queries, keys, values))
+                mask = None  # cp == 1: as many queries as keys, Megatron's causal mask
+                if batch.query_positions is not None:
+                    mask = (torch.arange(k.shape[0])[None, None, :] > batch.query_positions[:, :, None])[:, None]
+                out = base(q, k, v, mask, attn_mask_type=attn_mask_type).transpose(0, 1)  # [n, Lq, h·d]
+                for i, column in zip(picked, out.unbind(0)):
+                    outs[i] = column[: lengths[i] // self.cp].unsqueeze(1)
+            return torch.cat([o for o in outs if o is not None])
 
         def _gather(self, key, value, lengths):
             """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""

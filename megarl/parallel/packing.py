@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -80,6 +81,54 @@ def _inverse(lengths: tuple[int, ...], cp: int) -> torch.Tensor:
 def cp_inverse(lengths: Sequence[int], cp: int) -> torch.Tensor:
     """The index that puts the CP ranks' tokens, gathered rank after rank, back in stream order."""
     return _inverse(tuple(int(n) for n in lengths), int(cp))
+
+
+# What one call of the CPU core attention costs in attention scores of one head (its fixed per-operation cost
+# against the per-score one). Chosen with tools/bench_packing.py on 2 CPU cores: packs of 8-32 rows of 15-35
+# tokens on the tiny model (hidden 64) ran 0.74-0.89x padded at 0 (a call per row), 0.93-1.11x at 40 000, and
+# the 16-512-token rows (hidden 256) did not slow down.
+CALL_COST_SCORES = 40_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentBatch:
+    """Segments of a pack that run attention as one batch (:func:`segment_batches`), each padded at its end to the
+    first (longest) one's length. ``segments``: their indices in the pack. ``query_positions`` ``[n, Lq]``: the
+    position within its segment of each of this CP rank's queries (padding rows: the segment length, which
+    masks nothing); ``None`` when ``cp == 1`` (plain causal attention)."""
+
+    segments: tuple[int, ...]
+    query_positions: torch.Tensor | None
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -> tuple[SegmentBatch, ...]:
+    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:  # longest first: a segment joins the open batch while its padding costs less than a call
+        if groups and heads * (lengths[groups[-1][0]] ** 2 - lengths[i] ** 2) // cp <= CALL_COST_SCORES:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    batches = []
+    for group in groups:
+        positions = None
+        if cp > 1:
+            width = lengths[group[0]]
+            positions = torch.full((len(group), width // cp), width, dtype=torch.long)
+            for column, i in enumerate(group):
+                positions[column, : lengths[i] // cp] = _zigzag((lengths[i],), cp, rank)
+        batches.append(SegmentBatch(tuple(group), positions))
+    return tuple(batches)
+
+
+def segment_batches(lengths: Sequence[int], *, heads: int, cp: int = 1, rank: int = 0) -> tuple[SegmentBatch, ...]:
+    """The segments of a pack (padded ``lengths``; this CP rank holds ``length/cp`` tokens of each, in zigzag
+    order) grouped into batches for attention. Many short segments then cost a few batched calls instead of one
+    call each (a call costs about ``CALL_COST_SCORES`` scores of one head on CPU), and a long segment still runs
+    alone. Longest first; the padding sits at the end of each segment, where causal attention never reaches it
+    from a real query."""
+    return _segment_batches(tuple(int(n) for n in lengths), int(heads), int(cp), int(rank))
 
 
 def gather_cp(x_bt: torch.Tensor, lengths: Sequence[int], cp: int, group) -> torch.Tensor:

@@ -137,3 +137,19 @@ def test_padded_layout_rotates_rows_pads_for_alignment_and_restores():
     assert p.input_ids[0, :4].tolist() == [11, 12, 13, 14] and p.input_ids[3, :3].tolist() == [31, 32, 33]
     assert p.labels[0, :3].tolist() == [12, 13, 14]
     assert torch.equal(p.restore(p.input_ids.float()), (IDS * MASK).float())
+
+
+def test_segment_batches_group_short_segments_and_leave_long_ones_alone():
+    from megarl.parallel.packing import CALL_COST_SCORES, segment_batches
+
+    lengths = [20, 500, 16, 0, 24, 496, 300]
+    batches = segment_batches(lengths, heads=4)
+    # Longest first; 496 joins 500 (4·(500²−496²) = 15 936 ≤ the cost of a call), 300 does not, the short ones share
+    # one call; the empty segment takes none.
+    assert 4 * (500**2 - 496**2) <= CALL_COST_SCORES < 4 * (500**2 - 300**2)
+    assert [b.segments for b in batches] == [(1, 5), (6,), (4, 0, 2)]
+    assert all(b.query_positions is None for b in batches)
+    # Under CP each query's position within its segment (zigzag), padding rows at the segment's full length.
+    (batch,) = segment_batches([8, 4], heads=1, cp=2, rank=1)
+    assert batch.segments == (0, 1)
+    assert batch.query_positions.tolist() == [[2, 3, 4, 5], [1, 2, 8, 8]]
