@@ -99,10 +99,22 @@ class SegmentBatch:
 
     segments: tuple[int, ...]
     query_positions: torch.Tensor | None
+    output_index: torch.Tensor
+    """This rank's tokens of the segments, segment after segment, as rows of the ``[n·Lq]`` (column-major)
+    output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPlan:
+    """:func:`segment_batches`: the ``batches``, and ``restore``, which puts their outputs (this rank's tokens of
+    each batch's segments, segment after segment, batch after batch) back in stream order."""
+
+    batches: tuple[SegmentBatch, ...]
+    restore: torch.Tensor
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -> tuple[SegmentBatch, ...]:
+def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -> SegmentPlan:
     order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:  # longest first: a segment joins the open batch while its padding costs less than a call
@@ -112,17 +124,21 @@ def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -
             groups.append([i])
     batches = []
     for group in groups:
+        width = lengths[group[0]]
         positions = None
         if cp > 1:
-            width = lengths[group[0]]
             positions = torch.full((len(group), width // cp), width, dtype=torch.long)
             for column, i in enumerate(group):
                 positions[column, : lengths[i] // cp] = _zigzag((lengths[i],), cp, rank)
-        batches.append(SegmentBatch(tuple(group), positions))
-    return tuple(batches)
+        output_index = torch.cat([column * (width // cp) + torch.arange(lengths[i] // cp)
+                                  for column, i in enumerate(group)])
+        batches.append(SegmentBatch(tuple(group), positions, output_index))
+    starts = [0, *itertools.accumulate(n // cp for n in lengths)]
+    order = torch.cat([torch.arange(starts[i], starts[i + 1]) for group in groups for i in group])
+    return SegmentPlan(tuple(batches), torch.argsort(order))
 
 
-def segment_batches(lengths: Sequence[int], *, heads: int, cp: int = 1, rank: int = 0) -> tuple[SegmentBatch, ...]:
+def segment_batches(lengths: Sequence[int], *, heads: int, cp: int = 1, rank: int = 0) -> SegmentPlan:
     """The segments of a pack (padded ``lengths``; this CP rank holds ``length/cp`` tokens of each, in zigzag
     order) grouped into batches for attention. Many short segments then cost a few batched calls instead of one
     call each (a call costs about ``CALL_COST_SCORES`` scores of one head on CPU), and a long segment still runs

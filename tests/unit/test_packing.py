@@ -143,13 +143,20 @@ def test_segment_batches_group_short_segments_and_leave_long_ones_alone():
     from megarl.parallel.packing import CALL_COST_SCORES, segment_batches
 
     lengths = [20, 500, 16, 0, 24, 496, 300]
-    batches = segment_batches(lengths, heads=4)
+    plan = segment_batches(lengths, heads=4)
+    batches = plan.batches
     # Longest first; 496 joins 500 (4·(500²−496²) = 15 936 ≤ the cost of a call), 300 does not, the short ones share
     # one call; the empty segment takes none.
     assert 4 * (500**2 - 496**2) <= CALL_COST_SCORES < 4 * (500**2 - 300**2)
     assert [b.segments for b in batches] == [(1, 5), (6,), (4, 0, 2)]
     assert all(b.query_positions is None for b in batches)
+    # Outputs come back batch by batch, segment by segment; restore puts them in stream order.
+    starts = [0, 20, 520, 536, 536, 560, 1056, 1356]
+    produced = torch.cat([torch.arange(starts[i], starts[i + 1]) for b in batches for i in b.segments])
+    assert torch.equal(produced[plan.restore], torch.arange(1356))
+    assert torch.equal(batches[2].output_index[:30], torch.cat([torch.arange(24), 24 + torch.arange(6)]))
     # Under CP each query's position within its segment (zigzag), padding rows at the segment's full length.
-    (batch,) = segment_batches([8, 4], heads=1, cp=2, rank=1)
+    (batch,) = segment_batches([8, 4], heads=1, cp=2, rank=1).batches
     assert batch.segments == (0, 1)
     assert batch.query_positions.tolist() == [[2, 3, 4, 5], [1, 2, 8, 8]]
+    assert batch.output_index.tolist() == [0, 1, 2, 3, 4, 5]  # columns of 4 local rows: 4 of the first, 2 of the next
