@@ -141,13 +141,10 @@ def _backward_under(mode: TorchFunctionMode, func, args, kwargs):
 def _thd_positions(bounds: tuple[int, ...], cp: int, rank: int, offsets: bool) -> torch.Tensor:
     """Megatron's THD RoPE positions of this CP rank's tokens: within each sequence (``bounds``: its global
     ``cu_seqlens``), the zigzag chunks' positions; plus the sequence's start when ``freqs`` covers the whole pack."""
-    from megarl.parallel.packing import zigzag_index
+    from megarl.parallel.packing import zigzag_index, zigzag_positions
 
-    parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        positions = zigzag_index([end - start], cp, rank)
-        parts.append(positions + start if offsets else positions)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    return zigzag_index(lengths, cp, rank) if offsets else zigzag_positions(lengths, cp, rank)
 
 
 def _patch_thd_rope() -> None:

@@ -50,19 +50,34 @@ def pack_alignment(*, cp: int, tp: int, sequence_parallel: bool) -> tuple[int, i
     return seg, math.lcm(seg, split)
 
 
+def _zigzag_ranges(lengths: Sequence[int], cp: int, rank: int, *, within: bool = False) -> list[range]:
+    """The ranges of :func:`zigzag_index` (``within``: positions within each sequence instead of the stream).
+    Index building stays in Python ranges: one tensor per pack, not a few operations per sequence."""
+    ranges, offset = [], 0
+    for length in lengths:
+        base = 0 if within else offset
+        if cp == 1:
+            ranges.append(range(base, base + length))
+        else:
+            if length % (2 * cp):
+                raise ValueError(f"a sequence of {length} tokens cannot be split 2*cp={2 * cp} ways: pad it to a "
+                                 "multiple")
+            chunk = length // (2 * cp)
+            ranges.append(range(base + rank * chunk, base + (rank + 1) * chunk))
+            ranges.append(range(base + (2 * cp - 1 - rank) * chunk, base + (2 * cp - rank) * chunk))
+        offset += length
+    return ranges
+
+
+def _tensor(ranges) -> torch.Tensor:
+    return torch.tensor(list(itertools.chain.from_iterable(ranges)), dtype=torch.long)
+
+
 @functools.lru_cache(maxsize=256)
 def _zigzag(lengths: tuple[int, ...], cp: int, rank: int) -> torch.Tensor:
     if cp == 1:
         return torch.arange(sum(lengths))
-    parts, offset = [], 0
-    for length in lengths:
-        if length % (2 * cp):
-            raise ValueError(f"a sequence of {length} tokens cannot be split 2*cp={2 * cp} ways: pad it to a multiple")
-        chunk = length // (2 * cp)
-        parts.append(torch.arange(offset + rank * chunk, offset + (rank + 1) * chunk))
-        parts.append(torch.arange(offset + (2 * cp - 1 - rank) * chunk, offset + (2 * cp - rank) * chunk))
-        offset += length
-    return torch.cat(parts)
+    return _tensor(_zigzag_ranges(lengths, cp, rank))
 
 
 def zigzag_index(lengths: Sequence[int], cp: int, rank: int) -> torch.Tensor:
@@ -70,6 +85,11 @@ def zigzag_index(lengths: Sequence[int], cp: int, rank: int) -> torch.Tensor:
     keeps: of each sequence, chunks ``rank`` and ``2·cp−1−rank`` of ``2·cp`` equal chunks, sequence by sequence.
     One sequence: Megatron's ``get_batch_on_this_cp_rank``; several: TransformerEngine's THD partitioning."""
     return _zigzag(tuple(int(n) for n in lengths), int(cp), int(rank))
+
+
+def zigzag_positions(lengths: Sequence[int], cp: int, rank: int) -> torch.Tensor:
+    """The positions within its sequence of each token :func:`zigzag_index` keeps."""
+    return _tensor(_zigzag_ranges([int(n) for n in lengths], int(cp), int(rank), within=True))
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,15 +146,17 @@ def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -
     for group in groups:
         width = lengths[group[0]]
         positions = None
-        if cp > 1:
-            positions = torch.full((len(group), width // cp), width, dtype=torch.long)
-            for column, i in enumerate(group):
-                positions[column, : lengths[i] // cp] = _zigzag((lengths[i],), cp, rank)
-        output_index = torch.cat([column * (width // cp) + torch.arange(lengths[i] // cp)
-                                  for column, i in enumerate(group)])
+        if cp > 1:  # padding rows at the segment's length: they mask no key
+            rows = []
+            for i in group:
+                row = list(itertools.chain.from_iterable(_zigzag_ranges([lengths[i]], cp, rank, within=True)))
+                rows.append(row + [width] * (width // cp - len(row)))
+            positions = torch.tensor(rows, dtype=torch.long)
+        output_index = _tensor(range(column * (width // cp), column * (width // cp) + lengths[i] // cp)
+                               for column, i in enumerate(group))
         batches.append(SegmentBatch(tuple(group), positions, output_index))
     starts = [0, *itertools.accumulate(n // cp for n in lengths)]
-    order = torch.cat([torch.arange(starts[i], starts[i + 1]) for group in groups for i in group])
+    order = _tensor(range(starts[i], starts[i + 1]) for group in groups for i in group)
     return SegmentPlan(tuple(batches), torch.argsort(order))
 
 
@@ -256,7 +278,7 @@ def prepare_packed(micro_batch: dict, *, seg_align: int = 1, total_align: int = 
         total = max(total, pad_to)
     padded[-1] += total - sum(padded)  # the tail pads the last segment (causal: its tokens never see it)
     starts = torch.tensor([0, *padded]).cumsum(0)
-    token_index = torch.cat([torch.arange(int(s), int(s) + n) for s, n in zip(starts[:-1].tolist(), kept)])
+    token_index = _tensor(range(int(s), int(s) + n) for s, n in zip(starts[:-1].tolist(), kept))
     ids = input_ids.new_zeros(total)
     ids[token_index] = input_ids[mask]
     labels = torch.roll(ids, shifts=-1)
