@@ -166,6 +166,8 @@ def _patch_thd_rope() -> None:
             t.unsqueeze(1), freqs.index_select(0, index), rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 
+    current = rope_utils._apply_rotary_pos_emb_thd
+    apply_thd.megatron = getattr(current, "megatron", current)  # Megatron's own (tests compare the two)
     rope_utils._apply_rotary_pos_emb_thd = apply_thd
 
 

@@ -160,3 +160,28 @@ def test_segment_batches_group_short_segments_and_leave_long_ones_alone():
     assert batch.segments == (0, 1)
     assert batch.query_positions.tolist() == [[2, 3, 4, 5], [1, 2, 8, 8]]
     assert batch.output_index.tolist() == [0, 1, 2, 3, 4, 5]  # columns of 4 local rows: 4 of the first, 2 of the next
+
+
+@pytest.mark.parametrize("cp, rank", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("whole_pack", [False, True])
+def test_cpu_thd_rope_equals_megatrons(cp, rank, whole_pack):
+    """cpu_support point 9: one cached index per pack selects what Megatron's per-sequence loop selects."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.parallel import cpu_support
+
+    before = rope_utils._apply_rotary_pos_emb_thd
+    cpu_support._patch_thd_rope()
+    patched = rope_utils._apply_rotary_pos_emb_thd
+    megatron = patched.megatron
+    try:
+        bounds = torch.tensor([0, 8, 12, 24], dtype=torch.int32)  # padded sequences of 8, 4 and 12 tokens
+        generator = torch.Generator().manual_seed(cp + rank)
+        t = torch.randn(int(bounds[-1]) // cp, 2, 16, generator=generator)
+        # Megatron's table: the longest sequence's positions, or (offset mode) the whole pack's.
+        freqs = torch.randn(24 if whole_pack else 12, 1, 1, 16, generator=generator)
+        got = patched(t, bounds, freqs, cp_group=_Group(cp, rank))
+        assert torch.equal(got, megatron(t, bounds, freqs, cp_group=_Group(cp, rank)))
+        assert not torch.equal(got, t)
+    finally:
+        rope_utils._apply_rotary_pos_emb_thd = before
