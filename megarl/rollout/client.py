@@ -64,9 +64,27 @@ def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOut
     logprobs = None
     if return_logprob:
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-    return GenerateOutput(output_ids=[int(t) for t in result["output_ids"]],
-                          finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
-                          weight_version=meta.get("weight_version"))
+    output_ids = [int(t) for t in result["output_ids"]]
+    return GenerateOutput(output_ids=output_ids, finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
+                          weight_version=meta.get("weight_version"),
+                          weight_versions=_version_spans(meta.get("weight_versions"), len(output_ids)))
+
+
+def _version_spans(spans: Any, num_tokens: int) -> tuple[tuple[str, int, int], ...] | None:
+    """SGLang's ``weight_versions`` spans, checked to cover the output tokens end to end."""
+    if spans is None:
+        return None
+    out = tuple((str(span["version"]), int(span["start"]), int(span["end"])) for span in spans)
+    position = 0
+    for version, start, end in out:
+        if start != position or end < start:
+            raise RuntimeError(f"an engine answered weight_versions {spans} that do not cover its {num_tokens} output "
+                               f"tokens end to end")
+        position = end
+    if position != num_tokens:
+        raise RuntimeError(f"an engine answered weight_versions {spans} that do not cover its {num_tokens} output "
+                           f"tokens end to end")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

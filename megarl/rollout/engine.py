@@ -95,6 +95,15 @@ class GenerateOutput:
     ``old_log_probs``. None unless requested."""
     weight_version: str | None = None
     """The engine's weight version when the request finished (SGLang's ``meta_info.weight_version``)."""
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    """``(version, start, end)`` spans of the output tokens each version sampled (SGLang's
+    ``meta_info.weight_versions``): more than one when the weights changed during the request."""
+
+    def token_versions(self) -> list[str | None]:
+        """The weight version that sampled each output token (``weight_version`` for all without spans)."""
+        if self.weight_versions is None:
+            return [self.weight_version] * len(self.output_ids)
+        return [version for version, start, end in self.weight_versions for _ in range(start, end)]
 
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]

@@ -61,7 +61,7 @@ class Route:
 
 
 GENERATE_META_READS = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs",
-                       "weight_version")
+                       "weight_version", "weight_versions")
 """``meta_info`` fields of a ``/generate`` answer megarl reads."""
 
 ROUTES: Mapping[str, Route] = {route.path: route for route in (

@@ -84,6 +84,8 @@ class _Row:
     row_seed: int
     rid: str
     future: asyncio.Future
+    version_events: list = dataclasses.field(default_factory=list)
+    """SGLang's ``WeightVersionEvent``s: the version that ended and the tokens this row had then."""
 
 
 class EngineServer:
@@ -108,6 +110,7 @@ class EngineServer:
         self._abort_running = False
         self._abort_rids: set[str] = set()
         self._holding = False  # the engine thread waits in control (no forward pass runs)
+        self._steps = 0  # decoding steps of the running batch: tokens of each of its unfinished rows
         self._in_session = False
         self._groups: dict[str, list[Any]] = {}
         """Weight-update process groups by name (``/init_weights_update_group``): one member per TP rank."""
@@ -224,8 +227,8 @@ class EngineServer:
         else:
             finish["message"] = "aborted"
         meta: dict[str, Any] = {"id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt),
-                                "completion_tokens": len(output.output_ids), "cached_tokens": 0,
-                                "weight_version": self.weight_version}
+                                "completion_tokens": len(output.output_ids), "cached_tokens": 0}
+        _add_weight_versions(meta, row.version_events, self.weight_version, len(output.output_ids))
         if row.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
                                              zip(output.output_logprobs, output.output_ids, strict=True)]
@@ -237,7 +240,8 @@ class EngineServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue and self._pause_mode is None:
+            # No batch starts while paused or while weights change (SGLang's requests wait for the update lock).
+            while self._queue and self._pause_mode is None and not self._in_session:
                 pending, self._queue = self._queue, []
                 groups: dict[tuple[SamplingParams, bool], list[_Row]] = {}
                 for row in pending:
@@ -247,7 +251,8 @@ class EngineServer:
                     rows = [row for row in rows if not row.future.done()]
                     if not rows:
                         continue
-                    self._running = rows
+                    with self._cond:
+                        self._running, self._steps = rows, 0
                     try:
                         outputs = await loop.run_in_executor(
                             self.engine._executor, self.engine.generate_rows, [r.prompt for r in rows], params,
@@ -262,11 +267,13 @@ class EngineServer:
                             if not row.future.done():
                                 row.future.set_result(output)
                     finally:
-                        self._running = []
+                        with self._cond:
+                            self._running = []
 
     def _control(self) -> Any:
         """Between two decoding steps (engine thread): abort, hold while paused, rebuild after a retract."""
         with self._cond:
+            self._steps += 1  # the running rows' tokens so far (this hook follows each sampled token)
             rebuild = False
             while self._pause_mode in ("in_place", "retract") and not self._abort_running:
                 rebuild = rebuild or self._pause_mode == "retract"
@@ -345,13 +352,35 @@ class EngineServer:
 
     # ------------------------------------------------------------------------ weights
 
+    def _set_weight_version(self, version: Any) -> None:
+        """A new version: each running row records the version that ended and its tokens then (SGLang's
+        ``record_weight_version_change``); queued rows have no output yet and record nothing."""
+        if version is None or str(version) == self.weight_version:
+            return
+        from sglang.srt.utils.weight_versions import WeightVersionEvent
+
+        with self._cond:
+            for row in self._running:
+                if not row.future.done():
+                    row.version_events.append(WeightVersionEvent(self.weight_version, self._steps))
+            self.weight_version = str(version)
+
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await _json(request)
         if "weights" in self.released:
             return _result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
                                   "with tags ['weights'] first")
-        await self._off_loop(self.engine.begin_weight_update)
+        # No new batch from here; a running one that is not paused finishes first (SGLang's update takes the
+        # writer lock, which waits for running requests), so every token has exactly one weight version.
         self._in_session = True
+        try:
+            while self._running and not self._holding:
+                await asyncio.sleep(0.005)
+            await self._off_loop(self.engine.begin_weight_update)
+        except BaseException:
+            self._in_session = False
+            self._wake.set()
+            raise
         return _result(True, "Weight update session opened.")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
@@ -359,6 +388,7 @@ class EngineServer:
         await self._off_loop(self.engine.end_weight_update)
         self._in_session = False
         self._opened.clear()
+        self._wake.set()  # batches held back by the session
         return _result(True, "Weight update session closed.")
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -386,9 +416,8 @@ class EngineServer:
             rank.keep_open(self._opened, limit=4 * self.tp_size)
         named = ranks[0].named()
         await self._off_loop(self.engine.update_weights_from_tensor, named)
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-        if body.get("flush_cache", True):
+        self._set_weight_version(body.get("weight_version"))
+        if body.get("flush_cache", True) and self._flush_refusal() is None:  # SGLang skips a refused flush
             self.engine.flush_cache()
         return _result(True, f"Succeeded to update {len(named)} tensors.")
 
@@ -434,8 +463,7 @@ class EngineServer:
             for member, buffer in zip(self._groups[name], self._receive_buffers[name], strict=True)])
         named = ranks[0]
         await self._off_loop(self.engine.update_weights_from_tensor, named)
-        if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+        self._set_weight_version(body.get("weight_version"))
         return _result(True, f"Succeeded to update {len(named)} tensors.")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
@@ -482,12 +510,36 @@ class EngineServer:
         self.released -= tags
         return web.json_response(None)
 
+    def _flush_refusal(self) -> str | None:
+        """Why SGLang would not flush now: requests run (held in place, or not paused), or wait while not paused.
+        Retracted requests count as waiting, which a paused engine ignores."""
+        if (self._running and self._pause_mode != "retract") or (self._queue and self._pause_mode is None):
+            return "Cache not flushed because there are pending requests"
+        return None
+
     async def flush_cache(self, request: web.Request) -> web.Response:
+        refusal = self._flush_refusal()
+        if refusal is not None:
+            return web.Response(status=400, text=f"Flush cache failed.\n{refusal}. #queue-req: {len(self._queue)}, "
+                                                 f"#running-req: {len(self._running)} (pause with mode retract, or "
+                                                 f"wait for them)\n")
         self.engine.flush_cache()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. ")
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _add_weight_versions(meta: dict[str, Any], events: list, version: str, num_tokens: int) -> None:
+    """``weight_versions`` (spans of tokens per version) and ``weight_version`` (the last) as SGLang writes them;
+    its own functions when the version changed during the request."""
+    if not events:
+        meta["weight_versions"] = [{"version": version, "start": 0, "end": num_tokens}]
+        meta["weight_version"] = version
+        return
+    from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info, compute_weight_version_spans
+
+    add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, version, num_tokens), num_tokens)
 
 
 @web.middleware

@@ -35,17 +35,19 @@ class WeightTransport(abc.ABC):
         self._clients: dict[str, EngineClient] = {}
 
     def sync(self, exporter, *, bucket_bytes: int, version: str | None,
-             verify_names: Sequence[str] = ()) -> dict[str, float] | None:
+             verify_names: Sequence[str] = (), flush_cache: bool = True) -> dict[str, float] | None:
         """One weight sync (collective over the actor's ranks); the sending ranks' statistics, else None.
+        ``flush_cache``: flush the engines' caches after it (SGLang refuses while requests are held in place).
 
         Runs outside the CPU device-redirect mode (:func:`megarl.parallel.cpu_support.plain_torch`): a sync names
         no CUDA device, and the mode's per-call dispatch cost a driver rank 7 % of the CPU benchmark's sync."""
         with plain_torch():
-            return self._sync(exporter, bucket_bytes=bucket_bytes, version=version, verify_names=verify_names)
+            return self._sync(exporter, bucket_bytes=bucket_bytes, version=version, verify_names=verify_names,
+                              flush_cache=flush_cache)
 
     @abc.abstractmethod
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
-              verify_names: Sequence[str]) -> dict[str, float] | None:
+              verify_names: Sequence[str], flush_cache: bool = True) -> dict[str, float] | None:
         """:meth:`sync` (the transport's own part)."""
 
     def close(self) -> None:
@@ -124,11 +126,12 @@ def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
     return sorted(set(picked) | {names[-1]}, key=names.index)
 
 
-def close_sessions(transport: WeightTransport, targets: Sequence[EngineAddress]) -> None:
-    """End the targets' weight-update sessions and flush their caches."""
+def close_sessions(transport: WeightTransport, targets: Sequence[EngineAddress], *, flush_cache: bool = True) -> None:
+    """End the targets' weight-update sessions and (``flush_cache``) flush their caches."""
     clients = [transport.client(t) for t in targets]
     gather_sync([c.end_weight_update() for c in clients])
-    gather_sync([c.flush_cache() for c in clients])
+    if flush_cache:
+        gather_sync([c.flush_cache() for c in clients])
 
 
 def verify_and_report(transport: WeightTransport, targets: Sequence[EngineAddress], *, start: float,

@@ -62,7 +62,7 @@ class DistributedTransport(WeightTransport):
             future.result()  # an engine that failed to join names itself
 
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
-              verify_names: Sequence[str]) -> dict[str, float] | None:
+              verify_names: Sequence[str], flush_cache: bool = True) -> dict[str, float] | None:
         active = self.sender and bool(self.targets)
         if active and self.group is None:
             self._connect()
@@ -96,7 +96,7 @@ class DistributedTransport(WeightTransport):
                 concurrent.futures.wait(loading, timeout=60)
         self._meet(active)  # every stage has sent
         if active and self.lead:
-            close_sessions(self, self.targets)
+            close_sessions(self, self.targets, flush_cache=flush_cache)
         self._meet(active)  # sessions closed: the tensors are readable
         if not active:
             return None

@@ -67,7 +67,7 @@ class TensorTransport(WeightTransport):
         """Stages of this rank's pipeline group that need every bucket (those hosting an engine rank)."""
 
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
-              verify_names: Sequence[str]) -> dict[str, float] | None:
+              verify_names: Sequence[str], flush_cache: bool = True) -> dict[str, float] | None:
         engine, client = self.engine, (self.client(self.engine) if self.driver else None)
         wanted = set(verify_names)
         expected: dict[str, torch.Tensor] = {}
@@ -97,7 +97,7 @@ class TensorTransport(WeightTransport):
                 concurrent.futures.wait(list(pending), timeout=60)
         if client is None:
             return None
-        close_sessions(self, [engine])
+        close_sessions(self, [engine], flush_cache=flush_cache)
         return verify_and_report(self, [engine], start=start, bytes_sent=sent, buckets=buckets, expected=expected,
                                  lead=True)
 

@@ -170,13 +170,15 @@ class ActorWorker(_MegatronWorker):
 
     @busy
     def sync_weights(self, engines: Sequence[EngineAddress], *, transport: str, bucket_bytes: int, engine_dtype: str,
-                     verify_names: Sequence[str] = (), weight_version: str | None = None) -> dict[str, Any] | None:
+                     verify_names: Sequence[str] = (), weight_version: str | None = None,
+                     flush_cache: bool = True) -> dict[str, Any] | None:
         """Stream the weights into the engine servers with weight transport ``transport`` (``tensor`` or
         ``distributed``: :mod:`megarl.sync`), a collective over the actor's ranks.
 
         Buckets of full HF tensors in the engines' dtype (:meth:`WeightExporter.iter_buckets`) go to every
         engine of ``engines`` inside a ``/begin_weight_update`` ... ``/end_weight_update`` session, tagged
-        ``weight_version``; the engines' caches are flushed. ``verify_names``: tensors read back with
+        ``weight_version``; the engines' caches are flushed unless ``flush_cache`` is false (SGLang refuses a flush
+        while requests are held in place by ``/pause_generation``). ``verify_names``: tensors read back with
         ``/get_weights_by_name`` and compared, value for value, with what was sent; a difference raises naming
         the engine and the tensors. Returns the statistics of the ranks that sent (``None`` elsewhere; merge them
         with :func:`megarl.sync.merge_stats`). The transport is built on the first call (and again when the
@@ -194,7 +196,7 @@ class ActorWorker(_MegatronWorker):
             self._transport_key = key
         exporter = self.sharded.exporter(torch_dtype(engine_dtype))
         return self._transport.sync(exporter, bucket_bytes=bucket_bytes, version=weight_version,
-                                    verify_names=verify_names)
+                                    verify_names=verify_names, flush_cache=flush_cache)
 
 
 class CriticWorker(_MegatronWorker):

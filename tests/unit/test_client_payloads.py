@@ -157,3 +157,19 @@ def test_generate_output():
     result["meta_info"]["finish_reason"] = None
     with pytest.raises(RuntimeError, match="unfinished output"):
         generate_output(result, return_logprob=False)
+
+
+def test_weight_version_spans_give_each_token_its_version():
+    meta = {"finish_reason": {"type": "length", "length": 5}, "weight_version": "1",
+            "weight_versions": [{"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 5}]}
+    output = generate_output({"output_ids": [1, 2, 3, 4, 5], "meta_info": meta}, return_logprob=False)
+    assert output.weight_versions == (("0", 0, 2), ("1", 2, 5))
+    assert output.token_versions() == ["0", "0", "1", "1", "1"]
+    # Without spans (an older SGLang) every token has the answer's version.
+    del meta["weight_versions"]
+    assert generate_output({"output_ids": [1, 2], "meta_info": meta}, return_logprob=False).token_versions() == ["1"] * 2
+    for spans in ([{"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 3, "end": 5}],
+                  [{"version": "0", "start": 0, "end": 4}]):
+        meta["weight_versions"] = spans
+        with pytest.raises(RuntimeError, match="do not cover its 5 output tokens end to end"):
+            generate_output({"output_ids": [1, 2, 3, 4, 5], "meta_info": meta}, return_logprob=False)

@@ -241,6 +241,97 @@ def test_pause_modes(client, mode):
         assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
 
 
+def _push(client, named, version: str, flush_cache: bool = True):
+    """All of ``named`` into the server in one session, as ``version``."""
+    async def sync():
+        await client.begin_weight_update()
+        await client.update_weights_from_tensor(payloads(named, 2), weight_version=version, flush_cache=flush_cache)
+        await client.end_weight_update()
+    return sync()
+
+
+def _teacher_forced(engine, prompt, output) -> torch.Tensor:
+    """Each output token's log-prob under ``engine``'s weights, from one forward over prompt ‖ output."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), dim=-1)
+    return logp[torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1), torch.tensor(output)]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_an_update_during_a_pause_tags_the_later_tokens_with_the_new_version(client, local, model_dir, mode):
+    """SGLang's per-token versions: tokens sampled before the update carry the old version, the later ones the new
+    (``meta_info.weight_versions``). retract recomputes the cache: every token's log-prob is its version's model's;
+    in_place keeps the old cache (the earlier tokens are the old model's)."""
+    old = [(name, tensor.detach().clone()) for name, tensor in local._params.items()]
+    new = [(name, tensor * 1.1) for name, tensor in old]
+    prompt, long = [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        await _push(client, old, f"old-{mode}")
+        running = asyncio.ensure_future(client.generate(prompt, long, seed=5, return_logprob=True))
+        await asyncio.sleep(0.5)
+        await client.pause_generation(mode)
+        assert not running.done()
+        if mode == "in_place":  # SGLang refuses to flush a cache that requests still use
+            with pytest.raises(EngineError, match="(?s)HTTP 400: Flush cache failed.*pending requests"):
+                await client.flush_cache()
+        else:
+            await client.flush_cache()
+        await _push(client, new, f"new-{mode}", flush_cache=True)
+        await client.continue_generation()
+        return await running
+
+    out = run_sync(scenario())
+    assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
+    (_, _, k), (later, start, end) = out.weight_versions
+    assert out.weight_versions[0][:2] == (f"old-{mode}", 0) and (later, start, end) == (f"new-{mode}", k, 400)
+    assert 0 < k < 400 and out.weight_version == f"new-{mode}"
+    assert out.token_versions() == [f"old-{mode}"] * k + [f"new-{mode}"] * (400 - k)
+    got = torch.tensor(out.output_logprobs)
+    assert (got[:k] - _teacher_forced(local, prompt, out.output_ids)[:k]).abs().max() <= 1e-4
+    if mode == "retract":
+        updated = HFEngine(model_dir, seed=3)
+        updated.begin_weight_update()
+        updated.update_weights_from_tensor(new)
+        updated.end_weight_update()
+        assert (got[k:] - _teacher_forced(updated, prompt, out.output_ids)[k:]).abs().max() <= 1e-4
+    run_sync(_push(client, old, "restored"))
+
+
+def test_abort_keeps_the_tokens_of_one_version_and_an_unpaused_update_waits_for_the_batch(client, local):
+    long = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
+
+    async def aborted():
+        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=6))
+        await asyncio.sleep(0.3)
+        await client.pause_generation("abort")
+        queued = asyncio.ensure_future(client.generate([4, 5], SamplingParams(max_new_tokens=3, temperature=0.0)))
+        await asyncio.sleep(0.2)
+        assert not queued.done()  # nothing starts while paused
+        await client.continue_generation()
+        return await running, await queued
+
+    out, later = run_sync(aborted())
+    assert out.finish_reason is FinishReason.ABORT and 0 < len(out.output_ids) < 400
+    assert out.weight_versions == ((out.weight_version, 0, len(out.output_ids)),)
+    assert later.finish_reason is FinishReason.LENGTH and len(later.output_ids) == 3
+
+    async def unpaused():
+        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=7))
+        await asyncio.sleep(0.2)
+        await client.begin_weight_update()  # waits for the running batch: no token may see half-updated weights
+        done = running.done()
+        norm = [("model.norm.weight", local._params["model.norm.weight"].detach().clone())]
+        await client.update_weights_from_tensor(payloads(norm, 2), weight_version="after")
+        await client.end_weight_update()
+        return done, await running
+
+    done, out = run_sync(unpaused())
+    assert done and len(out.output_ids) == 400 and len(out.weight_versions) == 1
+    assert out.weight_version != "after"
+
+
 HEALTHY_STUB = """
 import http.server, sys
 class Handler(http.server.BaseHTTPRequestHandler):
