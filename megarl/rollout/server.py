@@ -30,7 +30,12 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
 - **Weights** change inside a ``/begin_weight_update`` ... ``/end_weight_update`` session
   (``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payloads, one per
   engine TP rank, ``load_format`` ``flattened_bucket`` or a list of ``(name, tensor)``); each
-  update may set ``weight_version``, which every later ``/generate`` answer reports.
+  update may set ``weight_version``. An answer reports, as SGLang 0.5.23 does, ``weight_version``
+  and ``weight_versions``: spans of its output tokens per version (a request held by an
+  ``in_place``/``retract`` pause across an update has two). No batch starts inside a session, and
+  ``/begin_weight_update`` waits for a running batch that is not paused, so every token was
+  sampled by one set of weights. ``/flush_cache`` is refused (HTTP 400) while requests are held in
+  place or run unpaused; retracted ones do not count (SGLang's ``flush_cache``).
 - **TP ranks** (``--tp-size N``): the model is one unsharded copy, but the weight paths behave as
   N SGLang TP ranks do, each taking the full tensors: ``/update_weights_from_tensor`` needs N
   payloads and opens each once (each holds its own reference to the shared bucket), checking that
