@@ -206,7 +206,7 @@ class RolloutManager:
                 raise RuntimeError(f"{self.generator.name} returned {len(share)} outputs for {len(rows)} inputs")
             outputs.extend(share)
         rows = [prompt for prompt in prompts for _ in range(n)]
-        return self._assemble(rows, outputs)
+        return self.assemble(rows, outputs)
 
     async def _naming_failures(self, work: Any) -> Any:
         """Await ``work`` (timed as the engines' busy time); when generation fails, say which engines no longer
@@ -226,8 +226,10 @@ class RolloutManager:
         finally:
             self._busy_s += time.perf_counter() - start
 
-    def _assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
-        """Pad prompts left to P and responses right to R; build masks, positions and log-probs."""
+    def assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
+        """Pad prompts left to P and responses right to R; build masks, positions and log-probs; and, when every
+        token's weight version is a number (the trainer's steps), ``rollout_weight_versions`` ``[N, R]``: the
+        version that sampled each token (-1 on padding)."""
         num_rows, P, R = len(prompts), self.prompt_length, self.response_length
         prompts_NP = torch.full((num_rows, P), self.pad_token_id, dtype=torch.long)
         prompt_mask_NP = torch.zeros((num_rows, P), dtype=torch.long)
@@ -261,6 +263,9 @@ class RolloutManager:
         }
         if self.config.calculate_log_probs:
             tensors["rollout_log_probs"] = logprobs_NR
+        versions = _token_versions(outputs, R)
+        if versions is not None:
+            tensors["rollout_weight_versions"] = versions
         return Batch(tensors=tensors, non_tensors={"finish_reason": [o.finish_reason.value for o in outputs]})
 
     # ----------------------------------------------------------------------------- multi-turn
@@ -328,3 +333,15 @@ def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
     if pending:
         with contextlib.suppress(BaseException):
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+def _token_versions(outputs: list[GenerateOutput], width: int) -> torch.Tensor | None:
+    """``[N, width]`` int64: each output token's weight version (-1 on padding); None unless every version is an
+    integer (engines report ``default`` before the first sync)."""
+    versions_NR = torch.full((len(outputs), width), -1, dtype=torch.long)
+    for row, output in enumerate(outputs):
+        tokens = output.token_versions()
+        if any(v is None or not str(v).lstrip("-").isdigit() for v in tokens):
+            return None
+        versions_NR[row, :len(tokens)] = torch.tensor([int(v) for v in tokens], dtype=torch.long)
+    return versions_NR

@@ -28,7 +28,7 @@ from megarl.data.dataset import collate
 from megarl.models.sampling import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.client import EngineClient, EngineError, gather_sync
-from megarl.rollout.engine import SamplingParams
+from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.server_process import ServerProcess, free_port
@@ -417,3 +417,19 @@ def test_a_killed_engine_server_is_named_within_seconds(servers, tokenizer, batc
         manager.generate(batch)
     assert time.monotonic() - start < 5
     assert caught.value.engine == "engine 1"
+
+
+def test_assembled_rows_carry_the_weight_version_of_each_token(tokenizer):
+    from megarl.rollout.engine import GenerateOutput
+
+    client = EngineClient("http://127.0.0.1:9", name="engine 0")  # never contacted: assembling is local
+    manager = RolloutManager(client, [client], tokenizer, RolloutConfig(calculate_log_probs=False), prompt_length=P,
+                             response_length=R)
+    outputs = [GenerateOutput(output_ids=[5, 6, 7], finish_reason=FinishReason.LENGTH, weight_version="4",
+                              weight_versions=(("3", 0, 1), ("4", 1, 3))),
+               GenerateOutput(output_ids=[5], finish_reason=FinishReason.STOP, weight_version="4")]
+    out = manager.assemble([[1, 2], [3]], outputs)
+    assert out["rollout_weight_versions"].tolist() == [[3, 4, 4] + [-1] * (R - 3), [4] + [-1] * (R - 1)]
+    # Engines say "default" before the first weight sync: no versions then.
+    outputs[1] = GenerateOutput(output_ids=[5], finish_reason=FinishReason.STOP, weight_version="default")
+    assert "rollout_weight_versions" not in manager.assemble([[1, 2], [3]], outputs)
