@@ -102,3 +102,32 @@ def test_steps_get_their_prompts_groups_in_order_generated_ahead_within_the_boun
         assert producer.take_busy() > 0
     finally:
         producer.stop()
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_partial_rollout_keeps_its_tokens_across_an_update_each_with_its_version(servers, tokenizer, mode):
+    running, model = servers
+    engine = running.engines[0]
+    long = 300
+    manager = RolloutManager(engine, [engine], tokenizer, RolloutConfig(n=N), prompt_length=P, response_length=long)
+    set_version(engine, model, 10)
+    producer = RolloutProducer(manager, RolloutBuffer(groups_per_step=1, max_staleness=0),
+                               prompts_of=prompts_of(tokenizer), score=score, base_seed=BASE_SEED, max_inflight=1,
+                               partial_rollout=True, pause_mode=mode)
+    producer.start(10)
+    try:
+        time.sleep(0.4)  # group 0 is generating
+        with producer.weight_update(11) as flush:
+            assert flush is (mode == "retract")  # SGLang refuses to flush under held requests
+            set_version(engine, model, 11)
+        batch = producer.take(1, timeout_s=120)
+    finally:
+        producer.stop()
+    versions, mask = batch["rollout_weight_versions"], batch["response_mask"].bool()
+    assert ((versions == -1) == ~mask).all()
+    spanning = [row for row in range(N) if {10, 11} <= set(versions[row][mask[row]].tolist())]
+    assert spanning, versions  # requests held across the update: earlier tokens 10, later ones 11
+    for row in spanning:
+        tokens = versions[row][mask[row]]
+        k = int((tokens == 10).sum())
+        assert (tokens[:k] == 10).all() and (tokens[k:] == 11).all()
