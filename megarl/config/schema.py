@@ -15,6 +15,7 @@ Layout (verl's key names, seeds-digest §7), each section defined in the module 
       reward_model                RewardConfig                   (config/algorithm.py)
       algorithm                   AlgorithmConfig (kl_ctrl)      (config/algorithm.py)
       trainer                     TrainerConfig (links: LinksConfig)                         (config/trainer.py)
+      async_training              AsyncTrainingConfig                                        (config/async_training.py)
 
 Defaults live in these dataclasses only (or, where a lower component owns a default, are read from it
 with :func:`megarl.config.common.default_of`). The code that uses a section receives the section
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from megarl.config.actor import ActorConfig, RefConfig
+from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.algorithm import AlgorithmConfig, RewardConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
@@ -74,6 +76,8 @@ class RunConfig:
     """Advantages and the in-reward KL."""
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     """Length, machines, checkpoints, logging."""
+    async_training: AsyncTrainingConfig = dataclasses.field(default_factory=AsyncTrainingConfig)
+    """Bounds of asynchronous training (``trainer.mode``)."""
 
     @property
     def needs_ref(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megarl.config.async_training import TRAINING_MODES
 from megarl.config.common import check_choice, check_positive
 
 DEVICES = ("cpu", "cuda")
@@ -105,6 +106,9 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation samples (prompt, response, score) logged per validation to the console, TensorBoard (text)
     and jsonl sinks; 0: none."""
+    mode: str = "sync"
+    """``sync`` (generate, then train), ``one_step_off`` (the next step's batch generates while this one trains)
+    or ``fully_async`` (engines generate continuously within ``async_training.*``): megarl.config.async_training."""
     worker_timeout_s: float = 1800.0
     """Longest a single worker call may take (one generation, update, sync or checkpoint save) before the
     run fails naming the rank that did not answer: a rank hung in a collective would otherwise stall the run
@@ -131,6 +135,7 @@ class TrainerConfig:
         if self.log_val_generations < 0:
             raise ValueError(f"trainer.log_val_generations must be >= 0, got {self.log_val_generations}")
         check_positive("trainer.worker_timeout_s", self.worker_timeout_s)
+        check_choice("trainer.mode", self.mode, TRAINING_MODES)
         for name in self.logger:
             check_choice("trainer.logger", name, LOGGERS)
 

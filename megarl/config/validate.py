@@ -20,6 +20,9 @@ Every error names the full key to change and what to change it to. The rules:
 5. Algorithm ↔ roles: ``gae`` needs ``critic.enable`` and a critic is only trained for
    ``gae``; ``trainer.critic_warmup`` needs the critic; multi-turn rollouts need
    ``data.return_raw_chat``.
+6. Asynchronous training (``trainer.mode`` other than ``sync``): engines on their own resources
+   (``hybrid_engine=false``), single-turn rollouts, no critic warm-up; ``one_step_off`` fixes staleness 1 without
+   partial rollouts.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def validate(cfg: RunConfig) -> None:
     _check_batches(cfg)
     _check_engines(cfg)
     _check_memory_flags(cfg)
+    _check_async(cfg)
 
 
 def _world_keys(cfg: RunConfig) -> str:
@@ -137,6 +141,25 @@ def _check_batches(cfg: RunConfig) -> None:
     _check_role_batches(cfg, f"{ARR}.actor", cfg.actor_rollout_ref.actor)
     if cfg.critic.enable:
         _check_role_batches(cfg, "critic", cfg.critic)
+
+
+def _check_async(cfg: RunConfig) -> None:
+    mode, settings = cfg.trainer.mode, cfg.async_training
+    if mode == "sync":
+        return
+    if cfg.actor_rollout_ref.hybrid_engine:
+        raise ValueError(f"trainer.mode={mode} generates while the actor trains: the engines need their own "
+                         f"resources; set {ARR}.hybrid_engine=false and {ARR}.rollout.pool_nodes")
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ValueError(f"trainer.mode={mode} runs single-turn rollouts; set {ARR}.rollout.multi_turn.enable=false "
+                         f"or trainer.mode=sync")
+    if cfg.trainer.critic_warmup > 0:
+        raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} with trainer.mode={mode}: warm-up steps "
+                         f"do not update the policy, so its version would not advance; set trainer.critic_warmup=0")
+    if mode == "one_step_off" and (settings.max_staleness != 1 or settings.partial_rollout):
+        raise ValueError("trainer.mode=one_step_off trains each batch one version after it was generated, whole: it "
+                         "needs async_training.max_staleness=1 and async_training.partial_rollout=false (other "
+                         "bounds: trainer.mode=fully_async)")
 
 
 def _check_engines(cfg: RunConfig) -> None:

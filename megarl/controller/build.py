@@ -47,6 +47,9 @@ SEED_STREAM_ROLLOUT = 1
 """``derive_seed(rollout seed, SEED_STREAM_ROLLOUT, step)`` seeds a training step's generation."""
 SEED_STREAM_VALIDATION = 2
 """``derive_seed(rollout seed, SEED_STREAM_VALIDATION, step, round)`` seeds a validation round."""
+SEED_STREAM_ASYNC_ROLLOUT = 3
+"""``derive_seed(derive_seed(rollout seed, SEED_STREAM_ASYNC_ROLLOUT), group, attempt)`` seeds a prompt group of
+asynchronous training (megarl.rollout.producer)."""
 SEED_STREAM_ENGINE = 7
 """``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)`` seeds engine ``i``'s own generator."""
 

@@ -135,3 +135,30 @@ def check_failed_rollouts(batch: Batch, max_failed_frac: float, where: str) -> i
     raise RolloutFailureError(f"{where}: {len(failed)} of {total} rollouts failed, more than "
                               f"actor_rollout_ref.rollout.max_failed_frac={max_failed_frac}. Reasons: "
                               f"{reasons}{more}")
+
+
+def staleness_metrics(batch, step: int, producer) -> dict[str, float]:
+    """``async/*`` of an asynchronous step: how many weight versions behind the trainer's policy (``step - 1``) each
+    sample's oldest token is (``staleness/*``, and ``staleness/frac_<lag>`` per lag), the share of samples whose
+    tokens span several versions (partial rollouts), the groups generating and ready in the buffer, and the
+    groups dropped or regenerated past the bound so far."""
+    out: dict[str, float] = {}
+    if "rollout_weight_versions" in batch:
+        versions = batch["rollout_weight_versions"]
+        valid = versions >= 0
+        big = torch.iinfo(versions.dtype).max
+        oldest = torch.where(valid, versions, big).min(dim=1).values
+        newest = torch.where(valid, versions, -1).max(dim=1).values
+        has = valid.any(dim=1)
+        staleness = ((step - 1) - oldest[has]).float()
+        if staleness.numel():
+            out.update({"async/staleness/mean": float(staleness.mean()), "async/staleness/max": float(staleness.max()),
+                        "async/staleness/min": float(staleness.min())})
+            for lag in range(int(staleness.max()) + 1):
+                out[f"async/staleness/frac_{lag}"] = float((staleness == lag).float().mean())
+        out["async/partial_frac"] = float((newest[has] > oldest[has]).float().mean()) if has.any() else 0.0
+    pending = producer.pending
+    out.update({"async/groups_generating": float(pending["generating"]), "async/groups_ready": float(pending["ready"]),
+                "async/weight_version": float(producer.version)})
+    out.update({f"async/groups_{key}": float(value) for key, value in producer.buffer.counts.items()})
+    return out

@@ -16,6 +16,7 @@ the one the rollout recorded in the batch's meta (greedy rollouts: 1).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics
 from megarl.config.schema import RunConfig
 from megarl.controller.build import (
+    SEED_STREAM_ASYNC_ROLLOUT,
     SEED_STREAM_ROLLOUT,
     SEED_STREAM_VALIDATION,
     Roles,
@@ -50,6 +52,7 @@ from megarl.controller.metrics import (
     data_metrics,
     mean_dicts,
     rollout_metrics,
+    staleness_metrics,
     throughput_metrics,
     timer,
     timing_metrics,
@@ -62,7 +65,9 @@ from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.models.sampling import derive_seed
 from megarl.rollout.client import gather_sync
+from megarl.rollout.buffer import RolloutBuffer
 from megarl.rollout.manager import RolloutManager
+from megarl.rollout.producer import RolloutProducer
 from megarl.workers.base import Worker
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
@@ -77,6 +82,12 @@ class RunInputError(ValueError):
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "old_log_probs",
               "advantages", "ref_log_prob", "rollout_log_probs")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "values", "returns")
+
+
+@contextlib.contextmanager
+def _flushing():
+    """A synchronous run's weight sync: nothing runs in the engines, their caches are flushed."""
+    yield True
 
 
 class Trainer:
@@ -100,6 +111,8 @@ class Trainer:
         self._released_tags: set[str] = set()
         """Memory tags the engines have released (the driver resumes exactly those)."""
         self.rollout_manager: RolloutManager | None = None
+        self.producer: RolloutProducer | None = None
+        """Generates ahead of the trainer (``trainer.mode`` other than ``sync``)."""
         self._started_ray = False
         self._run_lock: RunLock | None = None
 
@@ -148,9 +161,34 @@ class Trainer:
         self._maybe_resume()
         self.tracker = Tracking(cfg.trainer.logger, self.log_dir, console=self.console)
         self._sync_weights(self.global_step)  # the engines start from the trainer's (possibly resumed) weights
+        if cfg.trainer.mode != "sync":
+            self.producer = self._build_producer()
         self._offload("actor")
         if self.use_critic:
             self._offload("critic")
+
+    def _build_producer(self) -> RolloutProducer:
+        """The asynchronous rollout (megarl.rollout.producer): its own manager over the same engines, groups from
+        the step after the (resumed) global step on: a resumed run issues the groups not yet trained again, with
+        the seeds they had, so its steps train the prompts an uninterrupted run trains."""
+        cfg, settings = self.cfg, self.cfg.async_training
+        B = cfg.data.train_batch_size
+        buffer = RolloutBuffer(groups_per_step=B, max_staleness=settings.max_staleness,
+                               stale_policy=settings.stale_policy)
+        buffer.head = buffer.next_index = buffer.kept_or_pending = self.global_step * B
+        manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer, self.plugins)
+
+        def prompts_of(group: int) -> Batch:
+            number, row = divmod(group, B)
+            index = self.loader.rows_of(number)[row]
+            prompt = self.train_set.collate([self.train_set[index]])
+            prompt.non_tensors["uid"] = [f"{number + 1}-{row}"]  # the synchronous run's uid
+            return prompt
+
+        return RolloutProducer(manager, buffer, prompts_of=prompts_of, score=lambda group: group,
+                               base_seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ASYNC_ROLLOUT),
+                               max_inflight=settings.max_inflight_groups or B * (settings.max_staleness + 1),
+                               partial_rollout=settings.partial_rollout, pause_mode=settings.pause_mode)
 
     # ================================================================================ resume
     def _trainer_state(self) -> dict[str, Any]:
@@ -227,10 +265,11 @@ class Trainer:
         rollout = self.cfg.actor_rollout_ref.rollout
         self._resume_engines(["weights"])
         names = verify_sample(self.weight_names, rollout.verify_weights, step)
-        stats = [s for s in self.actor_wg.call_all(
-            ActorWorker.sync_weights, self.roles.engine_targets, transport=self.roles.weight_transport,
-            bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
-            weight_version=str(step)) if s]
+        with self.producer.weight_update(step) if self.producer is not None else _flushing() as flush:
+            stats = [s for s in self.actor_wg.call_all(
+                ActorWorker.sync_weights, self.roles.engine_targets, transport=self.roles.weight_transport,
+                bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
+                weight_version=str(step), flush_cache=flush) if s]
         self._resume_engines(["kv_cache", "cuda_graph"])
         return merge_stats(stats)
 
@@ -304,11 +343,8 @@ class Trainer:
         timing: dict[str, float] = {}
         step = self.global_step + 1
         with timer("step", timing):
-            prompts = self.loader.next()
-            prompts.non_tensors["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
             with timer("gen", timing):
-                batch = self.rollout_manager.generate(
-                    prompts, seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ROLLOUT, step))
+                batch = self._rollout(step, metrics)
             self._release_engines(weights=cfg.trainer.critic_warmup <= self.global_step)
             metrics.update(self._rollout_metrics(batch, step))
             self._onload("actor")
@@ -331,6 +367,23 @@ class Trainer:
         self.global_step = step
         metrics.update(self._step_metrics(batch, extra, timing))
         return metrics
+
+    def _rollout(self, step: int, metrics: dict[str, float]) -> Batch:
+        """Step ``step``'s trajectories: generated now (``sync``), or taken from the asynchronous producer (whole
+        groups in prompt order, generated ahead within ``async_training.max_staleness``)."""
+        cfg = self.cfg
+        if self.producer is None:
+            prompts = self.loader.next()
+            prompts.non_tensors["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
+            return self.rollout_manager.generate(prompts, seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ROLLOUT, step))
+        if step == self.global_step + 1 and not self.producer.started:
+            self.producer.start(self.global_step)
+        waited = time.perf_counter()
+        batch = self.producer.take(step, timeout_s=cfg.trainer.worker_timeout_s)
+        metrics["async/trainer_wait_s"] = time.perf_counter() - waited
+        self.loader.seek(step)  # the checkpoint's loader position: step batches consumed
+        metrics.update(staleness_metrics(batch, step, self.producer))
+        return batch
 
     def _step_metrics(self, batch: Batch, extra: dict[str, list], timing: dict[str, float]) -> dict[str, float]:
         metrics = data_metrics(batch, use_critic=self.use_critic, mask_key=self._mask_key())
@@ -476,6 +529,10 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Kill the workers and give the resources back (and stop Ray if this trainer started it)."""
+        if self.producer is not None:
+            self.producer.stop()
+            self.producer.manager.close()
+            self.producer = None
         if self.rollout_manager is not None:
             self.rollout_manager.close()
             self.rollout_manager = None

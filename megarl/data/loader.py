@@ -36,9 +36,27 @@ class PromptLoader:
         """The next batch of prompts (collated), moving to the next epoch when this one is spent."""
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        rows = self._order(self.epoch)[self.index * self.batch_size:(self.index + 1) * self.batch_size]
+        rows = self._rows(self.epoch, self.index)
         self.index += 1
         return self.dataset.collate([self.dataset[i] for i in rows])
+
+    def _rows(self, epoch: int, index: int) -> list[int]:
+        return self._order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+
+    def rows_of(self, number: int) -> list[int]:
+        """Dataset rows of the run's batch ``number`` (0-based, epochs end to end), without moving: what
+        :meth:`next` returns as that batch."""
+        epoch, index = divmod(number, self.batches_per_epoch)
+        return self._rows(epoch, index)
+
+    def seek(self, number: int) -> None:
+        """Move to just before batch ``number`` (``number`` batches consumed)."""
+        self.epoch, self.index = divmod(number, self.batches_per_epoch)
+
+    @property
+    def position(self) -> int:
+        """Batches consumed so far (epochs end to end)."""
+        return self.epoch * self.batches_per_epoch + self.index
 
     def state_dict(self) -> dict[str, int]:
         """The position: epoch and batch index within it."""

@@ -33,9 +33,8 @@ from typing import Any
 import torch
 
 from megarl.algo.dapo import keep_groups_mask, sequence_metric
+from megarl.config.async_training import STALE_POLICIES
 from megarl.data.batch import Batch
-
-STALE_POLICIES = ("drop", "regenerate")
 
 
 class GroupStatus(str, enum.Enum):

@@ -36,11 +36,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from megarl.config.async_training import PAUSE_MODES
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """``tags`` of ``/release_memory_occupation`` and ``/resume_memory_occupation`` (None or absent: all)."""
-PAUSE_MODES = ("abort", "retract", "in_place")
-"""``mode`` of ``/pause_generation``: abort running requests (they finish with ``abort``), retract them (their
-KV is dropped; they resume from their tokens on ``/continue_generation``), or hold them in place."""
+# PAUSE_MODES (megarl.config.async_training, which checks them in the config): ``mode`` of ``/pause_generation``:
+# abort running requests (they finish with ``abort``), retract them (their KV is dropped; they resume from their
+# tokens on ``/continue_generation``), or hold them in place.
 FLATTENED_BUCKET = "flattened_bucket"
 """``load_format`` of ``/update_weights_from_tensor`` for one flattened tensor per bucket plus metadata."""
 

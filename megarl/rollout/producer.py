@@ -187,6 +187,17 @@ class RolloutProducer:
             return busy
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def pending(self) -> dict[str, int]:
+        """Groups generating and groups generated but not yet taken."""
+        with self._cond:
+            done = sum(r.status.value == "done" for r in self.buffer.records.values())
+            return {"generating": self._inflight, "ready": done}
+
+    @property
     def version(self) -> int:
         with self._cond:
             return self._version

@@ -208,6 +208,13 @@ RULE_CASES = [
     ("algo_multi_turn_raw_chat", [f"{ARR}.rollout.multi_turn.enable=true"], "data.return_raw_chat"),
     ("algo_kl_coef", [f"{ARR}.actor.kl_loss_coef=0"], f"{ARR}.actor.kl_loss_coef"),
     ("algo_tis", [f"{ARR}.actor.tis_cap=2.0", f"{ARR}.rollout.calculate_log_probs=false"], f"{ARR}.actor.tis_cap"),
+    # asynchronous training
+    ("async_colocated", ["trainer.mode=fully_async"], f"{ARR}.hybrid_engine=false"),
+    ("async_multi_turn", ["trainer.mode=one_step_off", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]",
+                          f"{ARR}.rollout.multi_turn.enable=true", "data.return_raw_chat=true"],
+     f"{ARR}.rollout.multi_turn.enable=false"),
+    ("async_one_step_bound", ["trainer.mode=one_step_off", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]",
+                              "async_training.max_staleness=2"], "async_training.max_staleness=1"),
 ]
 
 
@@ -222,6 +229,8 @@ def test_cross_component_rule_names_the_key(name, overrides, key):
 
 def test_fixed_variants_of_the_rules_pass():
     validate(_cfg("trainer.n_cpu_ranks=4"))  # tp=2 on 4 ranks: dp=2
+    validate(_cfg("trainer.mode=fully_async", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]",
+                  "async_training.max_staleness=3", "async_training.partial_rollout=true"))
     # context and sequence parallelism run on CPU too
     validate(_cfg("trainer.n_cpu_ranks=4", f"{ARR}.actor.parallel.cp=2"))
     validate(_cfg(f"{ARR}.actor.parallel.sequence_parallel=true"))
@@ -331,3 +340,12 @@ def test_an_engine_on_whole_nodes_is_accepted():
 
     cfg = load_config(["recipe=llama3_1_70b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=16"])
     assert [e.nodes for e in placement_for(cfg).engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("trainer.mode", "async", "trainer.mode"), ("async_training.pause_mode", "abort", "async_training.pause_mode=abort"),
+    ("async_training.stale_policy", "keep", "async_training.stale_policy"),
+    ("async_training.max_staleness", "-1", "async_training.max_staleness")])
+def test_async_training_settings_check_themselves(key, value, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config([f"{key}={value}"])

@@ -246,3 +246,20 @@ def test_the_length_filter_counts_the_tool_schemas_of_each_row(tokenizer, tmp_pa
     assert PromptDataset(path, templated, max_prompt_length=39).num_filtered_overlong == 0  # without tools
     with pytest.raises(ValueError, match="apply_chat_template_kwargs.tools and multi-turn tools are both set"):
         PromptDataset(path, templated, tool_schemas=schemas, apply_chat_template_kwargs={"tools": []})
+
+
+def test_prompt_loader_batches_by_number_across_epochs():
+    from megarl.data.loader import PromptLoader
+
+    class Rows(list):
+        def collate(self, rows):
+            return rows
+
+    loader = PromptLoader(Rows(range(10)), 3, shuffle=True, seed=5)  # 3 batches per epoch (drop_last)
+    numbers = [loader.rows_of(b) for b in range(7)]
+    read = [loader.next() for _ in range(7)]
+    assert read == numbers and loader.position == 7
+    assert numbers[3] != numbers[0]  # epoch 1 has its own order
+    other = PromptLoader(Rows(range(10)), 3, shuffle=True, seed=5)
+    other.seek(4)
+    assert other.state_dict() == {"epoch": 1, "index": 1} and other.next() == numbers[4]
