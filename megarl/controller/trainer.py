@@ -366,6 +366,9 @@ class Trainer:
                     self._dump(batch, extra, step)
         self.global_step = step
         metrics.update(self._step_metrics(batch, extra, timing))
+        if self.producer is not None:  # idle shares of the step: the trainer waiting for groups, no group generating
+            metrics["async/trainer_idle_frac"] = min(1.0, metrics["async/trainer_wait_s"] / timing["step"])
+            metrics["async/engine_idle_frac"] = max(0.0, 1.0 - self.producer.take_busy() / timing["step"])
         return metrics
 
     def _rollout(self, step: int, metrics: dict[str, float]) -> Batch:

@@ -31,6 +31,31 @@ def test_async_modes_train_the_synchronous_prompts_within_the_staleness_bound(as
         assert 0 <= metrics["async/staleness/min"] <= metrics["async/staleness/max"] <= bound
         assert metrics["actor/skipped_steps"] == 0 and metrics["weight_sync/verified_engines"] == 2
         assert metrics["async/groups_dropped"] == 0
+        assert 0 <= metrics["async/trainer_idle_frac"] <= 1 and 0 <= metrics["async/engine_idle_frac"] <= 1
         if mode == "one_step_off":  # step 1 generated with the first weights, every later one a version behind
             assert metrics["async/staleness/max"] == metrics["async/staleness/min"] == (0 if step == 1 else 1)
     assert trainer.loader.state_dict() == {"epoch": 0, "index": 3}
+
+
+def test_a_resumed_async_run_trains_the_prompts_of_an_uninterrupted_one(assets):  # noqa: F811
+    """Groups are consumed in prompt order: a run stopped after step 2 (checkpoint) and resumed trains, at steps 3
+    and 4, the prompts the uninterrupted run trained there: none lost, none repeated. (The groups generated ahead
+    when it stopped are generated again with their seeds, from the resumed weights.)"""
+    import json
+
+    root = assets["root"]
+    common = ["trainer.mode=fully_async", "async_training.max_staleness=2", "async_training.partial_rollout=true",
+              *ASYNC]
+
+    def prompts(name: str, step: int) -> list[str]:
+        path = root / name / "dumps" / f"{step}.jsonl"
+        return sorted(json.loads(line)["input"] for line in path.read_text().splitlines())
+
+    _run(_config(assets, "async_full", "trainer.total_steps=4", f"trainer.rollout_data_dir={root / 'async_full' / 'dumps'}",
+                 *common))
+    dumps = f"trainer.rollout_data_dir={root / 'async_resume' / 'dumps'}"
+    _run(_config(assets, "async_resume", "trainer.total_steps=2", "trainer.save_freq=2", dumps, *common))
+    resumed = _run(_config(assets, "async_resume", "trainer.total_steps=4", dumps, *common))
+    assert [s for s, _ in resumed.history] == [3, 4]
+    for step in (1, 2, 3, 4):
+        assert prompts("async_resume", step) == prompts("async_full", step), step
