@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 from megarl.data.batch import Batch
 from megarl.models.sampling import derive_seed
-from megarl.rollout.buffer import GroupRecord, RolloutBuffer
+from megarl.rollout.buffer import GroupRecord, GroupStatus, RolloutBuffer
 from megarl.rollout.client import gather_sync
 from megarl.rollout.manager import RolloutManager
 
@@ -194,7 +194,7 @@ class RolloutProducer:
     def pending(self) -> dict[str, int]:
         """Groups generating and groups generated but not yet taken."""
         with self._cond:
-            done = sum(r.status.value == "done" for r in self.buffer.records.values())
+            done = sum(r.status is GroupStatus.DONE for r in self.buffer.records.values())
             return {"generating": self._inflight, "ready": done}
 
     @property
