@@ -24,18 +24,35 @@ import torch
 from megarl.algo.groups import group_count, group_index, group_max, group_min
 
 
+REWARD_EXTRA = "reward_extra"
+"""The batch field of scored rollouts holding, per row, the reward function's extra values (a dict)."""
+
+
 def sequence_metric(batch, metric: str) -> torch.Tensor:
-    """One number per row to group on: ``seq_final_reward`` (sum of ``token_level_rewards``),
-    ``seq_reward`` (sum of ``token_level_scores``) or any 1-D numeric field (e.g. ``acc``)."""
-    if metric == "seq_final_reward":
+    """One number per row to group on: ``seq_final_reward`` (sum of ``token_level_rewards``; before the rewards
+    exist, that of ``token_level_scores``: filtering runs without the in-reward KL), ``seq_reward`` (sum of
+    ``token_level_scores``), any 1-D numeric field, or a value of the reward function's per-row extras
+    (:data:`REWARD_EXTRA`, e.g. ``acc``)."""
+    if metric == "seq_final_reward" and "token_level_rewards" in batch:
         return batch["token_level_rewards"].sum(dim=-1)
-    if metric == "seq_reward":
+    if metric in ("seq_final_reward", "seq_reward"):
         return batch["token_level_scores"].sum(dim=-1)
-    if metric not in batch:
-        raise KeyError(f"algorithm.filter_groups.metric {metric!r} is not a batch field; use seq_final_reward, "
-                       f"seq_reward or a per-row numeric field the reward stage writes")
-    values = batch[metric]
-    values_B = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values, dtype=np.float64))
+    if metric in batch:
+        values = batch[metric]
+    elif REWARD_EXTRA in batch and all(metric in row for row in batch[REWARD_EXTRA]):
+        values = [row[metric] for row in batch[REWARD_EXTRA]]
+    else:
+        extras = sorted({key for row in batch[REWARD_EXTRA] for key in row}) if REWARD_EXTRA in batch else []
+        raise KeyError(f"algorithm.filter_groups.metric {metric!r} is neither a batch field nor returned by the "
+                       f"reward function for every row (it returns {extras}); use seq_final_reward, seq_reward or "
+                       f"one of those")
+    if isinstance(values, torch.Tensor):
+        values_B = values
+    else:
+        try:
+            values_B = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"algorithm.filter_groups.metric {metric!r} must be a number per row: {error}") from error
     if values_B.dim() != 1:
         raise ValueError(f"algorithm.filter_groups.metric {metric!r} must have one number per row, "
                          f"got shape {tuple(values_B.shape)}")

@@ -79,6 +79,28 @@ class KLControlConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*``: DAPO's dynamic sampling (verl's names). A prompt whose ``n`` samples all have
+    the same ``metric`` has zero GRPO advantage: its group is left out (counted) and more prompts are generated
+    until a step has ``data.train_batch_size`` groups with signal; synchronous and asynchronous runs alike."""
+
+    enable: bool = False
+    metric: str = "seq_final_reward"
+    """What must differ within a group: ``seq_final_reward`` / ``seq_reward`` (the sequence's score; equal, since
+    the in-reward KL is off under filtering) or a per-row number the reward function returns (e.g. ``acc``)."""
+    max_num_gen_batches: int = 0
+    """Most generation batches (of ``data.train_batch_size`` prompts) one step may use; 0: no bound."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no bound), got "
+                             f"{self.max_num_gen_batches}")
+        if not self.metric:
+            raise ValueError("algorithm.filter_groups.metric must name a reward: seq_final_reward, seq_reward or a "
+                             "per-row number of the reward function (e.g. acc)")
+
+
+@dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
     """Advantages and the in-reward KL (``algorithm.*``)."""
 
@@ -98,6 +120,8 @@ class AlgorithmConfig:
     """KL estimator of the in-reward penalty (``megarl.algo.kl.KL_KINDS``)."""
     kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
     """The in-reward KL coefficient's controller."""
+    filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
 
     def __post_init__(self) -> None:
         check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(sorted(ESTIMATORS)))
@@ -106,3 +130,7 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:
             raise ValueError(f"algorithm.lam must be in [0, 1], got {self.lam}")
+        if self.filter_groups.enable and self.use_kl_in_reward:
+            raise ValueError("algorithm.filter_groups.enable=true with algorithm.use_kl_in_reward=true: groups are "
+                             "filtered on their scores before the reference model runs; use the KL loss "
+                             "(actor_rollout_ref.actor.use_kl_loss) instead, as DAPO does")

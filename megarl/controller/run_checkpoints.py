@@ -5,6 +5,7 @@ Layout under the checkpoint root (``trainer.default_local_dir/<project>/<experim
     global_step_<k>/
         actor/  critic/         role checkpoints (megarl.workers.model_checkpoint.save_model)
         actor_hf/               optional HF export (megarl.workers.model_checkpoint.export_hf)
+        rollout_buffer/         asynchronous runs: the groups generated ahead (megarl.rollout.buffer.save_state)
         trainer_state.json      step, data position, KL coefficient, ... (the trainer's dict)
         manifest.json           every other file: relative path, size, SHA-256 (see below)
     latest_checkpointed_iteration.txt   the step of the newest committed checkpoint (verl's name)

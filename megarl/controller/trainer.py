@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megarl.algo import advantages
+from megarl.algo.dapo import REWARD_EXTRA, DynamicSamplingBuffer
 from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics
 from megarl.config.schema import RunConfig
@@ -65,9 +67,10 @@ from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.models.sampling import derive_seed
 from megarl.rollout.client import gather_sync
-from megarl.rollout.buffer import RolloutBuffer
+from megarl.rollout.buffer import GroupStatus, RolloutBuffer, load_state, save_state
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
+from megarl.reward.manager import reward_columns
 from megarl.workers.base import Worker
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
@@ -113,6 +116,11 @@ class Trainer:
         self.rollout_manager: RolloutManager | None = None
         self.producer: RolloutProducer | None = None
         """Generates ahead of the trainer (``trainer.mode`` other than ``sync``)."""
+        self._reward_lock = threading.Lock()
+        self._buffer_state = None
+        """The rollout buffer of the checkpoint resumed from (asynchronous runs)."""
+        self._again: list = []
+        """Groups that were generating when that checkpoint was saved (issued again first)."""
         self._started_ray = False
         self._run_lock: RunLock | None = None
 
@@ -169,13 +177,24 @@ class Trainer:
 
     def _build_producer(self) -> RolloutProducer:
         """The asynchronous rollout (megarl.rollout.producer): its own manager over the same engines, groups from
-        the step after the (resumed) global step on: a resumed run issues the groups not yet trained again, with
-        the seeds they had, so its steps train the prompts an uninterrupted run trains."""
+        the step after the (resumed) global step on. A resumed run restores the checkpoint's buffer (the groups
+        generated and not yet trained) and issues the groups that were generating again, with the seeds they had,
+        so its steps train the prompts an uninterrupted run trains."""
         cfg, settings = self.cfg, self.cfg.async_training
         B = cfg.data.train_batch_size
+        filtering = cfg.algorithm.filter_groups
         buffer = RolloutBuffer(groups_per_step=B, max_staleness=settings.max_staleness,
-                               stale_policy=settings.stale_policy)
-        buffer.head = buffer.next_index = buffer.kept_or_pending = self.global_step * B
+                               stale_policy=settings.stale_policy,
+                               filter_metric=filtering.metric if filtering.enable else None,
+                               max_filtered_batches=filtering.max_num_gen_batches)
+        if self._buffer_state is not None:
+            self._again = buffer.load_state_dict(*self._buffer_state)
+            done = sum(r.status is GroupStatus.DONE for r in buffer.records.values())
+            self.console(f"rollout buffer restored: {done} generated groups not yet trained, {len(self._again)} "
+                         f"generating at the save (generated again with their seeds)")
+            self._buffer_state = None
+        else:  # a fresh run, or a checkpoint of a synchronous one: groups from the loader's position on
+            buffer.head = buffer.next_index = buffer.kept_or_pending = self.loader.position * B
         manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer, self.plugins)
 
         def prompts_of(group: int) -> Batch:
@@ -185,7 +204,7 @@ class Trainer:
             prompt.non_tensors["uid"] = [f"{number + 1}-{row}"]  # the synchronous run's uid
             return prompt
 
-        return RolloutProducer(manager, buffer, prompts_of=prompts_of, score=lambda group: group,
+        return RolloutProducer(manager, buffer, prompts_of=prompts_of, score=self._score,
                                base_seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ASYNC_ROLLOUT),
                                max_inflight=settings.max_inflight_groups or B * (settings.max_staleness + 1),
                                partial_rollout=settings.partial_rollout, pause_mode=settings.pause_mode)
@@ -206,6 +225,12 @@ class Trainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if (path / "rollout_buffer").is_dir():
+            if self.cfg.trainer.mode == "sync":
+                self.console(f"{path / 'rollout_buffer'}: the groups generated ahead by the asynchronous run are "
+                             f"not used by trainer.mode=sync (the run continues from the loader's position)")
+            else:
+                self._buffer_state = load_state(path / "rollout_buffer")
         self.console(f"resumed from {path} at step {self.global_step}")
 
     def save_checkpoint(self) -> Path:
@@ -216,6 +241,8 @@ class Trainer:
             self.critic_wg.call_all(CriticWorker.save_checkpoint, str(tmp / "critic"))
         if self.cfg.trainer.export_hf:
             self.actor_wg.call_all(ActorWorker.export_hf, str(tmp / "actor_hf"))
+        if self.producer is not None:  # the groups generated ahead, and those generating (issued again at resume)
+            save_state(tmp / "rollout_buffer", self.producer.state())
         return self.checkpoints.commit(self.global_step, tmp, self._trainer_state())
 
     # ================================================================================ stages
@@ -343,8 +370,7 @@ class Trainer:
         timing: dict[str, float] = {}
         step = self.global_step + 1
         with timer("step", timing):
-            with timer("gen", timing):
-                batch = self._rollout(step, metrics)
+            batch = self._rollout(step, metrics, timing)
             self._release_engines(weights=cfg.trainer.critic_warmup <= self.global_step)
             metrics.update(self._rollout_metrics(batch, step))
             self._onload("actor")
@@ -353,9 +379,7 @@ class Trainer:
                 batch["loss_mask_response"] = batch["loss_mask"][:, -R:]
             if cfg.trainer.balance_batch:
                 batch = self._balance(batch, metrics)
-            with timer("reward", timing):
-                scores, extra = self.reward_fn(batch)
-                batch["token_level_scores"] = scores
+            extra = reward_columns(list(batch.pop(REWARD_EXTRA)[REWARD_EXTRA]))
             metrics.update(self._leave_out_unscored(batch, extra, step))
             batch = self._experience(batch, metrics, timing)
             with timer("adv", timing):
@@ -371,21 +395,52 @@ class Trainer:
             metrics["async/engine_idle_frac"] = max(0.0, 1.0 - self.producer.take_busy() / timing["step"])
         return metrics
 
-    def _rollout(self, step: int, metrics: dict[str, float]) -> Batch:
-        """Step ``step``'s trajectories: generated now (``sync``), or taken from the asynchronous producer (whole
-        groups in prompt order, generated ahead within ``async_training.max_staleness``)."""
+    def _rollout(self, step: int, metrics: dict[str, float], timing: dict[str, float]) -> Batch:
+        """Step ``step``'s trajectories, scored: generated now (``sync``), or taken from the asynchronous producer
+        (whole groups in prompt order, generated and scored ahead within ``async_training.max_staleness``). With
+        ``algorithm.filter_groups`` only groups whose samples differ are kept (DAPO)."""
         cfg = self.cfg
         if self.producer is None:
-            prompts = self.loader.next()
-            prompts.non_tensors["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
-            return self.rollout_manager.generate(prompts, seed=derive_seed(cfg.rollout_seed, SEED_STREAM_ROLLOUT, step))
+            return self._generate_sync(step, metrics, timing)
         if step == self.global_step + 1 and not self.producer.started:
-            self.producer.start(self.global_step)
-        waited = time.perf_counter()
-        batch = self.producer.take(step, timeout_s=cfg.trainer.worker_timeout_s)
-        metrics["async/trainer_wait_s"] = time.perf_counter() - waited
-        self.loader.seek(step)  # the checkpoint's loader position: step batches consumed
+            self.producer.start(self.global_step, self._again)
+        with timer("gen", timing):
+            batch = self.producer.take(step, timeout_s=cfg.trainer.worker_timeout_s)
+        metrics["async/trainer_wait_s"] = timing["gen"]
+        self.loader.seek(-(-self.producer.consumed // cfg.data.train_batch_size))  # batches begun: the epoch
         metrics.update(staleness_metrics(batch, step, self.producer))
+        return batch
+
+    def _generate_sync(self, step: int, metrics: dict[str, float], timing: dict[str, float]) -> Batch:
+        """Generate and score the loader's next batch; under ``algorithm.filter_groups`` more batches (seeded by
+        their number within the step) until ``data.train_batch_size`` groups with signal are kept."""
+        cfg = self.cfg
+        B, filtering = cfg.data.train_batch_size, cfg.algorithm.filter_groups
+        sampler = DynamicSamplingBuffer(B, filtering.metric, filtering.max_num_gen_batches)
+        while True:
+            number = sampler.num_gen_batches
+            prompts = self.loader.next()
+            prompts.non_tensors["uid"] = [f"{step}-{number * B + i}" for i in range(len(prompts))]
+            seed = derive_seed(cfg.rollout_seed, SEED_STREAM_ROLLOUT, step, *([number] if number else []))
+            with timer("gen", timing):
+                batch = self.rollout_manager.generate(prompts, seed=seed)
+            with timer("reward", timing):
+                batch = self._score(batch)
+            if not filtering.enable:
+                return batch
+            sampler.add(batch)
+            if sampler.ready:
+                metrics["dapo/gen_batches"] = float(sampler.num_gen_batches)
+                metrics["dapo/groups_filtered"] = float(sampler.num_groups_dropped)
+                return sampler.take()
+
+    def _score(self, batch: Batch) -> Batch:
+        """``token_level_scores`` and the reward function's per-row extras (:data:`REWARD_EXTRA`) of ``batch``;
+        one call at a time (the asynchronous producer scores its groups from several threads)."""
+        with self._reward_lock:
+            scores, extra = self.reward_fn(batch)
+        batch["token_level_scores"] = scores
+        batch[REWARD_EXTRA] = [{key: values[i] for key, values in extra.items()} for i in range(len(batch))]
         return batch
 
     def _step_metrics(self, batch: Batch, extra: dict[str, list], timing: dict[str, float]) -> dict[str, float]:

@@ -162,7 +162,7 @@ class RewardManager:
         if empty_rows:
             logger.warning("RewardManager: %d of %d rows have no valid response token (rows %s); their scores "
                            "were put at response position 0", len(empty_rows), num_rows, empty_rows[:20])
-        return scores_BT, _columns(rows_info)
+        return scores_BT, reward_columns(rows_info)
 
     @staticmethod
     def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _describe(error: Exception) -> str:
     return f"raised {type(error).__name__}: {error}"
 
 
-def _columns(rows_info: list[dict[str, Any]]) -> dict[str, list]:
+def reward_columns(rows_info: list[dict[str, Any]]) -> dict[str, list]:
     """Per-row dicts -> ``{key: [value per row]}``; ``None`` where a row lacks a key."""
     keys: list[str] = []
     for info in rows_info:

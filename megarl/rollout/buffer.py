@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
+import os
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from megarl.algo.dapo import keep_groups_mask, sequence_metric
 from megarl.config.async_training import STALE_POLICIES
@@ -194,15 +199,21 @@ class RolloutBuffer:
             if record.status is GroupStatus.DONE:
                 tensors.update({f"{index}/{k}": v for k, v in record.batch.tensors.items()})
                 non_tensors.append({"non_tensors": {k: v.tolist() for k, v in record.batch.non_tensors.items()},
+                                    "dtypes": {k: v.dtype.str for k, v in record.batch.non_tensors.items()
+                                               if v.dtype != object},
                                     "meta": dict(record.batch.meta)})
-        meta = {"head": self.head, "next_index": self.next_index, "kept_or_pending": self.kept_or_pending,
-                "counts": dict(self.counts), "records": records}
+        meta = {"groups_per_step": self.groups_per_step, "head": self.head, "next_index": self.next_index,
+                "kept_or_pending": self.kept_or_pending, "counts": dict(self.counts), "records": records}
         return meta, tensors, non_tensors
 
     def load_state_dict(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
                         non_tensors: list[dict[str, Any]]) -> list[GroupRecord]:
         """Restore :meth:`state_dict`'s output; returns the groups that were generating (issue them again, same
         index and attempt)."""
+        saved = int(meta.get("groups_per_step", self.groups_per_step))
+        if saved != self.groups_per_step:
+            raise ValueError(f"the checkpoint's rollout buffer holds groups for steps of {saved} prompts, the run "
+                             f"has data.train_batch_size={self.groups_per_step}: resume with {saved}")
         self.head, self.next_index = int(meta["head"]), int(meta["next_index"])
         self.kept_or_pending, self.counts = int(meta["kept_or_pending"]), dict(meta["counts"])
         self.records, again = {}, []
@@ -213,9 +224,55 @@ class RolloutBuffer:
             if record.status is GroupStatus.DONE:
                 prefix = f"{record.index}/"
                 rest = next(done)
+                dtypes = rest.get("dtypes", {})
+                fields = {k: np.asarray(v, dtype=dtypes[k]) if k in dtypes else v
+                          for k, v in rest["non_tensors"].items()}
                 record.batch = Batch(tensors={k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                     non_tensors=rest["non_tensors"], meta=rest["meta"])
+                                     non_tensors=fields, meta=rest["meta"])
             elif record.status is GroupStatus.ISSUED:
                 again.append(record)
             self.records[record.index] = record
         return again
+
+
+BUFFER_TENSORS, BUFFER_META = "groups.safetensors", "buffer.json"
+"""The files of a rollout buffer in a run checkpoint's ``rollout_buffer/`` directory."""
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON can hold it (numpy scalars and arrays become numbers and lists)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return _plain(value.tolist(), where)
+    if isinstance(value, torch.Tensor):
+        return _plain(value.tolist(), where)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"the rollout buffer cannot save {where}: a {type(value).__name__} (checkpoints hold "
+                    f"numbers, strings, lists and dicts in non-tensor fields)")
+
+
+def save_state(directory: str | os.PathLike, state: tuple[dict[str, Any], dict[str, torch.Tensor],
+                                                          list[dict[str, Any]]]) -> None:
+    """Write :meth:`RolloutBuffer.state_dict`'s output into ``directory`` (safetensors and JSON)."""
+    meta, tensors, non_tensors = state
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, directory / BUFFER_TENSORS)
+    groups = [{part: {k: _plain(v, f"field {k!r} of group {entry['index']}") for k, v in fields.items()}
+               if part != "dtypes" else fields for part, fields in group.items()}
+              for entry, group in zip((r for r in meta["records"] if r["status"] == GroupStatus.DONE.value),
+                                      non_tensors)]
+    (directory / BUFFER_META).write_text(json.dumps({"meta": meta, "groups": groups}))
+
+
+def load_state(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Read what :func:`save_state` wrote (for :meth:`RolloutBuffer.load_state_dict`)."""
+    directory = Path(directory)
+    saved = json.loads((directory / BUFFER_META).read_text())
+    return saved["meta"], load_file(directory / BUFFER_TENSORS), saved["groups"]

@@ -198,6 +198,12 @@ class RolloutProducer:
             return {"generating": self._inflight, "ready": done}
 
     @property
+    def consumed(self) -> int:
+        """Groups of the prompt sequence consumed, filtered or dropped (the buffer's head)."""
+        with self._cond:
+            return self.buffer.head
+
+    @property
     def version(self) -> int:
         with self._cond:
             return self._version

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.buffer import GroupStatus, RolloutBuffer
+from megarl.rollout.buffer import GroupStatus, RolloutBuffer, load_state, save_state
 
 N, R = 4, 3  # samples per group, response tokens
 
@@ -19,7 +17,9 @@ def group(index: int, *, version: int | None = 0, rewards=(0.0, 1.0, 0.0, 1.0)) 
                "responses": torch.full((N, R), index)}
     if version is not None:
         tensors["rollout_weight_versions"] = torch.tensor([[version, version, -1]] * N)
-    return Batch(tensors=tensors, non_tensors={"uid": np.array([f"g{index}"] * N, dtype=object)})
+    return Batch(tensors=tensors, non_tensors={"uid": np.array([f"g{index}"] * N, dtype=object),
+                                               "reward_model": [{"ground_truth": np.int64(index)}] * N,
+                                               "turns": np.arange(N) + index})
 
 
 def issue(buffer: RolloutBuffer, version: int, cap: int = 100) -> list[int]:
@@ -91,7 +91,7 @@ def test_filtering_gives_up_after_max_num_gen_batches():
         buffer.take(1)
 
 
-def test_a_restored_buffer_takes_the_same_groups_and_reissues_the_generating_ones():
+def test_a_restored_buffer_takes_the_same_groups_and_reissues_the_generating_ones(tmp_path):
     def run(restore_after: int | None):
         buffer = RolloutBuffer(groups_per_step=2, max_staleness=1)
         issue(buffer, 0)
@@ -100,13 +100,18 @@ def test_a_restored_buffer_takes_the_same_groups_and_reissues_the_generating_one
         taken = [indices(buffer.take(1))]
         again = []
         if restore_after is not None:
-            meta, tensors, rest = buffer.state_dict()
-            meta, rest = json.loads(json.dumps(meta)), json.loads(json.dumps(rest))
+            save_state(tmp_path / "buffer", buffer.state_dict())
             buffer = RolloutBuffer(groups_per_step=2, max_staleness=1)
-            again = [(r.index, r.attempt) for r in buffer.load_state_dict(meta, tensors, rest)]
+            again = [(r.index, r.attempt) for r in buffer.load_state_dict(*load_state(tmp_path / "buffer"))]
+            with pytest.raises(ValueError, match="steps of 2 prompts, the run has data.train_batch_size=3"):
+                RolloutBuffer(groups_per_step=3, max_staleness=1).load_state_dict(*load_state(tmp_path / "buffer"))
         buffer.completed(2, 0, group(2))
         out = buffer.take(2)
         taken.append(indices(out))
+        restored = out[0][1].batch  # group 3: done at the save, restored from the files
+        assert restored["turns"].dtype == np.int64 and restored["turns"].tolist() == [3, 4, 5, 6]
+        assert restored["reward_model"][0] == {"ground_truth": 3}
+        assert torch.equal(restored["rollout_weight_versions"], group(3)["rollout_weight_versions"])
         return taken, again, [r.batch["responses"][0, 0].item() for r in out[0]]
 
     assert run(None)[0] == run(1)[0] == [[0, 1], [2, 3]]
