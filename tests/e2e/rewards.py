@@ -19,3 +19,11 @@ def even_prompts_raise(data_source, solution_str, ground_truth, extra_info=None)
     if extra_info["index"] % 2 == 0:
         raise ConnectionError(f"judge unavailable for prompt {extra_info['index']}")
     return digit_share(data_source, solution_str, ground_truth, extra_info)
+
+
+def flat_on_even_prompts(data_source, solution_str, ground_truth, extra_info=None):
+    """The same score for every sample of a prompt with an even index (a group without signal, which dynamic
+    sampling leaves out); digit share on the others. Extras: ``acc`` (the score) and the prompt's index."""
+    index = extra_info["index"]
+    score = 0.5 if index % 2 == 0 else digit_share(data_source, solution_str, ground_truth, extra_info)
+    return {"score": score, "acc": score, "prompt_index": index}

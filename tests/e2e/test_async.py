@@ -16,13 +16,21 @@ from tests.e2e.test_train import _config, _run, assets  # noqa: F401  (the modul
 ASYNC = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"]
 
 
+DAPO = ["algorithm.filter_groups.enable=true", "reward_model.custom_reward_function.name=flat_on_even_prompts"]
+
+
 @pytest.mark.parametrize("mode, extra", [
     ("one_step_off", []),
     ("fully_async", ["async_training.max_staleness=2", "async_training.partial_rollout=true",
-                     "actor_rollout_ref.actor.tis_cap=2.0"]),
+                     "actor_rollout_ref.actor.tis_cap=2.0", *DAPO]),
 ])
 def test_async_modes_train_the_synchronous_prompts_within_the_staleness_bound(assets, mode, extra):  # noqa: F811
-    trainer = _run(_config(assets, f"async_{mode}", "trainer.total_steps=3", f"trainer.mode={mode}", *ASYNC, *extra))
+    """Staleness within the bound at every step; fully_async with DAPO's filter: only groups with signal train."""
+    import json
+
+    dumps = assets["root"] / f"async_{mode}" / "dumps"
+    trainer = _run(_config(assets, f"async_{mode}", "trainer.total_steps=3", f"trainer.mode={mode}",
+                           f"trainer.rollout_data_dir={dumps}", *ASYNC, *extra))
     assert [s for s, _ in trainer.history] == [1, 2, 3]
     bound = 1 if mode == "one_step_off" else 2
     for step, metrics in trainer.history:
@@ -34,7 +42,15 @@ def test_async_modes_train_the_synchronous_prompts_within_the_staleness_bound(as
         assert 0 <= metrics["async/trainer_idle_frac"] <= 1 and 0 <= metrics["async/engine_idle_frac"] <= 1
         if mode == "one_step_off":  # step 1 generated with the first weights, every later one a version behind
             assert metrics["async/staleness/max"] == metrics["async/staleness/min"] == (0 if step == 1 else 1)
-    assert trainer.loader.state_dict() == {"epoch": 0, "index": 3}
+    if mode == "one_step_off":
+        assert trainer.loader.state_dict() == {"epoch": 0, "index": 3}
+        return
+    # Groups of even prompts score 0.5 on every sample: filtered (counted), odd ones take their places.
+    filtered = trainer.history[-1][1]["async/groups_filtered"]
+    assert filtered >= 1
+    rows = [json.loads(line) for step in (1, 2, 3) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 4 * 4 and all(row["prompt_index"] % 2 == 1 for row in rows)
+    assert trainer.loader.state_dict()["index"] >= 4  # more than 3 batches of prompts began
 
 
 def test_a_resumed_async_run_trains_the_prompts_of_an_uninterrupted_one(assets):  # noqa: F811

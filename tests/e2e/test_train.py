@@ -249,6 +249,27 @@ def test_rows_the_reward_function_cannot_score_are_skipped_and_counted(assets):
                in m and "raised ConnectionError: judge unavailable for prompt 0" in m for m in messages), messages
 
 
+def test_dynamic_sampling_trains_only_groups_with_signal(assets):
+    """DAPO's filter in a synchronous run (``algorithm.filter_groups``, metric ``acc`` from the reward function's
+    extras): groups of even prompts score the same on every sample and are left out; further batches are generated
+    until a step has train_batch_size groups; the counts are reported."""
+    import json
+
+    dumps = assets["root"] / "dapo" / "dumps"
+    trainer = _run(_config(assets, "dapo", "trainer.total_steps=2", f"trainer.rollout_data_dir={dumps}",
+                           "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                           "reward_model.custom_reward_function.name=flat_on_even_prompts"))
+    batches = 0
+    for step, metrics in trainer.history:
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 and all(row["prompt_index"] % 2 == 1 for row in rows)
+        assert len({row["uid"] for row in rows}) == 4
+        assert metrics["dapo/gen_batches"] >= 2 and metrics["dapo/groups_filtered"] >= 1
+        batches += metrics["dapo/gen_batches"]
+        assert metrics["actor/skipped_steps"] == 0 and math.isfinite(metrics["actor/pg_loss"])
+    assert trainer.loader.position == batches  # every generated batch consumed its prompts
+
+
 def test_multi_turn_grpo_with_tools(assets, tmp_path):
     """Multi-turn rollouts through Ray: the agent loop drives remote engines with the GSM8K tool."""
     import pyarrow as pa

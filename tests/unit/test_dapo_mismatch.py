@@ -43,6 +43,30 @@ def test_filter_drops_groups_with_equal_rewards():
         dapo.filter_groups(batch, metric="accuracy")
 
 
+def test_filter_metrics_of_scored_rollouts_before_the_rewards_exist():
+    """At scoring time (the in-reward KL is off under filtering) seq_final_reward is the score; a metric the reward
+    function returns comes from each row's extras; an unknown one names what the function returns."""
+    batch = scored_batch(["a", "a", "b", "b"], [1, 0, 1, 1]).select("token_level_scores", "response_mask", "uid")
+    batch[dapo.REWARD_EXTRA] = [{"acc": 1.0, "format": 1}, {"acc": 1.0, "format": 0}, {"acc": 0.0, "format": 1},
+                                {"acc": 1.0, "format": 1}]
+    close(dapo.sequence_metric(batch, "seq_final_reward"), [1, 0, 1, 1])
+    assert list(dapo.filter_groups(batch, "seq_final_reward")[0]["uid"]) == ["a", "a"]
+    assert list(dapo.filter_groups(batch, "acc")[0]["uid"]) == ["b", "b"]
+    assert list(dapo.filter_groups(batch, "format")[0]["uid"]) == ["a", "a"]
+    with pytest.raises(KeyError, match=r"'pass' is neither a batch field nor returned by the reward function for "
+                                       r"every row \(it returns \['acc', 'format'\]\)"):
+        dapo.sequence_metric(batch, "pass")
+
+
+def test_filtering_refuses_the_in_reward_kl():
+    from megarl.config.algorithm import AlgorithmConfig, FilterGroupsConfig
+
+    with pytest.raises(ValueError, match="filter_groups.enable=true with algorithm.use_kl_in_reward=true"):
+        AlgorithmConfig(use_kl_in_reward=True, filter_groups=FilterGroupsConfig(enable=True))
+    with pytest.raises(ValueError, match="max_num_gen_batches must be >= 0"):
+        FilterGroupsConfig(max_num_gen_batches=-1)
+
+
 def test_buffer_refills_until_enough_prompts_then_trims():
     buffer = dapo.DynamicSamplingBuffer(num_prompts=3)
     info = buffer.add(scored_batch(["a", "a", "b", "b"], [1, 0, 1, 1]))  # keeps a
