@@ -137,6 +137,24 @@ def check_failed_rollouts(batch: Batch, max_failed_frac: float, where: str) -> i
                               f"{reasons}{more}")
 
 
+def sample_versions(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample of an asynchronous batch: the oldest and newest weight version among its tokens, and whether it
+    has any (rows without versions: -1, -1, False)."""
+    versions = batch["rollout_weight_versions"]
+    valid = versions >= 0
+    has = valid.any(dim=1)
+    oldest = torch.where(valid, versions, torch.iinfo(versions.dtype).max).min(dim=1).values
+    newest = torch.where(valid, versions, -1).max(dim=1).values
+    return torch.where(has, oldest, -1), newest, has
+
+
+def sample_staleness(batch, step: int) -> torch.Tensor:
+    """Weight versions between step ``step``'s policy (``step - 1``) and each sample's oldest token (samples with
+    versions only)."""
+    oldest, _, has = sample_versions(batch)
+    return ((step - 1) - oldest[has]).float()
+
+
 def staleness_metrics(batch, step: int, producer) -> dict[str, float]:
     """``async/*`` of an asynchronous step: how many weight versions behind the trainer's policy (``step - 1``) each
     sample's oldest token is (``staleness/*``, and ``staleness/frac_<lag>`` per lag), the share of samples whose
@@ -144,13 +162,8 @@ def staleness_metrics(batch, step: int, producer) -> dict[str, float]:
     groups dropped or regenerated past the bound so far."""
     out: dict[str, float] = {}
     if "rollout_weight_versions" in batch:
-        versions = batch["rollout_weight_versions"]
-        valid = versions >= 0
-        big = torch.iinfo(versions.dtype).max
-        oldest = torch.where(valid, versions, big).min(dim=1).values
-        newest = torch.where(valid, versions, -1).max(dim=1).values
-        has = valid.any(dim=1)
-        staleness = ((step - 1) - oldest[has]).float()
+        oldest, newest, has = sample_versions(batch)
+        staleness = sample_staleness(batch, step)
         if staleness.numel():
             out.update({"async/staleness/mean": float(staleness.mean()), "async/staleness/max": float(staleness.max()),
                         "async/staleness/min": float(staleness.min())})

@@ -55,6 +55,15 @@ class Tracking:
                      for k in CONSOLE_KEYS if k in scalars]
             self.console(f"step {step}: " + "  ".join(shown))
 
+    def log_histograms(self, values: dict[str, Any], step: int) -> None:
+        """One TensorBoard histogram per key (e.g. ``async/staleness``: a value per sample); other sinks get the
+        scalar summaries the step's metrics already carry."""
+        if self._writer is not None:
+            for key, tensor in values.items():
+                if len(tensor):
+                    self._writer.add_histogram(key, tensor, global_step=step)
+            self._writer.flush()
+
     def log_generations(self, samples: Sequence[dict[str, Any]], step: int, *, tag: str = "val/generations") -> None:
         """Log decoded samples (``input``, ``output``, ``score`` per sample; ``trainer.log_val_generations``):
         a text table in TensorBoard, one ``generations.jsonl`` line per sample, and the console."""

@@ -54,6 +54,8 @@ from megarl.controller.metrics import (
     data_metrics,
     mean_dicts,
     rollout_metrics,
+    sample_staleness,
+    sample_versions,
     staleness_metrics,
     throughput_metrics,
     timer,
@@ -117,6 +119,8 @@ class Trainer:
         self.producer: RolloutProducer | None = None
         """Generates ahead of the trainer (``trainer.mode`` other than ``sync``)."""
         self._reward_lock = threading.Lock()
+        self._histograms: dict[str, Any] = {}
+        """Per-sample values of the step for TensorBoard histograms (``async/staleness``)."""
         self._buffer_state = None
         """The rollout buffer of the checkpoint resumed from (asynchronous runs)."""
         self._again: list = []
@@ -409,6 +413,8 @@ class Trainer:
         metrics["async/trainer_wait_s"] = timing["gen"]
         self.loader.seek(-(-self.producer.consumed // cfg.data.train_batch_size))  # batches begun: the epoch
         metrics.update(staleness_metrics(batch, step, self.producer))
+        if "rollout_weight_versions" in batch:
+            self._histograms["async/staleness"] = sample_staleness(batch, step)
         return batch
 
     def _generate_sync(self, step: int, metrics: dict[str, float], timing: dict[str, float]) -> Batch:
@@ -500,8 +506,12 @@ class Trainer:
 
     def _dump(self, batch: Batch, extra: dict[str, list], step: int) -> None:
         prompts, responses, scores = self._decode(batch)
+        columns = {**extra, "uid": list(batch["uid"])}
+        if "rollout_weight_versions" in batch:  # the weight versions that sampled each trajectory (oldest, newest)
+            oldest, newest, _ = sample_versions(batch)
+            columns["weight_versions"] = [[a, b] for a, b in zip(oldest.tolist(), newest.tolist())]
         dump_generations(self.cfg.trainer.rollout_data_dir, step, prompts=prompts, responses=responses, scores=scores,
-                         extra={**extra, "uid": list(batch["uid"])})
+                         extra=columns)
 
     def validate(self) -> dict[str, float]:
         """Generate for the validation prompts (``val_kwargs`` sampling) and score them; the first
@@ -582,6 +592,8 @@ class Trainer:
         if bad:
             logger.warning("step %d: non-finite metrics %s", step, bad)
         self.tracker.log(metrics, step=step)
+        self.tracker.log_histograms(self._histograms, step=step)
+        self._histograms = {}
         self.history.append((step, metrics))
         return metrics
 

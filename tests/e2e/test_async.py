@@ -16,6 +16,16 @@ from tests.e2e.test_train import _config, _run, assets  # noqa: F401  (the modul
 ASYNC = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"]
 
 
+def _histograms(log_dir, tag: str) -> dict[int, tuple[float, float, float]]:
+    """Step -> (min, max, count) of TensorBoard histogram ``tag`` in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"histograms": 0})
+    events.Reload()
+    return {event.step: (event.histogram_value.min, event.histogram_value.max, event.histogram_value.num)
+            for event in events.Histograms(tag)}
+
+
 DAPO = ["algorithm.filter_groups.enable=true", "reward_model.custom_reward_function.name=flat_on_even_prompts"]
 
 
@@ -42,13 +52,21 @@ def test_async_modes_train_the_synchronous_prompts_within_the_staleness_bound(as
         assert 0 <= metrics["async/trainer_idle_frac"] <= 1 and 0 <= metrics["async/engine_idle_frac"] <= 1
         if mode == "one_step_off":  # step 1 generated with the first weights, every later one a version behind
             assert metrics["async/staleness/max"] == metrics["async/staleness/min"] == (0 if step == 1 else 1)
+    rows = {step: [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+            for step in (1, 2, 3)}
+    histograms = _histograms(trainer.log_dir, "async/staleness")
+    assert sorted(histograms) == [1, 2, 3]
+    for step, (low, high, count) in histograms.items():  # a TensorBoard histogram per step, over every sample
+        assert count == 16 and 0 <= low <= high <= bound
     if mode == "one_step_off":
         assert trainer.loader.state_dict() == {"epoch": 0, "index": 3}
+        for step in (1, 2, 3):  # each sample's weight versions (oldest, newest), as dumped
+            assert {tuple(row["weight_versions"]) for row in rows[step]} == {(max(step - 2, 0),) * 2}
         return
     # Groups of even prompts score 0.5 on every sample: filtered (counted), odd ones take their places.
     filtered = trainer.history[-1][1]["async/groups_filtered"]
     assert filtered >= 1
-    rows = [json.loads(line) for step in (1, 2, 3) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+    rows = [row for step in (1, 2, 3) for row in rows[step]]
     assert len(rows) == 3 * 4 * 4 and all(row["prompt_index"] % 2 == 1 for row in rows)
     assert trainer.loader.state_dict()["index"] >= 4  # more than 3 batches of prompts began
 
