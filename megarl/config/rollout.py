@@ -117,6 +117,9 @@ class RolloutConfig:
     """-1 disables top-k."""
     do_sample: bool = True
     """False means greedy (one sample per prompt); a batch's ``meta["do_sample"]`` overrides it."""
+    ignore_eos: bool = False
+    """Training samples run past the end-of-sequence token to ``response_length`` (SGLang's ``ignore_eos``;
+    generation-bound benchmarks). Validation always stops at it."""
     prompt_length: int | None = None
     """Prompt width ``P``; None: ``data.max_prompt_length``."""
     response_length: int | None = None

@@ -79,7 +79,7 @@ def sampling_params_for(config: RolloutConfig, *, max_new_tokens: int, validate:
     if not (source.do_sample if do_sample is None else do_sample):
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed)
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=source.temperature, top_p=source.top_p,
-                          top_k=source.top_k, seed=seed)
+                          top_k=source.top_k, seed=seed, ignore_eos=config.ignore_eos and not validate)
 
 
 @dataclasses.dataclass(frozen=True)

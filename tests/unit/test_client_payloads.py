@@ -140,6 +140,16 @@ def test_sampling_params_dict():
                       "no_stop_trim": True, "sampling_seed": 0}
 
 
+def test_rollout_ignore_eos_reaches_training_requests_only():
+    from megarl.config.rollout import RolloutConfig
+    from megarl.rollout.engine import sampling_params_for
+
+    config = RolloutConfig(ignore_eos=True)
+    assert sampling_params_for(config, max_new_tokens=8).ignore_eos
+    assert not sampling_params_for(config, max_new_tokens=8, validate=True).ignore_eos
+    assert not sampling_params_for(RolloutConfig(), max_new_tokens=8).ignore_eos
+
+
 def test_generate_output():
     result = {"output_ids": [7, 8, 2],
               "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3",
