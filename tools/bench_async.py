@@ -27,6 +27,7 @@ Any trainer override can follow (Hydra syntax). The last line is
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 
@@ -37,12 +38,15 @@ MODE_SETTINGS = {"sync": [], "one_step_off": [],
                  "fully_async": ["async_training.max_staleness=1", "async_training.partial_rollout=true"]}
 
 
+_RUNS = itertools.count()
+
+
 def run_mode(mode: str, steps: int, overrides: list[str], out: str) -> list[dict[str, float]]:
     """The per-step metrics of one run of ``mode``."""
     from megarl.config import load_config
     from megarl.controller.trainer import Trainer
 
-    name = f"bench_async_{mode}_{len(os.listdir(out))}"
+    name = f"bench_async_{next(_RUNS)}_{mode}"
     cfg = load_config([f"trainer.total_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
                        "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.experiment_name={name}",
                        f"trainer.default_local_dir={out}/ckpt", f"trainer.log_dir={out}/runs", *PLACEMENT,

@@ -111,8 +111,12 @@ class RolloutProducer:
     def _generate(self, record: GroupRecord) -> None:
         try:
             prompts = self.prompts_of(record.index)
-            group = self.score(self.manager.generate(prompts, seed=derive_seed(self.base_seed, record.index,
-                                                                               record.attempt)))
+            group = self.manager.generate(prompts, seed=derive_seed(self.base_seed, record.index, record.attempt))
+            if self._stopping:  # aborted by stop(): nothing to score or keep
+                with self._cond:
+                    self._finished()
+                return
+            group = self.score(group)
         except BaseException as error:  # noqa: BLE001 - handed to the trainer by take()
             with self._cond:
                 if not self._stopping and self._error is None:

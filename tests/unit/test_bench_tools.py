@@ -77,3 +77,18 @@ def test_bench_packing_smoke(tools, capsys):
                   capsys)
     assert values.keys() == {"packed_speedup", "padded_s", "packed_s", "max_logp_diff"}
     assert values["max_logp_diff"] <= 1e-5
+
+
+def test_bench_async_summaries(tools, capsys):
+    """bench_async's arithmetic on hand-made step metrics (its runs are a few minutes: not a test)."""
+    bench = tools("bench_async")
+    sync = [{"timing_s/step": 2.0, "timing_s/gen": 0.5, "critic/score/mean": 0.1 * i} for i in range(10)]
+    lagged = [{**m, "timing_s/step": 1.5, "async/trainer_idle_frac": 0.0, "async/engine_idle_frac": 0.5,
+               "async/staleness/max": 1.0} for m in sync]
+    summaries = bench.report("t", {"sync": sync, "fully_async": lagged})
+    assert summaries["sync"]["steps_per_min"] == pytest.approx(30.0)  # 9 steps after the first in 18 s
+    assert summaries["fully_async"]["steps_per_min"] == pytest.approx(40.0)
+    assert summaries["sync"]["reward_rise"] == pytest.approx(0.5)  # mean of 0.5..0.9 minus mean of 0..0.4
+    assert bench.overlap_bound(summaries["sync"]) == pytest.approx(2.0 / 1.5)
+    assert summaries["fully_async"]["engine_idle_frac"] == 0.5 and summaries["fully_async"]["staleness_max"] == 1
+    assert "fully_async  0.12 min: 0.400  0.25 min: 0.900" in capsys.readouterr().out
