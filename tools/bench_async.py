@@ -17,7 +17,7 @@ a step, so the bound is low. A second, generation-bound workload (``--gen-bound-
 ``--gen-bound-tokens`` tokens, ``rollout.ignore_eos``) shows what the overlap gives when generation is a real
 share of the step, as in RL with long responses.
 
-    python tools/bench_async.py                        # 30 steps per mode, then 8 generation-bound ones
+    python tools/bench_async.py                        # 40 steps per mode, then 8 generation-bound ones
     python tools/bench_async.py --steps 10 --gen-bound-steps 0
 
 Any trainer override can follow (Hydra syntax). The last line is
@@ -104,7 +104,7 @@ def overlap_bound(sync: dict[str, float]) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="steps per mode on the tiny recipe")
+    parser.add_argument("--steps", type=int, default=40, help="steps per mode on the tiny recipe")
     parser.add_argument("--gen-bound-steps", type=int, default=8, help="steps per mode, generation-bound (0: skip)")
     parser.add_argument("--gen-bound-tokens", type=int, default=48, help="response tokens, generation-bound")
     parser.add_argument("overrides", nargs="*", help="trainer overrides (Hydra syntax)")

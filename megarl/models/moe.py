@@ -1,0 +1,72 @@
+"""Mixture-of-Experts in a family entry: which HF config fields describe the experts, and which layers have them.
+
+A :class:`MoESpec` is part of a :class:`~megarl.models.family.ModelFamily`: the HF config keys of the expert count,
+top-k, expert FFN size and router normalisation, the HF module and tensor names of the experts (hub layout: one
+tensor per expert, as ``save_pretrained`` writes them and SGLang loads them), and the rule that says which layers
+are sparse. The family derives Megatron's MoE settings and the expert weight rules from it.
+
+Router mapping (measured against HF, feasibility D): HF routers take the softmax over all experts, then the top-k;
+with ``norm_topk_prob`` (Qwen3-MoE) or always (Mixtral) the k weights are renormalised, which is Megatron's top-k
+then softmax over the k logits (``moe_router_pre_softmax=False``); without it the weights stay the full softmax's
+(``moe_router_pre_softmax=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """How one family's HF config and checkpoint describe its experts."""
+
+    experts_key: str
+    """HF config key of the number of routed experts (``num_experts``, ``num_local_experts``)."""
+    ffn_key: str
+    """HF config key of one expert's FFN size (``moe_intermediate_size``; Mixtral's ``intermediate_size``)."""
+    topk_key: str = "num_experts_per_tok"
+    norm_topk_key: str | None = None
+    """HF config key saying whether the top-k weights are renormalised; None: they always are (Mixtral)."""
+    block: str = "mlp"
+    """The HF module of a sparse layer's MLP (``mlp``; Mixtral's ``block_sparse_moe``)."""
+    expert_tensors: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """An expert's gate, up and down projections (Mixtral: ``w1``, ``w3``, ``w2``)."""
+    sparse_step_key: str | None = None
+    """HF config key: every n-th layer is sparse (Qwen3-MoE's ``decoder_sparse_step``)."""
+    dense_layers_key: str | None = None
+    """HF config key: the layers that keep a dense MLP (Qwen3-MoE's ``mlp_only_layers``)."""
+
+    def num_experts(self, hf_config) -> int:
+        return int(getattr(hf_config, self.experts_key))
+
+    def topk(self, hf_config) -> int:
+        return int(getattr(hf_config, self.topk_key))
+
+    def ffn_size(self, hf_config) -> int:
+        return int(getattr(hf_config, self.ffn_key))
+
+    def renormalises(self, hf_config) -> bool:
+        """Whether the top-k weights are renormalised to sum to one."""
+        return True if self.norm_topk_key is None else bool(getattr(hf_config, self.norm_topk_key))
+
+    def sparse_layers(self, hf_config) -> tuple[bool, ...]:
+        """Per layer: True where the MLP is a mixture of experts (HF's rule for this family)."""
+        layers = int(hf_config.num_hidden_layers)
+        step = int(getattr(hf_config, self.sparse_step_key, 1) or 1) if self.sparse_step_key else 1
+        dense = set(getattr(hf_config, self.dense_layers_key, None) or []) if self.dense_layers_key else set()
+        experts = self.num_experts(hf_config)
+        return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+    def check(self, hf_config) -> None:
+        """Refuse what megarl does not map, naming the HF config key."""
+        experts, topk = self.num_experts(hf_config), self.topk(hf_config)
+        if not 0 < topk <= experts:
+            raise ValueError(f"{self.topk_key}={topk} in the HF config: it must be in 1..{self.experts_key}={experts}")
+        jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
+        if jitter:
+            raise ValueError(f"router_jitter_noise={jitter} in the HF config multiplies the hidden states by noise "
+                             f"in training, which Megatron's router does not do; set it to 0")
+        for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if getattr(hf_config, key, None):
+                raise ValueError(f"{key}={getattr(hf_config, key)} in the HF config: shared experts are not mapped "
+                                 f"for this family")
