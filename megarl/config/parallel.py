@@ -52,12 +52,20 @@ class ParallelDims:
     """Virtual pipeline chunks per pipeline rank; needs ``pp > 1``."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside the TP group (needs ``tp > 1``)."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): the experts of each sparse layer are split over this
+    many ranks, each holding a contiguous block of them. Expert parallelism folds into data parallelism: the
+    ranks ``tp × cp × dp`` of a pipeline stage are regrouped as ``etp × ep × expert data parallel``."""
+    etp: int | None = None
+    """Expert-tensor-parallel degree: each expert's matrices split over this many ranks; None: ``tp``."""
 
     def __post_init__(self) -> None:
-        for axis in ("tp", "pp", "cp"):
+        for axis in ("tp", "pp", "cp", "ep"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{axis} must be a positive integer, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"parallel.etp must be a positive integer or null (= parallel.tp), got {self.etp!r}")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ValueError(f"parallel.dp must be a positive integer, got {self.dp!r}")
         if self.vpp is not None:
@@ -73,6 +81,16 @@ class ParallelDims:
                              "(a2a+p2p needs hierarchical CP sizes, which megarl does not set)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=True needs parallel.tp > 1; set it to false")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert-tensor-parallel degree (``etp``, or ``tp`` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert among a pipeline stage's ranks: ``tp × cp × dp / (etp × ep)``."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep) if self.dp is not None else 0
 
     @property
     def model_parallel_size(self) -> int:
@@ -106,10 +124,33 @@ class ParallelDims:
                 f"parallel.dp={self.dp} but tp × pp × cp = {mp} on {world_size} ranks leaves dp={dp}: "
                 f"set parallel.dp={dp} (or leave it null to derive it)"
             )
+        stage = self.tp * self.cp * dp
+        if stage % (self.expert_tp * self.ep) != 0:
+            raise ValueError(
+                f"parallel.etp × parallel.ep = {self.expert_tp} × {self.ep} does not divide the {stage} ranks of a "
+                f"pipeline stage (tp × cp × dp = {self.tp} × {self.cp} × {dp}): the experts' layout must regroup "
+                f"them; choose parallel.ep (and parallel.etp, null = tp) with etp × ep dividing {stage}"
+            )
         return dataclasses.replace(self, dp=dp)
 
-    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int) -> None:
-        """Check that a model with these sizes can be split with these dims."""
+    def check_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
+                    num_experts: int | None = None, expert_ffn: int | None = None) -> None:
+        """Check that a model with these sizes (``num_experts``: a mixture-of-experts model's routed experts per
+        sparse layer, ``expert_ffn`` one expert's FFN size) can be split with these dims."""
+        if not num_experts and (self.ep > 1 or self.expert_tp != self.tp):
+            raise ValueError(f"parallel.ep={self.ep} / parallel.etp={self.etp} split experts, and the model has none: "
+                             f"set parallel.ep=1 and parallel.etp=null")
+        if num_experts:
+            if num_experts % self.ep != 0:
+                raise ValueError(f"parallel.ep={self.ep} does not divide the model's {num_experts} experts: choose "
+                                 f"parallel.ep among the divisors of {num_experts}")
+            if expert_ffn is not None and expert_ffn % self.expert_tp != 0:
+                raise ValueError(f"parallel.etp={self.expert_tp} does not divide the experts' FFN size {expert_ffn}: "
+                                 f"choose parallel.etp among its divisors")
+            if self.tp > 1 and not self.sequence_parallel:
+                raise ValueError(f"parallel.tp={self.tp} on a mixture-of-experts model needs "
+                                 f"parallel.sequence_parallel=true (Megatron's MoE layer refuses tensor parallelism "
+                                 f"without it in training)")
         if num_attention_heads % self.tp != 0:
             raise ValueError(
                 f"parallel.tp={self.tp} does not divide the model's {num_attention_heads} attention heads: "
@@ -149,6 +190,10 @@ class Coordinates:
     pp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
+    ep_rank: int = 0
+    """Place in the expert-parallel group: this rank holds experts ``[ep_rank·E/ep, (ep_rank+1)·E/ep)``."""
+    etp_rank: int = 0
+    """Place in the expert-tensor-parallel group."""
 
     @property
     def world_size(self) -> int:
@@ -176,7 +221,7 @@ class Coordinates:
     def as_coordinates(self) -> "Coordinates":
         """A plain :class:`Coordinates` (drops what a subclass adds, e.g. process groups that cannot be pickled)."""
         return Coordinates(dims=self.dims, rank=self.rank, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
-                           cp_rank=self.cp_rank, dp_rank=self.dp_rank)
+                           cp_rank=self.cp_rank, dp_rank=self.dp_rank, ep_rank=self.ep_rank, etp_rank=self.etp_rank)
 
     @classmethod
     def data_parallel(cls, rank: int, world_size: int) -> "Coordinates":

@@ -93,6 +93,12 @@ def _check_world(cfg: RunConfig) -> None:
             raise ValueError(
                 f"{prefix}.dp={parallel.dp} but tp × pp × cp = {model_parallel} on {world} ranks "
                 f"({_world_keys(cfg)}) leaves dp={dp}: set {prefix}.dp={dp} or null")
+        stage = parallel.tp * parallel.cp * dp
+        if stage % (parallel.expert_tp * parallel.ep) != 0:
+            raise ValueError(
+                f"{prefix}.etp × {prefix}.ep = {parallel.expert_tp} × {parallel.ep} does not divide the {stage} ranks "
+                f"of a pipeline stage (tp × cp × dp on {world} ranks, {_world_keys(cfg)}): choose {prefix}.ep and "
+                f"{prefix}.etp (null = tp) with etp × ep dividing {stage}")
 
 
 def _check_role_batches(cfg: RunConfig, prefix: str, role: ActorConfig | CriticConfig) -> None:

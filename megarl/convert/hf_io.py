@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -21,7 +20,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.convert.layout import Slice
-from megarl.models.weights import WeightRule
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -186,27 +184,30 @@ class HFCheckpoint:
         return handle.get_slice(name)[tuple(index)]
 
 
-def expected_names(rules: Iterable[WeightRule], num_layers: int) -> list[str]:
-    """HF tensor names the rules consume, in rule order, layer by layer."""
-    names = []
-    for rule in rules:
-        for layer in range(num_layers) if rule.per_layer else [None]:
-            names.extend(rule.hf_names(layer))
-    return names
+def expected_names(family, hf_config) -> list[str]:
+    """HF tensor names the family's rules consume for ``hf_config``, in HF order."""
+    return [name for at in family.weight_instances(hf_config) for name in at.hf_names]
 
 
 def expected_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of the HF model for ``hf_config``, from transformers itself (meta device)."""
+    """Tensor shapes of the HF model for ``hf_config``, from transformers itself (meta device); a mixture-of-experts
+    model's router and experts as the checkpoint holds them (one tensor per expert)."""
     from transformers import AutoModelForCausalLM
+
+    from megarl.models import family_for
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    moe = family_for(hf_config).moe
+    if moe is not None:
+        shapes.update(moe.hub_shapes(hf_config))
+    return shapes
 
 
-def check_checkpoint(checkpoint: HFCheckpoint, rules, hf_config) -> None:
+def check_checkpoint(checkpoint: HFCheckpoint, family, hf_config) -> None:
     """Refuse a checkpoint whose tensors are missing, unexpected or of the wrong shape."""
-    wanted = expected_names(rules, int(hf_config.num_hidden_layers))
+    wanted = expected_names(family, hf_config)
     present = set(checkpoint.names())
     missing = [n for n in wanted if n not in present]
     wanted_set = set(wanted)

@@ -102,7 +102,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
     _check_config(family, hf_config, dims)
     check_hf_files(hf_dir, "--hf")  # headers only: a truncated or corrupt file is named before any rank reads it
     checkpoint = HFCheckpoint(hf_dir)
-    check_checkpoint(checkpoint, family.weight_rules(hf_config), hf_config)
+    check_checkpoint(checkpoint, family, hf_config)
     started = time.monotonic()
     with _atomic_output(out, force) as tmp:
         results = run_ranks(

@@ -9,15 +9,7 @@ import torch
 from megarl.convert.hf_io import HFCheckpoint
 from megarl.convert.layout import ModelSizes, fuse, hf_slices
 from megarl.convert.param_map import local_parameters
-from megarl.models.weights import WeightRule
-
-
-def _rule_index(rules: tuple[WeightRule, ...], num_layers: int) -> dict[str, tuple[WeightRule, int | None]]:
-    index = {}
-    for rule in rules:
-        for layer in range(num_layers) if rule.per_layer else [None]:
-            index[rule.megatron_name(layer)] = (rule, layer)
-    return index
+from megarl.models.weights import RuleAt
 
 
 @torch.no_grad()
@@ -44,35 +36,35 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     dims = groups.dims
     sizes = ModelSizes.from_config(family, hf_config, dims.tp)
     rules = family.weight_rules(hf_config)
-    index = _rule_index(rules, int(hf_config.num_hidden_layers))
+    index: dict[str, RuleAt] = {at.megatron_name: at for at in family.weight_instances(hf_config)}
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    embedding_rule = index["embedding.word_embeddings.weight"]
+    embedding = index["embedding.word_embeddings.weight"]
     bytes_read = 0
     params = local_parameters(model_chunks, rules)
     for name in value_head_parameter_names(model_chunks):
         del params[name]
     for name, param in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
         if name in index:
-            rule, layer = index[name]
+            at = index[name]
         elif tied and name == "output_layer.weight":
-            rule, layer = embedding_rule  # the last stage's copy of the tied embedding
+            at = embedding  # the last stage's copy of the tied embedding
         else:
             raise ValueError(f"Megatron parameter {name} has no rule in the {family.name} family's weight map")
-        hf_names = rule.hf_names(layer)
+        rule, hf_names = at.rule, at.hf_names
         shapes = [checkpoint.shape(n) for n in hf_names]
-        parts = [
-            checkpoint.read(n, where)
-            for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, groups.tp_rank, dims.tp))
-        ]
+        # Experts split over expert-tensor parallelism, everything else over tensor parallelism.
+        rank, size = (groups.etp_rank, dims.expert_tp) if rule.per_expert else (groups.tp_rank, dims.tp)
+        parts = [checkpoint.read(n, where) for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, rank, size))]
         bytes_read += sum(p.numel() * p.element_size() for p in parts)
         for hf_name, part in zip(hf_names, parts):
             if not torch.isfinite(part).all():
                 raise ValueError(f"tensor {hf_name} in {hf_dir} holds NaN or infinite values")
-        shard = fuse(rule, parts, sizes, dims.tp)
+        shard = fuse(rule, parts, sizes, size)
         if shard.shape != param.shape:
             raise ValueError(
                 f"{', '.join(hf_names)} make a {list(shard.shape)} shard for Megatron parameter {name}, "
-                f"which is {list(param.shape)} at tp={dims.tp}: the checkpoint does not match its config.json"
+                f"which is {list(param.shape)} at tp={dims.tp}, etp={dims.expert_tp}: the checkpoint does not match "
+                f"its config.json"
             )
         param.copy_(shard)
     return bytes_read

@@ -17,6 +17,7 @@ from megarl.models.weights import WeightRule
 from megarl.config.parallel import ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,13 @@ class Unit:
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     """Full HF shapes."""
+    expert: int | None = None
+    """The global expert of an expert tensor."""
 
     @property
     def megatron_name(self) -> str:
         """Global Megatron name (local layer spec)."""
-        return self.rule.megatron_name(self.layer)
+        return self.rule.megatron_name(self.layer, expert=self.expert)
 
     def shard_shapes(self, sizes: ModelSizes, tp_rank: int, tp: int) -> tuple[tuple[int, ...], ...]:
         """Shapes of the HF slices held by ``tp_rank``."""
@@ -58,7 +61,6 @@ def layer_range(config, dims: ParallelDims, pp_rank: int, vp_stage: int) -> rang
 
 def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[str, tuple[int, ...]]) -> list[Unit]:
     """Every parameter in HF order: embedding, layers in global order, final norm, output layer."""
-    rules = family.weight_rules(hf_config)
     owners = {}  # global layer -> (pp_rank, vp_stage)
     for vp_stage in range(dims.num_virtual_stages):
         for pp_rank in range(dims.pp):
@@ -66,14 +68,14 @@ def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[st
                 owners[layer] = (pp_rank, vp_stage)
     first, last = (0, 0), (dims.pp - 1, dims.num_virtual_stages - 1)
 
-    def unit(rule, layer, owner):
-        names = rule.hf_names(layer)
-        return Unit(rule, layer, *owner, names, tuple(hf_shapes[n] for n in names))
-
-    units = [unit(r, None, first) for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]
-    for layer in range(config.num_layers):
-        units += [unit(r, layer, owners[layer]) for r in rules if r.per_layer]
-    units += [unit(r, None, last) for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+    units = []
+    for at in family.weight_instances(hf_config):
+        if at.layer is not None:
+            owner = owners[at.layer]
+        else:
+            owner = first if at.rule.megatron.startswith("embedding.") else last
+        names = at.hf_names
+        units.append(Unit(at.rule, at.layer, *owner, names, tuple(hf_shapes[n] for n in names), expert=at.expert))
     return units
 
 
@@ -106,14 +108,29 @@ def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
     out = {}
     for chunk in model_chunks:
         module = chunk.module if hasattr(chunk, "module") else chunk  # unwrap Megatron DDP
-        offset = layer_offset(module)
+        offset, expert_offset = layer_offset(module), _expert_offset(module)
         for name, param in module.named_parameters():
             match = _LAYER.match(name)
             if match is None:
                 out[name] = param
                 continue
             template = _LAYER.sub("decoder.layers.{i}.", name)
+            expert = _EXPERT.search(template)
+            if expert is not None:  # a local expert: global index = this rank's first expert + local index
+                template = _EXPERT.sub(".experts.local_experts.{e}.", template)
             template = te_to_local.get(template, template)
-            out[template.format(i=int(match.group(1)) + offset)] = param
+            out[template.format(i=int(match.group(1)) + offset,
+                                e=int(expert.group(1)) + expert_offset if expert is not None else None)] = param
     return out
+
+
+def _expert_offset(module) -> int:
+    """The global index of this rank's first expert (experts split in contiguous blocks over expert parallelism)."""
+    experts = getattr(module.config, "num_moe_experts", None)
+    if not experts:
+        return 0
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (experts // ep)
 

@@ -72,6 +72,9 @@ def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[i
     """
     from megarl.convert.hf_io import expected_shapes
 
+    if family.moe is not None:
+        raise ValueError(f"the shapes of a {family.name} (mixture-of-experts) Megatron checkpoint are not checked yet: "
+                         f"its experts are stored on their own axis")
     hf_shapes = expected_shapes(hf_config)
     num_layers = int(hf_config.num_hidden_layers)
     padded_vocab = family.padded_vocab_size(hf_config, tp)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megarl.models.weights import WeightRule
+from megarl.models.moe import MoESpec
+from megarl.models.weights import RuleAt, WeightRule
 from megarl.config.parallel import ParallelDims
 
 # Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
@@ -38,6 +39,8 @@ class ModelFamily:
     """HF config flags that would add biases Megatron's GPT layers cannot hold; must be false."""
     weights: tuple[WeightRule, ...]
     """How every HF tensor maps to a Megatron tensor (see megarl.models.weights)."""
+    moe: MoESpec | None = None
+    """The experts of a mixture-of-experts family (None: every MLP is dense)."""
 
     @property
     def qkv_bias(self) -> bool:
@@ -54,6 +57,26 @@ class ModelFamily:
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         return tuple(rule for rule in self.weights if not (tied and rule.untied_only))
 
+    def sparse_layers(self, hf_config) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is a mixture of experts."""
+        if self.moe is None:
+            return (False,) * int(hf_config.num_hidden_layers)
+        return self.moe.sparse_layers(hf_config)
+
+    def weight_instances(self, hf_config) -> list[RuleAt]:
+        """Every Megatron tensor of the model, in HF order (embedding, layers in order, final norm, output layer):
+        each rule at each layer that has it and, for expert tensors, at each expert."""
+        rules = self.weight_rules(hf_config)
+        experts = self.moe.num_experts(hf_config) if self.moe is not None else 0
+        out = [RuleAt(r) for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]
+        for layer, sparse in enumerate(self.sparse_layers(hf_config)):
+            for rule in rules:
+                if rule.per_layer and rule.applies_to(sparse):
+                    out += ([RuleAt(rule, layer, e) for e in range(experts)] if rule.per_expert
+                            else [RuleAt(rule, layer)])
+        out += [RuleAt(r) for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+        return out
+
     # ----------------------------------------------------------------------------- config
     def transformer_config(self, hf_config, dims: ParallelDims, **overrides):
         """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``.
@@ -69,6 +92,8 @@ class ModelFamily:
             num_layers=sizes["num_layers"],
             num_attention_heads=sizes["num_attention_heads"],
             num_query_groups=sizes["num_query_groups"],
+            num_experts=self.moe.num_experts(hf_config) if self.moe is not None else None,
+            expert_ffn=self.moe.ffn_size(hf_config) if self.moe is not None else None,
         )
         on_gpu = torch.cuda.is_available()
         params_dtype = overrides.pop("params_dtype", torch.float32)
@@ -120,8 +145,33 @@ class ModelFamily:
             # (tensor_model_parallel, partition_dim) only while initialising them: without them
             # gradient-norm clipping treats sharded weights as duplicates and gets the norm wrong.
             raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
+        if self.moe is not None:
+            kwargs.update(self._moe_kwargs(hf_config, dims, on_gpu=on_gpu))
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
+
+    def _moe_kwargs(self, hf_config, dims: ParallelDims, *, on_gpu: bool) -> dict[str, Any]:
+        """Megatron's MoE settings for ``hf_config`` (router as HF's: softmax scores, renormalised top-k or not)."""
+        moe = self.moe
+        moe.check(hf_config)
+        sparse = moe.sparse_layers(hf_config)
+        return dict(
+            num_moe_experts=moe.num_experts(hf_config),
+            moe_ffn_hidden_size=moe.ffn_size(hf_config),
+            moe_router_topk=moe.topk(hf_config),
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not moe.renormalises(hf_config),
+            moe_layer_freq=1 if all(sparse) else [int(s) for s in sparse],
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # Grouped GEMM through TransformerEngine on GPU; one linear pair per expert (SequentialMLP) on CPU.
+            moe_grouped_gemm=on_gpu and _te_importable(),
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_router_fusion=False,
+            moe_permute_fusion=False,
+            expert_model_parallel_size=dims.ep,
+            expert_tensor_parallel_size=dims.expert_tp,
+        )
 
     def _sizes(self, hf_config) -> dict[str, int]:
         heads = int(hf_config.num_attention_heads)
@@ -217,10 +267,17 @@ class ModelFamily:
 
         if use_te is None:
             use_te = torch.cuda.is_available() and _te_importable()
+        if use_te and self.moe is not None:  # dense and sparse layers, this stage's slice
+            return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                                              normalization="RMSNorm", vp_stage=vp_stage)
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
         from megarl.parallel.cpu_support import local_block_spec
 
+        if self.moe is not None:
+            layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
+                                                                 normalization="RMSNorm")
+            return local_block_spec(layers, config, vp_stage=vp_stage)
         layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
         return local_block_spec(layer, config, vp_stage=vp_stage)
 

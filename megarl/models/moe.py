@@ -57,6 +57,21 @@ class MoESpec:
         experts = self.num_experts(hf_config)
         return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
 
+    def hub_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
+        """Shapes of the router and expert tensors as the checkpoint holds them (one tensor per expert), by HF name
+        (transformers fuses the experts in memory: ``experts.gate_up_proj [E, 2F, H]``)."""
+        hidden, experts, ffn = int(hf_config.hidden_size), self.num_experts(hf_config), self.ffn_size(hf_config)
+        gate, up, down = self.expert_tensors
+        out: dict[str, tuple[int, ...]] = {}
+        for layer, sparse in enumerate(self.sparse_layers(hf_config)):
+            if sparse:
+                block = f"model.layers.{layer}.{self.block}."
+                out[block + "gate.weight"] = (experts, hidden)
+                for e in range(experts):
+                    out[f"{block}experts.{e}.{gate}.weight"] = out[f"{block}experts.{e}.{up}.weight"] = (ffn, hidden)
+                    out[f"{block}experts.{e}.{down}.weight"] = (hidden, ffn)
+        return out
+
     def check(self, hf_config) -> None:
         """Refuse what megarl does not map, naming the HF config key."""
         experts, topk = self.num_experts(hf_config), self.topk(hf_config)

@@ -37,7 +37,11 @@ class Architecture:
         from megarl.models import family_for
 
         heads = int(hf_config.num_attention_heads)
-        return cls(name=name, source=source, hf_config=hf_config, family=family_for(hf_config),
+        family = family_for(hf_config)
+        if family.moe is not None:
+            raise ValueError(f"{name} ({source}) is a mixture-of-experts model ({family.name}): megarl-plan does not "
+                             f"model experts yet (memory by expert parallelism, all-to-all volume)")
+        return cls(name=name, source=source, hf_config=hf_config, family=family,
                    num_layers=int(hf_config.num_hidden_layers), hidden=int(hf_config.hidden_size), heads=heads,
                    kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),

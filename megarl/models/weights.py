@@ -1,9 +1,13 @@
 """Declarative weight rules: how each HF tensor maps to a Megatron tensor.
 
 A :class:`WeightRule` names one Megatron parameter (with ``{i}`` for the global layer
-index), the HF tensor(s) it is made of, how they are fused, and how tensor parallelism
-splits it. Loading, exporting, checkpoint conversion and weight sync all read these rules;
-``megarl.convert`` implements the transforms.
+index and, for experts, ``{e}`` for the global expert index), the HF tensor(s) it is made of,
+how they are fused, and how tensor parallelism splits it (expert tensors: expert-tensor
+parallelism). A rule applies to every layer, or only to dense or only to sparse (MoE) layers.
+:class:`RuleAt` is one rule at one layer and expert: what the family's
+:meth:`~megarl.models.family.ModelFamily.weight_instances` lists in HF order. Loading,
+exporting, checkpoint conversion and weight sync all read these; ``megarl.convert``
+implements the transforms.
 """
 
 from __future__ import annotations
@@ -49,24 +53,54 @@ class WeightRule:
     """Name under the TransformerEngine spec, where norms fuse into the next linear layer."""
     untied_only: bool = False
     """Present only when input and output embeddings are not tied."""
+    layers: str = "all"
+    """The layers that have this tensor: ``all``, ``dense`` (a dense MLP) or ``moe`` (a mixture of experts)."""
 
     @property
     def per_layer(self) -> bool:
         """True for tensors repeated in every transformer layer."""
         return "{i}" in self.megatron
 
-    def megatron_name(self, layer: int | None = None, *, te: bool = False) -> str:
-        """The Megatron name for ``layer`` (global index), in the local or TE spec."""
+    @property
+    def per_expert(self) -> bool:
+        """True for tensors repeated for every expert of a sparse layer (split by expert-tensor parallelism)."""
+        return "{e}" in self.megatron
+
+    def applies_to(self, sparse: bool) -> bool:
+        """Whether a layer whose MLP is sparse (``sparse``) or dense has this tensor."""
+        return self.layers == "all" or self.layers == ("moe" if sparse else "dense")
+
+    def megatron_name(self, layer: int | None = None, *, expert: int | None = None, te: bool = False) -> str:
+        """The Megatron name for ``layer`` and ``expert`` (global indices), in the local or TE spec."""
         name = self.te_megatron if te and self.te_megatron else self.megatron
-        return name.format(i=layer) if self.per_layer else name
+        return name.format(i=layer, e=expert) if self.per_layer else name
 
-    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        """The HF names for ``layer``."""
-        return tuple(n.format(i=layer) for n in self.hf) if self.per_layer else self.hf
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
+        """The HF names for ``layer`` and ``expert``."""
+        return tuple(n.format(i=layer, e=expert) for n in self.hf) if self.per_layer else self.hf
 
 
-def decoder_weights(*, qkv_bias: bool, qk_norm: bool) -> tuple[WeightRule, ...]:
-    """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming)."""
+@dataclasses.dataclass(frozen=True)
+class RuleAt:
+    """One rule at one layer (None: not a layer tensor) and expert (None: not an expert tensor)."""
+
+    rule: WeightRule
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def megatron_name(self) -> str:
+        return self.rule.megatron_name(self.layer, expert=self.expert)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return self.rule.hf_names(self.layer, self.expert)
+
+
+def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None) -> tuple[WeightRule, ...]:
+    """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming); with ``moe`` (a
+    :class:`~megarl.models.moe.MoESpec`) the sparse layers' router and experts too (Megatron's SequentialMLP names;
+    TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``)."""
     layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
     rules = [
@@ -91,14 +125,35 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool) -> tuple[WeightRule, ...]:
         ]
     rules += [
         WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW),
+    ]
+    dense = "dense" if moe is not None else "all"
+    rules += [
         WeightRule(
             m_layer + "pre_mlp_layernorm.weight", (layer + "post_attention_layernorm.weight",), Split.REPLICATED,
-            te_megatron=m_mlp + "linear_fc1.layer_norm_weight",
+            te_megatron=m_mlp + "linear_fc1.layer_norm_weight", layers=dense,
         ),
         WeightRule(
-            m_mlp + "linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), Split.COLUMN, Fuse.GATE_UP
+            m_mlp + "linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), Split.COLUMN, Fuse.GATE_UP,
+            layers=dense,
         ),
-        WeightRule(m_mlp + "linear_fc2.weight", (mlp + "down_proj.weight",), Split.ROW),
+        WeightRule(m_mlp + "linear_fc2.weight", (mlp + "down_proj.weight",), Split.ROW, layers=dense),
+    ]
+    if moe is not None:
+        block = f"model.layers.{{i}}.{moe.block}."
+        expert = block + "experts.{e}."
+        gate, up, down = (expert + f"{name}.weight" for name in moe.expert_tensors)
+        m_expert = m_mlp + "experts.local_experts.{e}."
+        rules += [
+            # TransformerEngine's MoE layer keeps its own pre-MLP norm (nothing to fuse it into).
+            WeightRule(m_layer + "pre_mlp_layernorm.weight", (layer + "post_attention_layernorm.weight",),
+                       Split.REPLICATED, layers="moe"),
+            WeightRule(m_mlp + "router.weight", (block + "gate.weight",), Split.REPLICATED, layers="moe"),
+            WeightRule(m_expert + "linear_fc1.weight", (gate, up), Split.COLUMN, Fuse.GATE_UP,
+                       te_megatron=m_mlp + "experts.linear_fc1.weight{e}", layers="moe"),
+            WeightRule(m_expert + "linear_fc2.weight", (down,), Split.ROW,
+                       te_megatron=m_mlp + "experts.linear_fc2.weight{e}", layers="moe"),
+        ]
+    rules += [
         WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
         WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, untied_only=True),
     ]

@@ -32,6 +32,9 @@ export ~17 % on CPU).
    attention does these on GPU.
 9. Megatron's RoPE for packed sequences selects its frequencies with one index per pack instead of a loop over
    the sequences (:func:`_patch_thd_rope`; same numbers, far fewer operations).
+10. Mixture-of-experts routers: ``moe_utils`` imports TransformerEngine's ``te_general_gemm`` only when TE is
+   installed, yet the router's gating function tests ``te_general_gemm is not None`` unconditionally (a NameError
+   without TE); it is set to None, so the gating runs ``torch.mm`` (:func:`_patch_moe`).
 
 Measured cost of the mode: about 8 % of a tiny model's training step (reference/megatron-cpu.md).
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
@@ -203,6 +206,14 @@ def _patch_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker.add = add
 
 
+def _patch_moe() -> None:
+    """Point 10."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); torch < 2.13 has only it.
 _ALL_GATHER = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 
@@ -238,6 +249,7 @@ def install() -> None:
         torch.cuda.synchronize = lambda device=None: None
         _patch_rng_tracker()
         _patch_thd_rope()
+        _patch_moe()
         _PATCHED = True
     if not getattr(_THREAD_STATE, "mode", None):
         mode = _CudaToCpuMode()
@@ -278,13 +290,20 @@ def cpu_support():
 
 # ----------------------------------------------------------------------- local layer spec
 def local_block_spec(spec, config, *, vp_stage: int | None = None):
-    """The transformer block of this rank's pipeline stage (``vp_stage``) from Megatron's local layer ``spec``:
+    """The transformer block of this rank's pipeline stage (``vp_stage``) from Megatron's local layer ``spec`` (one
+    for every layer, or a list with one per layer of the model: dense and mixture-of-experts layers):
     :func:`local_spec` layers and a :class:`CpuRMSNorm` final norm (Megatron's default final norm for the local
     spec is its torch norm, which refuses sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[local_spec(spec)] * layers, layer_norm=CpuRMSNorm)
+    if not isinstance(spec, list):
+        return TransformerBlockSubmodules(layer_specs=[local_spec(spec)] * layers, layer_norm=CpuRMSNorm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local = {id(s): local_spec(s) for s in spec}  # each distinct spec once (local_spec edits it in place)
+    return TransformerBlockSubmodules(layer_specs=[local[id(s)] for s in spec[offset:offset + layers]],
+                                      layer_norm=CpuRMSNorm)
 
 
 def local_spec(spec):

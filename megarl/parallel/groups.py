@@ -46,6 +46,21 @@ class ProcessGroups(Coordinates):
         """Context-parallel group."""
         return self.collection.cp
 
+    @property
+    def ep(self) -> dist.ProcessGroup:
+        """Expert-parallel group (the ranks holding one sparse layer's experts between them)."""
+        return self.collection.ep
+
+    @property
+    def expt_tp(self) -> dist.ProcessGroup:
+        """Expert-tensor-parallel group (the ranks splitting one expert's matrices)."""
+        return self.collection.expt_tp
+
+    @property
+    def expt_dp(self) -> dist.ProcessGroup:
+        """Expert-data-parallel group (the replicas of one expert block)."""
+        return self.collection.expt_dp
+
 
 def default_backend() -> str:
     """``nccl`` when CUDA is usable, ``gloo`` otherwise."""
@@ -94,6 +109,8 @@ def init_parallel(
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     groups = ProcessGroups(
@@ -103,6 +120,8 @@ def init_parallel(
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
         collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     if seed is not None:

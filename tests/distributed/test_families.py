@@ -1,7 +1,6 @@
 """Each family's HF config maps to a Megatron model with exactly the HF parameter count."""
 
 import pytest
-import torch
 
 from megarl.parallel.launch import run_ranks
 

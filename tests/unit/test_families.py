@@ -20,9 +20,59 @@ def test_registry_is_keyed_by_architecture():
     assert {a: f.name for a, f in FAMILIES.items()} == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
     }
     assert family_for(Qwen2Config()).name == "qwen2"  # no architectures: model_type decides
     assert family_for(MistralConfig()).name == "llama"
+
+
+def _moe(kind: str, **kw):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                "architectures": ["MixtralForCausalLM"], **kw})
+    return Qwen3MoeConfig(**{**common, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 24,
+                             "num_experts": 8, "num_experts_per_tok": 2, "architectures": ["Qwen3MoeForCausalLM"], **kw})
+
+
+@pytest.mark.parametrize("kind, kw, pre_softmax, freq", [
+    ("qwen3_moe", {"norm_topk_prob": True}, False, 1),
+    ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [0, 2]}, True, [0, 1, 0, 1]),
+    ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2}, False, [0, 1, 0, 1]),
+    ("mixtral", {}, False, 1),
+])
+def test_moe_config_maps_experts_router_and_sparse_layers(kind, kw, pre_softmax, freq):
+    cfg = _moe(kind, **kw)
+    family = family_for(cfg)
+    config = family.transformer_config(cfg, ParallelDims(tp=1, pp=1))
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_router_score_function) == (8, 2, "softmax")
+    assert config.moe_ffn_hidden_size == (32 if kind == "mixtral" else 24)
+    assert config.ffn_hidden_size == (32 if kind == "mixtral" else 96)  # dense layers' MLP
+    assert config.moe_router_pre_softmax is pre_softmax  # HF renormalises the top-k weights <=> softmax after top-k
+    assert config.moe_layer_freq == freq
+    # The weight map: every sparse layer a router and 8 experts' fc1/fc2, every dense one its MLP.
+    names = [at.megatron_name for at in family.weight_instances(cfg)]
+    sparse = [f == 1 for f in freq] if isinstance(freq, list) else [True] * 4
+    for layer, is_sparse in enumerate(sparse):
+        assert (f"decoder.layers.{layer}.mlp.router.weight" in names) is is_sparse
+        assert (f"decoder.layers.{layer}.mlp.experts.local_experts.7.linear_fc2.weight" in names) is is_sparse
+        assert (f"decoder.layers.{layer}.mlp.linear_fc1.weight" in names) is not is_sparse
+        assert names.count(f"decoder.layers.{layer}.pre_mlp_layernorm.weight") == 1
+    hf = [n for at in family.weight_instances(cfg) for n in at.hf_names]
+    expert = "block_sparse_moe.experts.3.w3" if kind == "mixtral" else "mlp.experts.3.up_proj"
+    assert f"model.layers.{sparse.index(True)}.{expert}.weight" in hf and len(hf) == len(set(hf))
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 in the HF config: it must be in 1..num_experts=8"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 in the HF config"),
+])
+def test_moe_configs_megarl_cannot_map_are_refused(kw, message):
+    cfg = _moe("mixtral" if "jitter" in str(kw) else "qwen3_moe", **kw)
+    with pytest.raises(ValueError, match=message):
+        family_for(cfg).transformer_config(cfg, ParallelDims(tp=1, pp=1))
 
 
 def test_unknown_architecture_lists_supported():

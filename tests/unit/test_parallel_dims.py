@@ -74,3 +74,34 @@ def test_cp_comm_type_reaches_megatron_only_under_cp():
     family = family_for(hf)
     assert family.transformer_config(hf, ParallelDims(cp=2, cp_comm_type="a2a")).cp_comm_type == "a2a"
     assert family.transformer_config(hf, ParallelDims(cp=1, cp_comm_type="a2a")).cp_comm_type is None
+
+
+def test_expert_parallelism_regroups_a_stage():
+    dims = ParallelDims(tp=2, ep=2).for_world(8)  # dp 4: a stage's 8 ranks = etp 2 × ep 2 × expert-dp 2
+    assert (dims.expert_tp, dims.expert_dp) == (2, 2)
+    assert ParallelDims(tp=2, ep=4, etp=1).for_world(4).expert_dp == 1
+    with pytest.raises(ValueError, match=r"parallel.etp × parallel.ep = 2 × 4 does not divide the 4 ranks of a "
+                                         r"pipeline stage \(tp × cp × dp = 2 × 1 × 2\)"):
+        ParallelDims(tp=2, ep=4).for_world(4)
+    with pytest.raises(ValueError, match="parallel.ep must be a positive integer"):
+        ParallelDims(ep=0)
+    with pytest.raises(ValueError, match="parallel.etp must be a positive integer or null"):
+        ParallelDims(etp=0)
+
+
+@pytest.mark.parametrize("dims, experts, message", [
+    (ParallelDims(ep=2), None, "parallel.ep=2 / parallel.etp=None split experts, and the model has none"),
+    (ParallelDims(ep=3), 8, "parallel.ep=3 does not divide the model's 8 experts"),
+    (ParallelDims(tp=2, etp=1, sequence_parallel=True), 8, None),
+    (ParallelDims(tp=2, sequence_parallel=True), 8, "parallel.etp=2 does not divide the experts' FFN size 9"),
+    (ParallelDims(tp=2, etp=1), 8, "parallel.tp=2 on a mixture-of-experts model needs parallel.sequence_parallel=true"),
+])
+def test_expert_layout_is_checked_against_the_model(dims, experts, message):
+    def check():
+        dims.check_model(num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=experts, expert_ffn=9)
+
+    if message is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=message):
+            check()
