@@ -90,24 +90,96 @@ EP_LAYOUTS = {  # name -> ParallelDims kwargs, on 4 ranks
 }
 
 
-def ep_logits_job(cases: dict, layouts: dict) -> dict:
-    """On 4 ranks, per config and layout: Megatron's logits (from the HF checkpoint, each rank reading its experts)
-    against HF's, and how many experts of each sparse layer this rank holds."""
+def _hf_space(chunks, family, cfg, groups, tensor_of) -> dict[str, list]:
+    """This rank's view of ``tensor_of(param)`` for every parameter, as (HF name, slice, tensor) in HF layout: the
+    pieces each HF tensor is made of at this layout (expert tensors split by expert-TP, the rest by TP)."""
+    from megarl.convert.layout import ModelSizes, hf_slices, unfuse
+    from megarl.convert.param_map import local_parameters
+
+    sizes = ModelSizes.from_config(family, cfg, groups.dims.tp)
+    index = {at.megatron_name: at for at in family.weight_instances(cfg)}
+    shapes = {n: s for n, s in zip(*_hf_shapes(family, cfg))}
+    out = []
+    for name, param in local_parameters(chunks, family.weight_rules(cfg)).items():
+        at = index[name]
+        rank, size = (groups.etp_rank, groups.dims.expert_tp) if at.rule.per_expert else (groups.tp_rank, groups.dims.tp)
+        wheres = hf_slices(at.rule, [shapes[n] for n in at.hf_names], sizes, rank, size)
+        for hf_name, where, part in zip(at.hf_names, wheres, unfuse(at.rule, tensor_of(param), sizes, rank, size)):
+            out.append((hf_name, where, part.detach().clone()))
+    return out
+
+
+def _hf_shapes(family, cfg):
+    from megarl.convert.hf_io import expected_shapes
+
+    shapes = expected_shapes(cfg)
+    names = [n for at in family.weight_instances(cfg) for n in at.hf_names]
+    return names, [shapes[n] for n in names]
+
+
+def ep_job(cases: dict, layouts: dict) -> dict:
+    """On 4 ranks, per config and layout (each rank reading only its experts from the HF checkpoint): the logits
+    against HF's, the experts this rank holds, and the gradients (Megatron DDP) and one step of the distributed
+    optimizer against the same at EP=1 (DP=4), compared piece by piece in HF layout."""
+    return {f"{name}/{layout}": result for name, case in cases.items()
+            for layout, result in _ep_checks(*case, name, layouts).items()}
+
+
+def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> dict:
     from megarl.convert import load_hf_into
     from megarl.models import build_model_chunks, family_for
-    from megarl.parallel import ParallelDims, init_parallel
+    from megarl.parallel import ParallelDims, forward_backward, init_parallel
+    from tests.distributed import parity_jobs as pj
 
+    cfg = tiny_moe_config(name)
+    family = family_for(cfg)
+    mbs = pj.micro_batches()
+
+    def run(kwargs):
+        groups = init_parallel(ParallelDims(**kwargs), seed=99)
+        mine = mbs[groups.dp_rank :: groups.dims.dp]
+        chunks = build_model_chunks(family, cfg, groups.dims)
+        load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+        logits = _megatron_logits(chunks, groups, input_ids)
+        held = {"logits_diff": None if logits is None else (logits - expected).abs().max().item(),
+                "ep_rank": groups.ep_rank,
+                "local_expert_params": sum(".local_experts." in n for c in chunks for n, _ in c.named_parameters())}
+        forward_backward(pj._wrap_ddp(chunks), mine, loss_fn=pj.loss_fn, temperature=pj.TEMPERATURE, vocab_size=VOCAB,
+                         groups=groups)
+        grads = _hf_space(chunks, family, cfg, groups, lambda p: p.main_grad)
+        chunks = build_model_chunks(family, cfg, groups.dims)
+        load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+        ddp = pj._wrap_ddp(chunks, distributed_optimizer=True)
+        forward_backward(ddp, mine, loss_fn=pj.loss_fn, temperature=pj.TEMPERATURE, vocab_size=VOCAB, groups=groups)
+        ok, grad_norm = _optimizer_step(ddp)
+        weights = _hf_space(chunks, family, cfg, groups, lambda p: p)
+        return grads, weights, ok, grad_norm, held
+
+    ref_grads, ref_weights, _, ref_norm, _ = run({})
+    full_grads = {n: t for n, _, t in ref_grads}  # EP=1, TP=1: every piece is the whole tensor
+    full_weights = {n: t for n, _, t in ref_weights}
     out = {}
     for layout, kwargs in layouts.items():
-        groups = init_parallel(ParallelDims(**kwargs))
-        for name, (hf_dir, input_ids, expected, _) in cases.items():
-            cfg = tiny_moe_config(name)
-            family = family_for(cfg)
-            chunks = build_model_chunks(family, cfg, groups.dims)
-            load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
-            logits = _megatron_logits(chunks, groups, input_ids)
-            experts = {n for c in chunks for n, _ in c.named_parameters() if ".local_experts." in n}
-            out[f"{name}/{layout}"] = {
-                "logits_diff": None if logits is None else (logits - expected).abs().max().item(),
-                "ep_rank": groups.ep_rank, "local_expert_params": len(experts)}
+        grads, weights, ok, grad_norm, held = run(kwargs)
+        out[layout] = {**held,
+            "grad_diff": max((t - where.apply(full_grads[n])).abs().max().item() for n, where, t in grads),
+            "step_diff": max((t - where.apply(full_weights[n])).abs().max().item() for n, where, t in weights),
+            "pieces": len(grads), "step_ok": ok, "grad_norm": grad_norm, "ref_grad_norm": ref_norm}
     return out
+
+
+def _optimizer_step(ddp_chunks) -> tuple[bool, float]:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from tests.distributed import parity_jobs as pj
+
+    config = OptimizerConfig(optimizer="adam", lr=pj.LR, weight_decay=pj.WEIGHT_DECAY, adam_beta1=pj.BETAS[0],
+                             adam_beta2=pj.BETAS[1], adam_eps=pj.EPS, clip_grad=pj.CLIP_GRAD,
+                             use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    OptimizerParamScheduler(optimizer, init_lr=pj.LR, max_lr=pj.LR, min_lr=pj.LR, lr_warmup_steps=0, lr_decay_steps=1,
+                            lr_decay_style="constant", start_wd=pj.WEIGHT_DECAY, end_wd=pj.WEIGHT_DECAY,
+                            wd_incr_steps=1, wd_incr_style="constant")
+    success, grad_norm, _ = optimizer.step()
+    return bool(success), float(grad_norm)

@@ -1,7 +1,10 @@
 """Mixture-of-experts families (issue 17): Qwen3-MoE and Mixtral in Megatron equal HF transformers.
 
 One spawned rank builds each tiny config (a dense layer among sparse ones, renormalised and plain top-k weights,
-Mixtral's names) from its HF checkpoint (one tensor per expert, as the hub holds them) and compares."""
+Mixtral's names) from its HF checkpoint (one tensor per expert, as the hub holds them) and compares logits,
+parameter count and the streaming export. One 4-rank job then runs every expert-parallel layout (EP2, EP4,
+EP2×PP2, TP2×EP2 with SP, TP2×EP2×ETP1): logits against HF's, and gradients and one distributed-optimizer step
+against EP=1's."""
 
 from __future__ import annotations
 
@@ -34,29 +37,41 @@ def test_megatron_moe_equals_hf(ep1, name):
 
 
 @pytest.fixture(scope="module")
-def ep_logits(tmp_path_factory):
+def ep(tmp_path_factory):
     cases = {}
     for name in ("qwen3_moe", "mixtral"):
         directory = tmp_path_factory.mktemp(f"ep_{name}")
         model = moe_jobs.save_tiny_moe(name, directory)
         input_ids = torch.randint(0, moe_jobs.VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
-        cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids), None)
-    return run_ranks(moe_jobs.ep_logits_job, 4, cases, moe_jobs.EP_LAYOUTS, timeout_s=600)
+        cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids))
+    return run_ranks(moe_jobs.ep_job, 4, cases, moe_jobs.EP_LAYOUTS, timeout_s=900)
 
 
 @pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_expert_parallel_logits_equal_hf(ep_logits, name, layout):
+def test_expert_parallel_logits_equal_hf(ep, name, layout):
     """Each rank holds its block of experts (4 experts over ep ranks) and reads only those; the logits of every
     layout equal HF's."""
-    results = [rank[f"{name}/{layout}"] for rank in ep_logits]
+    results = [rank[f"{name}/{layout}"] for rank in ep]
     diffs = [r["logits_diff"] for r in results if r["logits_diff"] is not None]
     assert diffs and max(diffs) <= 1e-4
-    ep = moe_jobs.EP_LAYOUTS[layout]["ep"]
+    ep_size = moe_jobs.EP_LAYOUTS[layout]["ep"]
     pp = moe_jobs.EP_LAYOUTS[layout].get("pp", 1)
     sparse_layers = 3 if name == "qwen3_moe" else 4  # qwen3_moe's layer 1 is dense
     # Every rank holds 4 / ep experts of each of its stage's sparse layers (fc1 and fc2 each).
     for r in results:
-        assert r["local_expert_params"] % (2 * 4 // ep) == 0
-    assert sum(r["local_expert_params"] for r in results) == 4 // ep * 2 * sparse_layers * 4 // pp
-    assert sorted({r["ep_rank"] for r in results}) == list(range(ep))
+        assert r["local_expert_params"] % (2 * 4 // ep_size) == 0
+    assert sum(r["local_expert_params"] for r in results) == 4 // ep_size * 2 * sparse_layers * 4 // pp
+    assert sorted({r["ep_rank"] for r in results}) == list(range(ep_size))
+
+
+@pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout):
+    """Megatron DDP's gradients (experts reduced over expert-data-parallel ranks, the rest over data-parallel
+    ones) and one clipped step of the distributed optimizer (a dense and an expert optimizer) equal EP=1's."""
+    results = [rank[f"{name}/{layout}"] for rank in ep]
+    assert all(r["step_ok"] and r["pieces"] > 0 for r in results)
+    assert max(r["grad_diff"] for r in results) <= 1e-5
+    assert max(r["step_diff"] for r in results) <= 1e-5
+    assert all(abs(r["grad_norm"] - r["ref_grad_norm"]) <= 1e-5 * r["ref_grad_norm"] for r in results)
