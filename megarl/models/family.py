@@ -166,7 +166,8 @@ class ModelFamily:
             moe_aux_loss_coeff=0.0,
             # Grouped GEMM through TransformerEngine on GPU; one linear pair per expert (SequentialMLP) on CPU.
             moe_grouped_gemm=on_gpu and _te_importable(),
-            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            # All-to-all: ranks hold different token counts (packed sequences); the same path on CPU (gloo).
+            moe_token_dispatcher_type="alltoall",
             moe_router_fusion=False,
             moe_permute_fusion=False,
             expert_model_parallel_size=dims.ep,

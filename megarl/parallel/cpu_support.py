@@ -35,6 +35,11 @@ export ~17 % on CPU).
 10. Mixture-of-experts routers: ``moe_utils`` imports TransformerEngine's ``te_general_gemm`` only when TE is
    installed, yet the router's gating function tests ``te_general_gemm is not None`` unconditionally (a NameError
    without TE); it is set to None, so the gating runs ``torch.mm`` (:func:`_patch_moe`).
+11. The all-to-all token dispatcher (variable token counts per rank: packed sequences) copies its split sizes to
+   the host on a side CUDA stream and hands them to ``all_to_all_single`` as numpy arrays; here they are on the
+   host already and become numpy arrays in place (no stream). With expert-tensor parallelism it all-gathers and
+   reduce-scatters different token counts per rank, which gloo's list collectives refuse: those pad to the
+   largest count and use the tensor collectives (:func:`_gather_uneven`, :func:`_reduce_scatter_uneven`).
 
 Measured cost of the mode: about 8 % of a tiny model's training step (reference/megatron-cpu.md).
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
@@ -207,11 +212,60 @@ def _patch_rng_tracker() -> None:
 
 
 def _patch_moe() -> None:
-    """Point 10."""
+    """Points 10 and 11."""
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    dispatcher.cuda_dtoh_stream = "host"  # class-level: its __init__ creates a CUDA stream only while this is None
+    dispatcher._maybe_dtoh_and_synchronize = _splits_on_host
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    mappings._gather_along_first_dim = functools.partial(_gather_uneven, gather)
+    mappings._reduce_scatter_along_first_dim = functools.partial(_reduce_scatter_uneven, scatter)
+
+
+def _splits_on_host(self, point: str, tokens_per_expert=None):
+    """Point 11: ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` without CUDA streams."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _gather_uneven(original, input_, group, output_split_sizes=None, use_global_buffer=False):
+    """Point 11: Megatron's ``_gather_along_first_dim``; on gloo with per-rank sizes, padded to the largest."""
+    import torch.distributed as dist
+
+    if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+        return original(input_, group, output_split_sizes, use_global_buffer)
+    sizes = [int(n) for n in output_split_sizes]
+    width, rest = max(sizes), tuple(input_.shape[1:])
+    padded = input_.new_zeros((width, *rest))
+    padded[: input_.shape[0]] = input_
+    out = input_.new_empty((width * len(sizes), *rest))
+    all_gather_into_tensor(out, padded, group=group)
+    return torch.cat([out[i * width : i * width + n] for i, n in enumerate(sizes)])
+
+
+def _reduce_scatter_uneven(original, input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Point 11: Megatron's ``_reduce_scatter_along_first_dim``; on gloo with per-rank sizes, padded."""
+    import torch.distributed as dist
+
+    if input_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+        return original(input_, group, input_split_sizes, use_global_buffer)
+    sizes = [int(n) for n in input_split_sizes]
+    width, rest = max(sizes), tuple(input_.shape[1:])
+    padded = input_.new_zeros((width * len(sizes), *rest))
+    for i, part in enumerate(torch.split(input_, sizes, dim=0)):
+        padded[i * width : i * width + part.shape[0]] = part
+    out = input_.new_empty((width, *rest))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[: sizes[group.rank()]]
 
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); torch < 2.13 has only it.

@@ -59,7 +59,8 @@ RNG_DIR = "rng"
 
 def _layout(model) -> dict:
     dims = model.groups.dims
-    return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp}
+    return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp,
+            "ep": dims.ep, "etp": dims.expert_tp}
 
 
 def _optimizer_metadata() -> dict:
@@ -178,11 +179,14 @@ def read_model_metadata(directory: str | os.PathLike) -> dict:
 
 
 def _describe(layout: dict) -> str:
-    return "TP{tp}×PP{pp}×VPP{vpp}×CP{cp}×DP{dp} on {world_size} ranks".format(**layout)
+    layout = {"ep": 1, "etp": layout["tp"], **layout}  # checkpoints from before expert parallelism
+    experts = "×EP{ep}×ETP{etp}".format(**layout) if layout["ep"] > 1 or layout["etp"] != layout["tp"] else ""
+    return ("TP{tp}×PP{pp}×VPP{vpp}×CP{cp}×DP{dp}".format(**layout) + experts
+            + " on {world_size} ranks".format(**layout))
 
 
 def _check_same_layout(model, meta: dict, directory) -> None:
-    saved = {**meta["layout"], "world_size": meta["world_size"]}
+    saved = {"ep": 1, "etp": meta["layout"]["tp"], **meta["layout"], "world_size": meta["world_size"]}
     current = {**_layout(model), "world_size": dist.get_world_size()}
     if saved != current:
         raise ValueError(

@@ -117,12 +117,41 @@ def _hf_shapes(family, cfg):
     return names, [shapes[n] for n in names]
 
 
-def ep_job(cases: dict, layouts: dict) -> dict:
+def ep_job(cases: dict, layouts: dict, root: str) -> dict:
     """On 4 ranks, per config and layout (each rank reading only its experts from the HF checkpoint): the logits
     against HF's, the experts this rank holds, and the gradients (Megatron DDP) and one step of the distributed
-    optimizer against the same at EP=1 (DP=4), compared piece by piece in HF layout."""
-    return {f"{name}/{layout}": result for name, case in cases.items()
-            for layout, result in _ep_checks(*case, name, layouts).items()}
+    optimizer against the same at EP=1 (DP=4), compared piece by piece in HF layout. Then a run at EP=2 saved
+    after step 2 and resumed (:func:`_resume`)."""
+    out = {f"{name}/{layout}": result for name, case in cases.items()
+           for layout, result in _ep_checks(*case, name, layouts).items()}
+    out["resume"] = _resume(cases["qwen3_moe"][0], root)
+    return out
+
+
+def _resume(hf_dir: str, root: str) -> dict:
+    """Steps 1..4 of training at EP=2 (DP=4: experts' optimizer state sharded over expert-data-parallel pairs),
+    a checkpoint after step 2, and a fresh model resumed from it retaking steps 3 and 4: loss, grad norm, LR
+    and every parameter equal bit for bit."""
+    from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
+    from megarl.workers import model_checkpoint as ckpt
+    from megarl.workers.sharded_model import ShardedModel
+    from tests.distributed.checkpoint_jobs import OPTIM, _params, _step
+
+    dims = ParallelDims(ep=2)
+    sharded = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM))
+    run = {}
+    for step in range(1, 5):
+        run[step] = _step(sharded, step, VOCAB)
+        if step == 2:
+            ckpt.save_model(sharded, f"{root}/step2")
+    params = _params(sharded)
+    fresh = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM))
+    ckpt.load_model(fresh, f"{root}/step2")
+    resumed = {step: _step(fresh, step, VOCAB) for step in (3, 4)}
+    again = _params(fresh)
+    return {"run": run, "resumed": resumed, "params_equal": all(torch.equal(params[n], again[n]) for n in again),
+            "experts": sum(".local_experts." in n for n in again)}
 
 
 def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> dict:

@@ -44,7 +44,8 @@ def ep(tmp_path_factory):
         model = moe_jobs.save_tiny_moe(name, directory)
         input_ids = torch.randint(0, moe_jobs.VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
         cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids))
-    return run_ranks(moe_jobs.ep_job, 4, cases, moe_jobs.EP_LAYOUTS, timeout_s=900)
+    root = tmp_path_factory.mktemp("ep_checkpoints")
+    return run_ranks(moe_jobs.ep_job, 4, cases, moe_jobs.EP_LAYOUTS, str(root), timeout_s=900)
 
 
 @pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
@@ -75,3 +76,12 @@ def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout
     assert max(r["grad_diff"] for r in results) <= 1e-5
     assert max(r["step_diff"] for r in results) <= 1e-5
     assert all(abs(r["grad_norm"] - r["ref_grad_norm"]) <= 1e-5 * r["ref_grad_norm"] for r in results)
+
+
+def test_a_resumed_expert_parallel_run_is_bit_exact(ep):
+    """EP=2 on 4 ranks: the run saved after step 2 and resumed retakes steps 3 and 4 exactly."""
+    for rank in ep:
+        result = rank["resume"]
+        assert result["resumed"] == {step: result["run"][step] for step in (3, 4)}
+        assert all(result["run"][step]["applied"] for step in result["run"])
+        assert result["params_equal"] and result["experts"] == 2 * 2 * 3  # 2 of 4 experts, fc1+fc2, 3 sparse layers
