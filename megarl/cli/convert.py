@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the saved layout")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the saved layout")
     to_mcore.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per pipeline rank")
+    to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    to_mcore.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
     to_mcore.add_argument("--dtype", choices=sorted(jobs.DTYPES), default="fp32", help="parameter dtype")
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
@@ -46,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--hf-config", default=None, help="HF config/tokenizer directory (default: the checkpoint's own)")
     to_hf.add_argument("--tp", type=int, default=None, help="layout to load with (default: as saved)")
     to_hf.add_argument("--pp", type=int, default=None, help="layout to load with (default: as saved)")
+    to_hf.add_argument("--ep", type=int, default=None, help="expert layout to load with (default: as saved)")
+    to_hf.add_argument("--etp", type=int, default=None, help="expert-tensor layout to load with (default: as saved)")
     to_hf.add_argument("--dtype", choices=sorted(jobs.DTYPES), default=None, help="dtype of the HF tensors (default: as saved)")
     to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard (e.g. 500MB)")
 
@@ -64,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         if args.command == "hf-to-mcore":
-            report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=args.dtype,
-                                      force=args.force, timeout_s=args.timeout)
+            report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                                      etp=args.etp, dtype=args.dtype, force=args.force, timeout_s=args.timeout)
         else:
             report = jobs.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
-                                      dtype=args.dtype, max_shard_bytes=args.max_shard_size, force=args.force,
+                                      ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_size, force=args.force,
                                       timeout_s=args.timeout)
     except ValueError as error:
         parser.exit(2, f"megarl-convert: error: {error}\n")

@@ -9,6 +9,10 @@ Two paths, both collective (every rank of the model calls them and receives ever
   slices that inference TP rank ``tp_rank`` of an engine with the same TP holds (see
   ``megarl.convert.layout``): no all-gather, only the pipeline broadcast.
 
+Mixture-of-experts models under expert parallelism: a bucket of experts is filled by the ranks holding them
+(their expert-tensor-parallel group gathers the shards) and broadcast over the expert-parallel group to the
+ranks of the stage that need it; then it crosses stages as any bucket.
+
 Every rank computes the same plan from the config, so bucket boundaries and buffer sizes
 agree without exchanging metadata. Gathers land in one reusable scratch buffer and are
 written straight into the bucket (no concatenation copies), and buckets reuse one buffer by
@@ -50,6 +54,11 @@ class WeightExporter:
         self.sizes = ModelSizes.from_config(family, hf_config, self.dims.tp)
         self.units = build_plan(family, hf_config, self.dims, config, expected_shapes(hf_config))
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
+        # The TP rank of each member of this rank's expert-parallel group (who needs an expert bucket).
+        self._ep_tp_ranks = [self.groups.tp_rank]
+        if self.dims.ep > 1:
+            self._ep_tp_ranks = [None] * self.dims.ep
+            dist.all_gather_object(self._ep_tp_ranks, self.groups.tp_rank, group=self.groups.ep)
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
         self._gather_buffer: torch.Tensor | None = None
         self._kept_ring: list[torch.Tensor] | None = None
@@ -64,6 +73,13 @@ class WeightExporter:
 
     def _shard_bytes(self, unit: Unit) -> int:
         return sum(_numel(s) for s in unit.shard_shapes(self.sizes, self.groups.tp_rank, self.dims.tp)) * self._element_size
+
+    def _split(self, unit: Unit) -> tuple[object, int, int]:
+        """The group a unit's shards are gathered over, its size and this rank's place in it: expert-tensor
+        parallelism for experts, tensor parallelism for everything else."""
+        if unit.expert is not None:
+            return self.groups.expt_tp, self.dims.expert_tp, self.groups.etp_rank
+        return self.groups.tp, self.dims.tp, self.groups.tp_rank
 
     # ---------------------------------------------------------------------------- full
     def iter_full(self, bucket_bytes: int, *, reuse_buffer: bool = True) -> Iterator[NamedTensors]:
@@ -109,33 +125,57 @@ class WeightExporter:
         sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
         held = [i for i, bucket in enumerate(groups)
                 if holds and (receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers)]
+        # An expert bucket crosses the expert-parallel group when a member of this rank's group needs it.
+        ep_needs = tp_ranks is None or any(t in set(tp_ranks) for t in self._ep_tp_ranks)
         # Buffers hold a multiple of tp elements: a bucket crosses stages in tp stripes (see _deliver).
         buffers = self._ring([-(-sizes[i] // tp) * tp for i in held], num_buffers, shared_memory)
         try:
-            yield from self._fill(groups, sizes, set(held), buffers, receivers)
+            yield from self._fill(groups, sizes, set(held), buffers, receivers, ep_needs)
         finally:
             self._gather_buffer = None  # the gather scratch lives only as long as an export
 
-    def _fill(self, groups, sizes, held_set, buffers, receivers) -> Iterator[Bucket]:
+    def _fill(self, groups, sizes, held_set, buffers, receivers, ep_needs) -> Iterator[Bucket]:
         pp, my_stage = self.dims.pp, self.groups.pp_rank
         for i, bucket in enumerate(groups):
-            owner = bucket[0].pp_rank
+            owner, ep_owner = bucket[0].pp_rank, bucket[0].ep_owner
+            experts_here = ep_owner is None or ep_owner == self.groups.ep_rank  # this rank holds the bucket's units
             if i not in held_set:
-                if owner == my_stage:  # a TP rank that needs no bucket: the all-gathers only
+                if owner == my_stage:
                     with plain_torch():
-                        self._gather_bucket(bucket, None)
+                        if ep_owner is not None and ep_needs:  # another member of the EP group needs it
+                            self._ep_deliver(self._ep_scratch(sizes[i], bucket), bucket, sizes[i])
+                        elif experts_here:  # a TP rank that needs no bucket: the all-gathers only
+                            self._gather_bucket(bucket, None)
                 continue
             padded = next(buffers)
             buffer = padded[: sizes[i]]
             shapes = [s for u in bucket for s in u.hf_shapes]
             with plain_torch():  # (not across the yield: the consumer runs with the thread's usual torch)
                 views = split_flat(buffer, shapes)
-                if owner == my_stage:
+                if owner == my_stage and ep_owner is not None:
+                    self._ep_deliver(buffer, bucket, sizes[i], views)
+                elif owner == my_stage:
                     self._gather_bucket(bucket, views)
                 if pp > 1:
                     others = [s for s in range(pp) if s != owner and (receivers is None or s in receivers)]
                     self._deliver(padded, owner, others)
             yield Bucket([n for u in bucket for n in u.hf_names], views, buffer, owner)
+
+    def _ep_deliver(self, buffer: torch.Tensor, bucket: list[Unit], numel: int,
+                    views: list[torch.Tensor] | None = None) -> None:
+        """An expert bucket on its stage: the expert-parallel rank holding its experts fills ``buffer`` (its
+        expert-tensor-parallel group gathers the shards) and broadcasts it over the expert-parallel group."""
+        if bucket[0].ep_owner == self.groups.ep_rank:
+            if views is None:
+                views = split_flat(buffer, [s for u in bucket for s in u.hf_shapes])
+            self._gather_bucket(bucket, views)
+        src = dist.get_global_rank(self.groups.ep, bucket[0].ep_owner)
+        dist.broadcast(buffer[:numel], src=src, group=self.groups.ep)
+
+    def _ep_scratch(self, numel: int, bucket: list[Unit]) -> torch.Tensor:
+        """A buffer for an expert bucket this rank passes on or receives without yielding it."""
+        device = next(iter(self.params.values())).device
+        return torch.empty(numel, dtype=self.dtype, device=device)
 
     def gather_ops(self, bucket: list[Unit]) -> list[tuple[str, list[Unit]]]:
         """How the owner stage fills ``bucket``, in order: ``("copy", [unit])`` (a whole tensor is here),
@@ -148,8 +188,9 @@ class WeightExporter:
         pending_bytes = 0
         for unit in bucket:
             shard = self.params[unit.megatron_name]
-            nbytes = shard.numel() * shard.element_size() * self.dims.tp
-            if self.dims.tp == 1 or hf_split_dim(unit.rule) is None:
+            size = self._split(unit)[1]
+            nbytes = shard.numel() * shard.element_size() * size
+            if size == 1 or hf_split_dim(unit.rule) is None:
                 ops.append(("copy", [unit]))
             elif self._in_place(unit, shard):
                 ops.append(("in_place", [unit]))
@@ -173,16 +214,16 @@ class WeightExporter:
         for unit in bucket:
             where[id(unit)] = None if views is None else views[start : start + len(unit.hf_names)]
             start += len(unit.hf_names)
-        tp, rank = self.dims.tp, self.groups.tp_rank
         for kind, units in self.gather_ops(bucket):
             out = where[id(units[0])]
+            group, tp, rank = self._split(units[0])
             if kind == "copy":
                 if out is not None:
                     unfuse_into(units[0].rule, self.params[units[0].megatron_name].detach(), self.sizes, rank, tp, out)
             elif kind == "in_place":
                 shard = self.params[units[0].megatron_name].detach()
                 target = out[0] if out is not None else self._scratch(tp * shard.numel(), shard).view(tp, -1)
-                _all_gather(target, shard.contiguous(), group=self.groups.tp)
+                _all_gather(target, shard.contiguous(), group=group)
             else:
                 self._gather_many([(unit, where[id(unit)]) for unit in units])
 
@@ -190,12 +231,12 @@ class WeightExporter:
         """Row blocks in rank order that are the HF tensor itself (an unpadded vocabulary, exported in the
         parameters' dtype): all-gathered straight into the bucket."""
         return (hf_split_dim(unit.rule) == 0 and unit.rule.fuse is Fuse.NONE and len(unit.hf_shapes) == 1
-                and unit.hf_shapes[0][0] == self.dims.tp * shard.shape[0] and self.dtype == shard.dtype)
+                and unit.hf_shapes[0][0] == self._split(unit)[1] * shard.shape[0] and self.dtype == shard.dtype)
 
     def _gather_many(self, units: list[tuple[Unit, list[torch.Tensor]]]) -> None:
         """One all-gather of several units' shards (each rank's shards end to end in its block of the scratch),
         then each rank's shard of each unit unfused into the HF tensors."""
-        tp, my_rank = self.dims.tp, self.groups.tp_rank
+        group, tp, my_rank = self._split(units[0][0])  # (a run never mixes experts and other tensors)
         shards = [self.params[unit.megatron_name].detach() for unit, _ in units]
         width = sum(shard.numel() for shard in shards)
         blocks = self._scratch(tp * width, shards[0]).view(tp, width)
@@ -203,7 +244,7 @@ class WeightExporter:
         for shard in shards:
             blocks[my_rank, offset : offset + shard.numel()].copy_(shard.reshape(-1))
             offset += shard.numel()
-        _all_gather(blocks, blocks[my_rank], group=self.groups.tp)
+        _all_gather(blocks, blocks[my_rank], group=group)
         offset = 0
         for (unit, out), shard in zip(units, shards):
             if out is None:  # (a rank that needs no bucket)
@@ -230,6 +271,9 @@ class WeightExporter:
         Buffer reuse as in :meth:`iter_full`.
         """
         tp_rank, tp = self.groups.tp_rank, self.dims.tp
+        if any(u.expert is not None for u in self.units):
+            raise ValueError("iter_shards: TP-matched shards of a mixture-of-experts model are not exported (experts "
+                             "travel whole, by iter_buckets); use rollout.weight_transport with full buckets")
         groups = buckets(self.units, self._shard_bytes, bucket_bytes)
         for bucket, buffer in zip(groups, self._buffers(groups, self._shard_bytes, reuse_buffer)):
             shapes = [s for u in bucket for s in u.shard_shapes(self.sizes, tp_rank, tp)]

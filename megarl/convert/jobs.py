@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -82,13 +83,23 @@ def _atomic_output(out: Path, force: bool):
 
 
 def _world(dims: ParallelDims) -> int:
-    return dims.tp * dims.pp
+    return dims.tp * dims.pp * dims.dp
+
+
+def _dims(family, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> ParallelDims:
+    """The conversion's layout: ``tp × pp × d`` ranks, ``d`` the fewest data-parallel replicas that let the experts'
+    layout (``etp × ep``) regroup a pipeline stage; sequence parallelism with a mixture of experts at tp > 1 (as
+    training needs it; weights do not depend on it)."""
+    d = math.lcm(tp, (etp or tp) * ep) // tp
+    return ParallelDims(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=d,
+                        sequence_parallel=tp > 1 and family.moe is not None)
 
 
 # ------------------------------------------------------------------------------ HF -> mcore
-def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None, dtype: str = "fp32",
-                force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
-    """Convert an HF safetensors checkpoint into a Megatron distributed checkpoint."""
+def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                dtype: str = "fp32", force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
+    """Convert an HF safetensors checkpoint into a Megatron distributed checkpoint (mixture-of-experts models: each
+    rank reads only its experts, ``ep``/``etp`` the expert layout)."""
     from megarl.models import family_for
     from megarl.parallel.launch import run_ranks
 
@@ -98,7 +109,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
     check_output(out, force)
     hf_config = _load_hf_config(hf_dir)
     family = family_for(hf_config)
-    dims = ParallelDims(tp=tp, pp=pp, vpp=vpp, dp=1)
+    dims = _dims(family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     _check_config(family, hf_config, dims)
     check_hf_files(hf_dir, "--hf")  # headers only: a truncated or corrupt file is named before any rank reads it
     checkpoint = HFCheckpoint(hf_dir)
@@ -118,6 +129,8 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
             "tp": tp,
             "pp": pp,
             "vpp": vpp,
+            "ep": ep,
+            "etp": etp,
             "dtype": dtype,
         }
         (tmp / "megarl.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -158,7 +171,7 @@ def read_mcore_metadata(mcore_dir: Path) -> dict:
 
 
 def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
-                dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
+                ep: int | None = None, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
                 force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
     """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files."""
     from megarl.models import family_for
@@ -178,7 +191,10 @@ def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp
     dtype = dtype or meta["dtype"]
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    dims = ParallelDims(tp=tp or meta["tp"], pp=pp or meta["pp"], dp=1)
+    tp = tp or meta["tp"]
+    ep = ep or meta.get("ep", 1)
+    etp = etp or (meta.get("etp") if tp == meta["tp"] else None)
+    dims = _dims(family, tp=tp, pp=pp or meta["pp"], ep=ep, etp=etp)
     _check_config(family, hf_config, dims)
     check_mcore_files(mcore_dir / "model")  # metadata only: a truncated shard is named before any rank loads it
     check_mcore_shapes(mcore_dir / "model", family, hf_config, int(meta["tp"]), config_flag)

@@ -33,6 +33,8 @@ class Unit:
     """Full HF shapes."""
     expert: int | None = None
     """The global expert of an expert tensor."""
+    ep_owner: int | None = None
+    """The expert-parallel rank holding that expert (experts split in contiguous blocks)."""
 
     @property
     def megatron_name(self) -> str:
@@ -68,6 +70,7 @@ def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[st
                 owners[layer] = (pp_rank, vp_stage)
     first, last = (0, 0), (dims.pp - 1, dims.num_virtual_stages - 1)
 
+    experts_per_rank = family.moe.num_experts(hf_config) // dims.ep if family.moe is not None else 0
     units = []
     for at in family.weight_instances(hf_config):
         if at.layer is not None:
@@ -75,12 +78,14 @@ def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[st
         else:
             owner = first if at.rule.megatron.startswith("embedding.") else last
         names = at.hf_names
-        units.append(Unit(at.rule, at.layer, *owner, names, tuple(hf_shapes[n] for n in names), expert=at.expert))
+        units.append(Unit(at.rule, at.layer, *owner, names, tuple(hf_shapes[n] for n in names), expert=at.expert,
+                          ep_owner=None if at.expert is None else at.expert // experts_per_rank))
     return units
 
 
 def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]]:
-    """Consecutive units grouped up to ``bucket_bytes``; a bucket never spans two owners.
+    """Consecutive units grouped up to ``bucket_bytes``; a bucket never spans two owners (pipeline stage and
+    chunk, and for experts the expert-parallel rank: expert and other tensors never share a bucket).
 
     A unit larger than ``bucket_bytes`` travels alone.
     """
@@ -89,7 +94,8 @@ def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]
     size = 0
     for u in units:
         nbytes = unit_bytes(u)
-        owner_changes = current and (current[-1].pp_rank, current[-1].vp_stage) != (u.pp_rank, u.vp_stage)
+        owner_changes = current and ((current[-1].pp_rank, current[-1].vp_stage, current[-1].ep_owner)
+                                     != (u.pp_rank, u.vp_stage, u.ep_owner))
         if current and (owner_changes or size + nbytes > bucket_bytes):
             out.append(current)
             current, size = [], 0

@@ -90,6 +90,22 @@ EP_LAYOUTS = {  # name -> ParallelDims kwargs, on 4 ranks
 }
 
 
+def _export_checks(chunks, family, cfg, groups, original) -> dict:
+    """The streaming export at this layout: every rank receives every HF tensor (experts from the ranks holding
+    them), bit-exact; and as the broadcast transport asks (TP rank 0 of each stage, its stage's tensors only)."""
+    from megarl.convert import WeightExporter
+
+    exporter = WeightExporter(chunks, family, cfg, groups)
+    full = {n: t.clone() for b in exporter.iter_full(1 << 14) for n, t in b}
+    out = {"export_names_equal": sorted(full) == sorted(original),
+           "export_bit_exact": all(torch.equal(full[n], original[n]) for n in full)}
+    stage = {}
+    for bucket in exporter.iter_buckets(1 << 14, to_pp_ranks=(), tp_ranks=(0,)):
+        stage.update((n, t.clone()) for n, t in bucket.named())
+    out["stage_export"] = (sorted(stage), all(torch.equal(stage[n], original[n]) for n in stage))
+    return out
+
+
 def _hf_space(chunks, family, cfg, groups, tensor_of) -> dict[str, list]:
     """This rank's view of ``tensor_of(param)`` for every parameter, as (HF name, slice, tensor) in HF layout: the
     pieces each HF tensor is made of at this layout (expert tensors split by expert-TP, the rest by TP)."""
@@ -125,6 +141,12 @@ def ep_job(cases: dict, layouts: dict, root: str) -> dict:
     out = {f"{name}/{layout}": result for name, case in cases.items()
            for layout, result in _ep_checks(*case, name, layouts).items()}
     out["resume"] = _resume(cases["qwen3_moe"][0], root)
+    from safetensors import safe_open
+
+    out["names"] = {}
+    for name, case in cases.items():
+        with safe_open(f"{case[0]}/model.safetensors", "pt") as f:
+            out["names"][name] = sorted(f.keys())
     return out
 
 
@@ -160,9 +182,12 @@ def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> di
     from megarl.parallel import ParallelDims, forward_backward, init_parallel
     from tests.distributed import parity_jobs as pj
 
+    from safetensors.torch import load_file
+
     cfg = tiny_moe_config(name)
     family = family_for(cfg)
     mbs = pj.micro_batches()
+    original = load_file(f"{hf_dir}/model.safetensors")
 
     def run(kwargs):
         groups = init_parallel(ParallelDims(**kwargs), seed=99)
@@ -172,7 +197,8 @@ def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> di
         logits = _megatron_logits(chunks, groups, input_ids)
         held = {"logits_diff": None if logits is None else (logits - expected).abs().max().item(),
                 "ep_rank": groups.ep_rank,
-                "local_expert_params": sum(".local_experts." in n for c in chunks for n, _ in c.named_parameters())}
+                "local_expert_params": sum(".local_experts." in n for c in chunks for n, _ in c.named_parameters()),
+                **_export_checks(chunks, family, cfg, groups, original)}
         forward_backward(pj._wrap_ddp(chunks), mine, loss_fn=pj.loss_fn, temperature=pj.TEMPERATURE, vocab_size=VOCAB,
                          groups=groups)
         grads = _hf_space(chunks, family, cfg, groups, lambda p: p.main_grad)

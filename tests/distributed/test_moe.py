@@ -68,6 +68,19 @@ def test_expert_parallel_logits_equal_hf(ep, name, layout):
 
 @pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_export_is_bit_exact(ep, name, layout):
+    """The streaming export (what weight sync and megarl-convert stream): every rank receives every HF tensor,
+    experts from the expert-parallel rank holding them, bit for bit; as the broadcast transport asks (TP rank 0
+    of each stage), those ranks receive exactly their stage's tensors and the others nothing."""
+    results = [rank[f"{name}/{layout}"] for rank in ep]
+    assert all(r["export_names_equal"] and r["export_bit_exact"] for r in results)
+    staged = [r["stage_export"] for r in results]
+    assert all(exact for _, exact in staged)
+    assert {n for names, _ in staged for n in names} == set(ep[0]["names"][name])
+
+
+@pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout):
     """Megatron DDP's gradients (experts reduced over expert-data-parallel ranks, the rest over data-parallel
     ones) and one clipped step of the distributed optimizer (a dense and an expert optimizer) equal EP=1's."""
