@@ -65,29 +65,37 @@ def _megatron_shape(rule, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -
 def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Global shapes of the tensors in a Megatron checkpoint of ``hf_config`` saved at ``tp``.
 
-    Keyed by the checkpoint's tensor name (layers stacked on a leading axis:
-    ``decoder.layers.<name>`` of shape ``[num_layers, ...]``); each value is the shape and the
-    HF tensors it is made of. Norms fused into the next linear layer are listed under both
-    spellings (local and TransformerEngine spec); a checkpoint holds one of them.
+    Keyed by the checkpoint's tensor name: layers stacked on a leading axis (``decoder.layers.<name>`` of shape
+    ``[num_layers, ...]``), or one key per layer (``decoder.layers.<i>.<name>``) when dense and mixture-of-experts
+    layers alternate (Megatron's rule); a sparse layer's experts on one axis
+    (``mlp.experts.experts.linear_fc1.weight`` of shape ``[experts, ...]``). Each value is the shape and the HF
+    tensors it is made of. Norms fused into the next linear layer are listed under both spellings (local and
+    TransformerEngine spec); a checkpoint holds one of them.
     """
     from megarl.convert.hf_io import expected_shapes
 
-    if family.moe is not None:
-        raise ValueError(f"the shapes of a {family.name} (mixture-of-experts) Megatron checkpoint are not checked yet: "
-                         f"its experts are stored on their own axis")
     hf_shapes = expected_shapes(hf_config)
-    num_layers = int(hf_config.num_hidden_layers)
+    sparse = family.sparse_layers(hf_config)
+    stacked = len(set(sparse)) == 1
+    num_layers = len(sparse)
+    experts = family.moe.num_experts(hf_config) if family.moe is not None else 0
     padded_vocab = family.padded_vocab_size(hf_config, tp)
     out = {}
     for rule in family.weight_rules(hf_config):
-        names = rule.hf_names(0 if rule.per_layer else None)
-        if any(n not in hf_shapes for n in names):
-            continue  # not a tensor transformers' model has (nothing to compare with)
-        shape = _megatron_shape(rule, [hf_shapes[n] for n in names], padded_vocab)
-        if rule.per_layer:
-            shape = (num_layers, *shape)
-        for spelling in {rule.megatron, rule.te_megatron or rule.megatron}:
-            out[spelling.replace(".{i}.", ".")] = (shape, rule.hf)
+        layers = [layer for layer in range(num_layers) if rule.applies_to(sparse[layer])] if rule.per_layer else [None]
+        for layer in layers[:1] if stacked else layers:
+            names = rule.hf_names(layer, 0 if rule.per_expert else None)
+            if any(n not in hf_shapes for n in names):
+                continue  # not a tensor transformers' model has (nothing to compare with)
+            shape = _megatron_shape(rule, [hf_shapes[n] for n in names], padded_vocab)
+            if rule.per_expert:
+                shape = (experts, *shape)
+            if rule.per_layer and stacked:
+                shape = (num_layers, *shape)
+            for spelling in {rule.megatron, rule.te_megatron or rule.megatron}:
+                key = spelling.replace("local_experts.{e}.", "experts.").replace(".weight{e}", ".weight")
+                key = key.replace(".{i}.", ".") if stacked else key.format(i=layer)
+                out[key] = (shape, rule.hf)
     return out
 
 

@@ -72,6 +72,27 @@ class MoESpec:
                     out[f"{block}experts.{e}.{down}.weight"] = (hidden, ffn)
         return out
 
+    def hub_views(self, params: dict[str, "torch.Tensor"], hf_config) -> dict[str, "torch.Tensor"]:
+        """Views, under the checkpoint's names (one tensor per expert, as SGLang loads them), of the tensors of a
+        transformers model whose ``params`` (``named_parameters()``) hold the experts fused in memory
+        (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj [E, H, F]``): writing a view writes the model's
+        weight. Names the model already has are left out."""
+        ffn = self.ffn_size(hf_config)
+        gate, up, down = self.expert_tensors
+        out = {}
+        for layer, sparse in enumerate(self.sparse_layers(hf_config)):
+            memory, block = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.{self.block}."
+            fused_up, fused_down = params.get(memory + "experts.gate_up_proj"), params.get(memory + "experts.down_proj")
+            if not sparse or fused_up is None or fused_down is None:
+                continue
+            if block + "gate.weight" not in params and memory + "gate.weight" in params:
+                out[block + "gate.weight"] = params[memory + "gate.weight"].data
+            for e in range(fused_up.shape[0]):
+                out[f"{block}experts.{e}.{gate}.weight"] = fused_up.data[e, :ffn]
+                out[f"{block}experts.{e}.{up}.weight"] = fused_up.data[e, ffn:]
+                out[f"{block}experts.{e}.{down}.weight"] = fused_down.data[e]
+        return out
+
     def check(self, hf_config) -> None:
         """Refuse what megarl does not map, naming the HF config key."""
         experts, topk = self.num_experts(hf_config), self.topk(hf_config)

@@ -365,9 +365,15 @@ def local_spec(spec):
     sequences and context parallelism) and RMSNorms that support sequence parallelism (:class:`CpuRMSNorm`).
     Parameter names do not change. Used wherever TransformerEngine is not (every CPU run)."""
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = CpuRMSNorm
+    if getattr(layer.mlp, "module", None) is MoELayer:
+        # TransformerEngine's MoE layer keeps its pre-MLP norm under its own name (nothing to fuse it into):
+        # checkpoints of either spec hold the same keys.
+        layer.sharded_state_dict_keys_map = {k: v for k, v in layer.sharded_state_dict_keys_map.items()
+                                             if k != "pre_mlp_layernorm."}
     attention = layer.self_attention.submodules
     attention.core_attention = core_attention()
     for name in ("q_layernorm", "k_layernorm"):

@@ -57,8 +57,9 @@ class HFEngine:
             no ``SamplingParams.seed``.
         trust_remote_code: allow model and tokenizer code from the model directory.
 
-    Weight updates take full HF-named tensors (the names of ``model.named_parameters()``)
-    only: the engine is one process, so there is no TP-sharded layout to accept. A tied
+    Weight updates take full HF-named tensors (the names of ``model.named_parameters()``, and
+    for a mixture-of-experts model the checkpoint's one-tensor-per-expert names, which SGLang
+    loads) only: the engine is one process, so there is no TP-sharded layout to accept. A tied
     ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor, so updating either
     name updates both.
     """
@@ -87,6 +88,7 @@ class HFEngine:
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self._pad_id = self.eos_token_ids[0]
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params.update(_hub_views(self.model, self._params))
         self._seed_generator = torch.Generator().manual_seed(seed)
         # Held while generating and while changing state (sessions, release).
         self._lock = threading.RLock()
@@ -304,6 +306,18 @@ class HFEngine:
 
     def flush_cache(self) -> None:
         """No-op: the KV cache lives only for one generate call, nothing persists between calls."""
+
+
+def _hub_views(model, params: dict) -> dict:
+    """A mixture-of-experts model's router and experts under the checkpoint's (and SGLang's) names: transformers
+    holds them fused in memory (see :meth:`megarl.models.moe.MoESpec.hub_views`)."""
+    from megarl.models import family_for
+
+    try:
+        family = family_for(model.config)
+    except ValueError:  # not a family megarl maps: its own names only
+        return {}
+    return family.moe.hub_views(params, model.config) if family.moe is not None else {}
 
 
 class _RequestBatcher:

@@ -238,3 +238,34 @@ def _optimizer_step(ddp_chunks) -> tuple[bool, float]:
                             wd_incr_steps=1, wd_incr_style="constant")
     success, grad_norm, _ = optimizer.step()
     return bool(success), float(grad_norm)
+
+
+def moe_sync_job(hf_dir: str, cases: list) -> dict:
+    """TP=2 × EP=2 (SP) on 4 ranks, a tiny Qwen3-MoE: per ``(transport, engines)`` case, change every weight, sync
+    into the CPU engine servers with every tensor verified by the transport (read back by the checkpoint's
+    per-expert names), and return this rank's statistics."""
+    import torch.distributed as dist
+
+    from megarl.convert import WeightExporter, load_hf_into
+    from megarl.models import build_model_chunks, family_for
+    from megarl.parallel import ParallelDims, init_parallel
+    from megarl.rollout.client import EngineAddress
+    from megarl.sync import make_transport
+    from tests.distributed.sync_jobs import perturb
+
+    cfg = tiny_moe_config("qwen3_moe")
+    family = family_for(cfg)
+    groups = init_parallel(ParallelDims(tp=2, ep=2, sequence_parallel=True))
+    chunks = build_model_chunks(family, cfg, groups.dims)
+    load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+    exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+    out = {"rank": dist.get_rank(), "ep_rank": groups.ep_rank, "cases": []}
+    for index, (name, engine_fields) in enumerate(cases):
+        perturb(chunks, index)
+        names = [n for u in exporter.units for n in u.hf_names]
+        transport = make_transport(name, groups, [EngineAddress(**fields) for fields in engine_fields], device="cpu")
+        stats = transport.sync(exporter, bucket_bytes=1 << 14, version=f"v{index}", verify_names=names)
+        transport.close()
+        out["cases"].append({"stats": stats, "names": len(names)})
+        dist.barrier()
+    return out

@@ -98,3 +98,32 @@ def test_a_resumed_expert_parallel_run_is_bit_exact(ep):
         assert result["resumed"] == {step: result["run"][step] for step in (3, 4)}
         assert all(result["run"][step]["applied"] for step in result["run"])
         assert result["params_equal"] and result["experts"] == 2 * 2 * 3  # 2 of 4 experts, fc1+fc2, 3 sparse layers
+
+
+@pytest.fixture(scope="module")
+def moe_synced(tmp_path_factory):
+    from megarl.models.tiny import build_tiny_tokenizer
+    from tests.engine_servers import engine_servers
+
+    root = tmp_path_factory.mktemp("moe_sync")
+    hf_dir = root / "qwen3_moe"
+    moe_jobs.save_tiny_moe("qwen3_moe", hf_dir)
+    build_tiny_tokenizer(vocab_size=moe_jobs.VOCAB).save_pretrained(hf_dir)
+    with engine_servers(hf_dir, root, num_engines=2, tp_size=2) as servers:
+        first, second = ({"index": i, "url": p.url, "tp": 2} for i, p in enumerate(servers.processes))
+        cases = [("tensor", [{**first, "host_ranks": (0, 1)}, {**second, "host_ranks": (2, 3)}]),
+                 ("distributed", [{**first, "replica": 0}, {**second, "replica": 0}])]
+        return run_ranks(moe_jobs.moe_sync_job, 4, str(hf_dir), cases, timeout_s=400), cases
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["tensor", "distributed"])
+def test_both_transports_deliver_every_expert_over_expert_parallelism(moe_synced, case):
+    """TP=2 × EP=2: each rank holds half the experts; both transports deliver every tensor (experts by the
+    checkpoint's per-expert names, which the engines load) and each engine verifies all of them."""
+    from megarl.sync import merge_stats
+
+    results, cases = moe_synced
+    merged = merge_stats([r["cases"][case]["stats"] for r in results if r["cases"][case]["stats"] is not None])
+    assert merged["weight_sync/verified_tensors"] == results[0]["cases"][case]["names"]
+    assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == len(cases[case][1])
+    assert sorted({r["ep_rank"] for r in results}) == [0, 1]

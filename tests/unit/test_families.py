@@ -181,3 +181,22 @@ def test_skipping_initialisation_is_refused_on_cpu():
     cfg = llama()
     with pytest.raises(ValueError, match="perform_initialization=False is not supported on CPU"):
         family_for(cfg).transformer_config(cfg, ParallelDims(), perform_initialization=False)
+
+
+def test_moe_checkpoint_shapes_follow_megatrons_layout():
+    """The keys and global shapes of a Megatron checkpoint (as hf-to-mcore writes them, seen in its metadata):
+    layers stacked when every layer is sparse, one key per layer when dense ones alternate; experts on one axis;
+    a sparse layer's pre-MLP norm under TransformerEngine's MoE name."""
+    from megarl.convert.preflight import expected_mcore_shapes
+
+    cfg = _moe("mixtral", num_local_experts=4)
+    shapes = {k: v[0] for k, v in expected_mcore_shapes(family_for(cfg), cfg, tp=2).items()}
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 64, 64)  # [L, E, 2F, H]
+    assert shapes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (4, 4, 64, 32)
+    assert shapes["decoder.layers.mlp.router.weight"] == (4, 4, 64)
+    assert shapes["decoder.layers.pre_mlp_layernorm.weight"] == (4, 64)
+    cfg = _moe("qwen3_moe", mlp_only_layers=[1])
+    shapes = {k: v[0] for k, v in expected_mcore_shapes(family_for(cfg), cfg, tp=1).items()}
+    assert shapes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == (8, 48, 64)
+    assert shapes["decoder.layers.1.mlp.linear_fc1.weight"] == (192, 64)
+    assert "decoder.layers.1.mlp.router.weight" not in shapes and "decoder.layers.linear_qkv.weight" not in shapes

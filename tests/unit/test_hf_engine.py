@@ -277,3 +277,25 @@ def test_loads_from_an_hf_directory(tmp_path, model, tokenizer, prompts):
         prompts, greedy, True)
     with pytest.raises(TypeError, match="needs a model directory or a torch.nn.Module"):
         HFEngine(42)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_weights_update_by_the_checkpoints_per_expert_names(name, tmp_path):
+    """A mixture-of-experts engine takes (and reads back) the router and experts under the names the hub
+    checkpoint and SGLang use, one tensor per expert, though transformers fuses them in memory: updating every
+    tensor of another model's checkpoint makes the engine that model (logits equal)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed import moe_jobs
+
+    target = moe_jobs.save_tiny_moe(name, tmp_path, seed=1)
+    engine = HFEngine(AutoModelForCausalLM.from_config(moe_jobs.tiny_moe_config(name)), build_tiny_tokenizer())
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(".experts.3." in n for n in tensors) and all(n in engine._params for n in tensors)
+    update_weights(engine, [list(tensors.items())])
+    ids = torch.randint(0, moe_jobs.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, target(input_ids=ids).logits)
+    expert = next(n for n in tensors if ".experts.2." in n and n.endswith(("up_proj.weight", "w3.weight")))
+    assert torch.equal(engine._params[expert], tensors[expert])
