@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tests.distributed.convert_jobs import _megatron_logits
@@ -253,6 +255,7 @@ def moe_sync_job(hf_dir: str, cases: list) -> dict:
     from megarl.sync import make_transport
     from tests.distributed.sync_jobs import perturb
 
+    started = time.monotonic()
     cfg = tiny_moe_config("qwen3_moe")
     family = family_for(cfg)
     groups = init_parallel(ParallelDims(tp=2, ep=2, sequence_parallel=True))
@@ -264,8 +267,11 @@ def moe_sync_job(hf_dir: str, cases: list) -> dict:
         perturb(chunks, index)
         names = [n for u in exporter.units for n in u.hf_names]
         transport = make_transport(name, groups, [EngineAddress(**fields) for fields in engine_fields], device="cpu")
-        stats = transport.sync(exporter, bucket_bytes=1 << 14, version=f"v{index}", verify_names=names)
+        started = time.monotonic()
+        stats = transport.sync(exporter, bucket_bytes=1 << 16, version=f"v{index}", verify_names=names)
+        out.setdefault("seconds", []).append(time.monotonic() - started)
         transport.close()
         out["cases"].append({"stats": stats, "names": len(names)})
         dist.barrier()
+    out["job_s"] = time.monotonic() - started
     return out

@@ -109,17 +109,17 @@ def moe_synced(tmp_path_factory):
     hf_dir = root / "qwen3_moe"
     moe_jobs.save_tiny_moe("qwen3_moe", hf_dir)
     build_tiny_tokenizer(vocab_size=moe_jobs.VOCAB).save_pretrained(hf_dir)
-    with engine_servers(hf_dir, root, num_engines=2, tp_size=2) as servers:
-        first, second = ({"index": i, "url": p.url, "tp": 2} for i, p in enumerate(servers.processes))
-        cases = [("tensor", [{**first, "host_ranks": (0, 1)}, {**second, "host_ranks": (2, 3)}]),
-                 ("distributed", [{**first, "replica": 0}, {**second, "replica": 0}])]
+    with engine_servers(hf_dir, root, num_engines=1, tp_size=2) as servers:
+        engine = {"index": 0, "url": servers.processes[0].url, "tp": 2}
+        # tensor: the engine's GPUs are those of DP replica 1 (ranks 2, 3), which holds the other half of experts.
+        cases = [("tensor", [{**engine, "host_ranks": (2, 3)}]), ("distributed", [{**engine, "replica": 0}])]
         return run_ranks(moe_jobs.moe_sync_job, 4, str(hf_dir), cases, timeout_s=400), cases
 
 
 @pytest.mark.parametrize("case", [0, 1], ids=["tensor", "distributed"])
 def test_both_transports_deliver_every_expert_over_expert_parallelism(moe_synced, case):
     """TP=2 × EP=2: each rank holds half the experts; both transports deliver every tensor (experts by the
-    checkpoint's per-expert names, which the engines load) and each engine verifies all of them."""
+    checkpoint's per-expert names, which the engine loads), and the engine verifies all of them."""
     from megarl.sync import merge_stats
 
     results, cases = moe_synced

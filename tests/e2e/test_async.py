@@ -72,10 +72,10 @@ def test_async_modes_train_the_synchronous_prompts_within_the_staleness_bound(as
 
 
 def test_a_resumed_async_run_trains_the_prompts_of_an_uninterrupted_one(assets):  # noqa: F811
-    """Groups are consumed in prompt order: a run stopped after step 2 (checkpoint) and resumed trains, at steps 3
-    and 4, the prompts the uninterrupted run trained there: none lost, none repeated. The groups generated ahead
-    when it stopped are kept in the checkpoint and trained as they were generated; those generating then are
-    generated again with their seeds."""
+    """Groups are consumed in prompt order: a run stopped after step 2 (checkpoint) and resumed trains at each step
+    k the k-th batch of the prompt sequence (uid ``k-<row>``), as an uninterrupted run does (the first test): none
+    lost, none repeated. The groups generated ahead when it stopped are kept in the checkpoint and trained as they
+    were generated; those generating then are generated again with their seeds."""
     import json
 
     from megarl.rollout.buffer import GroupStatus, RolloutBuffer, load_state
@@ -84,18 +84,14 @@ def test_a_resumed_async_run_trains_the_prompts_of_an_uninterrupted_one(assets):
     common = ["trainer.mode=fully_async", "async_training.max_staleness=2", "async_training.partial_rollout=true",
               *ASYNC]
 
-    def dumped(name: str, step: int) -> list[dict]:
-        path = root / name / "dumps" / f"{step}.jsonl"
+    def dumped(step: int) -> list[dict]:
+        path = root / "async_resume" / "dumps" / f"{step}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()]
 
-    def prompts(name: str, step: int) -> list[str]:
-        return sorted(row["input"] for row in dumped(name, step))
-
-    _run(_config(assets, "async_full", "trainer.total_steps=4", f"trainer.rollout_data_dir={root / 'async_full' / 'dumps'}",
-                 *common))
     dumps = f"trainer.rollout_data_dir={root / 'async_resume' / 'dumps'}"
     stopped = _run(_config(assets, "async_resume", "trainer.total_steps=2", "trainer.save_freq=2", dumps, *common))
-    buffer = RolloutBuffer(groups_per_step=stopped.cfg.data.train_batch_size, max_staleness=2)
+    B = stopped.cfg.data.train_batch_size
+    buffer = RolloutBuffer(groups_per_step=B, max_staleness=2)
     buffer.load_state_dict(*load_state(stopped.run_dir / "global_step_2" / "rollout_buffer"))
     saved = {}  # uid -> the responses generated before the stop
     for record in buffer.records.values():
@@ -107,10 +103,20 @@ def test_a_resumed_async_run_trains_the_prompts_of_an_uninterrupted_one(assets):
     assert saved, "the stopped run generated ahead: its checkpoint holds groups of steps 3 and 4, not yet trained"
     resumed = _run(_config(assets, "async_resume", "trainer.total_steps=4", dumps, *common))
     assert [s for s, _ in resumed.history] == [3, 4]
+    prompt_of = {}
     for step in (1, 2, 3, 4):
-        assert prompts("async_resume", step) == prompts("async_full", step), step
+        rows = dumped(step)
+        assert sorted({row["uid"] for row in rows}) == [f"{step}-{r}" for r in range(B)], step
+        for row in rows:  # one prompt per uid, whichever run generated it
+            assert prompt_of.setdefault(row["uid"], row["input"]) == row["input"]
+    # The uid -> prompt map is the loader's: batch k's prompts, in order.
+    for step in (1, 3):
+        rows = resumed.loader.rows_of(step - 1)
+        texts = resumed.tokenizer.batch_decode([resumed.train_set[i]["input_ids"] for i in rows],
+                                               skip_special_tokens=True)
+        assert [prompt_of[f"{step}-{r}"].strip() for r in range(B)] == [t.strip() for t in texts]
     trained = {}
     for step in (3, 4):
-        for row in dumped("async_resume", step):
+        for row in dumped(step):
             trained.setdefault(row["uid"], []).append(row["output"])
     assert {uid: sorted(trained[uid]) for uid in saved} == saved  # trained as generated before the stop
