@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tests.distributed.convert_jobs import _megatron_logits
@@ -135,14 +133,22 @@ def _hf_shapes(family, cfg):
     return names, [shapes[n] for n in names]
 
 
-def ep_job(cases: dict, layouts: dict, root: str) -> dict:
-    """On 4 ranks, per config and layout (each rank reading only its experts from the HF checkpoint): the logits
-    against HF's, the experts this rank holds, and the gradients (Megatron DDP) and one step of the distributed
-    optimizer against the same at EP=1 (DP=4), compared piece by piece in HF layout. Then a run at EP=2 saved
-    after step 2 and resumed (:func:`_resume`)."""
-    out = {f"{name}/{layout}": result for name, case in cases.items()
-           for layout, result in _ep_checks(*case, name, layouts).items()}
+EP_CHECKS = {"qwen3_moe": list(EP_LAYOUTS), "mixtral": ["ep2", "tp2_ep2_sp"]}
+"""The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all of them)."""
+
+
+def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list) -> dict:
+    """Everything on 4 ranks in one job: the EP=1 checks (:func:`ep1_job`, on every rank); per config and layout of
+    :data:`EP_CHECKS` (each rank reading only its experts from the HF checkpoint) the logits against HF's, the
+    experts this rank holds, the export, and the gradients (Megatron DDP) and one step of the distributed optimizer
+    against the same at EP=1 (DP=4), compared piece by piece in HF layout; a run at EP=2 saved after step 2 and
+    resumed (:func:`_resume`); the weight transports at TP2×EP2 (:func:`_sync`)."""
+    out = {"ep1": ep1_job(ep1_cases)}
+    for name, case in cases.items():
+        layouts = {layout: EP_LAYOUTS[layout] for layout in EP_CHECKS[name]}
+        out.update({f"{name}/{layout}": result for layout, result in _ep_checks(*case, name, layouts).items()})
     out["resume"] = _resume(cases["qwen3_moe"][0], root)
+    out["sync"] = _sync(cases["qwen3_moe"][0], sync_cases)
     from safetensors import safe_open
 
     out["names"] = {}
@@ -242,7 +248,7 @@ def _optimizer_step(ddp_chunks) -> tuple[bool, float]:
     return bool(success), float(grad_norm)
 
 
-def moe_sync_job(hf_dir: str, cases: list) -> dict:
+def _sync(hf_dir: str, cases: list) -> dict:
     """TP=2 × EP=2 (SP) on 4 ranks, a tiny Qwen3-MoE: per ``(transport, engines)`` case, change every weight, sync
     into the CPU engine servers with every tensor verified by the transport (read back by the checkpoint's
     per-expert names), and return this rank's statistics."""
@@ -255,7 +261,6 @@ def moe_sync_job(hf_dir: str, cases: list) -> dict:
     from megarl.sync import make_transport
     from tests.distributed.sync_jobs import perturb
 
-    started = time.monotonic()
     cfg = tiny_moe_config("qwen3_moe")
     family = family_for(cfg)
     groups = init_parallel(ParallelDims(tp=2, ep=2, sequence_parallel=True))
@@ -267,11 +272,8 @@ def moe_sync_job(hf_dir: str, cases: list) -> dict:
         perturb(chunks, index)
         names = [n for u in exporter.units for n in u.hf_names]
         transport = make_transport(name, groups, [EngineAddress(**fields) for fields in engine_fields], device="cpu")
-        started = time.monotonic()
         stats = transport.sync(exporter, bucket_bytes=1 << 16, version=f"v{index}", verify_names=names)
-        out.setdefault("seconds", []).append(time.monotonic() - started)
         transport.close()
         out["cases"].append({"stats": stats, "names": len(names)})
         dist.barrier()
-    out["job_s"] = time.monotonic() - started
     return out

@@ -16,44 +16,50 @@ from tests.distributed import moe_jobs
 
 
 @pytest.fixture(scope="module")
-def ep1(tmp_path_factory):
-    cases = {}
+def ep(tmp_path_factory):
+    """One 4-rank job for every check (see moe_jobs.ep_job), with one CPU engine server for the transports."""
+    from megarl.models.tiny import build_tiny_tokenizer
+    from tests.engine_servers import engine_servers
+
+    ep1_cases, cases = {}, {}
     for name in moe_jobs.MOE_CONFIGS:
         directory = tmp_path_factory.mktemp(name)
         model = moe_jobs.save_tiny_moe(name, directory)
         input_ids = torch.randint(0, moe_jobs.VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
-        cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids),
-                       sum(p.numel() for p in model.parameters()))
-    return run_ranks(moe_jobs.ep1_job, 1, cases, timeout_s=300)[0]
+        ep1_cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids),
+                           sum(p.numel() for p in model.parameters()))
+        if name in moe_jobs.EP_CHECKS:
+            input_ids = torch.randint(0, moe_jobs.VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
+            cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids))
+    build_tiny_tokenizer(vocab_size=moe_jobs.VOCAB).save_pretrained(cases["qwen3_moe"][0])  # for the engine
+    root = tmp_path_factory.mktemp("ep")
+    with engine_servers(cases["qwen3_moe"][0], root, num_engines=1, tp_size=2) as servers:
+        engine = {"index": 0, "url": servers.processes[0].url, "tp": 2}
+        # tensor: the engine's GPUs are those of DP replica 1 (ranks 2, 3), which holds the other half of experts.
+        sync_cases = [("tensor", [{**engine, "host_ranks": (2, 3)}]), ("distributed", [{**engine, "replica": 0}])]
+        ranks = run_ranks(moe_jobs.ep_job, 4, ep1_cases, cases, str(root), sync_cases, timeout_s=900)
+    return ranks, sync_cases
+
+
+CHECKS = [(name, layout) for name, layouts in moe_jobs.EP_CHECKS.items() for layout in layouts]
 
 
 @pytest.mark.parametrize("name", moe_jobs.MOE_CONFIGS)
-def test_megatron_moe_equals_hf(ep1, name):
-    result = ep1[name]
+def test_megatron_moe_equals_hf(ep, name):
+    """EP=1: parameter count, logits and the streaming export (names and bits) equal HF's, for a dense layer among
+    sparse ones, renormalised and plain top-k weights, and Mixtral's names."""
+    result = ep[0][0]["ep1"][name]
     assert result["family"] == ("mixtral" if name == "mixtral" else "qwen3_moe")
     assert result["params"] == result["hf_params"]
     assert result["logits_diff"] <= 1e-4
     assert result["names_equal"] and result["bit_exact"]
 
 
-@pytest.fixture(scope="module")
-def ep(tmp_path_factory):
-    cases = {}
-    for name in ("qwen3_moe", "mixtral"):
-        directory = tmp_path_factory.mktemp(f"ep_{name}")
-        model = moe_jobs.save_tiny_moe(name, directory)
-        input_ids = torch.randint(0, moe_jobs.VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
-        cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids))
-    root = tmp_path_factory.mktemp("ep_checkpoints")
-    return run_ranks(moe_jobs.ep_job, 4, cases, moe_jobs.EP_LAYOUTS, str(root), timeout_s=900)
-
-
-@pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name, layout", CHECKS)
 def test_expert_parallel_logits_equal_hf(ep, name, layout):
     """Each rank holds its block of experts (4 experts over ep ranks) and reads only those; the logits of every
     layout equal HF's."""
-    results = [rank[f"{name}/{layout}"] for rank in ep]
+    results = [rank[f"{name}/{layout}"] for rank in ep[0]]
     diffs = [r["logits_diff"] for r in results if r["logits_diff"] is not None]
     assert diffs and max(diffs) <= 1e-4
     ep_size = moe_jobs.EP_LAYOUTS[layout]["ep"]
@@ -66,25 +72,23 @@ def test_expert_parallel_logits_equal_hf(ep, name, layout):
     assert sorted({r["ep_rank"] for r in results}) == list(range(ep_size))
 
 
-@pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name, layout", CHECKS)
 def test_expert_parallel_export_is_bit_exact(ep, name, layout):
     """The streaming export (what weight sync and megarl-convert stream): every rank receives every HF tensor,
     experts from the expert-parallel rank holding them, bit for bit; as the broadcast transport asks (TP rank 0
     of each stage), those ranks receive exactly their stage's tensors and the others nothing."""
-    results = [rank[f"{name}/{layout}"] for rank in ep]
+    results = [rank[f"{name}/{layout}"] for rank in ep[0]]
     assert all(r["export_names_equal"] and r["export_bit_exact"] for r in results)
     staged = [r["stage_export"] for r in results]
     assert all(exact for _, exact in staged)
-    assert {n for names, _ in staged for n in names} == set(ep[0]["names"][name])
+    assert {n for names, _ in staged for n in names} == set(ep[0][0]["names"][name])
 
 
-@pytest.mark.parametrize("layout", list(moe_jobs.EP_LAYOUTS))
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name, layout", CHECKS)
 def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout):
     """Megatron DDP's gradients (experts reduced over expert-data-parallel ranks, the rest over data-parallel
     ones) and one clipped step of the distributed optimizer (a dense and an expert optimizer) equal EP=1's."""
-    results = [rank[f"{name}/{layout}"] for rank in ep]
+    results = [rank[f"{name}/{layout}"] for rank in ep[0]]
     assert all(r["step_ok"] and r["pieces"] > 0 for r in results)
     assert max(r["grad_diff"] for r in results) <= 1e-5
     assert max(r["step_diff"] for r in results) <= 1e-5
@@ -93,37 +97,22 @@ def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout
 
 def test_a_resumed_expert_parallel_run_is_bit_exact(ep):
     """EP=2 on 4 ranks: the run saved after step 2 and resumed retakes steps 3 and 4 exactly."""
-    for rank in ep:
+    for rank in ep[0]:
         result = rank["resume"]
         assert result["resumed"] == {step: result["run"][step] for step in (3, 4)}
         assert all(result["run"][step]["applied"] for step in result["run"])
         assert result["params_equal"] and result["experts"] == 2 * 2 * 3  # 2 of 4 experts, fc1+fc2, 3 sparse layers
 
 
-@pytest.fixture(scope="module")
-def moe_synced(tmp_path_factory):
-    from megarl.models.tiny import build_tiny_tokenizer
-    from tests.engine_servers import engine_servers
-
-    root = tmp_path_factory.mktemp("moe_sync")
-    hf_dir = root / "qwen3_moe"
-    moe_jobs.save_tiny_moe("qwen3_moe", hf_dir)
-    build_tiny_tokenizer(vocab_size=moe_jobs.VOCAB).save_pretrained(hf_dir)
-    with engine_servers(hf_dir, root, num_engines=1, tp_size=2) as servers:
-        engine = {"index": 0, "url": servers.processes[0].url, "tp": 2}
-        # tensor: the engine's GPUs are those of DP replica 1 (ranks 2, 3), which holds the other half of experts.
-        cases = [("tensor", [{**engine, "host_ranks": (2, 3)}]), ("distributed", [{**engine, "replica": 0}])]
-        return run_ranks(moe_jobs.moe_sync_job, 4, str(hf_dir), cases, timeout_s=400), cases
-
-
 @pytest.mark.parametrize("case", [0, 1], ids=["tensor", "distributed"])
-def test_both_transports_deliver_every_expert_over_expert_parallelism(moe_synced, case):
+def test_both_transports_deliver_every_expert_over_expert_parallelism(ep, case):
     """TP=2 × EP=2: each rank holds half the experts; both transports deliver every tensor (experts by the
     checkpoint's per-expert names, which the engine loads), and the engine verifies all of them."""
     from megarl.sync import merge_stats
 
-    results, cases = moe_synced
+    ranks, sync_cases = ep
+    results = [rank["sync"] for rank in ranks]
     merged = merge_stats([r["cases"][case]["stats"] for r in results if r["cases"][case]["stats"] is not None])
     assert merged["weight_sync/verified_tensors"] == results[0]["cases"][case]["names"]
-    assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == len(cases[case][1])
+    assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == len(sync_cases[case][1])
     assert sorted({r["ep_rank"] for r in results}) == [0, 1]
