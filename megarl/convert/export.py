@@ -143,7 +143,7 @@ class WeightExporter:
                 if owner == my_stage:
                     with plain_torch():
                         if ep_owner is not None and ep_needs:  # another member of the EP group needs it
-                            self._ep_deliver(self._ep_scratch(sizes[i], bucket), bucket, sizes[i])
+                            self._ep_deliver(self._ep_scratch(sizes[i]), bucket, sizes[i])
                         elif experts_here:  # a TP rank that needs no bucket: the all-gathers only
                             self._gather_bucket(bucket, None)
                 continue
@@ -172,7 +172,7 @@ class WeightExporter:
         src = dist.get_global_rank(self.groups.ep, bucket[0].ep_owner)
         dist.broadcast(buffer[:numel], src=src, group=self.groups.ep)
 
-    def _ep_scratch(self, numel: int, bucket: list[Unit]) -> torch.Tensor:
+    def _ep_scratch(self, numel: int) -> torch.Tensor:
         """A buffer for an expert bucket this rank passes on or receives without yielding it."""
         device = next(iter(self.params.values())).device
         return torch.empty(numel, dtype=self.dtype, device=device)
