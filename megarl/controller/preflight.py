@@ -14,8 +14,10 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
 - **weights**: ``n × bytes(model.dtype)`` (Megatron DDP's parameter buffer).
 - **grads**: ``4 n`` (Megatron DDP's gradient buffer with ``grad_reduce_in_fp32``).
 - **optimizer** (Adam): fp32 main weights (16-bit models only) + ``m`` + ``v``: ``12 n`` (``8 n`` for
-  fp32 models), divided by ``dp × cp`` with the distributed optimizer. The main weights are allocated
-  when the optimizer is built, ``m`` and ``v`` at its first step.
+  fp32 models), divided by ``dp × cp`` with the distributed optimizer; a mixture-of-experts model's expert
+  parameters by the expert-data-parallel size ``tp × cp × dp / (etp × ep)`` instead (Megatron shards each
+  kind over its own data-parallel group). The main weights are allocated when the optimizer is built, ``m``
+  and ``v`` at its first step.
 - **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on.
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
@@ -29,6 +31,12 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   chunks of ``L/(pp vpp)`` layers (Megatron's warm-up count + 1), at most all micro-batches.
   The scores term ``5 a s T / t`` is left out (:data:`FUSED_ATTENTION`): TransformerEngine's fused
   attention stores none, so without recompute a layer keeps what selective recompute keeps.
+  A mixture-of-experts layer (:func:`moe_layer_activation_bytes`, an estimate for balanced routing) keeps
+  instead of the dense MLP's ``16 T h / t``: the router's fp32 scores (``8 E`` bytes per token) and, for each
+  of the ``k`` copies of a token routed to an expert, the expert's input, its gate/up output and down input
+  (``6 f_e / etp``) and output; the rank holding ``T_r`` tokens (``T / t`` with sequence parallelism) computes
+  ``T_r × k × etp`` copies (its expert-tensor group's tokens). Plus, once per stage, the all-to-all's send and
+  receive buffers of the permuted tokens (``2 × T_r k h × 2`` bytes) while a layer dispatches.
 - **micro-batch tokens** ``T`` (the worst case: every row ``S = P + R`` tokens; as
   :func:`megarl.workers.micro.plan` groups rows and :mod:`megarl.parallel.pipeline` lays them out; ``(seg, total)``
   = :func:`~megarl.parallel.packing.pack_alignment` of the role's cp, tp and sequence parallelism):
@@ -40,7 +48,9 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
 - **logits** (last stage): ``T × V_padded/t × 14`` bytes: the bf16 logits (2) and, inside
   ``megarl.parallel.logprob``, the fp32 scaled logits (4), their exponentials (4) and ``exp·z`` (4).
 - **engine weights**: the model in ``rollout.dtype`` sharded over the engine's TP (vocabulary padded
-  as SGLang pads it; KV heads replicated when engine TP exceeds them).
+  as SGLang pads it; KV heads replicated when engine TP exceeds them). A mixture-of-experts model: every
+  engine GPU holds every expert, its FFN split over the engine's TP (SGLang without ``--ep-size``; megarl
+  starts its engines without expert parallelism).
 - **KV cache**: SGLang sizes its pool when it starts: ``gpu_memory_utilization × GPU − memory in
   use on the GPU`` (its own weights and context, and whatever the colocated trainer already holds:
   the trainer starts the engines after building the actor, reference and critic). One token takes
@@ -80,6 +90,16 @@ request:
   InfiniBand (engines on their own nodes), the requests and the shard copies, in turn (each sender waits
   for the engines' answers before its next bucket).
 
+Mixture-of-experts models under expert parallelism: an expert bucket is filled on the EP rank holding its experts
+(gathered over their ETP group) and broadcast over the EP group; the plan adds that broadcast to the actor side.
+
+All-to-all per step (:class:`AllToAllPlan`, mixture-of-experts models): Megatron's dispatcher sends each token's
+``k`` routed copies (``h`` values at the model dtype) to the ranks holding their experts and brings them back:
+``2 k h × bytes × (ep − 1)/ep`` per token and sparse layer leaves (and reaches) a GPU, the ``(ep − 1)/ep`` of
+experts on other EP ranks for balanced routing. Per step: the rank's tokens (every row at full length, ``/tp``
+with sequence parallelism, ``/cp``) × its stage's sparse layers × passes (the old and reference log-prob
+forwards; per PPO epoch a forward and a backward, and a recomputed forward with full recompute).
+
 A plan that does not fit (a phase above ``trainer.gpu_memory_gb``, or an SGLang engine left with
 KV room for less than one sequence) raises ``ValueError`` naming the settings that would help.
 """
@@ -94,7 +114,7 @@ from megarl.config.parallel import ParallelDims
 from megarl.config.schema import RunConfig
 from megarl.config.trainer import LinksConfig
 from megarl.controller.placement import PlacementPlan, engine_replica, megatron_coordinates, placement_for
-from megarl.controller.preflight_report import ROWS, format_report, kv_problem, overflow_problem
+from megarl.controller.preflight_report import ROWS, expert_groups, format_report, kv_problem, overflow_problem
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.models.weights import Split
 from megarl.parallel.packing import pack_alignment, round_up
@@ -129,6 +149,31 @@ def activation_bytes_per_layer(*, tokens: int, seq: int, hidden: int, heads: int
     if recompute == "selective" or fused_attention:
         return math.ceil(base)
     return math.ceil(base + 5 * heads * seq * tokens / tp)
+
+
+def moe_layer_activation_bytes(*, tokens: int, seq: int, hidden: int, heads: int, tp: int, sequence_parallel: bool,
+                               recompute: str | None, experts: int, topk: int, expert_ffn: int, etp: int,
+                               fused_attention: bool = True) -> int:
+    """Bytes one mixture-of-experts layer keeps for its backward (16-bit; balanced routing; see the module
+    docstring): the dense layer's count without its MLP's ``16 T h / t``, plus the router's fp32 scores and
+    the routed copies' expert activations. ``recompute="full"``: the layer's input only, as a dense layer."""
+    kwargs = {"tokens": tokens, "seq": seq, "hidden": hidden, "heads": heads, "tp": tp,
+              "sequence_parallel": sequence_parallel, "fused_attention": fused_attention}
+    if recompute == "full":
+        return activation_bytes_per_layer(recompute="full", **kwargs)
+    local = tokens / tp if sequence_parallel else tokens  # tokens this rank routes
+    # Each copy: the expert's input (2h), gate/up output (4 f/etp), down input (2 f/etp), output (2h/etp; kept
+    # for the routing weights' gradient); the etp ranks of an expert all take every copy of their group.
+    routed = local * topk * (2 * hidden * (etp + 1) + 6 * expert_ffn)
+    dense_mlp = 16 * tokens * hidden / tp
+    return math.ceil(activation_bytes_per_layer(recompute=recompute, **kwargs) - dense_mlp + routed
+                     + 8 * local * experts)
+
+
+def all_to_all_bytes_per_token(*, hidden: int, topk: int, ep: int, dtype_bytes: int) -> float:
+    """Bytes one token sends to (and receives from) other expert-parallel ranks in one sparse layer's forward:
+    dispatch and combine, ``topk`` copies of ``hidden`` values, the ``(ep - 1)/ep`` bound for other ranks."""
+    return 2 * topk * hidden * dtype_bytes * (ep - 1) / ep
 
 
 def chunks_in_flight(*, pp: int, vpp: int | None, pp_rank: int, num_micro_batches: int) -> int:
@@ -259,6 +304,36 @@ class SyncPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllToAllPlan:
+    """The expert-parallel all-to-all traffic of one actor GPU per step (mixture-of-experts models; the module
+    docstring says what is counted)."""
+
+    ep: int
+    bytes_per_token: float
+    """Bytes one token sends (and as many receives) in one sparse layer's forward: dispatch + combine."""
+    tokens: int
+    """Tokens the GPU routes per step (every row at full length)."""
+    sparse_layers: int
+    """Sparse layers on the GPU's pipeline stage (the stage with the most)."""
+    passes: int
+    """Passes through those layers per step: log-prob forwards, and per PPO epoch forward + backward (+ the
+    recomputed forward under full recompute)."""
+    link: str
+    """``intra_node`` when every expert-parallel group stays on one node, else ``infiniband``."""
+    links: LinksConfig
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one GPU sends per step (it receives as many)."""
+        return math.ceil(self.bytes_per_token * self.tokens * self.sparse_layers * self.passes)
+
+    @property
+    def seconds(self) -> float:
+        """``step_bytes`` over the link at ``trainer.links.*`` (no overlap with compute)."""
+        return self.step_bytes / (self.links.gbps(self.link) * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunPlan:
     """The pre-flight plan of a run: placement, memory per kind of GPU, weight-sync volume."""
 
@@ -270,6 +345,8 @@ class RunPlan:
     gpus: tuple[GpuPlan, ...]
     sync: SyncPlan
     max_seq: int
+    all_to_all: AllToAllPlan | None = None
+    """The actor's expert-parallel all-to-all per step (None: a dense model)."""
 
     @property
     def worst(self) -> GpuPlan:
@@ -341,13 +418,18 @@ def _check_model_layouts(cfg: RunConfig, model: Architecture, critic_model: Arch
     for prefix, dims, sizes in roles:
         try:
             dims.check_model(num_layers=sizes.num_layers, num_attention_heads=sizes.heads,
-                             num_query_groups=sizes.kv_heads)
+                             num_query_groups=sizes.kv_heads, num_experts=sizes.num_experts or None,
+                             expert_ffn=sizes.moe_ffn or None)
         except ValueError as error:
             raise ValueError(f"{prefix}{error}") from error
     engine_tp = placement.engines[0].tp
     if model.heads % engine_tp:
         raise ValueError(f"{ARR}.rollout.tensor_model_parallel_size={engine_tp} does not divide the model's "
                          f"{model.heads} attention heads: choose a divisor of {model.heads}")
+    if model.is_moe and model.moe_ffn % engine_tp:
+        raise ValueError(f"{ARR}.rollout.tensor_model_parallel_size={engine_tp} does not divide the experts' FFN size "
+                         f"{model.moe_ffn} (an engine splits every expert over its TP ranks): choose a divisor of "
+                         f"{model.moe_ffn}")
 
 
 class _MemoryModel:
@@ -372,12 +454,19 @@ class _MemoryModel:
     # ------------------------------------------------------------------------- training state
     def _state(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, *, value_head: bool,
                optim) -> dict[str, int]:
-        n = sizes.rank_params(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, value_head=value_head)
+        counts = sizes.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
+                                         etp=dims.expert_tp, value_head=value_head)
+        n = counts.total
         sixteen_bit = self.dtype_bytes == 2
-        shards = dims.dp * dims.cp if optim.use_distributed_optimizer else 1
+        distributed = optim.use_distributed_optimizer
+        # The distributed optimizer shards dense parameters over DP x CP, experts over their own replicas.
+        shards, expert_shards = (dims.dp * dims.cp, dims.expert_dp) if distributed else (1, 1)
+
+        def sharded(per_param: int) -> int:
+            return math.ceil(counts.dense * per_param / shards) + math.ceil(counts.experts * per_param / expert_shards)
+
         return {"weights": n * self.dtype_bytes, "grads": 4 * n,
-                "optimizer": math.ceil(n * (12 if sixteen_bit else 8) / shards),
-                "optimizer_at_start": math.ceil(n * (4 if sixteen_bit else 0) / shards)}
+                "optimizer": sharded(12 if sixteen_bit else 8), "optimizer_at_start": sharded(4 if sixteen_bit else 0)}
 
     def _actor_micro(self) -> tuple[MicroBatch, MicroBatch]:
         """(update micro-batch, largest log-prob forward micro-batch) of the actor, per CP rank."""
@@ -402,18 +491,51 @@ class _MemoryModel:
         align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=dims.sequence_parallel)
         return _per_cp(micro_batch(seq=self.seq, packed=packed, cp=dims.cp, align=align, **kwargs), dims.cp)
 
-    def _activations(self, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *, heads: int, hidden: int,
-                     num_layers: int, sequence_parallel: bool, recompute: str | None, block: int) -> int:
-        per_chunk_layers = num_layers // (dims.pp * dims.num_virtual_stages)
+    def _layer_bytes(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, layer: int, *,
+                     sequence_parallel: bool, recompute: str | None) -> int:
+        """What layer ``layer`` keeps for its backward: dense, or a mixture of experts."""
+        kwargs = {"tokens": mb.tokens, "seq": mb.seq, "hidden": sizes.hidden, "heads": sizes.heads, "tp": dims.tp,
+                  "sequence_parallel": sequence_parallel, "recompute": recompute, "fused_attention": FUSED_ATTENTION}
+        if not (sizes.sparse and sizes.sparse[layer]):
+            return activation_bytes_per_layer(**kwargs)
+        return moe_layer_activation_bytes(**kwargs, experts=sizes.num_experts, topk=sizes.topk,
+                                          expert_ffn=sizes.moe_ffn, etp=dims.expert_tp)
+
+    def _dispatch_bytes(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, layers: list[int], *,
+                        sequence_parallel: bool) -> int:
+        """The all-to-all's send and receive buffers of one sparse layer's permuted tokens (bf16), when ``layers``
+        has a sparse one."""
+        if not any(sizes.sparse[layer] for layer in layers if sizes.sparse):
+            return 0
+        local = mb.tokens / dims.tp if sequence_parallel else mb.tokens
+        return math.ceil(2 * local * sizes.topk * sizes.hidden * 2)
+
+    def _forward_layer(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, *,
+                       sequence_parallel: bool) -> int:
+        """A log-prob (or value) forward's working memory: its largest layer at the selective size."""
+        kwargs = {"sequence_parallel": sequence_parallel}
+        layers = list(range(sizes.num_layers))
+        return (max(self._layer_bytes(sizes, dims, mb, layer, recompute="selective", **kwargs) for layer in layers)
+                + self._dispatch_bytes(sizes, dims, mb, layers, **kwargs))
+
+    def _activations(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *,
+                     sequence_parallel: bool, recompute: str | None, block: int) -> int:
+        layers = sizes.stage_layers(dims.pp, pp_rank, dims.vpp)
+        per_chunk_layers = len(layers) // dims.num_virtual_stages
+        chunk_layers = [layers[i:i + per_chunk_layers] for i in range(0, len(layers), per_chunk_layers)]
         chunks = chunks_in_flight(pp=dims.pp, vpp=dims.vpp, pp_rank=pp_rank, num_micro_batches=mb.count)
-        kwargs = dict(tokens=mb.tokens, seq=mb.seq, hidden=hidden, heads=heads, tp=dims.tp,
-                      sequence_parallel=sequence_parallel, fused_attention=FUSED_ATTENTION)
-        per_layer = activation_bytes_per_layer(recompute=recompute, **kwargs)
+        kwargs = {"sequence_parallel": sequence_parallel}
+        dispatch = self._dispatch_bytes(sizes, dims, mb, layers, **kwargs)
         if recompute != "full":
-            return chunks * per_chunk_layers * per_layer
+            per_chunk = max(sum(self._layer_bytes(sizes, dims, mb, layer, recompute=recompute, **kwargs)
+                                for layer in chunk) for chunk in chunk_layers)
+            return chunks * per_chunk + dispatch
         block = min(block, per_chunk_layers)
-        stored = chunks * math.ceil(per_chunk_layers / block) * per_layer
-        return stored + block * activation_bytes_per_layer(recompute="selective", **kwargs)
+        stored = chunks * math.ceil(per_chunk_layers / block) * self._layer_bytes(sizes, dims, mb, layers[0],
+                                                                                  recompute="full", **kwargs)
+        rematerialised = max(self._layer_bytes(sizes, dims, mb, layer, recompute="selective", **kwargs)
+                             for layer in layers)
+        return stored + block * rematerialised + dispatch
 
     def _logits(self, mb: MicroBatch, tp: int) -> int:
         vocab = self.model.family.padded_vocab_size(self.model.hf_config, tp)
@@ -429,14 +551,11 @@ class _MemoryModel:
         rows = {"actor_weights": state["weights"], "actor_grads": state["grads"],
                 "actor_optimizer": state["optimizer"],
                 "ref_weights": state["weights"] if self.cfg.needs_ref else 0,
-                "activations": self._activations(dims, pp_rank, update, heads=m.heads, hidden=m.hidden,
-                                                 num_layers=m.num_layers, sequence_parallel=sp,
+                "activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
                                                  recompute=arr.actor.recompute_granularity,
                                                  block=arr.actor.recompute_num_layers),
                 "logits": self._logits(update, dims.tp) if last else 0,
-                "forward": activation_bytes_per_layer(tokens=forward.tokens, seq=forward.seq, hidden=m.hidden,
-                                                      heads=m.heads, tp=dims.tp, sequence_parallel=sp,
-                                                      recompute="selective")
+                "forward": self._forward_layer(m, dims, forward, sequence_parallel=sp)
                 + (self._logits(forward, dims.tp) if last else 0)}
         at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
         return rows | {"_at_start": at_start}
@@ -455,12 +574,9 @@ class _MemoryModel:
         off = {"weights": critic.param_offload, "grads": critic.grad_offload, "optimizer": critic.optimizer_offload}
         return {"critic_state": state["weights"] + state["grads"] + state["optimizer"],
                 "_critic_resident": sum(state[k] for k, flag in off.items() if not flag),
-                "critic_activations": self._activations(dims, pp_rank, update, heads=m.heads, hidden=m.hidden,
-                                                        num_layers=m.num_layers, sequence_parallel=sp,
+                "critic_activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
                                                         recompute=None, block=1),
-                "critic_forward": activation_bytes_per_layer(tokens=forward.tokens, seq=forward.seq, hidden=m.hidden,
-                                                             heads=m.heads, tp=dims.tp, sequence_parallel=sp,
-                                                             recompute="selective"),
+                "critic_forward": self._forward_layer(m, dims, forward, sequence_parallel=sp),
                 "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"]}
 
     # ------------------------------------------------------------------------------- engines
@@ -494,19 +610,22 @@ class _MemoryModel:
             index = layer // chunk_layers
             return index % dims.pp, index // dims.pp
 
-        units = []
-        rules = m.family.weight_rules(m.hf_config)
-        for rule in [r for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]:
-            units.append(Unit(rule, None, 0, 0, rule.hf, tuple(m.hf_shape(t) for t in rule.hf)))
-        for layer in range(m.num_layers):
-            units += [Unit(r, layer, *owner(layer), r.hf_names(layer), tuple(m.hf_shape(t) for t in r.hf))
-                      for r in rules if r.per_layer]
+        # Every tensor in HF order, placed as megarl.convert.param_map.build_plan places it (experts by EP rank).
+        experts_per_rank = m.num_experts // dims.ep if m.is_moe else 0
         last = (dims.pp - 1, dims.num_virtual_stages - 1)
-        units += [Unit(r, None, *last, r.hf, tuple(m.hf_shape(t) for t in r.hf))
-                  for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+        units = []
+        for at in m.family.weight_instances(m.hf_config):
+            place = owner(at.layer) if at.layer is not None else \
+                (0, 0) if at.rule.megatron.startswith("embedding.") else last
+            units.append(Unit(at.rule, at.layer, *place, at.hf_names, tuple(m.hf_shape(t) for t in at.rule.hf),
+                              expert=at.expert,
+                              ep_owner=None if at.expert is None else at.expert // experts_per_rank))
 
         def full(u, size=self.engine_bytes):
             return sum(math.prod(s) for s in u.hf_shapes) * size
+
+        def split_size(u):  # the group a tensor's shards are gathered over: ETP for experts, else TP
+            return dims.expert_tp if u.expert is not None else dims.tp
 
         tp, pp, num_buffers = dims.tp, dims.pp, NUM_BUFFERS if transport == "tensor" else 1
         # The exporter's buckets (WeightExporter.iter_buckets, at the engine dtype): the tensor transport splits
@@ -518,13 +637,27 @@ class _MemoryModel:
         owners = [b[0].pp_rank for b in groups]
         vocab_in_place = (m.family.padded_vocab_size(m.hf_config, tp) == m.vocab
                           and self.engine_bytes == self.dtype_bytes)
-        scratch, gathered = {}, {}
+        etp, ep = dims.expert_tp, dims.ep
+        scratch, gathered, ep_received = {}, {}, {}
         for stage in range(pp):
             own = [u for u in units if u.pp_rank == stage and u.rule.split is not Split.REPLICATED]
             # Split tensors gather through a scratch buffer in the model dtype, but vocabulary rows in place.
-            scratch[stage] = max((full(u, self.dtype_bytes) for u in own if tp > 1
+            scratch[stage] = max((full(u, self.dtype_bytes) for u in own if split_size(u) > 1
                                   and not (u.rule.split is Split.VOCAB and vocab_in_place)), default=0)
-            gathered[stage] = sum(full(u, self.dtype_bytes) for u in own) * (tp - 1) // tp
+            dense = sum(full(u, self.dtype_bytes) for u in own if u.expert is None)
+            experts = sum(full(u, self.dtype_bytes) for u in own if u.expert is not None)
+            # A rank gathers the experts it holds (1/ep of them) over ETP; then each expert bucket is broadcast
+            # over the EP group from its owner: a rank receives the other (ep - 1)/ep, in the engine dtype.
+            gathered[stage] = dense * (tp - 1) // tp + experts * (etp - 1) // (etp * ep)
+            ep_received[stage] = sum(full(u) for u in units if u.pp_rank == stage and u.expert is not None) \
+                * (ep - 1) // ep
+        ep_step = []
+        if ep > 1:
+            in_turn = transport == "tensor"
+            ep_step = [SyncStep("actor", "expert buckets broadcast over each EP group from the rank holding them"
+                                + ((" (stages in turn)" if in_turn else " (stages at once)") if pp > 1 else ""),
+                                self._ep_link(dims), sum(ep_received.values()) if in_turn
+                                else max(ep_received.values()))]
 
         pool = self.placement.pools[self.placement.role("actor").pool]
         group_stride = tp * dims.cp * dims.dp  # rank r's pipeline peers: r mod stride + p * stride
@@ -565,7 +698,7 @@ class _MemoryModel:
                         group_stripes += padded[i] // tp * (1 if others == pp - 1 else others)
                 delivered, stripes = max(delivered, group_delivered), max(stripes, group_stripes)
             steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages in turn)" if pp > 1 else ""),
-                              "intra_node", sum(gathered.values()))]
+                              "intra_node", sum(gathered.values()))] + ep_step
             if pp > 1:
                 steps += [SyncStep("actor", f"buckets to the other stages' engine ranks, in 1/{tp} stripes "
                                    "per GPU", pp_link, stripes),
@@ -575,7 +708,7 @@ class _MemoryModel:
             senders = tuple(sorted(e.bundles[0] for e in self.placement.engines))
         else:
             steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages at once)" if pp > 1 else ""),
-                              "intra_node", max(gathered.values())),
+                              "intra_node", max(gathered.values())), *ep_step,
                      SyncStep("actor", "broadcast: every engine GPU receives every bucket", "infiniband",
                               model_bytes),
                      requests, load]
@@ -584,6 +717,26 @@ class _MemoryModel:
         plan = SyncPlan(transport, model_bytes, budget, len(groups), tuple(steps), links,
                         overlapped=transport == "tensor", senders=senders)
         return plan, buffers, (max(sizes) if transport == "distributed" else 0)
+
+    # ---------------------------------------------------------------------------- all-to-all
+    def _ep_link(self, dims: ParallelDims) -> str:
+        """``intra_node`` when every expert-parallel group of the actor sits on one node, else ``infiniband``."""
+        pool = self.placement.pools[self.placement.role("actor").pool]
+        spans = any(len({pool.node_of(r) for r in group}) > 1 for group in expert_groups(dims))
+        return "infiniband" if spans else "intra_node"
+
+    def _all_to_all(self) -> AllToAllPlan | None:
+        """The actor's expert-parallel all-to-all per step (the module docstring); None for a dense model."""
+        m, dims, actor = self.model, self.actor_dims, self.arr.actor
+        if not m.is_moe:
+            return None
+        rows = self.cfg.data.train_batch_size * self.arr.rollout.n // dims.dp
+        split = dims.tp if actor.parallel.sequence_parallel else 1
+        tokens = math.ceil(rows * self.seq / split / dims.cp)
+        sparse = max(sum(m.sparse[layer] for layer in m.stage_layers(dims.pp, r, dims.vpp)) for r in range(dims.pp))
+        passes = 1 + int(self.cfg.needs_ref) + actor.ppo_epochs * (2 + int(actor.recompute_granularity == "full"))
+        per_token = all_to_all_bytes_per_token(hidden=m.hidden, topk=m.topk, ep=dims.ep, dtype_bytes=self.dtype_bytes)
+        return AllToAllPlan(dims.ep, per_token, tokens, sparse, passes, self._ep_link(dims), self.cfg.trainer.links)
 
     # ----------------------------------------------------------------------------------- GPUs
     def plan(self) -> RunPlan:
@@ -636,7 +789,7 @@ class _MemoryModel:
                           self._phases(rows, pool_name == training_pool), tokens,
                           self.arr.rollout.name if index is not None else None, at_start))
         return RunPlan(self.cfg, self.model, self.critic_model, self.placement, self.memory,
-                       _group(plans), sync, self.max_seq)
+                       _group(plans), sync, self.max_seq, self._all_to_all())
 
     def _label(self, pool_name: str, bundle: int, engine: int | None) -> str:
         parts = []

@@ -3,8 +3,9 @@
 The report: the model, the placement (pools, roles and their TP/PP/DP groups, which layers each
 pipeline stage holds, each engine's GPUs and the rank that feeds it), the SGLang engine servers'
 GPUs as their launch arguments say them (:mod:`megarl.controller.engine_gpus`), then one memory column per
-kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room and
-the weight sync (volume per link and time estimate).
+kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room,
+the weight sync (volume per link and time estimate) and, for mixture-of-experts models, the experts'
+layout (EP / ETP / expert-DP groups) and the all-to-all volume per step.
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ def _groups(dims, axis: str) -> list[list[int]]:
     return sorted(groups.values())
 
 
+def expert_groups(dims, axis: str = "ep") -> list[list[int]]:
+    """Ranks of each expert-parallel (``ep``), expert-tensor-parallel (``etp``) or expert-data-parallel (``edp``)
+    group: a pipeline stage's ``tp × cp × dp`` ranks regrouped in Megatron's expert order, ``etp`` fastest, then
+    ``ep``, then expert data parallelism."""
+    stage = dims.tp * dims.cp * dims.dp
+    etp, ep = dims.expert_tp, dims.ep
+    sizes = {"etp": etp, "ep": ep, "edp": stage // (etp * ep)}
+    strides = {"etp": 1, "ep": etp, "edp": etp * ep}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank in range(dims.world_size):
+        local = rank % stage
+        coords = (local % etp, local // etp % ep, local // (etp * ep))
+        key = tuple(c for c, name in zip(coords, ("etp", "ep", "edp")) if name != axis)
+        groups.setdefault((rank // stage, *key), []).append(rank)
+    assert all(len(g) == sizes[axis] and g == list(range(g[0], g[0] + sizes[axis] * strides[axis], strides[axis]))
+               for g in groups.values())
+    return sorted(groups.values())
+
+
 def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
     shown = [f"[{ranges(g) if len(g) > 2 and g == list(range(g[0], g[-1] + 1)) else ' '.join(map(str, g))}]"
              for g in groups]
@@ -89,6 +109,14 @@ def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
         node_word = "nodes" if len(nodes) > 1 else "node"
         lines.append(f"  stage {stage}: GPUs {ranges(gpus)} ({node_word} {ranges(nodes)}): layers "
                      f"{_stage_layers(sizes.num_layers, dims, stage)}" + (f" + {', '.join(ends)}" if ends else ""))
+    if sizes.is_moe:
+        lines.append(f"  experts: ep={dims.ep} etp={dims.expert_tp} expert-dp={dims.expert_dp}: "
+                     f"{sizes.num_experts // dims.ep} experts per sparse layer on each GPU, each split over "
+                     f"{dims.expert_tp} GPU(s)")
+        for axis, size in (("ep", dims.ep), ("etp", dims.expert_tp)):
+            if size > 1:
+                groups = expert_groups(dims, axis)
+                lines.append(f"  {axis.upper()} groups ({len(groups)} groups of {size}): {_format_groups(groups)}")
     return lines
 
 
@@ -145,12 +173,14 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
     dims = plan.placement.role("actor").dims
     dtype, engine_dtype = _DTYPE_NAMES[arr.model.dtype], _DTYPE_NAMES[rollout.dtype]
     shards = dims.dp * dims.cp if actor.optim.use_distributed_optimizer else 1
+    expert_shards = dims.expert_dp if actor.optim.use_distributed_optimizer else 1
+    over = f"/{shards} ranks" + (f", experts /{expert_shards}" if plan.model.is_moe else "")
     recompute = actor.recompute_granularity or "no"
     layout = {True: "packed", False: "padded"}  # micro-batch tokens as the planner counts them
     return {
         "actor_weights": f"actor weights ({dtype})",
         "actor_grads": "actor grads (fp32 buffer)",
-        "actor_optimizer": f"actor optimizer (Adam, /{shards} ranks)",
+        "actor_optimizer": f"actor optimizer (Adam, {over})",
         "ref_weights": f"reference weights ({dtype})",
         "critic_state": "critic weights+grads+optimizer",
         "activations": f"actor activations ({recompute} recompute, {layout[arr.model.use_remove_padding]})",
@@ -158,7 +188,8 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
         "forward": "log-prob forward (layer+logits)",
         "critic_activations": f"critic activations ({layout[cfg.critic.use_remove_padding]})",
         "critic_forward": "critic forward (one layer)",
-        "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp})",
+        "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp}"
+                          + (", all experts" if plan.model.is_moe else "") + ")",
         "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),
         "sync_buffers": "weight-sync buffers",
         "cuda_context": "CUDA contexts",
@@ -224,6 +255,23 @@ def _sync_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
+def _all_to_all_lines(plan: RunPlan) -> list[str]:
+    a2a, model = plan.all_to_all, plan.model
+    if a2a is None:
+        return []
+    dims = plan.placement.role("actor").dims
+    dtype = _DTYPE_NAMES[plan.cfg.actor_rollout_ref.model.dtype]
+    link = _LINK_NAMES[a2a.links.physical(a2a.link)]
+    where = "within a node" if a2a.link == "intra_node" else "across nodes"
+    per_token = (f"Expert all-to-all per step (actor, ep={a2a.ep}, etp={dims.expert_tp}; EP groups {where}): "
+                 f"{a2a.bytes_per_token / 1024:.1f} KiB per token and sparse layer (dispatch + combine: 2 x "
+                 f"top-{model.topk} x hidden {model.hidden} x {dtype} x {a2a.ep - 1}/{a2a.ep} to other EP ranks)")
+    per_step = (f"  per GPU: {a2a.tokens:,} tokens x {a2a.sparse_layers} sparse layers x {a2a.passes} passes (log-prob "
+                f"forwards; forward + backward per PPO epoch, + recompute) = {_gib(a2a.step_bytes)} GiB sent (as much "
+                f"received) over {link}: {a2a.seconds:.2f} s per step (balanced routing; ETP gathers not counted)")
+    return [per_token, per_step]
+
+
 def _engine_note(plan: RunPlan) -> list[str]:
     rollout = plan.cfg.actor_rollout_ref.rollout
     if rollout.name != "sglang":
@@ -240,11 +288,15 @@ def format_report(plan: RunPlan) -> str:
     """The whole printable plan."""
     cfg, model = plan.cfg, plan.model
     trainer = cfg.trainer
+    experts = ""
+    if model.is_moe:
+        experts = (f"{sum(model.sparse)} sparse layers of {model.num_experts} experts (top-{model.topk}, expert ffn "
+                   f"{model.moe_ffn}), {model.num_active_params / 1e9:.2f} B activated per token, ")
     lines = [
         f"megarl-plan: recipe {cfg.recipe}",
         f"model: {model.name}: {model.hf_config.architectures[0]}, {model.num_params / 1e9:.2f} B parameters, "
         f"{model.num_layers} layers, hidden {model.hidden}, {model.heads} heads / {model.kv_heads} KV heads, "
-        f"ffn {model.ffn}, vocabulary {model.vocab}{' (tied)' if model.tied else ''}; from {model.source}",
+        f"ffn {model.ffn}, {experts}vocabulary {model.vocab}{' (tied)' if model.tied else ''}; from {model.source}",
         f"GPUs: {trainer.nnodes} node(s) x {trainer.n_gpus_per_node}, {_gib(plan.gpu_memory_bytes)} GiB each; "
         f"sequences of {plan.max_seq} tokens",
         "",
@@ -258,6 +310,9 @@ def format_report(plan: RunPlan) -> str:
     lines += [f"  {line}" for line in memory_table(plan)]
     lines += _engine_note(plan)
     lines += [""] + _sync_lines(plan) + [""]
+    a2a = _all_to_all_lines(plan)
+    if a2a:
+        lines += a2a + [""]
     problems = plan.problems()
     worst = plan.worst
     if problems:
@@ -278,6 +333,9 @@ def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
     actor, rollout, critic = arr.actor, arr.rollout, plan.cfg.critic
     a, c = f"{ARR}.actor", "critic"
     layout = f"raise {a}.parallel.tp or {a}.parallel.pp (now tp={actor.parallel.tp}, pp={actor.parallel.pp})"
+    if plan.model.is_moe:  # more expert-parallel ranks hold fewer experts each
+        layout = (f"raise {a}.parallel.ep, {a}.parallel.tp or {a}.parallel.pp (now ep={actor.parallel.ep}, "
+                  f"tp={actor.parallel.tp}, pp={actor.parallel.pp})")
     micro = (f"lower {a}.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}" if actor.use_dynamic_bsz
              else f"lower {a}.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}")
     offload = {"actor_weights": "param_offload", "actor_grads": "grad_offload", "actor_optimizer": "optimizer_offload",
@@ -348,10 +406,11 @@ def overflow_problem(plan: RunPlan, gpu: GpuPlan) -> str:
 def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:
     """The message for SGLang engines left with KV room for less than one sequence."""
     rollout = plan.cfg.actor_rollout_ref.rollout
+    axes = "tp / pp / ep" if plan.model.is_moe else "tp / pp"
     return (f"the SGLang engines on GPUs {ranges(gpu.gpus)} ({gpu.label}) would hold {gpu.kv_tokens or 0:,} tokens of "
             f"KV cache, less than one {plan.max_seq}-token sequence: SGLang gets {ARR}.rollout.gpu_memory_utilization="
             f"{rollout.gpu_memory_utilization} of the GPU minus what is in use when it starts (the trainer's state "
             f"and contexts: {_gib(gpu.in_use_at_engine_start)} GiB; its own weights: "
             f"{_gib(gpu.rows['engine_weights'])} GiB): raise "
             f"{ARR}.rollout.gpu_memory_utilization, raise {ARR}.rollout.tensor_model_parallel_size, or shrink the "
-            f"training state per GPU ({ARR}.actor.parallel.tp / pp)")
+            f"training state per GPU ({ARR}.actor.parallel.{axes})")

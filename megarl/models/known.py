@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 1 << 17, "num_attention_heads": 1 << 12,
-               "num_key_value_heads": 1 << 12, "intermediate_size": 1 << 20, "vocab_size": 1 << 23, "head_dim": 1 << 12}
-"""Largest accepted value of each size field. Far above any published dense model (≤ 128 layers, hidden ≤ 25,600,
-vocabularies ≤ 262,144); a value past it is a typo or a corrupt file, and would make transformers' config
-classes and the planner build per-layer lists of that length (10⁸ layers hung inside the HF config)."""
+               "num_key_value_heads": 1 << 12, "intermediate_size": 1 << 20, "vocab_size": 1 << 23, "head_dim": 1 << 12,
+               "num_experts": 1 << 12, "num_local_experts": 1 << 12, "num_experts_per_tok": 1 << 12,
+               "moe_intermediate_size": 1 << 20}
+"""Largest accepted value of each size field. Far above any published model (≤ 128 layers, hidden ≤ 25,600,
+vocabularies ≤ 262,144, ≤ 512 routed experts); a value past it is a typo or a corrupt file, and would make
+transformers' config classes and the planner build per-layer (per-expert) lists of that length (10⁸ layers hung
+inside the HF config)."""
 REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -37,9 +40,21 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
         tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
     ),
+    # Qwen/Qwen3-30B-A3B's config.json on the hub (its model card: 30.5 B parameters, 3.3 B activated, 48 layers,
+    # 32 query / 4 KV heads, 128 experts, 8 activated); the same numbers as slime's scripts/models/qwen3-30B-A3B.sh
+    # (layers, hidden, heads, kv channels, ffn sizes, experts, top-k, vocabulary, untied) and vLLM's Qwen3-MoE test
+    # config (max_position_embeddings, rope_theta, decoder_sparse_step, mlp_only_layers, norm_topk_prob).
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
 }
 """Base-model name -> the size-deciding fields of its HF ``config.json`` (Qwen2.5: q/k/v biases, which
-the ``qwen2`` family adds; Llama 3.1: none)."""
+the ``qwen2`` family adds; Llama 3.1: none; Qwen3-30B-A3B: a mixture of experts in every layer, no shared
+expert)."""
 
 _VARIANT_SUFFIXES = ("-instruct",)
 

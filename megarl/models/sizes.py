@@ -1,23 +1,44 @@
 """A model's sizes and what they imply: parameters per Megatron or engine rank, KV bytes per token.
 
 :class:`Architecture` counts from an HF config and its family's weight rules (the same rules that
-drive loading, export and weight sync), so a count is exact for megarl's layout: TP-split tensors
-divided by ``tp``, replicated norms whole, the vocabulary padded as megarl pads it, and the
-embedding / final norm / LM head on the first / last pipeline stage. No weights, no Megatron.
+drive loading, export and weight sync, expanded per layer and expert by the family's
+``weight_instances``), so a count is exact for megarl's layout: TP-split tensors divided by ``tp``,
+replicated norms whole, the vocabulary padded as megarl pads it, and the embedding / final norm /
+LM head on the first / last pipeline stage. Mixture-of-experts models: a sparse layer's router is
+replicated, its experts are divided over ``ep`` ranks (contiguous blocks) and each expert's matrices
+over ``etp`` ranks; :class:`RankParams` keeps the experts apart because the distributed optimizer
+shards them over the expert-data-parallel ranks, not the data-parallel ones. No weights, no Megatron.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from megarl.models.weights import Fuse, Split
 
 
+class RankParams(NamedTuple):
+    """Parameters one Megatron rank holds: expert tensors apart from the rest (``dense``: attention, norms,
+    dense MLPs, routers, embedding and head), since each kind has its own data-parallel group."""
+
+    dense: int
+    experts: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """The sizes the plan needs, from an HF config, and its family's weight rules."""
+    """The sizes the plan needs, from an HF config, and its family's weight rules.
+
+    Mixture-of-experts models (``num_experts > 0``): ``topk`` experts of ``moe_ffn`` each per token in the
+    layers ``sparse`` marks; ``ffn`` stays the dense MLP's size (the layers that keep one).
+    """
 
     name: str
     source: str
@@ -31,6 +52,11 @@ class Architecture:
     ffn: int
     vocab: int
     tied: bool
+    num_experts: int = 0
+    topk: int = 0
+    moe_ffn: int = 0
+    sparse: tuple[bool, ...] = ()
+    """Per layer: whether its MLP is a mixture of experts (empty: a dense model)."""
 
     @classmethod
     def from_hf(cls, hf_config, *, name: str, source: str) -> Architecture:
@@ -38,18 +64,30 @@ class Architecture:
 
         heads = int(hf_config.num_attention_heads)
         family = family_for(hf_config)
+        moe = {}
         if family.moe is not None:
-            raise ValueError(f"{name} ({source}) is a mixture-of-experts model ({family.name}): megarl-plan does not "
-                             f"model experts yet (memory by expert parallelism, all-to-all volume)")
-        return cls(name=name, source=source, hf_config=hf_config, family=family,
+            family.moe.check(hf_config)
+            moe = {"num_experts": family.moe.num_experts(hf_config), "topk": family.moe.topk(hf_config),
+                   "moe_ffn": family.moe.ffn_size(hf_config), "sparse": family.sparse_layers(hf_config)}
+        return cls(name=name, source=source, hf_config=hf_config, family=family, **moe,
                    num_layers=int(hf_config.num_hidden_layers), hidden=int(hf_config.hidden_size), heads=heads,
                    kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
                    ffn=int(hf_config.intermediate_size), vocab=int(hf_config.vocab_size),
                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return any(self.sparse)
+
+    @functools.cached_property
+    def _hub_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Router and expert shapes by HF name, as the family's MoE spec gives them (one tensor per expert)."""
+        return self.family.moe.hub_shapes(self.hf_config) if self.is_moe else {}
+
     def hf_shape(self, template: str) -> tuple[int, ...]:
-        """Shape of the HF tensor named ``template`` (``{i}`` for the layer)."""
+        """Shape of the HF tensor named ``template`` (``{i}`` for the layer, ``{e}`` for the expert)."""
         h, f, hd = self.hidden, self.ffn, self.head_dim
         q, kv = self.heads * hd, self.kv_heads * hd
         tail = template.rsplit("{i}.", 1)[-1]
@@ -61,21 +99,42 @@ class Architecture:
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "self_attn.o_proj.weight": (h, q),
             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         }
-        return shapes[tail]
+        if tail in shapes:
+            return shapes[tail]
+        # A router or an expert tensor: the same at every sparse layer and expert, so the first one's.
+        return self._hub_shapes[template.format(i=self.sparse.index(True), e=0)]
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF tensor the family exports (layers expanded), name -> shape."""
+        """Every HF tensor the family exports (layers and experts expanded), name -> shape."""
         out = {}
-        for rule in self.family.weight_rules(self.hf_config):
-            for layer in range(self.num_layers) if rule.per_layer else [None]:
-                for template, name in zip(rule.hf, rule.hf_names(layer)):
-                    out[name] = self.hf_shape(template)
+        for at in self.family.weight_instances(self.hf_config):
+            for template, name in zip(at.rule.hf, at.hf_names):
+                out[name] = self.hf_shape(template)
         return out
 
     @property
     def num_params(self) -> int:
         """Parameters of the HF model (a tied LM head counted once)."""
         return sum(math.prod(s) for s in self.hf_shapes().values())
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return sum(math.prod(self.hf_shape(t)) for r in self.family.weight_rules(self.hf_config) if r.per_expert
+                   for t in r.hf)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a token passes through: all but the ``num_experts - topk`` experts of each sparse layer it is
+        not routed to (the model cards' "activated parameters", embedding and LM head included)."""
+        return self.num_params - sum(self.sparse) * (self.num_experts - self.topk) * self.expert_params
+
+    def stage_layers(self, pp: int = 1, pp_rank: int = 0, vpp: int | None = None) -> list[int]:
+        """The global layers pipeline rank ``pp_rank`` holds: its chunk of ``num_layers / (pp × vpp)`` layers in
+        each of its ``vpp`` virtual stages (Megatron's interleaving: chunk ``v × pp + pp_rank``)."""
+        chunks = vpp or 1
+        per_chunk = self.num_layers // (pp * chunks)
+        return [(v * pp + pp_rank) * per_chunk + i for v in range(chunks) for i in range(per_chunk)]
 
     def _rank_numel(self, rule, tp: int, padded_vocab: int) -> int:
         shapes = [self.hf_shape(t) for t in rule.hf]
@@ -90,13 +149,33 @@ class Architecture:
         return total // tp
 
     def rank_params(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
-                    padded_vocab: int | None = None) -> int:
-        """Parameters one Megatron rank holds: its ``num_layers/pp`` layers, the embedding on stage 0,
-        the final norm and LM head (or ``value_head``: ``Linear(h, 1)`` with bias) on the last stage."""
+                    padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
+                    vpp: int | None = None) -> int:
+        """Parameters one Megatron rank holds (:meth:`rank_param_counts`, experts included)."""
+        return self.rank_param_counts(tp=tp, pp=pp, pp_rank=pp_rank, value_head=value_head,
+                                      padded_vocab=padded_vocab, ep=ep, etp=etp, vpp=vpp).total
+
+    def rank_param_counts(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
+                          padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
+                          vpp: int | None = None) -> RankParams:
+        """Parameters one Megatron rank holds: its layers (:meth:`stage_layers`), the embedding on stage 0, the
+        final norm and LM head (or ``value_head``: ``Linear(h, 1)`` with bias) on the last stage; in a sparse
+        layer ``num_experts / ep`` experts, each split over ``etp`` ranks (None: ``tp``). An engine of TP ``t``
+        without expert parallelism holds ``ep=1, etp=t``: every expert, each split over its ``t`` GPUs."""
         vocab = self.family.padded_vocab_size(self.hf_config, tp) if padded_vocab is None else padded_vocab
+        etp = tp if etp is None else etp
         rules = self.family.weight_rules(self.hf_config)
-        per_layer = sum(self._rank_numel(r, tp, vocab) for r in rules if r.per_layer)
-        n = per_layer * self.num_layers // pp
+        sparse = self.sparse or (False,) * self.num_layers
+        dense = experts = 0
+        for layer in self.stage_layers(pp, pp_rank, vpp):
+            for rule in [r for r in rules if r.per_layer]:
+                if not rule.applies_to(sparse[layer]):
+                    continue
+                if rule.per_expert:
+                    experts += self._rank_numel(rule, etp, vocab) * (self.num_experts // ep)
+                else:
+                    dense += self._rank_numel(rule, tp, vocab)
+        n = dense
         embedding = vocab // tp * self.hidden
         last = pp_rank == pp - 1
         if pp_rank == 0:
@@ -108,7 +187,7 @@ class Architecture:
                 n += self.hidden + 1
             elif not self.tied or pp > 1:  # untied head, or Megatron's copy of a tied embedding
                 n += embedding
-        return n
+        return RankParams(n, experts)
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
         """KV-cache bytes of one token on one GPU of an engine with TP ``tp``."""

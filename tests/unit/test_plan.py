@@ -380,7 +380,7 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     # A tied embedding: one copy at pp=1, Megatron's second copy on the last stage at pp=2.
     one = tied.rank_params(tp=1)
     assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
-    assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-70B"}
+    assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-70B", "Qwen3-30B-A3B"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
