@@ -40,12 +40,13 @@ class EngineServers(NamedTuple):
 
 
 def engine_server(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, index: int = 0,
-                  seed: int = 0, tp_size: int = 1) -> ServerProcess:
-    """Engine ``index``'s server process (not started): megarl's CPU engine server on a free port."""
+                  seed: int = 0, tp_size: int = 1, extra_args: Sequence[str] = ()) -> ServerProcess:
+    """Engine ``index``'s server process (not started): megarl's CPU engine server on a free port (``extra_args``
+    appended to its command line)."""
     port = free_port()
     name = f"engine {index}"
     return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
-                          str(port), "--random-seed", str(seed), "--tp-size", str(tp_size)], name=name,
+                          str(port), "--random-seed", str(seed), "--tp-size", str(tp_size), *extra_args], name=name,
                          url=f"http://127.0.0.1:{port}",
                          log_path=Path(log_dir) / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"})
 
@@ -53,14 +54,15 @@ def engine_server(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, i
 @contextlib.contextmanager
 def engine_servers(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, num_engines: int = 1,
                    seeds: Sequence[int] | None = None, router: bool = False, policy: str = "round_robin",
-                   timeout_s: float = START_TIMEOUT_S, tp_size: int = 1) -> Iterator[EngineServers]:
+                   timeout_s: float = START_TIMEOUT_S, tp_size: int = 1,
+                   extra_args: Sequence[str] = ()) -> Iterator[EngineServers]:
     """Start ``num_engines`` CPU engine servers (and sglang-router over them with ``router``), wait until
     they answer ``/health``, yield :class:`EngineServers`; stop everything at exit (router first)."""
     seeds = list(range(num_engines)) if seeds is None else list(seeds)
     if len(seeds) != num_engines or num_engines < 1:
         raise ValueError(f"engine_servers needs num_engines >= 1 and one seed per engine, got {num_engines} "
                          f"engines and seeds {seeds}")
-    processes = [engine_server(model_dir, log_dir, index=i, seed=seed, tp_size=tp_size)
+    processes = [engine_server(model_dir, log_dir, index=i, seed=seed, tp_size=tp_size, extra_args=extra_args)
                  for i, seed in enumerate(seeds)]
     router_process: ServerProcess | None = None
     clients: list[EngineClient] = []

@@ -25,10 +25,12 @@ Shape legend: ``B`` rows, ``L`` tokens (padded prompt plus generated so far), ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 MAX_SEED = 2**63 - 1
@@ -139,6 +141,57 @@ def last_logits(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention_ma
                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
 
+class RoutingCapture:
+    """The experts a mixture-of-experts model routes each token to, captured while :func:`sample_continuations`
+    runs: forward hooks on the HF routers (transformers' MoE routers return ``(logits, weights, indices)``, the
+    indices ``[tokens, top_k]``), collected per forward as ``[B, L_new, num_layers, top_k]``. Layers without a
+    router (dense layers of a mixed model) hold zeros, as SGLang's capture buffer does.
+
+    ``routers``: ``(layer index, router module)`` pairs; ``num_layers``: the model's decoder layers.
+    """
+
+    def __init__(self, routers: Sequence[tuple[int, torch.nn.Module]], num_layers: int) -> None:
+        if not routers:
+            raise ValueError("RoutingCapture needs at least one (layer, router) pair: the model has no MoE router")
+        self.routers, self.num_layers = list(routers), int(num_layers)
+        self._pending: dict[int, torch.Tensor] = {}
+        self._columns: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "RoutingCapture":
+        for layer, router in self.routers:
+            self._handles.append(router.register_forward_hook(functools.partial(self._hook, layer)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._pending[layer] = output[2].detach()
+
+    def collect(self, rows: int, new_tokens: int, *, restart: bool = False) -> None:
+        """File the routing of the forward that just ran over ``rows × new_tokens`` tokens (``restart``: it
+        recomputed every token so far, so earlier forwards' routing is replaced)."""
+        if set(self._pending) != {layer for layer, _ in self.routers}:
+            raise RuntimeError(f"RoutingCapture: routers of layers {sorted({l for l, _ in self.routers} - set(self._pending))} "
+                               f"did not run in the last forward")
+        topk = next(iter(self._pending.values())).shape[-1]
+        out = torch.zeros((rows, new_tokens, self.num_layers, topk), dtype=torch.int32)
+        for layer, indices in self._pending.items():
+            out[:, :, layer] = indices.reshape(rows, new_tokens, topk).to("cpu", torch.int32)
+        self._pending.clear()
+        if restart:
+            self._columns.clear()
+        self._columns.append(out)
+
+    def row(self, row: int, start: int, end: int) -> np.ndarray:
+        """Row ``row``'s routing at columns ``start:end`` of everything fed so far: ``[end - start, num_layers,
+        top_k]`` int32."""
+        return torch.cat(self._columns, dim=1)[row, start:end].numpy()
+
+
 @dataclasses.dataclass
 class Continuation:
     """One row's sampled continuation."""
@@ -151,6 +204,10 @@ class Continuation:
     """True when the row ended on a stop id, False when it used up its token budget."""
     aborted: bool = False
     """True when the loop's ``control`` aborted the row before it finished."""
+    routed_experts: np.ndarray | None = None
+    """With a :class:`RoutingCapture`: the experts of every token the model was fed for this row, the prompt's
+    and each sampled one but the last (``[len(prompt) + len(token_ids) - 1, num_layers, top_k]`` int32, SGLang's
+    ``routed_experts``)."""
 
 
 ABORT, REBUILD = "abort", "rebuild"
@@ -161,7 +218,8 @@ ABORT, REBUILD = "abort", "rebuild"
 def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: Sequence[int], row_seeds: Sequence[int], stop_token_ids: Collection[int],
                          pad_token_id: int, temperature: float, top_k: int = -1,
-                         top_p: float = 1.0, control: Callable[[], Any] | None = None) -> list[Continuation]:
+                         top_p: float = 1.0, control: Callable[[], Any] | None = None,
+                         routing: RoutingCapture | None = None) -> list[Continuation]:
     """The sampling loop: one continuation per prompt, the prompts sampled together.
 
     One prefill over the batch left-padded with ``pad_token_id`` (:func:`left_pad`), then one
@@ -175,6 +233,9 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     now (``aborted``, keeping their tokens), a set of row indices to end only those, or
     :data:`REBUILD` to recompute the KV cache of every row's tokens so far with the model's
     current weights before the next step (a retracted pause resumed after a weight update).
+
+    ``routing`` (an entered :class:`RoutingCapture`): each row's routed experts are filed in its
+    ``routed_experts`` (after a REBUILD, the rebuilt forward's: every token routed by the current weights).
     """
     from transformers import DynamicCache
 
@@ -188,10 +249,21 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
 
     cache = DynamicCache(config=model.config)
     logits_BV = last_logits(model, input_ids_BL, attention_mask_BL, position_ids_BL, cache)
+    width = input_ids_BL.shape[1]
+    if routing is not None:
+        routing.collect(num_rows, width, restart=True)
     next_position_B1 = position_ids_BL[:, -1:] + 1
     rows = [Continuation() for _ in range(num_rows)]
     finished = [False] * num_rows
     fed_BT = input_ids_BL.new_zeros((num_rows, 0))
+
+    def done() -> list[Continuation]:
+        if routing is not None:
+            for row, (prompt, continuation) in enumerate(zip(prompts, rows, strict=True)):
+                continuation.routed_experts = routing.row(row, width - len(prompt),
+                                                          width + len(continuation.token_ids) - 1)
+        return rows
+
     while True:
         tokens_B, logprobs_B = sample_tokens(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p,
                                              generators=generators)
@@ -204,17 +276,17 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             continuation.stopped = tokens[row] in stop_ids
             finished[row] = continuation.stopped or len(continuation.token_ids) == max_new_tokens[row]
         if all(finished):
-            return rows
+            return done()
         action = control() if control is not None else None
         if action == ABORT:
             for row, continuation in enumerate(rows):
                 continuation.aborted = not finished[row]
-            return rows
+            return done()
         if isinstance(action, (set, frozenset)):  # abort these rows, go on with the others
             for row in action:
                 rows[row].aborted, finished[row] = not finished[row], True
             if all(finished):
-                return rows
+                return done()
             action = None
         # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
         fed_BT = torch.cat([fed_BT, tokens_B[:, None]], dim=1)
@@ -225,8 +297,12 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
             positions_BL = torch.cat([position_ids_BL, position_ids_BL[:, -1:] + steps_T], dim=1)
             logits_BV = last_logits(model, torch.cat([input_ids_BL, fed_BT], dim=1), attention_mask_BL, positions_BL,
                                     cache)
+            if routing is not None:
+                routing.collect(num_rows, width + fed_BT.shape[1], restart=True)
         elif action is None:
             logits_BV = last_logits(model, tokens_B[:, None], attention_mask_BL, next_position_B1, cache)
+            if routing is not None:
+                routing.collect(num_rows, 1)
         else:
             raise ValueError(f"sampling control answered {action!r}; expected None, {ABORT!r} or {REBUILD!r}")
         next_position_B1 = next_position_B1 + 1

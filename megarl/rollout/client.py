@@ -23,6 +23,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, request_body
@@ -55,8 +56,10 @@ def sampling_params_dict(params: SamplingParams, seed: int | None) -> dict[str, 
     return body
 
 
-def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOutput:
-    """One ``/generate`` answer (``output_ids``, ``meta_info``) as a :class:`GenerateOutput`."""
+def generate_output(result: dict[str, Any], return_logprob: bool,
+                    routing_shape: tuple[int, int] | None = None, *, source: str = "an engine") -> GenerateOutput:
+    """One ``/generate`` answer (``output_ids``, ``meta_info``) as a :class:`GenerateOutput`; with
+    ``routing_shape`` (``(num_hidden_layers, top_k)``) its ``routed_experts`` decoded (SGLang's base64 int32)."""
     meta = result["meta_info"]
     finish = meta.get("finish_reason")
     if not isinstance(finish, dict) or "type" not in finish:
@@ -65,9 +68,30 @@ def generate_output(result: dict[str, Any], return_logprob: bool) -> GenerateOut
     if return_logprob:
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
     output_ids = [int(t) for t in result["output_ids"]]
+    routed = None
+    if routing_shape is not None:
+        routed = _routed_experts(meta, routing_shape, len(output_ids), source)
     return GenerateOutput(output_ids=output_ids, finish_reason=FinishReason(finish["type"]), output_logprobs=logprobs,
                           weight_version=meta.get("weight_version"),
-                          weight_versions=_version_spans(meta.get("weight_versions"), len(output_ids)))
+                          weight_versions=_version_spans(meta.get("weight_versions"), len(output_ids)),
+                          routed_experts=routed)
+
+
+def _routed_experts(meta: dict[str, Any], shape: tuple[int, int], num_output: int, source: str) -> np.ndarray:
+    """``meta_info.routed_experts`` as ``[prompt + output - 1, layers, top_k]`` int32, checked against the token
+    counts of the answer."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RuntimeError(f"{source} answered no meta_info.routed_experts although return_routed_experts was sent: "
+                           f"SGLang returns them only when launched with --enable-return-routed-experts (megarl adds "
+                           f"it with actor_rollout_ref.actor.router_replay.mode != off)")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    layers, topk = shape
+    expected = (int(meta["prompt_tokens"]) + num_output - 1) * layers * topk
+    if flat.size != expected:
+        raise RuntimeError(f"{source} answered routed_experts of {flat.size} ids; {meta['prompt_tokens']} prompt and "
+                           f"{num_output} output tokens over {layers} layers × top-{topk} make {expected}")
+    return flat.reshape(-1, layers, topk)
 
 
 def _version_spans(spans: Any, num_tokens: int) -> tuple[tuple[str, int, int], ...] | None:
@@ -181,26 +205,31 @@ class EngineClient:
     # ------------------------------------------------------------------------ generation
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None,
-                       return_logprob: bool = False, rid: str | None = None) -> GenerateOutput:
+                       return_logprob: bool = False, rid: str | None = None,
+                       routing_shape: tuple[int, int] | None = None) -> GenerateOutput:
         """One continuation of ``input_ids``; with ``seed`` (``sampling_seed``) megarl's CPU server samples it
-        from ``derive_row_seed(seed, 0)``."""
+        from ``derive_row_seed(seed, 0)``. ``routing_shape`` (``(num_hidden_layers, top_k)`` of a
+        mixture-of-experts model): also the routed experts of every token (``return_routed_experts``)."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s, input_ids=list(input_ids),
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
-                                 rid=rid)
-        return generate_output(answer, return_logprob)
+                                 rid=rid, return_routed_experts=True if routing_shape else None)
+        return generate_output(answer, return_logprob, routing_shape, source=f"{self.name} at {self.url}")
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                             seed: int | None = None, return_logprob: bool = False) -> list[GenerateOutput]:
+                             seed: int | None = None, return_logprob: bool = False,
+                             routing_shape: tuple[int, int] | None = None) -> list[GenerateOutput]:
         """One continuation per row, in one request with one ``sampling_params`` (what sglang-router
         forwards; the server runs the rows as one batch). With ``seed``, megarl's CPU server samples
-        row ``i`` from ``derive_row_seed(seed, i)``."""
+        row ``i`` from ``derive_row_seed(seed, i)``. ``routing_shape``: as :meth:`generate`."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s,
                                  input_ids=[list(ids) for ids in input_ids],
-                                 sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob)
+                                 sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
+                                 return_routed_experts=True if routing_shape else None)
         if not isinstance(answer, list) or len(answer) != len(input_ids):
             raise EngineError(f"{self.name} at {self.url}: /generate returned {type(answer).__name__} for a batch "
                               f"of {len(input_ids)}", engine=self.name, url=self.url, route="/generate")
-        return [generate_output(result, return_logprob) for result in answer]
+        return [generate_output(result, return_logprob, routing_shape, source=f"{self.name} at {self.url}")
+                for result in answer]
 
     async def async_generate(self, input_ids: Sequence[int], params: SamplingParams,
                              return_logprob: bool = False) -> GenerateOutput:

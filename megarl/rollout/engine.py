@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -98,6 +98,10 @@ class GenerateOutput:
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
     """``(version, start, end)`` spans of the output tokens each version sampled (SGLang's
     ``meta_info.weight_versions``): more than one when the weights changed during the request."""
+    routed_experts: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """Mixture-of-experts models, when asked (SGLang's ``return_routed_experts``): the experts the engine routed
+    each token it computed to, ``[prompt + output tokens - 1, num_layers, top_k]`` int32 (numpy; the last
+    output token is never fed back; dense layers hold zeros)."""
 
     def token_versions(self) -> list[str | None]:
         """The weight version that sampled each output token (``weight_version`` for all without spans)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import threading
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from megarl.models.sampling import MAX_SEED, derive_row_seed, eos_token_ids, sample_continuations
+from megarl.models.sampling import MAX_SEED, RoutingCapture, derive_row_seed, eos_token_ids, sample_continuations
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 
 
@@ -89,6 +90,8 @@ class HFEngine:
         self._pad_id = self.eos_token_ids[0]
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._params.update(_hub_views(self.model, self._params))
+        self.routers = _routers(self.model)
+        """``(layer, router module)`` of every mixture-of-experts layer (empty for a dense model)."""
         self._seed_generator = torch.Generator().manual_seed(seed)
         # Held while generating and while changing state (sessions, release).
         self._lock = threading.RLock()
@@ -173,7 +176,8 @@ class HFEngine:
 
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None,
-                      control: Callable[[], Any] | None = None) -> list[GenerateOutput]:
+                      control: Callable[[], Any] | None = None,
+                      return_routed_experts: bool = False) -> list[GenerateOutput]:
         """Run one batch through :func:`~megarl.models.sampling.sample_continuations`, under the engine lock.
 
         ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
@@ -182,7 +186,8 @@ class HFEngine:
         engine's EOS ids; prompts are padded with the first EOS id. ``control`` runs between
         decoding steps (the sampling loop's pause/abort hook) with the engine lock released, so
         a paused batch lets weight updates and memory calls through; aborted rows finish with
-        :attr:`FinishReason.ABORT`.
+        :attr:`FinishReason.ABORT`. ``return_routed_experts`` (mixture-of-experts models): each output carries
+        the experts every token was routed to (:attr:`GenerateOutput.routed_experts`).
         """
         limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -194,16 +199,23 @@ class HFEngine:
             finally:
                 self._lock.acquire()
 
-        with self._lock:
+        capture = contextlib.nullcontext()
+        if return_routed_experts:
+            if not self.routers:
+                raise ValueError("return_routed_experts: this engine's model has no mixture-of-experts router")
+            capture = RoutingCapture(self.routers, self.model.config.num_hidden_layers)
+        with self._lock, capture:
             self._check_can_generate()
             rows = sample_continuations(self.model, prompts, max_new_tokens=limits, row_seeds=row_seeds,
                                         stop_token_ids=stop_ids, pad_token_id=self._pad_id,
                                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                        control=None if control is None else unlocked_control)
+                                        control=None if control is None else unlocked_control,
+                                        routing=capture if return_routed_experts else None)
         return [GenerateOutput(output_ids=row.token_ids,
                                finish_reason=(FinishReason.ABORT if row.aborted else
                                               FinishReason.STOP if row.stopped else FinishReason.LENGTH),
-                               output_logprobs=row.logprobs if return_logprob else None)
+                               output_logprobs=row.logprobs if return_logprob else None,
+                               routed_experts=row.routed_experts)
                 for row in rows]
 
     # ----------------------------------------------------------------------------- weights
@@ -306,6 +318,22 @@ class HFEngine:
 
     def flush_cache(self) -> None:
         """No-op: the KV cache lives only for one generate call, nothing persists between calls."""
+
+
+def _routers(model) -> list[tuple[int, torch.nn.Module]]:
+    """The MoE routers of a transformers model of a known family (``model.layers.{i}.mlp.gate`` on its sparse
+    layers, :class:`~megarl.models.moe.MoESpec`), by layer."""
+    from megarl.models import family_for
+
+    try:
+        spec = family_for(model.config).moe
+    except ValueError:
+        return []
+    if spec is None:
+        return []
+    modules = dict(model.named_modules())
+    return [(layer, modules[f"model.layers.{layer}.mlp.gate"])
+            for layer, sparse in enumerate(spec.sparse_layers(model.config)) if sparse]
 
 
 def _hub_views(model, params: dict) -> dict:

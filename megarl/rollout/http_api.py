@@ -15,7 +15,9 @@ Shapes (SGLang's):
   (a list for a batch) with ``output_ids`` and ``meta_info``: ``id``, ``finish_reason``
   (``{"type": "stop" | "length" | "abort", ...}``), ``prompt_tokens``, ``completion_tokens``,
   ``output_token_logprobs`` (``[logprob, token_id, None]`` per output token, when asked),
-  ``weight_version``.
+  ``weight_version``; with ``return_routed_experts`` (a server launched with
+  ``--enable-return-routed-experts``) ``routed_experts``: base64 of int32
+  ``[prompt + output tokens - 1 - routed_experts_start_len, num_hidden_layers, top_k]``.
 - weight routes answer ``{"success": bool, "message": str}`` (400 when not successful);
   ``/pause_generation`` and ``/continue_generation`` ``{"message", "status"}``; memory routes JSON
   ``null``; ``/abort_request`` an empty body; ``/flush_cache`` text; ``/get_weights_by_name`` the
@@ -63,13 +65,14 @@ class Route:
 
 
 GENERATE_META_READS = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs",
-                       "weight_version", "weight_versions")
+                       "weight_version", "weight_versions", "routed_experts")
 """``meta_info`` fields of a ``/generate`` answer megarl reads."""
 
 ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/health", "GET"),
     Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version")),
-    Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid"),
+    Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid",
+                                                          "return_routed_experts", "routed_experts_start_len"),
           reads=("output_ids", "meta_info")),
     Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message")),
     Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message")),

@@ -45,11 +45,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from megarl.config.rollout import RolloutConfig
@@ -78,11 +80,16 @@ class RolloutManager:
         prompt_length, response_length: the widths ``P`` and ``R`` of the output
             (:meth:`megarl.config.RunConfig.rollout_widths`).
         tools, interactions: passed to each ``AgentLoop``.
+        routing_shape: ``(num_hidden_layers, top_k)`` of a mixture-of-experts model whose training replays or
+            compares the rollout's routing (``actor.router_replay``): training rollouts carry
+            ``rollout_routed_experts`` (:meth:`assemble`). Those requests go to the engines directly, each to the
+            one with the fewest rows in flight: sglang-router 0.3.2 drops ``return_routed_experts`` from the
+            requests it forwards (measured), so the answers would come back without them.
     """
 
     def __init__(self, generator: EngineClient, engines: Sequence[EngineClient], tokenizer: Any,
                  config: RolloutConfig, *, prompt_length: int, response_length: int, tools: dict | None = None,
-                 interactions: dict | None = None) -> None:
+                 interactions: dict | None = None, routing_shape: tuple[int, int] | None = None) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if prompt_length < 1 or response_length < 1:
@@ -101,6 +108,13 @@ class RolloutManager:
         if pad is None:
             raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
         self.pad_token_id = int(pad)
+        if routing_shape is not None and config.multi_turn.enable:
+            raise ValueError("actor_rollout_ref.actor.router_replay.mode needs single-turn rollouts: multi-turn "
+                             "rollouts (rollout.multi_turn.enable) do not carry routed experts yet; set the mode to "
+                             "off")
+        self.routing_shape = routing_shape
+        self._in_flight = [0] * len(self.engines)
+        self._in_flight_lock = threading.Lock()
         self._num_calls = 0
         self._busy_s = 0.0
 
@@ -146,7 +160,8 @@ class RolloutManager:
         if self.config.multi_turn.enable:
             generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:
-            generated = self._generate_batch_level(batch, params, n=n, call_seed=call_seed)
+            generated = self._generate_batch_level(batch, params, n=n, call_seed=call_seed,
+                                                   routing_shape=None if validate else self.routing_shape)
         self._num_calls += 1
         repeated = Batch(non_tensors=dict(batch.non_tensors)).repeat(n, interleave=True)
         output = repeated.union(generated)
@@ -184,7 +199,8 @@ class RolloutManager:
             start = end
         return shares
 
-    def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None) -> Batch:
+    def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None,
+                              routing_shape: tuple[int, int] | None = None) -> Batch:
         prompts = self._prompt_ids(batch)
         jobs = []
         for start, end in self._shares(len(prompts)):
@@ -196,8 +212,11 @@ class RolloutManager:
         logprob = self.config.calculate_log_probs
 
         async def run_all() -> list[list[GenerateOutput]]:
-            return list(await asyncio.gather(*(self.generator.generate_batch(rows, params, seed=seed,
-                                                                               return_logprob=logprob)
+            if routing_shape is None:
+                return list(await asyncio.gather(*(self.generator.generate_batch(rows, params, seed=seed,
+                                                                                   return_logprob=logprob)
+                                                   for rows, seed in jobs)))
+            return list(await asyncio.gather(*(self._direct(rows, params, seed, logprob, routing_shape)
                                                for rows, seed in jobs)))
 
         outputs: list[GenerateOutput] = []
@@ -206,7 +225,21 @@ class RolloutManager:
                 raise RuntimeError(f"{self.generator.name} returned {len(share)} outputs for {len(rows)} inputs")
             outputs.extend(share)
         rows = [prompt for prompt in prompts for _ in range(n)]
-        return self.assemble(rows, outputs)
+        return self.assemble(rows, outputs, routed=routing_shape is not None)
+
+    async def _direct(self, rows: list[list[int]], params: SamplingParams, seed: int | None, logprob: bool,
+                      routing_shape: tuple[int, int]) -> list[GenerateOutput]:
+        """``rows`` on the engine with the fewest rows in flight (calls from every thread count), bypassing the
+        router (see the class docstring)."""
+        with self._in_flight_lock:
+            index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
+            self._in_flight[index] += len(rows)
+        try:
+            return await self.engines[index].generate_batch(rows, params, seed=seed, return_logprob=logprob,
+                                                            routing_shape=routing_shape)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight[index] -= len(rows)
 
     async def _naming_failures(self, work: Any) -> Any:
         """Await ``work`` (timed as the engines' busy time); when generation fails, say which engines no longer
@@ -226,10 +259,11 @@ class RolloutManager:
         finally:
             self._busy_s += time.perf_counter() - start
 
-    def assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput]) -> Batch:
+    def assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput], *, routed: bool = False) -> Batch:
         """Pad prompts left to P and responses right to R; build masks, positions and log-probs; and, when every
         token's weight version is a number (the trainer's steps), ``rollout_weight_versions`` ``[N, R]``: the
-        version that sampled each token (-1 on padding)."""
+        version that sampled each token (-1 on padding). ``routed``: also ``rollout_routed_experts``
+        (:func:`routed_experts_tensor`)."""
         num_rows, P, R = len(prompts), self.prompt_length, self.response_length
         prompts_NP = torch.full((num_rows, P), self.pad_token_id, dtype=torch.long)
         prompt_mask_NP = torch.zeros((num_rows, P), dtype=torch.long)
@@ -266,6 +300,9 @@ class RolloutManager:
         versions = _token_versions(outputs, R)
         if versions is not None:
             tensors["rollout_weight_versions"] = versions
+        if routed:
+            tensors["rollout_routed_experts"] = routed_experts_tensor(prompts, outputs, prompt_width=P, response_width=R,
+                                                                      shape=self.routing_shape)
         return Batch(tensors=tensors, non_tensors={"finish_reason": [o.finish_reason.value for o in outputs]})
 
     # ----------------------------------------------------------------------------- multi-turn
@@ -333,6 +370,30 @@ def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
     if pending:
         with contextlib.suppress(BaseException):
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+def routed_experts_tensor(prompts: list[list[int]], outputs: list[GenerateOutput], *, prompt_width: int,
+                          response_width: int, shape: tuple[int, int]) -> torch.Tensor:
+    """``[N, P + R, num_layers, top_k]``: the experts the engine routed each token of the batch's
+    ``[left-padded prompt ‖ right-padded response]`` layout to; row ``i``'s ``len(prompt) + len(output) - 1``
+    routed tokens start at its first prompt column (uint8 ids for up to 256 experts, else int16). Positions the
+    engine did not route (padding, each row's last token) hold experts ``0..top_k-1``: a valid routing for the
+    replay to use there, which no real token's log-prob depends on."""
+    layers, topk = shape
+    largest = max((int(o.routed_experts.max()) for o in outputs if o.routed_experts is not None
+                   and o.routed_experts.size), default=0)
+    dtype = torch.uint8 if largest < 256 else torch.int16
+    out = torch.arange(topk, dtype=dtype).expand(len(outputs), prompt_width + response_width, layers, topk).clone()
+    for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        routed = output.routed_experts
+        expected = (len(prompt) + len(output.output_ids) - 1, layers, topk)
+        if routed is None or tuple(routed.shape) != expected:
+            raise RuntimeError(f"an engine returned routed experts of shape "
+                               f"{None if routed is None else tuple(routed.shape)} for row {row}; expected {expected} "
+                               f"(prompt {len(prompt)} + output {len(output.output_ids)} tokens - 1, layers, top-k)")
+        start = prompt_width - len(prompt)
+        out[row, start:start + expected[0]] = torch.from_numpy(routed.astype(np.int64)).to(dtype)
+    return out
 
 
 def _token_versions(outputs: list[GenerateOutput], width: int) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 
     python -m megarl.rollout.server --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
+                                    [--enable-return-routed-experts]
 
 It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
@@ -42,6 +43,11 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   they name the same tensors; ``/init_weights_update_group`` joins N members (ranks
   ``rank_offset .. rank_offset + N - 1``), each receiving every broadcast. The weights load from
   rank 0's copy.
+- **Routed experts** (mixture-of-experts models, ``--enable-return-routed-experts`` as SGLang's flag):
+  ``/generate`` with ``return_routed_experts`` answers ``meta_info.routed_experts``, SGLang's base64 of an int32
+  ``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k]`` array: the experts each token the model
+  computed was routed to (the last output token is never fed back; a retracted row's are those of the rebuilt
+  pass). Without the flag the field is absent, as on SGLang.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from aiohttp import web
 
@@ -89,6 +96,8 @@ class _Row:
     row_seed: int
     rid: str
     future: asyncio.Future
+    routed_experts_start: int | None = None
+    """With ``return_routed_experts``: the first position whose routing is returned (``routed_experts_start_len``)."""
     version_events: list = dataclasses.field(default_factory=list)
     """SGLang's ``WeightVersionEvent``s: the version that ended and the tokens this row had then."""
 
@@ -96,10 +105,15 @@ class _Row:
 class EngineServer:
     """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
 
-    def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
+                 enable_return_routed_experts: bool = False) -> None:
         if tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
+        if enable_return_routed_experts and not engine.routers:
+            raise ValueError("--enable-return-routed-experts: the model has no mixture-of-experts router")
         self.engine = engine
+        self.enable_return_routed_experts = enable_return_routed_experts
+        """As SGLang's ``--enable-return-routed-experts``: without it, ``return_routed_experts`` returns nothing."""
         self.model_path = model_path
         self.tp_size = tp_size
         self.released: set[str] = set()
@@ -185,6 +199,8 @@ class EngineServer:
         logprob = _per_row(bool(body.get("return_logprob", False)) if not isinstance(body.get("return_logprob"), list)
                            else body["return_logprob"], num, "return_logprob")
         rids = _per_row(body.get("rid"), num, "rid")
+        routed = _per_row(bool(body.get("return_routed_experts", False)), num, "return_routed_experts")
+        routed_start = _per_row(int(body.get("routed_experts_start_len", 0)), num, "routed_experts_start_len")
         missing = self._missing_tags()
         if missing:
             raise RequestError(f"/generate: memory {missing} is released; /resume_memory_occupation first")
@@ -193,8 +209,15 @@ class EngineServer:
         for i in range(num):
             params, seed = self._sampling(sampling[i], i)
             self.engine._check_prompts([prompts[i]], params)
+            start = None
+            if routed[i] and self.enable_return_routed_experts:
+                start = int(routed_start[i])
+                if not 0 <= start <= len(prompts[i]):  # SGLang's check (scheduler.py)
+                    raise RequestError(f"/generate: routed_experts_start_len={start} must be in [0, {len(prompts[i])}] "
+                                       f"(the input's tokens)")
             rows.append(_Row(prompt=[int(t) for t in prompts[i]], params=params, return_logprob=bool(logprob[i]),
-                             row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future()))
+                             row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future(),
+                             routed_experts_start=start))
         self._queue.extend(rows)
         self._wake.set()
         outputs = await asyncio.gather(*(row.future for row in rows))
@@ -237,6 +260,9 @@ class EngineServer:
         if row.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
                                              zip(output.output_logprobs, output.output_ids, strict=True)]
+        if row.routed_experts_start is not None:  # SGLang: base64 of int32 [seqlen - 1 - start, layers, top_k]
+            routed = np.ascontiguousarray(output.routed_experts[row.routed_experts_start:], dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
         return {"text": "", "output_ids": output.output_ids, "meta_info": meta}
 
     async def _schedule(self) -> None:
@@ -248,11 +274,11 @@ class EngineServer:
             # No batch starts while paused or while weights change (SGLang's requests wait for the update lock).
             while self._queue and self._pause_mode is None and not self._in_session:
                 pending, self._queue = self._queue, []
-                groups: dict[tuple[SamplingParams, bool], list[_Row]] = {}
+                groups: dict[tuple[SamplingParams, bool, bool], list[_Row]] = {}
                 for row in pending:
                     key = dataclasses.replace(row.params, max_new_tokens=1)
-                    groups.setdefault((key, row.return_logprob), []).append(row)
-                for (params, return_logprob), rows in groups.items():
+                    groups.setdefault((key, row.return_logprob, row.routed_experts_start is not None), []).append(row)
+                for (params, return_logprob, return_routed), rows in groups.items():
                     rows = [row for row in rows if not row.future.done()]
                     if not rows:
                         continue
@@ -262,7 +288,7 @@ class EngineServer:
                         outputs = await loop.run_in_executor(
                             self.engine._executor, self.engine.generate_rows, [r.prompt for r in rows], params,
                             return_logprob, [r.row_seed for r in rows], [r.params.max_new_tokens for r in rows],
-                            self._control)
+                            self._control, return_routed)
                     except Exception as error:  # noqa: BLE001 - handed to every request of the batch
                         for row in rows:
                             if not row.future.done():
@@ -674,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1, help="TP ranks the weight paths behave as (module doc)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
@@ -681,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
                       trust_remote_code=args.trust_remote_code)
-    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size)
+    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
+                          enable_return_routed_experts=args.enable_return_routed_experts)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

@@ -81,17 +81,17 @@ def _untimed(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def test_grpo_steps_resume_and_crashed_save(assets):
-    """GRPO through Ray; a run stopped after step 1 and resumed repeats steps 2..4 exactly.
+    """GRPO through Ray; a run stopped after step 1 and resumed repeats steps 2..3 exactly.
 
     The uninterrupted run also validates, dumps rollouts and saves at the end. Between the
     stopped run and the resumed one, a save of step 2 "crashes" half-way (a worker wrote its
     part, the controller never committed): the resume must still find step 1.
     """
     root = assets["root"]
-    full = _run(_config(assets, "grpo", "trainer.total_steps=4", "trainer.test_freq=4", "trainer.save_freq=4",
+    full = _run(_config(assets, "grpo", "trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=3",
                         "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
                         "trainer.log_val_generations=3"))
-    assert [s for s, _ in full.history] == [1, 2, 3, 4]
+    assert [s for s, _ in full.history] == [1, 2, 3]
     assert full.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -106,15 +106,15 @@ def test_grpo_steps_resume_and_crashed_save(assets):
         assert metrics["perf/total_num_tokens"] > 0
     last = full.history[-1][1]
     assert "val/reward/mean" in last and 0 <= last["val/reward/mean"] <= 1
-    assert (root / "grpo" / "dumps" / "4.jsonl").read_text().count("\n") == 16
+    assert (root / "grpo" / "dumps" / "3.jsonl").read_text().count("\n") == 16
     assert any((root / "grpo" / "runs" / "megarl" / "grpo").glob("events.out.tfevents.*"))
-    # trainer.log_val_generations=3: the first three validation samples of the step-4 validation.
+    # trainer.log_val_generations=3: the first three validation samples of the step-3 validation.
     generations = root / "grpo" / "runs" / "megarl" / "grpo" / "generations.jsonl"
     logged = [json.loads(line) for line in generations.read_text().splitlines()]
-    assert [row["step"] for row in logged] == [4, 4, 4]
+    assert [row["step"] for row in logged] == [3, 3, 3]
     assert all(row["input"] and 0 <= row["score"] <= 1 for row in logged)
     saved = CheckpointManager(full.run_dir).latest()
-    assert saved.name == "global_step_4"
+    assert saved.name == "global_step_3"
     # The HF export of the final weights loads in transformers and differs from the initial model.
     from transformers import AutoModelForCausalLM
 
@@ -123,15 +123,15 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert exported.keys() == initial.keys()
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
-    # Stop after step 1 (checkpoint), crash while saving step 2, resume to step 4.
+    # Stop after step 1 (checkpoint), crash while saving step 2, resume to step 3.
     first = _run(_config(assets, "resume", "trainer.total_steps=1", "trainer.save_freq=1"))
     manager = CheckpointManager(first.run_dir)
     tmp = manager.begin(2)
     (tmp / "actor").mkdir()
     (tmp / "actor" / "metadata.json").write_text("{}")  # a worker's half-written part; no commit
     assert manager.latest().name == "global_step_1"
-    resumed = _run(_config(assets, "resume", "trainer.total_steps=4"))
-    assert [s for s, _ in resumed.history] == [2, 3, 4]
+    resumed = _run(_config(assets, "resume", "trainer.total_steps=3"))
+    assert [s for s, _ in resumed.history] == [2, 3]
     assert not list(first.run_dir.glob(".tmp*")), "the crashed save's debris is cleaned at start-up"
     for (step, expected), (_, got) in zip(full.history[1:], resumed.history, strict=True):
         want, have = _untimed(expected), _untimed(got)
