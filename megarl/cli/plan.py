@@ -2,10 +2,12 @@
 
     megarl-plan recipe=llama3_1_70b_grpo
     megarl-plan recipe=qwen2_5_7b_grpo actor_rollout_ref.actor.parallel.tp=4 trainer.gpu_memory_gb=40
+    megarl-plan recipe=qwen3_30b_a3b_grpo actor_rollout_ref.actor.parallel.ep=4
 
 Arguments are the Hydra overrides ``megarl-train`` takes. Prints the placement (which GPUs hold
-which actor/ref/critic ranks and engines, the TP/PP/DP groups), the memory per kind of GPU in
-each phase against ``trainer.gpu_memory_gb``, and the weight-sync volume. Exit status 0 when the
+which actor/ref/critic ranks and engines, the TP/PP/DP groups, for mixture-of-experts models the
+EP/ETP groups), the memory per kind of GPU in each phase against ``trainer.gpu_memory_gb``, the
+weight-sync volume and, for mixture-of-experts models, the all-to-all volume. Exit status 0 when the
 run fits, 2 when the config does not factor or does not fit (the message names the keys to change).
 """
 

@@ -17,8 +17,10 @@ from megarl.controller.preflight import (
     CUDA_CONTEXT_BYTES,
     MicroBatch,
     activation_bytes_per_layer,
+    all_to_all_bytes_per_token,
     chunks_in_flight,
     micro_batch,
+    moe_layer_activation_bytes,
     plan_run,
     preflight,
 )
@@ -423,7 +425,8 @@ def test_critic_hf_and_disaggregated_layouts_are_planned():
     assert engines.phases["weight sync"] == int(0.6 * 80 * GiB) + V * H * 2
 
 
-@pytest.mark.parametrize("recipe", ["qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo", "llama3_1_70b_grpo"])
+@pytest.mark.parametrize("recipe", ["qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo", "llama3_1_70b_grpo",
+                                    "qwen3_30b_a3b_grpo"])
 def test_every_gpu_recipe_plans_as_fitting(recipe):
     """The shipped GPU recipes fit their GPUs by the planner's own numbers (they ship runnable)."""
     plan = plan_run(load_config([f"recipe={recipe}"]))
@@ -506,3 +509,191 @@ def test_cli_prints_each_sglang_engine_servers_gpus(capsys):
     hf = plan_run(load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.name=hf",
                                "actor_rollout_ref.rollout.tensor_model_parallel_size=null"]), check=False)
     assert "\nEngines" not in hf.report()  # hf engines are not SGLang servers
+
+
+# --------------------------------------------------------------------------- mixture of experts (issue 17)
+
+
+def _tiny_moe(kind):
+    """A tiny Qwen3-MoE (layer 1 keeps a dense MLP) or Mixtral config, as transformers builds them."""
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], tie_word_embeddings=False)
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_parameter_count_equals_transformers_model(kind):
+    """Counted from the weight rules (one tensor per expert) = the parameters of the real HF model (experts fused in
+    memory); the checkpoint's tensor shapes as transformers and the family's MoE spec give them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.convert.hf_io import expected_shapes
+
+    config = _tiny_moe(kind)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    arch = Architecture.from_hf(config, name=kind, source="test")
+    assert arch.num_params == sum(p.numel() for p in model.parameters())
+    assert arch.num_params == {"qwen3_moe": 63_072, "mixtral": 27_040}[kind]
+    shapes, hub = arch.hf_shapes(), expected_shapes(config)
+    assert shapes.items() <= hub.items()
+    # The rest are transformers' in-memory names of the same tensors (experts fused; Mixtral's router under mlp.).
+    assert all(".mlp.experts." in n or n.endswith(".mlp.gate.weight") for n in set(hub) - set(shapes))
+    # Activated: all but the experts a token is not routed to, in every sparse layer.
+    sparse_layers, experts, expert = {"qwen3_moe": (3, 8, 3 * 16 * 32), "mixtral": (2, 4, 3 * 16 * 32)}[kind]
+    assert arch.num_active_params == arch.num_params - sparse_layers * (experts - 2) * expert
+
+
+def _rank_numel_from_checkpoint_shapes(family, config, *, tp, ep, etp):
+    """Parameters of one Megatron rank from the global checkpoint shapes (megarl.convert.preflight): experts
+    (``[E, ...]``) divided over EP and ETP, norms and routers whole, everything else over TP."""
+    from megarl.convert.preflight import expected_mcore_shapes
+
+    dense = experts = 0
+    for name, (shape, _) in expected_mcore_shapes(family, config, tp).items():
+        if name.endswith("layer_norm_weight") or re.search(r"mlp\.experts\.linear_fc", name):
+            continue  # the TransformerEngine spelling of a tensor listed under its local name too
+        numel = math.prod(shape)
+        if ".experts.experts." in name:
+            experts += numel // ep // etp
+        elif "layernorm" in name or name.endswith("router.weight"):
+            dense += numel
+        else:
+            dense += numel // tp
+    return dense, experts
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_parameters_per_megatron_rank_at_tp2_ep2(kind):
+    """TP 2 (attention, dense MLP, vocabulary), EP 2 with ETP 1 (half the experts, each whole), routers and norms
+    replicated: as the global checkpoint shapes split, and as counted by hand."""
+    config = _tiny_moe(kind)
+    arch = Architecture.from_hf(config, name=kind, source="test")
+    counts = arch.rank_param_counts(tp=2, ep=2, etp=1)
+    assert tuple(counts) == _rank_numel_from_checkpoint_shapes(arch.family, config, tp=2, ep=2, etp=1)
+    h = 32
+    attention = ((4 + 2 * 2) * 8 * h + h * 4 * 8) // 2 + 2 * h  # q/k/v and o over TP 2, two norms
+    if kind == "qwen3_moe":
+        attention += 2 * 8  # per-head q/k norms
+        sparse, dense_mlp, experts, ffn = 3, 1, 8, 16
+        dense_layer = 3 * 48 * h // 2
+    else:
+        sparse, dense_mlp, experts, ffn = 2, 0, 4, 16
+        dense_layer = 0
+    ends = 2 * (128 // 2) * h + h  # embedding and LM head shards, final norm
+    assert counts.dense == (sparse + dense_mlp) * attention + sparse * experts * h + dense_mlp * dense_layer + ends
+    assert counts.experts == sparse * (experts // 2) * 3 * ffn * h
+    # ETP 2: each rank holds half of each of its experts; an engine at TP 2 (no EP) half of every expert.
+    assert arch.rank_param_counts(tp=2, ep=2, etp=2).experts == counts.experts // 2
+    assert arch.rank_param_counts(tp=2).experts == sparse * experts * 3 * ffn * h // 2
+
+
+Q30 = {"h": 2048, "L": 48, "A": 32, "G": 4, "D": 128, "E": 128, "k": 8, "f": 768, "V": 151936}
+
+
+def test_qwen3_30b_a3b_counts_match_the_model_card():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B activated (its model card), from the known config's sizes."""
+    arch = Architecture.from_hf(known_config("Qwen3-30B-A3B"), name="q", source="t")
+    h, L, A, G, D, E, k, f, V = Q30.values()
+    expert = 3 * f * h
+    layer = (A + 2 * G) * D * h + h * A * D + 2 * D + 2 * h + E * h  # q/k/v, o, q/k norms, two norms, router
+    total = 2 * V * h + h + L * (layer + E * expert)  # untied embedding and LM head, final norm
+    assert arch.num_params == total == 30_532_122_624
+    assert arch.num_active_params == total - L * (E - k) * expert == 3_353_032_704
+    assert round(arch.num_params / 1e9, 1) == 30.5 and 3.3e9 < arch.num_active_params < 3.4e9  # the card's 3.3 B
+    assert arch.sparse == (True,) * 48 and (arch.num_experts, arch.topk, arch.moe_ffn) == (128, 8, 768)
+
+
+@pytest.fixture(scope="module")
+def plan_30b():
+    return plan_run(load_config(["recipe=qwen3_30b_a3b_grpo"]))
+
+
+def test_30b_a3b_recipe_fits_with_experts_split_by_ep(plan_30b):
+    """Recipe qwen3_30b_a3b_grpo: 2 nodes x 8, actor TP 2 x PP 2 x DP 4, EP 8 x ETP 1 (expert-DP 1), SGLang TP 4."""
+    assert plan_30b.fits and plan_30b.worst.peak < 80 * GiB
+    kinds = _kinds(plan_30b)
+    assert {k: g.gpus for k, g in kinds.items()} == {"stage 0, engine": tuple(range(8)),
+                                                     "stage 1, engine": tuple(range(8, 16))}
+    h, L, A, G, D, E, _, f, V = Q30.values()
+    layer = ((A + 2 * G) * D * h + h * A * D) // 2 + 2 * D + 2 * h + E * h  # attention over TP 2; norms, router
+    dense0 = 24 * layer + V // 2 * h  # 24 layers and the embedding's vocabulary shard (151936 = 2 x 75968)
+    dense1 = 24 * layer + V // 2 * h + h  # the LM head's shard and the final norm
+    experts = 24 * (E // 8) * 3 * f * h  # 16 of the 128 experts of each of its 24 layers, whole (ETP 1)
+    for label, dense in (("stage 0, engine", dense0), ("stage 1, engine", dense1)):
+        rows = kinds[label].rows
+        assert rows["actor_weights"] == 2 * (dense + experts) == rows["ref_weights"]
+        assert rows["actor_grads"] == 4 * (dense + experts)
+        # Distributed optimizer: dense parameters over DP 4, experts over expert-DP 1 (= 2 x 8 x 4 / (1 x 8 x 4)).
+        assert rows["actor_optimizer"] == math.ceil(12 * dense / 4) + 12 * experts
+    # Every engine GPU holds every expert, split over SGLang's TP 4 (151936 = 4 x 37984: no padding).
+    engine = L * (((A + 2 * G) * D * h + h * A * D) // 4 + 2 * D + 2 * h + E * h + E * 3 * f * h // 4) \
+        + 2 * (V // 4) * h + h
+    assert kinds["stage 0, engine"].rows["engine_weights"] == 2 * engine
+    report = plan_30b.report()
+    assert "3.35 B activated per token" in report and "actor optimizer (Adam, /4 ranks, experts /1)" in report
+    assert "experts: ep=8 etp=1 expert-dp=1" in report and "EP groups (2 groups of 8): [0-7] [8-15]" in report
+
+
+def test_30b_a3b_all_to_all_volume(plan_30b):
+    """Per token and sparse layer: dispatch + combine of 8 copies of 2048 bf16 values, 7/8 of them to other EP
+    ranks: 2 x 8 x 2048 x 2 x 7/8 = 57344 bytes. Per GPU and step: 256 prompts x 8 samples / DP 4 = 512 rows of
+    3072 tokens, halved by sequence parallelism = 786432 tokens, through the stage's 24 sparse layers 5 times (old
+    and reference log-probs; forward, recomputed forward and backward of one PPO epoch)."""
+    assert all_to_all_bytes_per_token(hidden=2048, topk=8, ep=8, dtype_bytes=2) == 57344
+    assert all_to_all_bytes_per_token(hidden=4, topk=2, ep=1, dtype_bytes=2) == 0  # every expert local
+    a2a = plan_30b.all_to_all
+    assert (a2a.tokens, a2a.sparse_layers, a2a.passes, a2a.link) == (786432, 24, 5, "intra_node")
+    assert a2a.step_bytes == 57344 * 786432 * 24 * 5
+    assert a2a.seconds == pytest.approx(57344 * 786432 * 24 * 5 / 450e9)
+    assert "56.0 KiB per token and sparse layer" in plan_30b.report()
+    # One stage over both nodes with EP 16: each EP group spans the nodes, 15/16 of the copies leave the GPU.
+    wide = plan_run(load_config(["recipe=qwen3_30b_a3b_grpo", "actor_rollout_ref.actor.parallel.pp=1",
+                                 "actor_rollout_ref.actor.parallel.ep=16"]), check=False)
+    assert wide.all_to_all.link == "infiniband" and wide.all_to_all.bytes_per_token == 2 * 8 * 2048 * 2 * 15 / 16
+    assert plan_run(load_config(["recipe=qwen2_5_7b_grpo"]), check=False).all_to_all is None
+
+
+def test_30b_a3b_weight_sync_broadcasts_experts_over_ep(plan_30b):
+    """Each expert bucket is built on the EP rank holding its experts and broadcast over the EP group: every GPU
+    receives 7/8 of its stage's experts (bf16), stages in turn under the tensor transport."""
+    h, L, E, f = Q30["h"], Q30["L"], Q30["E"], Q30["f"]
+    step = next(s for s in plan_30b.sync.steps if "EP group" in s.what)
+    assert step.link == "intra_node" and step.nbytes == L * E * 3 * f * h * 2 * 7 // 8
+    assert plan_30b.sync.model_bytes == plan_30b.model.num_params * 2
+
+
+def test_moe_layer_activations_by_hand():
+    """No recompute, TP 1: Korthikanti's 34 T h less the dense MLP's 16 T h, plus per routed copy (k per token) the
+    expert's input and output (2 h each) and its gate/up and down activations (6 f), plus fp32 router scores."""
+    T, h, a, E, k, f = 4096, 1024, 16, 64, 4, 512
+    kw = {"tokens": T, "seq": T, "hidden": h, "heads": a, "experts": E, "topk": k, "expert_ffn": f}
+    assert moe_layer_activation_bytes(**kw, tp=1, sequence_parallel=False, recompute=None, etp=1) == \
+        34 * T * h - 16 * T * h + T * k * (4 * h + 6 * f) + 8 * T * E
+    # TP 2 with SP and ETP 2: the rank routes T/2 tokens and computes its ETP group's copies at half the FFN.
+    assert moe_layer_activation_bytes(**kw, tp=2, sequence_parallel=True, recompute="selective", etp=2) == \
+        34 * T * h // 2 - 16 * T * h // 2 + T // 2 * k * (2 * h * 3 + 6 * f) + 8 * T // 2 * E
+    # Full recompute keeps the layer's input only, as a dense layer does.
+    assert moe_layer_activation_bytes(**kw, tp=2, sequence_parallel=True, recompute="full", etp=1) == 2 * T * h // 2
+
+
+def test_30b_a3b_on_one_node_is_refused_naming_the_keys(capsys):
+    """One node of 8 GPUs (TP 2 x PP 2, EP 4): the experts' Adam states alone take 43 GiB per GPU."""
+    overrides = ["recipe=qwen3_30b_a3b_grpo", "trainer.nnodes=1", "actor_rollout_ref.actor.parallel.ep=4"]
+    with pytest.raises(ValueError, match=r"update actor phase.*actor optimizer .*raise actor_rollout_ref\.actor\."
+                                         r"parallel\.ep.*or add nodes \(trainer\.nnodes"):
+        plan_run(load_config(overrides))
+    assert plan_main(overrides) == 2
+    assert "actor_rollout_ref.actor.parallel.ep" in capsys.readouterr().err
+    # Layouts Megatron cannot build are refused before any arithmetic, naming the key.
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.parallel\.tp=2 on a mixture-of-experts model "
+                                         r"needs parallel\.sequence_parallel=true"):
+        plan_run(load_config(["recipe=qwen3_30b_a3b_grpo", "actor_rollout_ref.actor.parallel.sequence_parallel=false"]))
