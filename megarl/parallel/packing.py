@@ -212,6 +212,25 @@ class Prepared:
     """Packed: each real token's place in the pack, in the row-major order of ``mask``."""
     align_index: torch.Tensor | None = None
     """Padded: the row rotation (:func:`left_align`) of the padded ``[B', S']``."""
+    keep: torch.Tensor | None = None
+    """The columns of the (packed or padded) sequence this CP rank holds (:func:`zigzag_index`)."""
+
+    def to_model(self, x_BS: torch.Tensor, fill: torch.Tensor | float | int) -> torch.Tensor:
+        """A per-token input ``[B, S, ...]`` in the caller's layout as this rank's model layout ``[b, t, ...]``
+        (packed or rotated, padded, CP-split as ``input_ids``); positions holding no caller token get ``fill``
+        (a scalar, or a tensor of the trailing shape)."""
+        trailing = x_BS.shape[2:]
+        if self.token_index is not None:
+            out = torch.empty((self.seq_length, *trailing), dtype=x_BS.dtype, device=x_BS.device)
+            out[:] = fill
+            out[self.token_index] = x_BS[self.mask]
+            return out[self.keep][None]
+        rows, columns = self.align_index.shape
+        out = torch.empty((rows, columns, *trailing), dtype=x_BS.dtype, device=x_BS.device)
+        out[:] = fill
+        out[: self.rows, : self.columns] = x_BS
+        index = self.align_index.view(rows, columns, *([1] * len(trailing))).expand_as(out)
+        return torch.gather(out, 1, index)[:, self.keep]
 
     def restore(self, x_bt: torch.Tensor) -> torch.Tensor:
         """A per-token output ``[b, t, ...]`` of this rank (log-probs, values; logits when ``cp == 1``) as the
@@ -295,7 +314,7 @@ def prepare_packed(micro_batch: dict, *, seg_align: int = 1, total_align: int = 
     return Prepared(input_ids=ids[keep][None], position_ids=positions.to(device)[keep][None],
                     labels=labels[keep][None], packed_seq_params=params, seq_length=total, micro_batch_size=1,
                     rows=input_ids.shape[0], columns=input_ids.shape[1], lengths=tuple(padded), cp=cp,
-                    cp_group=cp_group, mask=mask, token_index=token_index.to(device))
+                    cp_group=cp_group, mask=mask, token_index=token_index.to(device), keep=keep)
 
 
 def prepare_padded(micro_batch: dict, *, shape: tuple[int, int] | None = None, total_align: int = 1, cp: int = 1,
@@ -318,4 +337,5 @@ def prepare_padded(micro_batch: dict, *, shape: tuple[int, int] | None = None, t
     positions = keep.expand(target_rows, -1)
     return Prepared(input_ids=aligned[:, keep], position_ids=positions, labels=labels[:, keep],
                     packed_seq_params=None, seq_length=target_columns, micro_batch_size=target_rows, rows=rows,
-                    columns=columns, lengths=(target_columns,), cp=cp, cp_group=cp_group, align_index=align_index)
+                    columns=columns, lengths=(target_columns,), cp=cp, cp_group=cp_group, align_index=align_index,
+                    keep=keep)

@@ -34,6 +34,7 @@ from megarl.parallel.packing import Prepared, pack_alignment, packed_length, pre
 
 if TYPE_CHECKING:
     from megarl.parallel.groups import ProcessGroups
+    from megarl.parallel.routing import Routing
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 """``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``; loss already normalised."""
@@ -70,6 +71,7 @@ def forward_backward(
     tp_group=None,
     return_logits: bool = False,
     packed: bool = False,
+    routing: Routing | None = None,
 ) -> list[dict[str, Any]]:
     """Run the pipeline schedule over ``micro_batches``; return per-micro-batch results.
 
@@ -97,6 +99,10 @@ def forward_backward(
     :func:`megarl.parallel.packing.prepare_packed`; the layer spec's attention must take packed sequences), else
     padded to a rectangle. Either way the sequence is split over context-parallel ranks and results come back
     in the caller's ``[B, S]`` (:mod:`megarl.parallel.packing`).
+
+    ``routing`` (mixture-of-experts models): a :class:`~megarl.parallel.routing.Routing` that replays and/or
+    measures the rollout's routed experts (each micro-batch's ``rollout_routed_experts``); closed when the call
+    ends.
     """
     from megatron.core.utils import get_model_config
 
@@ -112,17 +118,21 @@ def forward_backward(
     if return_logits and cp_layout(groups)[0] > 1:
         raise ValueError("return_logits=True needs parallel.cp=1 (logits stay split over context-parallel ranks)")
     prepared = _prepare_micro_batches(micro_batches, pp, packed, groups, config)
-    iterators = [iter(prepared) for _ in range(len(model_chunks))]
-    return schedule(
-        forward_step_func=functools.partial(_forward_step, loss_func),
-        data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
-        model=list(model_chunks),
-        num_microbatches=len(micro_batches),
-        seq_length=max(p.seq_length for _, p in prepared),
-        micro_batch_size=max(p.micro_batch_size for _, p in prepared),
-        forward_only=forward_only,
-        **schedule_groups,
-    )
+    iterators = [iter(enumerate(prepared)) for _ in range(len(model_chunks))]
+    try:
+        return schedule(
+            forward_step_func=functools.partial(_forward_step, loss_func, routing),
+            data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
+            model=list(model_chunks),
+            num_microbatches=len(micro_batches),
+            seq_length=max(p.seq_length for _, p in prepared),
+            micro_batch_size=max(p.micro_batch_size for _, p in prepared),
+            forward_only=forward_only,
+            **schedule_groups,
+        )
+    finally:
+        if routing is not None:
+            routing.close()
 
 
 def _check_request(
@@ -216,14 +226,18 @@ def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int, packed: bool,
     return [(mb, prepare_padded(mb, shape=shape, total_align=total_align, **split)) for mb in micro_batches]
 
 
-def _forward_step(loss_func: Callable, data_iterator, model: torch.nn.Module):
-    """Megatron's forward step: run ``model`` on the next prepared micro-batch.
+def _forward_step(loss_func: Callable, routing: Routing | None, data_iterator, model: torch.nn.Module):
+    """Megatron's forward step: run ``model`` on the next prepared micro-batch (its routers set by ``routing``).
 
     Returns the chunk's output and the loss function bound to that micro-batch's inputs, which
     Megatron calls with the output on the last stage.
     """
-    micro_batch, prepared = next(data_iterator)
+    index, (micro_batch, prepared) = next(data_iterator)
+    if routing is not None:
+        routing.before_forward(model, index, micro_batch, prepared)
     output = model(prepared.input_ids, prepared.position_ids, None, packed_seq_params=prepared.packed_seq_params)
+    if routing is not None:
+        routing.after_forward()
     return output, functools.partial(loss_func, micro_batch, prepared)
 
 

@@ -72,7 +72,7 @@ class ShardedModel:
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
                  groups=None, value_head: bool = False, recompute_granularity: str | None = None,
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
-                 **transformer_overrides):
+                 router_replay: bool = False, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -87,6 +87,11 @@ class ShardedModel:
         self.groups = init_parallel(dims, seed=seed) if groups is None else groups
         if groups is not None and groups.dims != dims.for_world(groups.dims.world_size):
             raise ValueError(f"ShardedModel: groups were built for {groups.dims}, not {dims}")
+        if router_replay:
+            if self.family.moe is None:
+                raise ValueError(f"router replay needs a mixture-of-experts model; {self.hf_dir} is a "
+                                 f"{self.family.name} model: set actor_rollout_ref.actor.router_replay.mode=off")
+            transformer_overrides["moe_enable_routing_replay"] = True
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
@@ -95,6 +100,13 @@ class ShardedModel:
         self.value_head = value_head
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
                                     value_head=value_head, value_head_seed=seed)
+        if router_replay:  # megarl drives each router's own RouterReplay; Megatron's global list only leaks them
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            RouterReplay.clear_global_router_replay_instances()
+        self.last_routing_counts: torch.Tensor | None = None
+        """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
+        (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
         if load_weights:
             load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
         self.module_chunks = chunks
@@ -159,18 +171,38 @@ class ShardedModel:
         align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=self.config.sequence_parallel)[0]
         return {"packed_align": align if self.packed else None, "cp": dims.cp}
 
-    def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0) -> list[dict] | None:
+    def _routing(self, replay: bool, measure: bool):
+        """A :class:`~megarl.parallel.routing.Routing` for one call (None when neither is asked)."""
+        if not (replay or measure):
+            return None
+        from megarl.parallel.routing import Routing
+
+        return Routing(self.chunks, replay=replay, measure=measure, tp_rank=self.groups.tp_rank,
+                       tp=self.groups.dims.tp, sequence_parallel=self.config.sequence_parallel)
+
+    def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
+                         replay_routing: bool = False, measure_routing: bool = False) -> list[dict] | None:
         """Per micro-batch ``{"logp", "entropy"}`` [B, S] on the last pipeline stage (None elsewhere).
 
         Position t holds log p(token t+1 | tokens ≤ t) under ``softmax(logits / temperature)``.
+        ``replay_routing``: the MoE routers take each micro-batch's ``rollout_routed_experts``;
+        ``measure_routing``: count the routing that differs from them (:attr:`last_routing_counts`).
         """
         from megarl.parallel import forward_backward
 
         if self.value_head:
             raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
+        routing = self._routing(replay_routing, measure_routing)
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed,
+                                   routing=routing)
+        if measure_routing:
+            counts = routing.row_counts([mb["input_ids"].shape[0] for mb in micro_batches])
+            for axis in ("tp", "cp", "pp"):  # disjoint tokens (SP, CP) or layers (PP): sums
+                if getattr(self.groups.dims, axis) > 1:
+                    dist.all_reduce(counts, group=getattr(self.groups, axis))
+            self.last_routing_counts = counts
         return out if self.groups.is_last_stage else None
 
     def forward_values(self, micro_batches: Sequence[dict]) -> list[dict] | None:
@@ -187,7 +219,8 @@ class ShardedModel:
                                    packed=self.packed)
         return out if self.groups.is_last_stage else None
 
-    def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0) -> StepResult:
+    def train_step(self, micro_batches: Sequence[dict], loss_fn: Callable, *, temperature: float = 1.0,
+                   replay_routing: bool = False) -> StepResult:
         """One optimizer step over ``micro_batches`` (this DP rank's share of a mini-batch).
 
         ``loss_fn(logp_BS, entropy_BS, micro_batch) -> (loss, metrics)``, or for a critic
@@ -196,7 +229,8 @@ class ShardedModel:
         gradients are summed over micro-batches and DP ranks. A non-finite loss or gradient
         norm skips the update (reported in ``applied``); with fp16 so does an overflow of the
         loss-scaled gradients, after which Megatron's scaler lowers the scale (:data:`FP16_LOSS_SCALING`).
-        The reported loss and gradient norm are unscaled.
+        The reported loss and gradient norm are unscaled. ``replay_routing``: the MoE routers take each
+        micro-batch's ``rollout_routed_experts`` (forward, and layers recomputed in the backward pass).
         """
         from megarl.parallel import forward_backward
 
@@ -206,7 +240,8 @@ class ShardedModel:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed)
+                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed,
+                                   routing=self._routing(replay_routing, False))
         loss, metrics = self._reduce_metrics(outputs, len(micro_batches))
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):

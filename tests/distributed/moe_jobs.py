@@ -137,18 +137,19 @@ EP_CHECKS = {"qwen3_moe": list(EP_LAYOUTS), "mixtral": ["ep2", "tp2_ep2_sp"]}
 """The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all of them)."""
 
 
-def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list) -> dict:
+def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list, routing_case: dict) -> dict:
     """Everything on 4 ranks in one job: the EP=1 checks (:func:`ep1_job`, on every rank); per config and layout of
     :data:`EP_CHECKS` (each rank reading only its experts from the HF checkpoint) the logits against HF's, the
     experts this rank holds, the export, and the gradients (Megatron DDP) and one step of the distributed optimizer
     against the same at EP=1 (DP=4), compared piece by piece in HF layout; a run at EP=2 saved after step 2 and
-    resumed (:func:`_resume`); the weight transports at TP2×EP2 (:func:`_sync`)."""
+    resumed (:func:`_resume`); the weight transports at TP2×EP2 (:func:`_sync`); routing replay (:func:`_routing`)."""
     out = {"ep1": ep1_job(ep1_cases)}
     for name, case in cases.items():
         layouts = {layout: EP_LAYOUTS[layout] for layout in EP_CHECKS[name]}
         out.update({f"{name}/{layout}": result for layout, result in _ep_checks(*case, name, layouts).items()})
     out["resume"] = _resume(cases["qwen3_moe"][0], root)
     out["sync"] = _sync(cases["qwen3_moe"][0], sync_cases)
+    out["routing"] = _routing(cases["qwen3_moe"][0], routing_case)
     from safetensors import safe_open
 
     out["names"] = {}
@@ -277,3 +278,99 @@ def _sync(hf_dir: str, cases: list) -> dict:
         out["cases"].append({"stats": stats, "names": len(names)})
         dist.barrier()
     return out
+
+
+# ------------------------------------------------------------------------------------------- routing replay
+
+ROUTING_LAYOUTS = {  # name -> (ParallelDims kwargs, packed), on 4 ranks
+    "ep2": (dict(ep=2), True),
+    "tp2_ep2_sp": (dict(tp=2, ep=2, sequence_parallel=True), True),
+    "ep2_pp2_padded": (dict(ep=2, pp=2), False),
+}
+ROUTING_P, ROUTING_R = 5, 6
+
+
+def forced_routing_logprobs(model, ids: list[int], routed) -> torch.Tensor:
+    """HF log-probs of each next token of ``ids`` with every sparse layer's router forced to ``routed``
+    ``[len(ids), layers, top_k]`` (weights: the router's own softmax at those experts, renormalised as the family
+    does): what Megatron with routing replay must compute."""
+    from megarl.rollout.hf_engine import _routers
+
+    originals = []
+    for layer, gate in _routers(model):
+        def forced(hidden, gate=gate, layer=layer):
+            hidden = hidden.reshape(-1, gate.hidden_dim)
+            logits = torch.nn.functional.linear(hidden, gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            indices = torch.as_tensor(routed[:, layer], dtype=torch.long)
+            values = probs.gather(1, indices)
+            if getattr(gate, "norm_topk_prob", True):
+                values = values / values.sum(dim=-1, keepdim=True)
+            return logits, values.to(logits.dtype), indices
+        originals.append((gate, gate.forward))
+        gate.forward = forced
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    finally:
+        for gate, forward in originals:
+            gate.forward = forward
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _routing(hf_dir: str, case: dict) -> dict:
+    """Per layout of :data:`ROUTING_LAYOUTS`: (a) measuring against the routing HF computed for the same weights
+    finds no difference (the token order of every rank's routers, with SP, CP-free packing and PP, is right); (b)
+    replaying perturbed routing uses exactly it (measured 0), though the routers would choose otherwise, and gives
+    HF's log-probs under the same forced routing; (c) at EP2×PP2 (1F1B over 2 micro-batches per replica: both
+    forwards run before the first backward) a replayed training step with full recomputation equals one without
+    (the backward pass pops each micro-batch's own targets), and differs from one without replay."""
+    from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
+    from megarl.workers.sharded_model import ShardedModel
+    from tests.distributed.checkpoint_jobs import OPTIM
+
+    batch = case["batch"]
+    out = {}
+    for layout, (kwargs, packed) in ROUTING_LAYOUTS.items():
+        model = ShardedModel(hf_dir, ParallelDims(**kwargs), packed=packed, router_replay=True)
+        mine = model.groups.dp_rank
+        rows = slice(mine * 4 // model.groups.dims.dp, (mine + 1) * 4 // model.groups.dims.dp)
+        micro = [{k: v[rows][i:i + 1] for k, v in batch.items()} for i in range(rows.stop - rows.start)]
+        result = {}
+        for kind in ("true", "perturbed"):
+            for mb, routed in zip(micro, case[kind][rows].split(1)):
+                mb["rollout_routed_experts"] = routed
+            logp = model.forward_logprobs(micro, measure_routing=True, replay_routing=kind == "perturbed")
+            result[kind] = {"counts": model.last_routing_counts.sum(0).tolist(),
+                            "expected_decisions": 3 * int(case["valid"][rows].sum())}  # 3 sparse layers
+            if logp is not None:
+                got = torch.cat([o["logp"] for o in logp])
+                valid = case["valid"][rows]
+                result[kind]["logp_diff"] = (got - case[f"logp_{kind}"][rows]).abs()[valid].max().item()
+        out[layout] = result
+    # (c) training with replay: recomputation in the backward pass replays each micro-batch's own targets.
+    steps = {}
+    for recompute in (None, "full"):
+        model = ShardedModel(hf_dir, ParallelDims(ep=2, pp=2), optim=OptimConfig(**OPTIM), router_replay=True,
+                             recompute_granularity=recompute)
+        rows = slice(model.groups.dp_rank * 4 // model.groups.dims.dp, (model.groups.dp_rank + 1) * 4 // model.groups.dims.dp)
+        micro = [{k: v[rows][i:i + 1] for k, v in batch.items()} for i in range(4 // model.groups.dims.dp)]
+        for mb, routed in zip(micro, case["perturbed"][rows].split(1)):
+            mb["rollout_routed_experts"] = routed
+            mb["weights"] = torch.linspace(-1, 1, mb["input_ids"].shape[1])[None]
+        result = model.train_step(micro, _weighted_loss, replay_routing=True)
+        steps[recompute or "none"] = (result.loss, result.grad_norm)
+    free = ShardedModel(hf_dir, ParallelDims(ep=2, pp=2), optim=OptimConfig(**OPTIM))
+    micro = [{k: v[rows][i:i + 1] for k, v in batch.items()} for i in range(4 // free.groups.dims.dp)]
+    for mb in micro:
+        mb["weights"] = torch.linspace(-1, 1, mb["input_ids"].shape[1])[None]
+    result = free.train_step(micro, _weighted_loss)
+    steps["no_replay"] = (result.loss, result.grad_norm)
+    out["train"] = steps
+    return out
+
+
+def _weighted_loss(logp, entropy, mb):
+    valid = mb["attention_mask"].float()
+    return -(logp * mb["weights"] * valid).sum() / 64, {}

@@ -32,13 +32,59 @@ def ep(tmp_path_factory):
             input_ids = torch.randint(0, moe_jobs.VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
             cases[name] = (str(directory), input_ids, moe_jobs.hf_moe_logits(model, input_ids))
     build_tiny_tokenizer(vocab_size=moe_jobs.VOCAB).save_pretrained(cases["qwen3_moe"][0])  # for the engine
+    routing_case = _routing_case(cases["qwen3_moe"][0])
     root = tmp_path_factory.mktemp("ep")
     with engine_servers(cases["qwen3_moe"][0], root, num_engines=1, tp_size=2) as servers:
         engine = {"index": 0, "url": servers.processes[0].url, "tp": 2}
         # tensor: the engine's GPUs are those of DP replica 1 (ranks 2, 3), which holds the other half of experts.
         sync_cases = [("tensor", [{**engine, "host_ranks": (2, 3)}]), ("distributed", [{**engine, "replica": 0}])]
-        ranks = run_ranks(moe_jobs.ep_job, 4, ep1_cases, cases, str(root), sync_cases, timeout_s=900)
+        ranks = run_ranks(moe_jobs.ep_job, 4, ep1_cases, cases, str(root), sync_cases, routing_case, timeout_s=900)
     return ranks, sync_cases
+
+
+def _routing_case(hf_dir: str) -> dict:
+    """A batch of 4 rows ([left-padded prompt ‖ right-padded response], P=5, R=6) of the tiny Qwen3-MoE, with the
+    routing HF computes for it (``true``: as an fp32 engine would return it), a perturbed routing (random distinct
+    experts for every token and sparse layer), and HF's log-probs under each (:func:`moe_jobs.forced_routing_logprobs`)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.parallel.routing import routed_mask
+    from megarl.rollout.engine import FinishReason, GenerateOutput
+    from megarl.rollout.manager import routed_experts_tensor
+    from tests.unit.test_routed_experts import teacher_forced_routing
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    P, R, gen = moe_jobs.ROUTING_P, moe_jobs.ROUTING_R, torch.Generator().manual_seed(5)
+    prompts = [[int(t) for t in torch.randint(3, moe_jobs.VOCAB, (n,), generator=gen)] for n in (5, 2, 4, 3)]
+    responses = [[int(t) for t in torch.randint(3, moe_jobs.VOCAB, (n,), generator=gen)] for n in (6, 3, 1, 5)]
+    layers, topk, experts = model.config.num_hidden_layers, model.config.num_experts_per_tok, model.config.num_experts
+    true, perturbed = [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        ids = prompt + response
+        true.append(GenerateOutput(response, FinishReason.LENGTH, routed_experts=teacher_forced_routing(model, ids[:-1])))
+        forced = torch.stack([torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(layers)])
+                              for _ in range(len(ids) - 1)]).to(torch.int32)
+        forced[:, 1] = 0  # the dense layer (mlp_only_layers=[1]) has no routing
+        perturbed.append(GenerateOutput(response, FinishReason.LENGTH, routed_experts=forced.numpy()))
+    shape = (layers, topk)
+    case = {"true": routed_experts_tensor(prompts, true, prompt_width=P, response_width=R, shape=shape),
+            "perturbed": routed_experts_tensor(prompts, perturbed, prompt_width=P, response_width=R, shape=shape)}
+    input_ids = torch.zeros((4, P + R), dtype=torch.long)
+    mask = torch.zeros((4, P + R), dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[row, P - len(prompt):P + len(response)] = torch.tensor(prompt + response)
+        mask[row, P - len(prompt):P + len(response)] = 1
+    case["batch"] = {"input_ids": input_ids, "attention_mask": mask}
+    case["valid"] = routed_mask(mask)
+    for kind in ("true", "perturbed"):
+        logp = torch.zeros((4, P + R))
+        for row in range(4):
+            first, n = P - len(prompts[row]), len(prompts[row]) + len(responses[row])
+            ids = input_ids[row, first:first + n].tolist()
+            logp[row, first:first + n - 1] = moe_jobs.forced_routing_logprobs(model, ids,
+                                                                              case[kind][row, first:first + n].numpy())
+        case[f"logp_{kind}"] = logp
+    return case
 
 
 CHECKS = [(name, layout) for name, layouts in moe_jobs.EP_CHECKS.items() for layout in layouts]
@@ -116,3 +162,34 @@ def test_both_transports_deliver_every_expert_over_expert_parallelism(ep, case):
     assert merged["weight_sync/verified_tensors"] == results[0]["cases"][case]["names"]
     assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == len(sync_cases[case][1])
     assert sorted({r["ep_rank"] for r in results}) == [0, 1]
+
+
+@pytest.mark.parametrize("layout", list(moe_jobs.ROUTING_LAYOUTS))
+def test_routing_replay_and_measurement(ep, layout):
+    """Issue 17 item 5: measured against the routing HF computes (what an fp32 engine returns) nothing differs, at
+    every layout (the token order of each rank's routers is right: packed, SP-split, pipelined, padded); replaying
+    a perturbed routing uses it exactly (0 differ, measured from the routing maps) where the routers by themselves
+    would differ on many (token, layer) pairs (50–83 % here), and gives HF's log-probs under the same forced routing."""
+    ranks, _ = ep
+    for rank in ranks:
+        result = rank["routing"][layout]
+        true, perturbed = result["true"], result["perturbed"]
+        # Every (routed token, sparse layer) pair of the replica's rows, counted once over its TP/PP ranks.
+        assert true["counts"][2] == perturbed["counts"][2] == true["expected_decisions"] > 0
+        assert true["counts"][:2] == [0.0, 0.0]
+        assert perturbed["counts"][0] == 0.0 and perturbed["counts"][1] > 0.3 * perturbed["counts"][2]
+        for kind in ("true", "perturbed"):
+            if "logp_diff" in result[kind]:
+                assert result[kind]["logp_diff"] <= 1e-4, (layout, kind, result[kind]["logp_diff"])
+
+
+def test_replayed_training_recomputes_each_micro_batchs_own_routing(ep):
+    """At EP2×PP2 (1F1B: both micro-batches' forwards before the first backward), a replayed step with full
+    recomputation equals the one without (the backward pass replays each micro-batch's own targets), and replay
+    changes the step."""
+    ranks, _ = ep
+    for rank in ranks:
+        steps = rank["routing"]["train"]
+        (loss, norm), (loss_r, norm_r), (loss_free, norm_free) = steps["none"], steps["full"], steps["no_replay"]
+        assert abs(loss - loss_r) <= 1e-6 and abs(norm - norm_r) <= 1e-6 * max(norm, 1), steps
+        assert abs(norm - norm_free) > 1e-3 * norm, steps

@@ -185,3 +185,20 @@ def test_cpu_thd_rope_equals_megatrons(cp, rank, whole_pack):
         assert not torch.equal(got, t)
     finally:
         rope_utils._apply_rotary_pos_emb_thd = before
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_per_token_input_reaches_the_models_layout_as_the_tokens_do(cp):
+    """``Prepared.to_model``: a per-token input (the routed experts a replay needs) lands where each token lands,
+    packed or padded and rotated, on every CP rank; trailing dims ride along; positions without a token get
+    ``fill``."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (3, 7))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0, 0]])
+    micro = {"input_ids": ids, "attention_mask": mask}
+    for rank in range(cp):
+        for prepared in (prepare_packed(micro, seg_align=2 * cp, total_align=4, cp=cp, cp_rank=rank),
+                         prepare_padded(micro, shape=(4, 9), total_align=4, cp=cp, cp_rank=rank)):
+            assert torch.equal(prepared.to_model(ids, fill=0), prepared.input_ids)
+            pairs = prepared.to_model(torch.stack([ids, -ids], dim=-1), fill=torch.tensor([7, 7]))
+            assert torch.equal(pairs[..., 1], torch.where(prepared.input_ids == 0, 7, -prepared.input_ids))
