@@ -80,3 +80,15 @@ def tis_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_B
     metrics = {"tis/weight_mean": float(masked_mean(weights_BT, mask_BT)),
                "tis/capped_frac": float(masked_mean(capped_BT.float(), mask_BT))}
     return weights_BT, metrics
+
+
+def routing_metrics(counts_N3: torch.Tensor) -> dict[str, float]:
+    """Routing replay's numbers from per-row counts ``[N, 3]`` (routings of the training pass that differ from the
+    rollout's, those the training routers would choose differently by themselves, all compared; each a (token,
+    MoE layer) pair): ``moe/routing_mismatch`` and ``moe/router_natural_mismatch`` (fractions of the compared
+    pairs) and ``moe/routing_decisions``."""
+    mismatch, natural, decisions = (float(x) for x in counts_N3.double().sum(dim=0))
+    if decisions <= 0:
+        return {"moe/routing_decisions": 0.0}
+    return {"moe/routing_mismatch": mismatch / decisions, "moe/router_natural_mismatch": natural / decisions,
+            "moe/routing_decisions": decisions}

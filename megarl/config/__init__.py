@@ -1,7 +1,7 @@
 """The run configuration: one typed dataclass per component (``schema`` lists them), cross-component checks
 (``validate``), and composition from ``configs/`` with Hydra (``loading``)."""
 
-from megarl.config.actor import ActorConfig, RefConfig
+from megarl.config.actor import ActorConfig, RefConfig, RouterReplayConfig
 from megarl.config.algorithm import AlgorithmConfig, CustomRewardFunction, KLControlConfig, RewardConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
@@ -16,7 +16,7 @@ from megarl.config.validate import data_parallel_size, validate
 __all__ = [
     "CONFIG_DIR", "SCHEMA_NAME", "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError",
     "Coordinates", "CriticConfig", "CustomRewardFunction", "DataConfig", "KLControlConfig", "MeshAxis", "ModelConfig",
-    "MultiTurnConfig", "OptimConfig", "ParallelDims", "RefConfig", "RewardConfig", "RolloutConfig", "RunConfig",
+    "MultiTurnConfig", "OptimConfig", "ParallelDims", "RefConfig", "RewardConfig", "RolloutConfig", "RouterReplayConfig", "RunConfig",
     "TrainerConfig", "ValKwargs", "compose_config", "data_parallel_size", "load_config", "register_schema",
     "to_run_config", "validate",
 ]

@@ -18,6 +18,37 @@ from megarl.config.parallel import ParallelDims
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
+ROUTER_REPLAY_MODES = ("off", "compare", "replay")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RouterReplayConfig:
+    """Routing replay for mixture-of-experts policies (``actor_rollout_ref.actor.router_replay.*``).
+
+    The engines return the experts they routed every token to (SGLang's ``return_routed_experts``, its servers
+    launched with ``--enable-return-routed-experts``); ``replay`` makes the actor's routers use them in the
+    old-log-prob, reference and update passes (Megatron-Core's RouterReplay), so the training pass computes the
+    log-probs of the experts that generated each token; ``compare`` keeps the actor's own routing and reports how
+    far it is from the rollout's; both report ``moe/routing_mismatch`` (the fraction of (token, MoE layer) routings
+    of the old-log-prob pass that differ from the rollout's: 0 under replay) and ``moe/router_natural_mismatch``
+    (those the actor's routers would choose differently by themselves)."""
+
+    mode: str = "off"
+    """``off``, ``compare`` or ``replay``."""
+
+    def __post_init__(self) -> None:
+        check_choice("actor_rollout_ref.actor.router_replay.mode", self.mode, ROUTER_REPLAY_MODES)
+
+    @property
+    def enabled(self) -> bool:
+        """The engines return routed experts (``compare`` or ``replay``)."""
+        return self.mode != "off"
+
+    @property
+    def replay(self) -> bool:
+        return self.mode == "replay"
+
+
 @dataclasses.dataclass(kw_only=True)
 class ActorConfig:
     """The policy's training (``actor_rollout_ref.actor.*``)."""
@@ -72,6 +103,8 @@ class ActorConfig:
     """Move gradient buffers to host memory outside the update (GPU only)."""
     optimizer_offload: bool = False
     """Move optimizer states to host memory outside the update (GPU only)."""
+    router_replay: RouterReplayConfig = dataclasses.field(default_factory=RouterReplayConfig)
+    """Mixture-of-experts policies: replay (or compare with) the rollout engines' routing."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.actor"

@@ -10,6 +10,9 @@ from omegaconf import MISSING
 from megarl.config.common import DTYPES, check_choice, check_positive
 
 MODEL_INITS = ("pretrained", "tiny_sft")
+TINY_ARCHS = ("qwen2", "qwen3_moe")
+"""``model.tiny_arch`` values (megarl.models.tiny.TINY_ARCHS; config sits below models, so the names are listed here
+and a test checks they agree)."""
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -24,6 +27,9 @@ class ModelConfig:
     init: str = "pretrained"
     """``pretrained``: load ``path``. ``tiny_sft``: build ``megarl.models.tiny``'s Qwen2 model and tokenizer,
     warm-start it by SFT on ``data.train_files`` and cache it at ``path`` (reused when present)."""
+    tiny_arch: str = "qwen2"
+    """``init=tiny_sft``: the tiny model's architecture, ``qwen2`` (dense) or ``qwen3_moe`` (a mixture of experts,
+    :data:`megarl.models.tiny.TINY_ARCHS`)."""
     sft_steps: int = 300
     """SFT steps of the ``tiny_sft`` warm start (at most that many when ``sft_stop_reward`` is set)."""
     sft_lr: float = 1e-3
@@ -42,6 +48,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.model"
         check_choice(f"{p}.init", self.init, MODEL_INITS)
+        check_choice(f"{p}.tiny_arch", self.tiny_arch, TINY_ARCHS)
         check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.sft_steps", self.sft_steps)
         check_positive(f"{p}.sft_lr", self.sft_lr)

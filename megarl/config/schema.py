@@ -8,7 +8,8 @@ Layout (verl's key names, seeds-digest §7), each section defined in the module 
       actor_rollout_ref
         hybrid_engine             actor and rollout engines share GPUs
         model                     ModelConfig                    (config/model.py)
-        actor                     ActorConfig (optim: OptimConfig, parallel: ParallelDims)  (config/actor.py)
+        actor                     ActorConfig (optim: OptimConfig, parallel: ParallelDims,   (config/actor.py)
+                                  router_replay: RouterReplayConfig)
         ref                       RefConfig                      (config/actor.py)
         rollout                   RolloutConfig (val_kwargs, multi_turn)                     (config/rollout.py)
       critic                      CriticConfig                   (config/critic.py)

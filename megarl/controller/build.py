@@ -229,6 +229,11 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
     try:
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
         calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
+        # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
+        routed = ("--enable-return-routed-experts",) if arr.actor.router_replay.enabled else ()
+        if gpus is None:
+            for call in calls:
+                call["extra_args"] = routed
         if gpus is not None:
             from megarl.controller.engine_gpus import sglang_launch_command
 
@@ -241,7 +246,8 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
                 if engine.nnodes > 1:
                     engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
                 call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
-                                                       seed=seeds[slot.engine], node_rank=slot.node_rank, host=host)
+                                                       seed=seeds[slot.engine], node_rank=slot.node_rank, host=host,
+                                                       extra_args=routed)
                 call["url"] = f"http://{host}:{ports[0]}"
         urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
                                           device=cfg.trainer.device, log_dir=str(log_dir), **call))
@@ -278,12 +284,33 @@ def load_agent_plugins(cfg: RunConfig) -> AgentPlugins:
 
 
 def build_rollout_manager(cfg: RunConfig, generator: EngineClient, engines: list[EngineClient], tokenizer,
-                          plugins: AgentPlugins) -> RolloutManager:
+                          plugins: AgentPlugins, routing: tuple[int, int] | None = None) -> RolloutManager:
     """The driver's rollout manager: generation through ``generator`` (the router) over ``engines``, with the
-    multi-turn tools and interactions."""
+    multi-turn tools and interactions; ``routing`` (:func:`routing_shape`): training rollouts carry the engines'
+    routed experts."""
     prompt_length, response_length = cfg.rollout_widths()
     return RolloutManager(generator, engines, tokenizer, cfg.actor_rollout_ref.rollout, prompt_length=prompt_length,
-                          response_length=response_length, tools=plugins.tools, interactions=plugins.interactions)
+                          response_length=response_length, tools=plugins.tools, interactions=plugins.interactions,
+                          routing_shape=routing)
+
+
+def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
+    """``(num_hidden_layers, top_k)`` of the policy when ``actor.router_replay`` is on (the shape of each token's
+    routed experts the engines return), None when off; refuses a dense policy, naming the key."""
+    replay = cfg.actor_rollout_ref.actor.router_replay
+    if not replay.enabled:
+        return None
+    from transformers import AutoConfig
+
+    from megarl.models import family_for
+
+    model = cfg.actor_rollout_ref.model
+    hf_config = AutoConfig.from_pretrained(model.local_path, trust_remote_code=model.trust_remote_code)
+    family = family_for(hf_config)
+    if family.moe is None:
+        raise ValueError(f"actor_rollout_ref.actor.router_replay.mode={replay.mode} needs a mixture-of-experts policy; "
+                         f"actor_rollout_ref.model.path={model.path!r} is a {family.name} model: set the mode to off")
+    return int(hf_config.num_hidden_layers), family.moe.topk(hf_config)
 
 
 def prepare_policy(cfg: RunConfig) -> None:
@@ -296,7 +323,7 @@ def prepare_policy(cfg: RunConfig) -> None:
     train = _check_data(cfg)
     if model.init == "tiny_sft":
         ensure_tiny_sft(model.local_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
-                        seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward)
+                        seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward, arch=model.tiny_arch)
 
 
 def _check_model_directories(cfg: RunConfig) -> None:

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from megarl.algo import advantages
 from megarl.algo.dapo import REWARD_EXTRA, DynamicSamplingBuffer
 from megarl.algo.kl import apply_kl_penalty, build_kl_controller
-from megarl.algo.mismatch import mismatch_metrics
+from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
 from megarl.controller.build import (
     SEED_STREAM_ASYNC_ROLLOUT,
@@ -47,6 +47,7 @@ from megarl.controller.build import (
     init_ray,
     load_agent_plugins,
     prepare_policy,
+    routing_shape,
 )
 from megarl.controller.interrupts import interrupts_deferred
 from megarl.controller.metrics import (
@@ -85,7 +86,7 @@ class RunInputError(ValueError):
     raised before anything is placed, with the key to change."""
 
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "old_log_probs",
-              "advantages", "ref_log_prob", "rollout_log_probs")
+              "advantages", "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "values", "returns")
 
 
@@ -139,6 +140,7 @@ class Trainer:
             check_run_inputs(cfg)
             self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
             prepare_policy(cfg)
+            self.routing_shape = routing_shape(cfg)
             self.plugins = load_agent_plugins(cfg)
         except ValueError as error:
             raise RunInputError(str(error)) from error
@@ -164,7 +166,7 @@ class Trainer:
         self.weight_names, self.weight_transport = self.roles.weight_names, self.roles.weight_transport
         self.actor_dp = self.actor_wg.dp_size
         self.rollout_manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer,
-                                                     self.plugins)
+                                                     self.plugins, self.routing_shape)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(type=kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
                                            horizon=kl.horizon)
@@ -199,7 +201,8 @@ class Trainer:
             self._buffer_state = None
         else:  # a fresh run, or a checkpoint of a synchronous one: groups from the loader's position on
             buffer.head = buffer.next_index = buffer.kept_or_pending = self.loader.position * B
-        manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer, self.plugins)
+        manager = build_rollout_manager(cfg, self.roles.generator, self.engines, self.tokenizer, self.plugins,
+                                        self.routing_shape)
 
         def prompts_of(group: int) -> Batch:
             number, row = divmod(group, B)
@@ -328,6 +331,8 @@ class Trainer:
         if "rollout_log_probs" in batch:
             metrics.update(mismatch_metrics(batch["rollout_log_probs"], batch["old_log_probs"],
                                             batch[self._mask_key()]))
+        if "routing_counts" in batch:
+            metrics.update(routing_metrics(batch.pop("routing_counts")["routing_counts"]))
         if self.use_ref:
             with timer("ref", timing):
                 batch = batch.union(self.actor_wg.call_dp(ActorWorker.compute_ref_log_prob,

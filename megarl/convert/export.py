@@ -55,10 +55,7 @@ class WeightExporter:
         self.units = build_plan(family, hf_config, self.dims, config, expected_shapes(hf_config))
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
         # The TP rank of each member of this rank's expert-parallel group (who needs an expert bucket).
-        self._ep_tp_ranks = [self.groups.tp_rank]
-        if self.dims.ep > 1:
-            self._ep_tp_ranks = [None] * self.dims.ep
-            dist.all_gather_object(self._ep_tp_ranks, self.groups.tp_rank, group=self.groups.ep)
+        self._ep_tp_ranks = list(self.groups.ep_tp_ranks) if self.dims.ep > 1 else [self.groups.tp_rank]
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
         self._gather_buffer: torch.Tensor | None = None
         self._kept_ring: list[torch.Tensor] | None = None

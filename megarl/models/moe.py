@@ -14,6 +14,10 @@ then softmax over the k logits (``moe_router_pre_softmax=False``); without it th
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""A tiny Qwen2-architecture model and its tokenizer, built by project code (no model hub).
+"""A tiny Qwen2-architecture model (or a tiny Qwen3-MoE) and its tokenizer, built by project code (no model hub).
 
 The tokenizer is a byte-level BPE trained, deterministically, on a small built-in corpus
 (arithmetic, English, JSON for tool calls), with every digit its own token (``" 82"`` is
@@ -129,19 +129,56 @@ def tiny_qwen2_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, 
     )
 
 
-def build_tiny_model(tokenizer, *, seed: int = 0, **sizes):
-    """A randomly initialised tiny ``Qwen2ForCausalLM`` in fp32."""
+def tiny_qwen3_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                          num_kv_heads: int = 2, head_dim: int = 16, moe_intermediate_size: int = 64,
+                          num_experts: int = 4, num_experts_per_tok: int = 2, max_position_embeddings: int = 512):
+    """A Qwen3-MoE config for ``tokenizer``: every layer sparse (``num_experts`` experts, top-``num_experts_per_tok``,
+    renormalised weights as Qwen3-30B-A3B), untied embeddings."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * moe_intermediate_size,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
+"""The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
+
+
+def build_tiny_model(tokenizer, *, seed: int = 0, arch: str = "qwen2", **sizes):
+    """A randomly initialised tiny model of architecture ``arch`` (:data:`TINY_ARCHS`) in fp32."""
     from transformers import AutoModelForCausalLM
 
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"tiny model architecture {arch!r} is unknown; use one of {sorted(TINY_ARCHS)}")
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_qwen2_config(tokenizer, **sizes)).float().eval()
+    return AutoModelForCausalLM.from_config(TINY_ARCHS[arch](tokenizer, **sizes)).float().eval()
 
 
-def save_tiny(directory: str | os.PathLike, *, seed: int = 0, **sizes) -> Path:
+def save_tiny(directory: str | os.PathLike, *, seed: int = 0, arch: str = "qwen2", **sizes) -> Path:
     """Write a tiny model and its tokenizer as an HF directory (config, safetensors, tokenizer)."""
     directory = Path(directory)
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **sizes)
+    model = build_tiny_model(tokenizer, seed=seed, arch=arch, **sizes)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory

@@ -25,6 +25,9 @@ class ProcessGroups(Coordinates):
 
     collection: "object"
     """Megatron's ``ProcessGroupCollection`` for the same groups (pass it to Megatron APIs)."""
+    ep_tp_ranks: tuple[int, ...] = (0,)
+    """The TP rank of each member of this rank's expert-parallel group, in group order (gathered once at set-up, so
+    code that runs on one rank, e.g. listing the export's tensors, needs no collective)."""
 
     @property
     def tp(self) -> dist.ProcessGroup:
@@ -124,6 +127,10 @@ def init_parallel(
         etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
         collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
+    if dims.ep > 1:
+        ep_tp_ranks = [None] * dims.ep
+        dist.all_gather_object(ep_tp_ranks, groups.tp_rank, group=groups.ep)
+        groups = dataclasses.replace(groups, ep_tp_ranks=tuple(ep_tp_ranks))
     if seed is not None:
         set_seed(seed, groups)
     return groups

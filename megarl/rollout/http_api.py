@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from megarl.config.async_training import PAUSE_MODES
+from megarl.config.async_training import PAUSE_MODES  # noqa: F401 - re-exported for the server and tests
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """``tags`` of ``/release_memory_occupation`` and ``/resume_memory_occupation`` (None or absent: all)."""

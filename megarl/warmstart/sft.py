@@ -68,6 +68,11 @@ MARKER_FORMAT = 1
 DEFAULT_MODEL_SIZES: Mapping[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                                           "intermediate_size": 256}
 """Sizes of the warm-started model (keyword arguments of :func:`megarl.models.tiny.tiny_qwen2_config`)."""
+DEFAULT_MOE_SIZES: Mapping[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                                        "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
+                                        "num_experts_per_tok": 2}
+"""Sizes of the warm-started tiny Qwen3-MoE (:func:`megarl.models.tiny.tiny_qwen3_moe_config`): 8 experts of a
+quarter of the dense model's FFN, top-2, so a token's expert compute equals the dense model's."""
 
 CHECK_EVERY = 25
 """With ``stop_reward``: steps between two measurements of the sampled reward."""
@@ -374,7 +379,7 @@ def _move_into_place(built: Path, path: Path) -> None:
 def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.PathLike] | str | os.PathLike, *,
                     steps: int, lr: float, seed: int = 0, batch_size: int = 64, stop_reward: float | None = None,
                     model_sizes: Mapping[str, int] | None = None, num_threads: int | None = 1,
-                    progress: bool = True) -> Path:
+                    progress: bool = True, arch: str = "qwen2") -> Path:
     """The warm-started tiny model directory at ``path``, trained now unless cached with these settings.
 
     Args:
@@ -386,11 +391,13 @@ def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.Path
             floating-point sums, and with them the run: with ``stop_reward`` it stops elsewhere).
         stop_reward: stop once the sampled (T=1) reward on the first training prompts reaches
             it (``model.sft_stop_reward``; see the module docstring); ``steps`` is then a bound.
-        model_sizes: :func:`megarl.models.tiny.tiny_qwen2_config` sizes; None: :data:`DEFAULT_MODEL_SIZES`.
+        model_sizes: the tiny config function's sizes; None: :data:`DEFAULT_MODEL_SIZES` (``qwen2``) or
+            :data:`DEFAULT_MOE_SIZES` (``qwen3_moe``).
         num_threads: torch threads while training; None: unchanged. Measured on 2 cores, batch 64:
             idle, 0.10 s per step with one thread and 0.063 s with two; with the other core busy,
             0.10-0.16 s with one and 1.2-1.9 s with two (they wait on each other), hence 1.
         progress: show a tqdm progress bar.
+        arch: the tiny model's architecture (``model.tiny_arch``: :data:`megarl.models.tiny.TINY_ARCHS`).
 
     Returns ``path`` (expanded). Raises ``ValueError`` when ``path`` exists but is not a warm
     start made by this function (nothing is overwritten then).
@@ -401,7 +408,9 @@ def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.Path
     if stop_reward is not None and not 0.0 < stop_reward <= 1.0:
         raise ValueError(f"model.sft_stop_reward must be in (0, 1] (or None to run all sft_steps), got {stop_reward}")
     path = Path(path).expanduser().absolute()
-    sizes = dict(DEFAULT_MODEL_SIZES if model_sizes is None else model_sizes)
+    if model_sizes is None:
+        model_sizes = DEFAULT_MOE_SIZES if arch == "qwen3_moe" else DEFAULT_MODEL_SIZES
+    sizes = {**model_sizes, **({"arch": arch} if arch != "qwen2" else {})}
     tokenizer = build_tiny_tokenizer()
     rows = read_sft_rows(train_files)
     settings = tiny_sft_settings(steps=steps, lr=lr, seed=seed, batch_size=batch_size, stop_reward=stop_reward,

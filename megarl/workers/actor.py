@@ -17,6 +17,7 @@ from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
 from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
+from megarl.parallel.routing import ROUTED_EXPERTS
 from megarl.workers.micro import micro_batches, pad_responses
 from megarl.workers.sharded_model import ShardedModel, StepResult
 
@@ -42,23 +43,31 @@ class LogProbRole:
 
 
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
-                         micro_batch_size: int | None = None, max_token_len: int | None = None):
+                         micro_batch_size: int | None = None, max_token_len: int | None = None,
+                         replay_routing: bool = False, measure_routing: bool = False):
         """``log_probs`` (and ``entropy``) [N, R] of this DP rank's rows; None off the collect rank.
 
         Micro-batches: ``max_token_len`` (token budget) or ``micro_batch_size`` rows, else this
-        role's settings. Positions past a row's response are 0.
+        role's settings. Positions past a row's response are 0. ``replay_routing`` / ``measure_routing``
+        (mixture-of-experts models, the batch's ``rollout_routed_experts``): the routers replay the rollout's
+        experts / the routing that differs from them is counted, per row ``routing_counts`` [N, 3]
+        (:data:`megarl.parallel.routing.COUNTS`).
         """
         R = batch["responses"].shape[1]
         budget = max_token_len or (None if micro_batch_size else self.max_token_len)
-        micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
+        keys = ["input_ids", "attention_mask"] + ([ROUTED_EXPERTS] if replay_routing or measure_routing else [])
+        micro, widths = micro_batches(batch, keys,
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
                                       max_tokens=budget, multiple_of=self.micro_multiple, **self.model.token_layout)
-        out = self.model.forward_logprobs(micro, temperature=temperature)
+        out = self.model.forward_logprobs(micro, temperature=temperature, replay_routing=replay_routing,
+                                          measure_routing=measure_routing)
         if out is None or not self.model.groups.is_collect_rank:
             return None
         result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R)}
         if with_entropy:
             result["entropy"] = pad_responses([response_slice(o["entropy"], r) for o, r in zip(out, widths)], R)
+        if measure_routing:
+            result["routing_counts"] = self.model.last_routing_counts.float()
         return result
 
 
@@ -102,6 +111,8 @@ class ActorRole(LogProbRole):
                 f"(actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} over dp={dp})"
             )
         keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
+        if config.router_replay.replay:
+            keys.append(ROUTED_EXPERTS)
         if config.use_kl_loss:
             keys.append("ref_log_prob")
         if config.tis_cap is not None:
@@ -146,7 +157,8 @@ class ActorRole(LogProbRole):
                                  size=None if ppo.use_dynamic_bsz else ppo.ppo_micro_batch_size_per_gpu,
                                  max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
                                  multiple_of=self.micro_multiple, **self.model.token_layout)
-        result = self.model.train_step(micro, loss_fn, temperature=temperature)
+        result = self.model.train_step(micro, loss_fn, temperature=temperature,
+                                       replay_routing=self.config.router_replay.replay)
         # pg_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over all micro-batches of all DP ranks, the mini-batch value is their sum.
         if "pg_loss" in result.metrics:

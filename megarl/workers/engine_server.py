@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,16 @@ class EngineServerWorker(Worker):
         return host, free_ports(host, num_ports)
 
     def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
-                     log_dir: str, tp: int = 1, node_rank: int = 0, launch: Any = None, url: str | None = None) -> str:
+                     log_dir: str, tp: int = 1, node_rank: int = 0, launch: Any = None, url: str | None = None,
+                     extra_args: Sequence[str] = ()) -> str:
         """Start engine ``engine``'s server (its part on node ``node_rank``) and wait until it is healthy;
         returns its URL.
 
         ``tp``: the engine's TP size (megarl's CPU server takes one weight payload, and joins one group member,
         per TP rank, as SGLang's ranks do). ``launch``/``url``: for ``rollout.name=sglang``, the
         :class:`~megarl.controller.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
-        and the URL it serves on (from :meth:`address`).
+        and the URL it serves on (from :meth:`address`). ``extra_args``: appended to megarl's CPU server's
+        command line (SGLang's are in ``launch``).
         """
         self.engine, self.node_rank = engine, node_rank
         host = node_ip()
@@ -64,7 +67,7 @@ class EngineServerWorker(Worker):
             port = free_port(host)
             argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
-                    _hf_device(device), "--tp-size", str(tp)]
+                    _hf_device(device), "--tp-size", str(tp), *extra_args]
             if model.trust_remote_code:
                 argv.append("--trust-remote-code")
             env: dict[str, str] = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

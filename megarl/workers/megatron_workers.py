@@ -125,7 +125,8 @@ class ActorWorker(_MegatronWorker):
         """Build the policy from the run's sections (the log-prob recompute's micro-batches are ``rollout``'s)."""
         sharded = _build_sharded(model, actor.parallel, optim=actor.optim, seed=seed,
                                recompute_granularity=actor.recompute_granularity,
-                               recompute_num_layers=actor.recompute_num_layers)
+                               recompute_num_layers=actor.recompute_num_layers,
+                               router_replay=actor.router_replay.replay)
         coords = self._init(sharded)
         self.actor = ActorRole(sharded, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords
@@ -136,22 +137,32 @@ class ActorWorker(_MegatronWorker):
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
         shards): a second Megatron model on the same process groups, never trained.
         """
-        sharded = _build_sharded(model, self.sharded.groups.dims, seed=seed, groups=self.sharded.groups)
+        replay = self.actor.config.router_replay.replay
+        sharded = _build_sharded(model, self.sharded.groups.dims, seed=seed, groups=self.sharded.groups,
+                                 router_replay=replay)
         self.ref = LogProbRole(sharded, **_log_prob_batches(ref))
 
     @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
-        """``ref_log_prob`` [N, R] under the reference policy."""
-        out = self.ref.compute_log_prob(batch, temperature=temperature)
+        """``ref_log_prob`` [N, R] under the reference policy (replaying the rollout's routing with
+        ``actor.router_replay.mode=replay``)."""
+        out = self.ref.compute_log_prob(batch, temperature=temperature,
+                                        replay_routing=self.actor.config.router_replay.replay)
         return None if out is None else Batch(tensors={"ref_log_prob": out["log_probs"]})
 
     @busy
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
-        """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update)."""
-        out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True)
+        """``old_log_probs`` and ``entropys`` [N, R] of the behaviour policy (before any update); with
+        ``actor.router_replay`` on, ``routing_counts`` [N, 3] (the rollout's routing replayed or compared)."""
+        replay = self.actor.config.router_replay
+        out = self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=True,
+                                          replay_routing=replay.replay, measure_routing=replay.enabled)
         if out is None:
             return None
-        return Batch(tensors={"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
+        tensors = {"old_log_probs": out["log_probs"], "entropys": out["entropy"]}
+        if "routing_counts" in out:
+            tensors["routing_counts"] = out["routing_counts"]
+        return Batch(tensors=tensors)
 
     @busy
     def update_actor(self, batch: Batch, *, temperature: float = 1.0, seed: int = 0) -> dict[str, float] | None:
