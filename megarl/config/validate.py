@@ -265,6 +265,10 @@ def _check_algorithm(cfg: RunConfig) -> None:
     if actor.use_kl_loss and actor.kl_loss_coef == 0:
         raise ValueError(f"{ARR}.actor.use_kl_loss=True with {ARR}.actor.kl_loss_coef=0 computes the reference for "
                          f"nothing: set a positive kl_loss_coef or use_kl_loss=False")
+    if actor.router_replay.enabled and cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ValueError(f"{ARR}.actor.router_replay.mode={actor.router_replay.mode} needs single-turn rollouts: "
+                         f"multi-turn rollouts ({ARR}.rollout.multi_turn.enable) do not carry the engines' routed "
+                         f"experts yet; set router_replay.mode=off")
     if actor.tis_cap is not None and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         raise ValueError(f"{ARR}.actor.tis_cap={actor.tis_cap} needs the engines' log-probs: set "
                          f"{ARR}.rollout.calculate_log_probs=True or {ARR}.actor.tis_cap=null")

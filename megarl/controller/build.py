@@ -230,7 +230,9 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
         calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
         # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
-        routed = ("--enable-return-routed-experts",) if arr.actor.router_replay.enabled else ()
+        from megarl.controller.engine_gpus import ROUTED_EXPERTS_FLAG
+
+        routed = (ROUTED_EXPERTS_FLAG,) if arr.actor.router_replay.enabled else ()
         if gpus is None:
             for call in calls:
                 call["extra_args"] = routed
@@ -247,7 +249,7 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
                     engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
                 call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
                                                        seed=seeds[slot.engine], node_rank=slot.node_rank, host=host,
-                                                       extra_args=routed)
+                                                       return_routed_experts=bool(routed))
                 call["url"] = f"http://{host}:{ports[0]}"
         urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
                                           device=cfg.trainer.device, log_dir=str(log_dir), **call))

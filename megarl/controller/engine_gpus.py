@@ -310,6 +310,9 @@ class LaunchCommand:
         return merged
 
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's launch flag that makes ``/generate`` answer ``return_routed_experts`` (megarl's CPU server takes it too)."""
+
 MEMORY_SAVER_UNSET_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """Removed from the server's environment with the memory saver: torch_memory_saver does not support
 expandable segments, which a Megatron worker's environment may enable (slime removes them too)."""
@@ -317,7 +320,8 @@ expandable segments, which a Megatron worker's environment may enable (slime rem
 
 def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: ModelConfig, port: int, seed: int,
                           node_rank: int = 0, host: str | None = None, context_length: int | None = None,
-                          python: str = sys.executable, extra_args: Sequence[str] = ()) -> LaunchCommand:
+                          return_routed_experts: bool = False, python: str = sys.executable,
+                          extra_args: Sequence[str] = ()) -> LaunchCommand:
     """``python -m sglang.launch_server`` for engine ``gpus`` on its node ``node_rank`` (sglang 0.5.23 flags).
 
     - ``--model-path`` (``model.path``; ``--tokenizer-path`` when ``model.tokenizer_path`` is set),
@@ -332,6 +336,8 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
     - ``--enable-memory-saver`` when ``rollout.free_cache_engine``: without it SGLang's
       ``/release_memory_occupation`` frees nothing;
     - ``--context-length`` when ``context_length`` is given (``rollout.max_model_len``, else P + R);
+    - ``--enable-return-routed-experts`` with ``return_routed_experts`` (``actor.router_replay`` on: ``/generate``
+      answers every token's routed experts);
     - ``--skip-server-warmup`` always: the warm-up request would run before the first weight sync,
       and a slow one fails the start (slime skips it too);
     - then ``extra_args`` as given.
@@ -360,6 +366,8 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
         argv.append("--enable-memory-saver")
     if context_length is not None:
         argv += ["--context-length", str(int(context_length))]
+    if return_routed_experts:
+        argv.append(ROUTED_EXPERTS_FLAG)
     if gpus.nnodes > 1:
         argv += ["--nnodes", str(gpus.nnodes), "--node-rank", str(node_rank), "--dist-init-addr",
                  str(gpus.dist_init_addr)]

@@ -108,10 +108,8 @@ class RolloutManager:
         if pad is None:
             raise ValueError("RolloutManager needs a tokenizer with pad_token_id or eos_token_id to pad responses")
         self.pad_token_id = int(pad)
-        if routing_shape is not None and config.multi_turn.enable:
-            raise ValueError("actor_rollout_ref.actor.router_replay.mode needs single-turn rollouts: multi-turn "
-                             "rollouts (rollout.multi_turn.enable) do not carry routed experts yet; set the mode to "
-                             "off")
+        if routing_shape is not None and config.multi_turn.enable:  # the config refuses it (validate)
+            raise ValueError("routed experts are carried by single-turn rollouts only (rollout.multi_turn.enable)")
         self.routing_shape = routing_shape
         self._in_flight = [0] * len(self.engines)
         self._in_flight_lock = threading.Lock()

@@ -126,3 +126,18 @@ def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_place
                                          r"data\.max_prompt_length=64 \(the 1 tool schemas included\): the "
                                          r"shortest has \d{3} tokens; raise data\.max_prompt_length"):
         build_datasets(with_tools, tokenizer, load_agent_plugins(with_tools), console=lambda *_: None)
+
+
+def test_routing_replay_shape_comes_from_the_policy_and_a_dense_policy_is_refused(tmp_path):
+    """``routing_shape``: (layers, top-k) of a mixture-of-experts policy with ``router_replay`` on, None when off; a
+    dense policy with it on is refused naming the key, before anything is placed."""
+    from megarl.controller.build import routing_shape
+    from megarl.models.tiny import save_tiny
+
+    moe = save_tiny(tmp_path / "moe", arch="qwen3_moe", num_layers=3)
+    dense = save_tiny(tmp_path / "dense", num_layers=1)
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    assert routing_shape(load_config([f"actor_rollout_ref.model.path={moe}", f"{key}=replay"])) == (3, 2)
+    assert routing_shape(load_config([f"actor_rollout_ref.model.path={moe}"])) is None
+    with pytest.raises(ValueError, match=rf"{key}=compare needs a mixture-of-experts policy; .* is a qwen2 model"):
+        routing_shape(load_config([f"actor_rollout_ref.model.path={dense}", f"{key}=compare"]))

@@ -110,6 +110,8 @@ def test_broken_override_names_the_key(override, key):
     ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
     ("trainer.device=tpu", "trainer.device"),
     (f"{ARR}.actor.optim.lr=0", f"{ARR}.actor.optim"),
+    (f"{ARR}.actor.router_replay.mode=R3", f"{ARR}.actor.router_replay.mode"),
+    (f"{ARR}.model.tiny_arch=llama", f"{ARR}.model.tiny_arch"),
 ])
 def test_section_check_names_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -207,6 +209,8 @@ RULE_CASES = [
     ("algo_multi_turn_raw_chat", [f"{ARR}.rollout.multi_turn.enable=true"], "data.return_raw_chat"),
     ("algo_kl_coef", [f"{ARR}.actor.kl_loss_coef=0"], f"{ARR}.actor.kl_loss_coef"),
     ("algo_tis", [f"{ARR}.actor.tis_cap=2.0", f"{ARR}.rollout.calculate_log_probs=false"], f"{ARR}.actor.tis_cap"),
+    ("algo_router_replay_multi_turn", [f"{ARR}.actor.router_replay.mode=replay", f"{ARR}.rollout.multi_turn.enable=true",
+                                       "data.return_raw_chat=true"], f"{ARR}.actor.router_replay.mode=replay"),
     # asynchronous training
     ("async_colocated", ["trainer.mode=fully_async"], f"{ARR}.hybrid_engine=false"),
     ("async_multi_turn", ["trainer.mode=one_step_off", f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]",
@@ -239,6 +243,14 @@ def test_fixed_variants_of_the_rules_pass():
     validate(_cfg("recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false",
                   f"{ARR}.rollout.free_cache_engine=false"))
     validate(_cfg(f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]"))
+    validate(_cfg(f"{ARR}.actor.router_replay.mode=compare"))
+
+
+def test_the_tiny_architectures_the_config_names_are_the_ones_megarl_builds():
+    from megarl.config.model import TINY_ARCHS
+    from megarl.models.tiny import TINY_ARCHS as BUILT
+
+    assert set(TINY_ARCHS) == set(BUILT)
 
 
 def test_sections_check_themselves_without_hydra():

@@ -157,3 +157,11 @@ def test_tis_weights_feed_the_policy_loss_without_gradient():
     close(loss, -1.4)
     loss.backward()
     close(logp.grad, [[-0.4, -1.0]])  # d(-w * ratio)/d logp / 2 = -w/2
+
+
+def test_routing_metrics_are_fractions_of_the_compared_routings():
+    """Per-row counts (differing in the pass, differing by the routers' own choice, compared) -> fractions."""
+    counts = torch.tensor([[0.0, 3.0, 10.0], [0.0, 1.0, 6.0], [0.0, 0.0, 0.0]])
+    assert mismatch.routing_metrics(counts) == {"moe/routing_mismatch": 0.0, "moe/router_natural_mismatch": 0.25,
+                                                "moe/routing_decisions": 16.0}
+    assert mismatch.routing_metrics(torch.zeros(2, 3)) == {"moe/routing_decisions": 0.0}

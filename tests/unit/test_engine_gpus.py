@@ -221,7 +221,7 @@ def test_launch_commands_of_a_tp16_engine_on_both_nodes():
 def all_commands() -> list[tuple[str, ...]]:
     """One command of every shape above, every optional flag included."""
     full = dict(rollout=ROLLOUT, model=ModelConfig(path="/m", tokenizer_path="/t", trust_remote_code=True),
-                context_length=2048)
+                context_length=2048, return_routed_experts=True)
     cmds = []
     for tp, nodes in ((1, [8]), (4, [8]), (8, [8])):
         for gpus in engine_gpus(make_placement(nodes=nodes, actor=ParallelDims(tp=tp)).engines,
@@ -248,7 +248,7 @@ EMITTED_FIELDS = {
     "--skip-server-warmup": "skip_server_warmup", "--trust-remote-code": "trust_remote_code",
     "--disable-cuda-graph": "disable_cuda_graph", "--enable-memory-saver": "enable_memory_saver",
     "--context-length": "context_length", "--nnodes": "nnodes", "--node-rank": "node_rank",
-    "--dist-init-addr": "dist_init_addr"}
+    "--dist-init-addr": "dist_init_addr", "--enable-return-routed-experts": "enable_return_routed_experts"}
 """Every flag :func:`sglang_launch_command` can emit -> the ``ServerArgs`` field it is meant to set."""
 
 
