@@ -16,6 +16,7 @@ from megarl.config.model import OptimConfig
 from megarl.config.parallel import ParallelDims
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss")
 
 
 ROUTER_REPLAY_MODES = ("off", "compare", "replay")
@@ -105,6 +106,15 @@ class ActorConfig:
     """Move optimizer states to host memory outside the update (GPU only)."""
     router_replay: RouterReplayConfig = dataclasses.field(default_factory=RouterReplayConfig)
     """Mixture-of-experts policies: replay (or compare with) the rollout engines' routing."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts policies: weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``; 0: off).
+    It enters as its mean over the step's micro-batches and data-parallel ranks, whatever their token counts."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts policies: weight of the router z-loss (ST-MoE; Megatron's ``moe_z_loss_coeff``; 0: off),
+    normalised as the load-balancing loss."""
+    moe_load_balancing_type: str = "aux_loss"
+    """The load-balancing loss: ``aux_loss`` (GShard/Switch, over each micro-batch's tokens) or ``seq_aux_loss``
+    (DeepSeek-V2/V3, per sequence)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.actor"
@@ -132,6 +142,10 @@ class ActorConfig:
         if self.recompute_granularity is not None:
             check_choice(f"{p}.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         check_positive(f"{p}.recompute_num_layers", self.recompute_num_layers)
+        check_choice(f"{p}.moe_load_balancing_type", self.moe_load_balancing_type, MOE_LOAD_BALANCING_TYPES)
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{p}.{key} must be >= 0 (0 turns it off), got {getattr(self, key)}")
 
     @property
     def clip_range(self) -> tuple[float, float]:

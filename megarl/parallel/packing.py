@@ -264,14 +264,15 @@ def left_align(attention_mask_BS: torch.Tensor) -> torch.Tensor:
     return (positions_S[None, :] + first_B[:, None]) % S
 
 
-def _mask(micro_batch: dict) -> torch.Tensor:
+def token_mask(micro_batch: dict) -> torch.Tensor:
+    """``[B, S]`` bool: the micro-batch's tokens (its ``attention_mask``; all of ``input_ids`` without one)."""
     mask = micro_batch.get("attention_mask")
     return torch.ones_like(micro_batch["input_ids"], dtype=torch.bool) if mask is None else mask.bool()
 
 
 def packed_length(micro_batch: dict, seg_align: int, total_align: int) -> int:
     """``T`` of :func:`prepare_packed` for this micro-batch (without ``pad_to``)."""
-    lengths = [round_up(int(n), seg_align) for n in _mask(micro_batch).sum(dim=1).tolist() if n > 0]
+    lengths = [round_up(int(n), seg_align) for n in token_mask(micro_batch).sum(dim=1).tolist() if n > 0]
     return round_up(max(sum(lengths), 1), total_align)
 
 
@@ -283,7 +284,7 @@ def prepare_packed(micro_batch: dict, *, seg_align: int = 1, total_align: int = 
     from megatron.core.packed_seq_params import PackedSeqParams
 
     input_ids = micro_batch["input_ids"]
-    mask = _mask(micro_batch)
+    mask = token_mask(micro_batch)
     left_align(mask)  # raises on padding between a row's tokens
     real = [int(n) for n in mask.sum(dim=1).tolist()]
     kept = [n for n in real if n > 0]
@@ -322,7 +323,7 @@ def prepare_padded(micro_batch: dict, *, shape: tuple[int, int] | None = None, t
     """The micro-batch's rows rotated to start at column 0, padded (rows and columns) to ``shape`` and the
     columns to a multiple of ``total_align``, then split over CP ranks (see the module docstring)."""
     input_ids = micro_batch["input_ids"]
-    mask = _mask(micro_batch).to(input_ids.dtype)
+    mask = token_mask(micro_batch).to(input_ids.dtype)
     rows, columns = input_ids.shape
     target_rows, target_columns = shape if shape is not None else (rows, columns)
     target_columns = round_up(target_columns, total_align)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.parallel.logprob import vocab_parallel_logprobs
-from megarl.parallel.packing import Prepared, pack_alignment, packed_length, prepare_packed, prepare_padded
+from megarl.parallel.packing import (Prepared, pack_alignment, packed_length, prepare_packed, prepare_padded,
+                                     token_mask)
 
 if TYPE_CHECKING:
     from megarl.parallel.groups import ProcessGroups
@@ -121,7 +122,8 @@ def forward_backward(
     iterators = [iter(enumerate(prepared)) for _ in range(len(model_chunks))]
     try:
         return schedule(
-            forward_step_func=functools.partial(_forward_step, loss_func, routing),
+            forward_step_func=functools.partial(_forward_step, loss_func, routing,
+                                                _padding_split(config, groups) if config.num_moe_experts else None),
             data_iterator=iterators if len(model_chunks) > 1 else iterators[0],
             model=list(model_chunks),
             num_microbatches=len(micro_batches),
@@ -226,8 +228,24 @@ def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int, packed: bool,
     return [(mb, prepare_padded(mb, shape=shape, total_align=total_align, **split)) for mb in micro_batches]
 
 
-def _forward_step(loss_func: Callable, routing: Routing | None, data_iterator, model: torch.nn.Module):
+def _padding_split(config, groups: ProcessGroups | None) -> tuple[int, int]:
+    """``(tp_rank, tp)`` over which a sequence-parallel model splits its tokens (``(0, 1)`` without SP)."""
+    if not config.sequence_parallel:
+        return 0, 1
+    if groups is not None:
+        return groups.tp_rank, groups.dims.tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _forward_step(loss_func: Callable, routing: Routing | None, moe_split: tuple[int, int] | None, data_iterator,
+                  model: torch.nn.Module):
     """Megatron's forward step: run ``model`` on the next prepared micro-batch (its routers set by ``routing``).
+
+    Mixture-of-experts models (``moe_split``: the SP split, :func:`_padding_split`) get Megatron's ``padding_mask``
+    (True on the pack's or the rectangle's padding): the routers leave those tokens out of the load-balancing and
+    z losses. Megatron splits it for SP on the first stage only, so later stages get this rank's part.
 
     Returns the chunk's output and the loss function bound to that micro-batch's inputs, which
     Megatron calls with the output on the last stage.
@@ -235,7 +253,26 @@ def _forward_step(loss_func: Callable, routing: Routing | None, data_iterator, m
     index, (micro_batch, prepared) = next(data_iterator)
     if routing is not None:
         routing.before_forward(model, index, micro_batch, prepared)
-    output = model(prepared.input_ids, prepared.position_ids, None, packed_seq_params=prepared.packed_seq_params)
+    kwargs, config, z_coeff = {}, None, None
+    if moe_split is not None:
+        padding_bt = ~prepared.to_model(token_mask(micro_batch), False)
+        tp_rank, tp = moe_split
+        block = padding_bt.shape[1] // tp
+        local_bt = padding_bt[:, tp_rank * block:(tp_rank + 1) * block]
+        kwargs["padding_mask"] = (padding_bt if getattr(_unwrap(model), "pre_process", True) else local_bt).contiguous()
+        config = _unwrap(model).config
+        z_coeff = config.moe_z_loss_coeff
+        if z_coeff and model.training:
+            # Megatron's z-loss is each rank's mean over its tokens, its coefficient divided by TP × CP: weight this
+            # rank's mean by its share of the micro-batch's tokens, so the sum over ranks is the micro-batch's mean.
+            local, total = int((~local_bt).sum()), int(token_mask(micro_batch).sum())
+            config.moe_z_loss_coeff = z_coeff * tp * prepared.cp * local / max(total, 1)
+    try:
+        output = model(prepared.input_ids, prepared.position_ids, None,
+                       packed_seq_params=prepared.packed_seq_params, **kwargs)
+    finally:
+        if config is not None:
+            config.moe_z_loss_coeff = z_coeff
     if routing is not None:
         routing.after_forward()
     return output, functools.partial(loss_func, micro_batch, prepared)

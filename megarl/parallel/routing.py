@@ -10,6 +10,8 @@ A :class:`Routing` given to :func:`megarl.parallel.forward_backward` uses them o
   micro-batch's forward the routers get its targets and the action ``REPLAY_FORWARD``; after it, the action
   ``REPLAY_BACKWARD``, so a layer recomputed during the backward pass (``recompute_granularity=full``) pops the
   targets of its own micro-batch, in schedule order, whatever the pipeline interleaving.
+- **count_experts**: forward hooks count the tokens each router sends to each expert (load balance; padding
+  left out).
 - **measure**: forward hooks on the routers count, per batch row, the (token, MoE layer) pairs whose experts differ
   from the rollout's: as routed in this pass (0 under replay) and as the training router would choose by itself
   (its top-k of the gating logits; the same thing without replay). Counts are over the tokens the engine routed:
@@ -29,6 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from megarl.parallel.packing import token_mask
 
 ROUTED_EXPERTS = "rollout_routed_experts"
 """The batch key of the rollout's routed experts, ``[B, S, num_layers, top_k]`` (small integer dtype)."""
@@ -78,8 +82,8 @@ class Routing:
     cut from the micro-batch. Use it for one call; :meth:`close` (the call does it) restores the routers."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], *, replay: bool, measure: bool, tp_rank: int = 0,
-                 tp: int = 1, sequence_parallel: bool = False) -> None:
-        self.replay, self.measure = replay, measure
+                 tp: int = 1, sequence_parallel: bool = False, count_experts: bool = False) -> None:
+        self.replay, self.measure, self.count_experts = replay, measure, count_experts
         self.tp_rank, self.tp, self.sequence_parallel = tp_rank, tp, sequence_parallel
         self._routers = {id(_unwrap(chunk)): routers(chunk) for chunk in chunks}
         if replay:
@@ -89,9 +93,13 @@ class Routing:
                                  f"moe_enable_routing_replay (build the model with router_replay=True)")
         self._contexts: dict[int, _Context] = {}
         self._counts: dict[int, torch.Tensor] = {}
+        self._real: dict[int, torch.Tensor] = {}
+        self.expert_tokens: dict[int, torch.Tensor] = {}
+        """With ``count_experts``: per layer number, the tokens this rank's router sent to each expert (forward
+        passes only)."""
         self._counting = False
         self._handles = []
-        if measure:
+        if measure or count_experts:
             for chunk_id, chunk_routers in self._routers.items():
                 for router in chunk_routers:
                     self._handles.append(router.register_forward_hook(functools.partial(self._hook, chunk_id)))
@@ -103,6 +111,11 @@ class Routing:
         chunk_id = id(_unwrap(model))
         chunk_routers = self._routers.get(chunk_id)
         if not chunk_routers:
+            return
+        self._counting = True
+        if self.count_experts:  # the tokens of the micro-batch (not the pack's or the rectangle's padding)
+            self._real[chunk_id] = self._router_order(prepared.to_model(token_mask(micro_batch), False))
+        if not (self.replay or self.measure):
             return
         routed_BSLK = micro_batch.get(ROUTED_EXPERTS)
         if routed_BSLK is None:
@@ -121,7 +134,6 @@ class Routing:
             for router in chunk_routers:
                 router.router_replay.set_target_indices(targets[:, router.layer_number - 1].contiguous())
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        self._counting = True
 
     def after_forward(self) -> None:
         """The micro-batch's forward is done: what runs before the next one is backward (recomputation pops)."""
@@ -146,8 +158,14 @@ class Routing:
     def _hook(self, chunk_id: int, router, args: tuple, output: tuple) -> None:
         if not self._counting:  # a recomputation in the backward pass: counted in its forward already
             return
-        context = self._contexts[chunk_id]
         _, routing_map = output
+        if self.count_experts:
+            tokens = routing_map[self._real[chunk_id].to(routing_map.device)].sum(dim=0).to("cpu", torch.float64)
+            previous = self.expert_tokens.get(router.layer_number)
+            self.expert_tokens[router.layer_number] = tokens if previous is None else previous + tokens
+        if not self.measure:
+            return
+        context = self._contexts[chunk_id]
         if routing_map.shape[0] != context.targets.shape[0]:
             raise RuntimeError(f"routing: layer {router.layer_number}'s router saw {routing_map.shape[0]} tokens, the "
                                f"micro-batch gives this rank {context.targets.shape[0]}")

@@ -126,7 +126,9 @@ class ActorWorker(_MegatronWorker):
         sharded = _build_sharded(model, actor.parallel, optim=actor.optim, seed=seed,
                                recompute_granularity=actor.recompute_granularity,
                                recompute_num_layers=actor.recompute_num_layers,
-                               router_replay=actor.router_replay.replay)
+                               router_replay=actor.router_replay.replay, moe_aux_loss_coeff=actor.moe_aux_loss_coeff,
+                               moe_z_loss_coeff=actor.moe_z_loss_coeff,
+                               moe_load_balancing_type=actor.moe_load_balancing_type)
         coords = self._init(sharded)
         self.actor = ActorRole(sharded, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords

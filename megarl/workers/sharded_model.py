@@ -12,6 +12,7 @@ Legend: N rows, S sequence length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -72,7 +73,8 @@ class ShardedModel:
                  params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
                  groups=None, value_head: bool = False, recompute_granularity: str | None = None,
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
-                 router_replay: bool = False, **transformer_overrides):
+                 router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
+                 moe_load_balancing_type: str = "aux_loss", **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -92,6 +94,15 @@ class ShardedModel:
                 raise ValueError(f"router replay needs a mixture-of-experts model; {self.hf_dir} is a "
                                  f"{self.family.name} model: set actor_rollout_ref.actor.router_replay.mode=off")
             transformer_overrides["moe_enable_routing_replay"] = True
+        self.moe_losses = (float(moe_aux_loss_coeff), float(moe_z_loss_coeff))
+        """The load-balancing and z-loss coefficients (per micro-batch and DP rank's mean; see :meth:`train_step`)."""
+        if any(self.moe_losses):
+            if self.family.moe is None:
+                raise ValueError(f"moe_aux_loss_coeff / moe_z_loss_coeff need a mixture-of-experts model; "
+                                 f"{self.hf_dir} is a {self.family.name} model: set them to 0")
+            transformer_overrides.update(
+                moe_router_load_balancing_type=moe_load_balancing_type if moe_aux_loss_coeff else "none",
+                moe_aux_loss_coeff=float(moe_aux_loss_coeff), moe_z_loss_coeff=float(moe_z_loss_coeff) or None)
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
@@ -104,6 +115,14 @@ class ShardedModel:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
             RouterReplay.clear_global_router_replay_instances()
+        if self.family.moe is not None:
+            from megarl.parallel.routing import routers
+
+            # Megatron's per-token loss setting would scale the aux and z losses by each rank's token count
+            # (feasibility A); megarl scales their coefficients per step instead (train_step).
+            for chunk in chunks:
+                for router in routers(chunk):
+                    router.calculate_per_token_loss = False
         self.last_routing_counts: torch.Tensor | None = None
         """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
         (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
@@ -171,14 +190,15 @@ class ShardedModel:
         align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=self.config.sequence_parallel)[0]
         return {"packed_align": align if self.packed else None, "cp": dims.cp}
 
-    def _routing(self, replay: bool, measure: bool):
-        """A :class:`~megarl.parallel.routing.Routing` for one call (None when neither is asked)."""
-        if not (replay or measure):
+    def _routing(self, replay: bool, measure: bool, count_experts: bool = False):
+        """A :class:`~megarl.parallel.routing.Routing` for one call (None when nothing is asked)."""
+        if not (replay or measure or count_experts):
             return None
         from megarl.parallel.routing import Routing
 
         return Routing(self.chunks, replay=replay, measure=measure, tp_rank=self.groups.tp_rank,
-                       tp=self.groups.dims.tp, sequence_parallel=self.config.sequence_parallel)
+                       tp=self.groups.dims.tp, sequence_parallel=self.config.sequence_parallel,
+                       count_experts=count_experts)
 
     def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
                          replay_routing: bool = False, measure_routing: bool = False) -> list[dict] | None:
@@ -231,6 +251,13 @@ class ShardedModel:
         loss-scaled gradients, after which Megatron's scaler lowers the scale (:data:`FP16_LOSS_SCALING`).
         The reported loss and gradient norm are unscaled. ``replay_routing``: the MoE routers take each
         micro-batch's ``rollout_routed_experts`` (forward, and layers recomputed in the backward pass).
+
+        Mixture-of-experts models: the load-balancing and z losses (:attr:`moe_losses`) enter as their mean over
+        the step's micro-batches and DP ranks (Megatron's normalisation), whatever the number of tokens or
+        micro-batches of each rank: gradients being summed, their coefficients are divided by this rank's
+        micro-batches × DP for the call. Metrics ``moe_aux_loss`` / ``moe_z_loss`` (unscaled, mean over layers,
+        micro-batches and ranks) and ``moe_load_max`` / ``moe_load_min``: the busiest and idlest expert's tokens
+        over an even share, worst layer.
         """
         from megarl.parallel import forward_backward
 
@@ -239,10 +266,15 @@ class ShardedModel:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
-                                   vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed,
-                                   routing=self._routing(replay_routing, False))
+        moe = self.family.moe is not None
+        routing = self._routing(replay_routing, False, count_experts=moe)
+        with self._moe_loss_scale(len(micro_batches)):
+            outputs = forward_backward(self.chunks, micro_batches, loss_fn=loss_fn, temperature=temperature,
+                                       vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed,
+                                       routing=routing)
         loss, metrics = self._reduce_metrics(outputs, len(micro_batches))
+        if moe:
+            metrics.update(self._moe_metrics(routing, len(micro_batches)))
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):
             self.optimizer.zero_grad()
@@ -253,6 +285,62 @@ class ShardedModel:
         if applied:
             self.scheduler.step(increment=1)
         return StepResult(applied=applied, loss=loss, grad_norm=grad_norm, lr=lr, metrics=metrics)
+
+    @contextlib.contextmanager
+    def _moe_loss_scale(self, num_micro_batches: int):
+        """The aux and z coefficients divided by this rank's micro-batches × DP for one call (see train_step)."""
+        aux, z = self.moe_losses
+        if not (aux or z):
+            yield
+            return
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        share = 1.0 / (num_micro_batches * self.groups.dims.dp)
+        self.config.moe_aux_loss_coeff = aux * share
+        self.config.moe_z_loss_coeff = z * share if z else None
+        try:
+            yield
+        finally:
+            self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff = aux, z or None
+
+    def _moe_metrics(self, routing, num_micro_batches: int) -> dict[str, float]:
+        """Aux / z losses (Megatron's tracker) and expert load over this step, reduced over every rank."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        sparse = self.family.moe.sparse_layers(self.hf_config)
+        num_layers, experts = len(sparse), self.family.moe.num_experts(self.hf_config)
+        # [layers, experts + 2]: tokens per expert, then the aux and z losses summed over micro-batches.
+        table = torch.zeros((num_layers, experts + 2), dtype=torch.float64)
+        for layer_number, tokens in routing.expert_tokens.items():
+            table[layer_number - 1, :experts] = tokens
+        tracker = get_moe_layer_wise_logging_tracker()
+        for column, name in ((experts, "load_balancing_loss"), (experts + 1, "z_loss")):
+            if name in tracker:
+                table[:, column] = tracker[name]["values"].detach().to("cpu", torch.float64)[:num_layers]
+                tracker[name]["values"].zero_()
+        # Tokens: disjoint over every axis (sum). Losses, per layer and micro-batch on each rank holding the layer:
+        # the aux loss is split over TP and CP ranks (each its tokens' part: sum), the z-loss is each rank's mean
+        # over its tokens (mean); both a mean over DP; layers of a stage summed over PP.
+        tokens, losses = table[:, :experts].contiguous(), table[:, experts:] / num_micro_batches
+        for axis in ("tp", "cp", "pp", "dp"):
+            size = getattr(self.groups.dims, axis)
+            if size > 1:
+                dist.all_reduce(tokens, group=getattr(self.groups, axis))
+                dist.all_reduce(losses, group=getattr(self.groups, axis))
+                if axis == "dp":
+                    losses /= size
+                elif axis != "pp":
+                    losses[:, 1] /= size
+        rows = [i for i, is_sparse in enumerate(sparse) if is_sparse]
+        share = tokens[rows] / tokens[rows].mean(dim=1, keepdim=True).clamp(min=1e-12)
+        out = {"moe_load_max": float(share.max()), "moe_load_min": float(share.min())}
+        aux, z = self.moe_losses
+        if aux:
+            out["moe_aux_loss"] = float(losses[rows, 0].mean())
+        if z:
+            out["moe_z_loss"] = float(losses[rows, 1].mean())
+        return out
 
     def _reduce_metrics(self, outputs: list[dict], num_micro_batches: int) -> tuple[float, dict[str, float]]:
         """Loss summed over micro-batches and DP ranks; other metrics averaged; known on every rank."""

@@ -368,9 +368,39 @@ def _routing(hf_dir: str, case: dict) -> dict:
     result = free.train_step(micro, _weighted_loss)
     steps["no_replay"] = (result.loss, result.grad_norm)
     out["train"] = steps
+    out["aux"] = _aux_losses(hf_dir, batch)
+    return out
+
+
+AUX_LAYOUTS = {"ep1": dict(), "ep2": dict(ep=2), "tp2_ep2_sp": dict(tp=2, ep=2, sequence_parallel=True),
+               "ep2_pp2": dict(ep=2, pp=2)}
+
+
+def _aux_losses(hf_dir: str, batch: dict) -> dict:
+    """One training step with the load-balancing and z losses on, over the same 4 one-row micro-batches (rows of
+    different lengths) at each layout of :data:`AUX_LAYOUTS` (1 or 2 micro-batches per rank, tokens split by SP or
+    not): loss, gradient norm, the logged aux / z losses and the expert load; and without the losses."""
+    from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
+    from megarl.workers.sharded_model import ShardedModel
+    from tests.distributed.checkpoint_jobs import OPTIM
+
+    out = {}
+    for layout, kwargs in [*AUX_LAYOUTS.items(), ("ep1_no_aux", None)]:
+        losses = {} if kwargs is None else {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+        model = ShardedModel(hf_dir, ParallelDims(**(kwargs or {})), optim=OptimConfig(**OPTIM), **losses)
+        dp, rank = model.groups.dims.dp, model.groups.dp_rank
+        micro = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(rank * 4 // dp, (rank + 1) * 4 // dp)]
+        for mb in micro:
+            mb["weights"] = torch.linspace(-1, 1, mb["input_ids"].shape[1])[None]
+        result = model.train_step(micro, _weighted_loss)
+        out[layout] = {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
     return out
 
 
 def _weighted_loss(logp, entropy, mb):
-    valid = mb["attention_mask"].float()
-    return -(logp * mb["weights"] * valid).sum() / 64, {}
+    """A fixed linear functional of the log-probs of the rows' next tokens (each row's last position predicts
+    nothing of the row: left out)."""
+    from megarl.parallel.routing import routed_mask
+
+    return -(logp * mb["weights"] * routed_mask(mb["attention_mask"]).float()).sum() / 64, {}

@@ -193,3 +193,24 @@ def test_replayed_training_recomputes_each_micro_batchs_own_routing(ep):
         (loss, norm), (loss_r, norm_r), (_, norm_free) = steps["none"], steps["full"], steps["no_replay"]
         assert abs(loss - loss_r) <= 1e-6 and abs(norm - norm_r) <= 1e-6 * max(norm, 1), steps
         assert abs(norm - norm_free) > 1e-3 * norm, steps
+
+
+def test_aux_and_z_losses_are_normalised_the_same_at_every_layout(ep):
+    """Issue 17 item 4: with the load-balancing (0.1) and z (0.01) losses on, one step over the same four one-row
+    micro-batches gives the same gradient norm, logged losses and expert load at EP1 (DP4), EP2, TP2×EP2 with SP
+    (each rank half the tokens: Megatron's per-token setting would scale the router's gradient by them) and EP2×PP2
+    (two micro-batches per rank); padding (the pack's alignment, PP's common shape) is left out; the losses change
+    the gradient. The logged z-loss is Megatron's: each rank's mean over its tokens, averaged over SP ranks (1.4 %
+    off the micro-batch's mean here); its gradient is exact."""
+    ranks, _ = ep
+    for rank in ranks:
+        aux = rank["routing"]["aux"]
+        ref = aux["ep1"]
+        assert ref["moe_aux_loss"] > 0 and ref["moe_z_loss"] > 0 and ref["moe_load_max"] >= 1 >= ref["moe_load_min"]
+        for layout in moe_jobs.AUX_LAYOUTS:
+            got = aux[layout]
+            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min"):
+                rel = 0.02 if key == "moe_z_loss" and "sp" in layout else 1e-5
+                assert got[key] == pytest.approx(ref[key], rel=rel, abs=1e-7), (layout, key, got[key], ref[key])
+        assert abs(aux["ep1_no_aux"]["grad_norm"] - ref["grad_norm"]) > 1e-4 * ref["grad_norm"]
+        assert aux["ep1_no_aux"]["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the policy loss alone
