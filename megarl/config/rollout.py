@@ -9,6 +9,9 @@ them, and the manager receives them next to the section.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+from pathlib import Path
 
 from megarl.config.common import DTYPES, check_choice, check_micro_batches, check_positive, check_sampling
 
@@ -16,10 +19,34 @@ ROLLOUT_NAMES = ("hf", "sglang")
 ENGINE_LAYOUTS = ("per_replica", "per_tp_group")
 ROUTER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 """sglang-router's ``--policy`` choices megarl offers (``rollout.router_policy``)."""
-TOOL_CALL_FORMATS = ("hermes", "qwen25")
-"""Tool-call formats the agent loop parses (``megarl.rollout.tool_parser.PARSERS`` has one parser per name)."""
 SANITY_CHECK_MODES = ("strict", "warn", "off")
 """``multi_turn.tokenization_sanity_check``: a mismatch FAILS the request, is logged and counted, or is not checked."""
+TOOL_PARSER_INSTALL = ("install sglang as the README does (pip install --no-deps sglang==0.5.23) next to megarl's own "
+                       "dependencies (openai, partial_json_parser, xgrammar: pip install -e .)")
+"""What installs SGLang's function-call parsers (the README's commands do)."""
+_FORMATS_NEEDING_ARGUMENTS = ("response_template",)
+"""SGLang parser names that need more than a name (a response template): not offered as ``multi_turn.format``."""
+
+
+@functools.cache
+def tool_call_formats() -> tuple[str, ...] | None:
+    """The tool-call formats ``multi_turn.format`` may name: SGLang's ``--tool-call-parser`` names, read from its
+    dependency-free ``sglang/srt/function_call/parser_names.py``; None when sglang is not installed.
+
+    The file is loaded by path because importing any ``sglang`` module first runs the package's ``__init__``, which
+    imports torch and transformers and patches the latter (4 s on 2 cores): too much for building a config.
+    """
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "srt" / "function_call" / "parser_names.py"
+    if not path.is_file():
+        raise ImportError(f"sglang at {path.parents[2]} has no {path.name}; megarl needs sglang 0.5.23: "
+                          f"{TOOL_PARSER_INSTALL}")
+    module_spec = importlib.util.spec_from_file_location("_megarl_sglang_parser_names", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return tuple(name for name in module.TOOL_CALL_PARSER_NAMES if name not in _FORMATS_NEEDING_ARGUMENTS)
 
 
 WEIGHT_TRANSPORTS = ("auto", "tensor", "distributed")
@@ -72,7 +99,9 @@ class MultiTurnConfig:
     interaction_config_path: str | None = None
     """YAML listing the interactions (simulated users); None: none."""
     format: str = "hermes"
-    """Tool-call format of the model (:data:`TOOL_CALL_FORMATS`)."""
+    """Tool-call format of the model: the name of one of SGLang's function-call parsers (its
+    ``--tool-call-parser``), e.g. ``hermes``, ``qwen25``, ``qwen3_coder``, ``llama3``, ``mistral``, ``deepseekv3``,
+    ``glm45``, ``kimi_k2``, ``gpt-oss``, ``pythonic`` (:func:`tool_call_formats` lists them)."""
     tool_timeout_s: float | None = 30.0
     """Limit of every tool and interaction hook call (create, execute, calc_reward, release, ...): an ``execute``
     that takes longer answers the model with a timeout error, any other hook fails its request; each expiry is
@@ -83,7 +112,12 @@ class MultiTurnConfig:
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout.multi_turn"
         check_positive(f"{p}.max_turns", self.max_turns)
-        check_choice(f"{p}.format", self.format, TOOL_CALL_FORMATS)
+        formats = tool_call_formats()
+        if formats is not None:
+            check_choice(f"{p}.format", self.format, formats)
+        elif self.enable:
+            raise ValueError(f"{p}.enable=true parses tool calls with SGLang's function-call parsers, and sglang is "
+                             f"not installed: {TOOL_PARSER_INSTALL}")
         check_choice(f"{p}.tokenization_sanity_check", self.tokenization_sanity_check, SANITY_CHECK_MODES)
         check_positive(f"{p}.tool_timeout_s", self.tool_timeout_s, allow_none=True)
         if self.max_user_turns is not None and self.max_user_turns < 0:

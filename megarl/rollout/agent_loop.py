@@ -22,9 +22,10 @@ sequence ``max_model_len``. Each generation asks for at most the tokens left; a 
 that limit, or tool/user tokens that leave no room for another turn, end the conversation with
 ``length``, and ``finalize`` truncates the outputs to the budget.
 
-Tool calls: every ``<tool_call>`` block of a turn gets one tool response, in order. Blocks that
-do not parse and calls of tools the request was not given get an error message as their
-response (counted in ``metrics``); the well-formed calls run concurrently
+Tool calls: SGLang's function-call parser of ``multi_turn.format`` reads them
+(:mod:`megarl.rollout.tool_parser`); every call of a turn gets one tool response, in order. Calls
+the parser could not read and calls of tools the request was not given get an error message as
+their response (counted in ``metrics``); the well-formed calls run concurrently
 (``asyncio.gather``). A tool that raises or times out also answers with an error message:
 the request goes on, and the model sees what went wrong. These are the containment boundaries
 for tool and interaction code (user code, so any ``Exception`` is caught there): a failing
@@ -71,7 +72,7 @@ from megarl.rollout.request import (
     RequestState,
     output_text,
 )
-from megarl.rollout.tool_parser import ToolCall, ToolCallError, get_tool_parser
+from megarl.rollout.tool_parser import ToolCall, ToolCallError, ToolCallParser
 from megarl.rollout.tools.base import BaseTool
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ class AgentLoop:
         if clash:
             raise ValueError(f"names {clash} are both tools and interactions; their rewards would share "
                              f"reward_scores keys, rename the interaction")
-        self.parser = get_tool_parser(config.multi_turn.format)
+        self.parser = ToolCallParser(config.multi_turn.format,
+                                     {name: tool.get_openai_tool_schema() for name, tool in self.tools.items()})
         self.hooks = hooks
         self._noted_ignored: set[str] = set()
 
@@ -297,8 +299,9 @@ class AgentLoop:
             request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs, complete=False)
             return FinishReasonType.LENGTH
         text = output_text(self.tokenizer, output.output_ids)
-        if request.tool_schemas and self.parser.has_tool_call(text):
-            parsed = self.parser.parse(text)
+        names = [schema["function"]["name"] for schema in request.tool_schemas]
+        parsed = self.parser.parse(text, names) if names else None
+        if parsed is not None and (parsed.calls or parsed.errors):
             structured = not parsed.errors
             request.add_assistant_message(self.tokenizer, output.output_ids, log_probs=log_probs,
                                           content=parsed.normal_text if structured else None,
@@ -313,7 +316,7 @@ class AgentLoop:
         return FinishReasonType.STOP
 
     async def _call_tools(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
-        """TOOL_CALLING: answer every call block of the last turn (calls run concurrently)."""
+        """TOOL_CALLING: answer every call of the last turn (calls run concurrently)."""
         calls, request.pending_tool_calls = request.pending_tool_calls, []
         if self._turn_limit_reached(request):
             request.count("num_tool_calls_skipped", len(calls))
@@ -327,12 +330,11 @@ class AgentLoop:
 
     async def _answer_call(self, request: AsyncRolloutRequest, call: ToolCall | ToolCallError,
                            hooks: HookRunner) -> str:
-        """The tool response to one call block: the tool's text, or an error message for the model."""
+        """The tool response to one call: the tool's text, or an error message for the model."""
         request.count("num_tool_calls")
         if isinstance(call, ToolCallError):
             request.count("num_tool_call_parse_errors")
-            return (f"Error: tool call {call.index} could not be parsed: {call.message}. Write each call as "
-                    f"<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+            return f"Error: tool call {call.index} could not be parsed: {call.message}."
         available = [schema["function"]["name"] for schema in request.tool_schemas]
         if call.name not in available:
             request.count("num_unknown_tool_calls")

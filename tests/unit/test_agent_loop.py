@@ -213,13 +213,45 @@ def test_malformed_json_is_answered_with_an_error(tok):
     assert req.state is RequestState.COMPLETED and req.finish_reason is FinishReasonType.STOP
     error = req.messages[3].content
     assert req.messages[3].role == "tool"
-    assert error.startswith("Error: tool call 0 could not be parsed: invalid JSON (Expecting ',' delimiter")
+    assert error == ('Error: tool call 0 could not be parsed: the hermes parser could not read it. Write each call '
+                     'as <tool_call>{"name":"<function-name>", "arguments":<arguments>}</tool_call>.')
     # The broken turn is kept verbatim (no structured calls), so it re-renders to what was generated.
     assert req.message_dicts()[2] == {"role": "assistant", "content": broken}
     check_sequence(tok, req, [*assistant(broken), (tool_turn(error), 0), (GEN, 0), *assistant(T_FINAL)])
     check_equals_template(tok, req)
     assert req.metrics["num_tool_call_parse_errors"] == 1 and req.metrics["num_tool_calls"] == 1
     assert req.reward_scores == {GSM8K: 0.0}
+
+
+def test_a_call_the_parser_skips_is_still_answered(tok):
+    """qwen25 reads block by block and leaves a broken block out of its calls: the loop still answers and counts it."""
+    turn = "Checking.\n" + call(GSM8K, {"answer": "72"}) + "\n<tool_call>\n{oops\n</tool_call>"
+    loop, _ = make_loop(tok, {Q1: [turn, T_FINAL]}, tools=gsm8k_tools(), format="qwen25")
+    [req] = run(loop, [request()])
+    assert req.state is RequestState.COMPLETED and req.finish_reason is FinishReasonType.STOP
+    error = ('Error: tool call 1 could not be parsed: the qwen25 parser could not read it. Write each call as '
+             '<tool_call>\n{"name":"<function-name>", "arguments":<arguments>}\n</tool_call>.')
+    check_sequence(tok, req, [*assistant(turn), (tool_turn("Current parsed answer=72 reward=1.0", error), 0),
+                              (GEN, 0), *assistant(T_FINAL)])
+    check_equals_template(tok, req)
+    assert req.message_dicts()[2] == {"role": "assistant", "content": turn}  # verbatim: a call was unreadable
+    assert req.metrics["num_tool_calls"] == 2 and req.metrics["num_tool_call_parse_errors"] == 1
+    assert req.reward_scores == {GSM8K: 1.0}
+
+
+def test_the_format_setting_chooses_the_parser(tok):
+    """A Mistral-format call runs under format=mistral and is plain text under the default (hermes)."""
+    turn = "Checking. [TOOL_CALLS] [" + json.dumps({"name": GSM8K, "arguments": {"answer": "72"}}) + "]"
+    loop, _ = make_loop(tok, {Q1: [turn, T_FINAL]}, tools=gsm8k_tools(), format="mistral")
+    [req] = run(loop, [request()])
+    assert req.state is RequestState.COMPLETED and req.finish_reason is FinishReasonType.STOP
+    check_sequence(tok, req, [*assistant(turn), (tool_turn("Current parsed answer=72 reward=1.0"), 0), (GEN, 0),
+                              *assistant(T_FINAL)])
+    check_equals_template(tok, req)  # the Qwen template renders calls its own way: the turn is kept verbatim
+    assert req.metrics["num_tool_calls"] == 1 and req.reward_scores == {GSM8K: 1.0}
+    loop, engine = make_loop(tok, {Q1: [turn, T_FINAL]}, tools=gsm8k_tools())
+    [req] = run(loop, [request()])
+    assert len(engine.calls) == 1 and "num_tool_calls" not in req.metrics and req.reward_scores == {GSM8K: 0.0}
 
 
 def test_unknown_and_unexposed_tools_are_answered_with_errors(tok):
@@ -584,7 +616,7 @@ def test_run_refuses_config_mistakes(tok):
     ({"max_turns": 0}, "max_turns must be > 0"),
     ({"max_user_turns": -1}, "max_user_turns must be >= 0"),
     ({"tool_timeout_s": 0}, "tool_timeout_s must be > 0"),
-    ({"format": "llama3"}, "format='llama3' is unknown"),
+    ({"format": "llama-3"}, "format='llama-3' is unknown"),
     ({"tokenization_sanity_check": "loose"}, "tokenization_sanity_check='loose' is unknown"),
     ({"top_p": 0}, "top_p must be in"),
 ])
