@@ -292,6 +292,8 @@ def test_multi_turn_grpo_with_tools(assets, tmp_path):
                            "data.val_files=[]", "data.max_prompt_length=512", "data.max_response_length=24",
                            "data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
                            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+                           # the tiny model's chat template is Qwen2.5's: SGLang's qwen25 parser reads its calls
+                           "actor_rollout_ref.rollout.multi_turn.format=qwen25",
                            "reward_model.custom_reward_function.path=null",
                            "reward_model.custom_reward_function.name=compute_score"))
     (_, metrics), = trainer.history

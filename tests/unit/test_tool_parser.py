@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.config import MultiTurnConfig
+from megarl.config import ConfigError, MultiTurnConfig, load_config
 from megarl.config.rollout import tool_call_formats
 from megarl.rollout.tool_parser import ToolCall, ToolCallError, ToolCallParser
 
@@ -255,7 +255,9 @@ def test_every_format_builds_a_parser(parsers):
 
 
 def test_unknown_format_is_refused_by_the_config():
-    """The config is built before Ray starts (megarl-train's first step), so a typo stops the run there."""
+    """megarl-train builds the config first (load_config), before Ray starts: a typo stops the run there."""
+    with pytest.raises(ConfigError, match=r"multi_turn.format='llama-3' is unknown; use one of \[.*'llama3'"):
+        load_config(["actor_rollout_ref.rollout.multi_turn.format=llama-3"])
     with pytest.raises(ValueError, match=r"multi_turn.format='llama-3' is unknown; use one of \[.*'llama3'"):
         MultiTurnConfig(format="llama-3")
     assert MultiTurnConfig(format="kimi_k2").format == "kimi_k2"
