@@ -268,3 +268,22 @@ def test_unknown_format_is_refused_by_the_config():
 def test_unknown_format_is_refused_by_the_parser():
     with pytest.raises(ValueError, match=r"multi_turn.format='nope' is unknown; use one of \["):
         ToolCallParser("nope", SCHEMAS)
+
+
+def test_without_sglang_only_multi_turn_needs_it(monkeypatch):
+    import importlib.util
+
+    import megarl.config.rollout as rollout_config
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else
+                        real_find_spec(name, *a))
+    rollout_config.tool_call_formats.cache_clear()
+    try:
+        assert rollout_config.tool_call_formats() is None
+        assert MultiTurnConfig(format="hermes").enable is False  # nothing parses calls: nothing to check
+        with pytest.raises(ValueError, match="multi_turn.enable=true parses tool calls with SGLang's function-call "
+                                             "parsers, and sglang is not installed: install sglang as the README"):
+            MultiTurnConfig(enable=True)
+    finally:
+        rollout_config.tool_call_formats.cache_clear()
