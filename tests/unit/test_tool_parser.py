@@ -287,3 +287,11 @@ def test_without_sglang_only_multi_turn_needs_it(monkeypatch):
             MultiTurnConfig(enable=True)
     finally:
         rollout_config.tool_call_formats.cache_clear()
+
+
+def test_a_parser_that_raises_on_model_text_is_an_unreadable_call(parsers):
+    """sglang 0.5.23's llama3 detector raises AttributeError on a call that is a JSON string, not an object."""
+    parsed = parsers("llama3").parse('<|python_tag|>"ping"', NAMES)
+    assert parsed.calls == []
+    [error] = parsed.errors
+    assert error.message.startswith("the llama3 parser failed on it (AttributeError: ")
