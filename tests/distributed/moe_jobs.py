@@ -133,8 +133,9 @@ def _hf_shapes(family, cfg):
     return names, [shapes[n] for n in names]
 
 
-EP_CHECKS = {"qwen3_moe": list(EP_LAYOUTS), "mixtral": ["ep2", "tp2_ep2_sp"]}
-"""The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all of them)."""
+EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "mixtral": ["ep2", "tp2_ep2_sp"]}
+"""The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all but EP4: the same
+code as EP2 with a larger group, measured equal in feasibility A; left out for the suite's time)."""
 
 
 def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list, routing_case: dict) -> dict:
