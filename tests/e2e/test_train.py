@@ -81,14 +81,15 @@ def _untimed(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def test_grpo_steps_resume_and_crashed_save(assets):
-    """GRPO through Ray; a run stopped after step 1 and resumed repeats steps 2..3 exactly.
+    """GRPO through Ray; a run resumed from step 1's checkpoint repeats steps 2..3 exactly.
 
-    The uninterrupted run also validates, dumps rollouts and saves at the end. Between the
-    stopped run and the resumed one, a save of step 2 "crashes" half-way (a worker wrote its
-    part, the controller never committed): the resume must still find step 1.
+    The uninterrupted run also validates, dumps rollouts and saves every step (and exports at the end). Its step-1
+    checkpoint is committed into a second run directory (the run that stopped after step 1), where a save of step
+    2 then "crashes" half-way (a worker wrote its part, the controller never committed): the resume must still
+    find step 1.
     """
     root = assets["root"]
-    full = _run(_config(assets, "grpo", "trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=3",
+    full = _run(_config(assets, "grpo", "trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=1",
                         "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3]
@@ -123,16 +124,26 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert exported.keys() == initial.keys()
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
-    # Stop after step 1 (checkpoint), crash while saving step 2, resume to step 3.
-    first = _run(_config(assets, "resume", "trainer.total_steps=1", "trainer.save_freq=1"))
-    manager = CheckpointManager(first.run_dir)
+    # The run stopped after step 1: its checkpoint (the uninterrupted run's, committed into its own directory);
+    # then a save of step 2 crashes; resume to step 3.
+    import shutil
+
+    resume_dir = Path(_config(assets, "resume").trainer.default_local_dir) / "megarl" / "resume"
+    manager = CheckpointManager(resume_dir)
+    source = CheckpointManager(full.run_dir).path(1)
+    state = json.loads((source / "trainer_state.json").read_text())
+    state.pop("step")
+    tmp = manager.begin(1)
+    shutil.copytree(source, tmp, dirs_exist_ok=True)
+    manager.commit(1, tmp, state)
     tmp = manager.begin(2)
     (tmp / "actor").mkdir()
     (tmp / "actor" / "metadata.json").write_text("{}")  # a worker's half-written part; no commit
     assert manager.latest().name == "global_step_1"
     resumed = _run(_config(assets, "resume", "trainer.total_steps=3"))
     assert [s for s, _ in resumed.history] == [2, 3]
-    assert not list(first.run_dir.glob(".tmp*")), "the crashed save's debris is cleaned at start-up"
+    assert resumed.run_dir == resume_dir
+    assert not list(resume_dir.glob(".tmp*")), "the crashed save's debris is cleaned at start-up"
     for (step, expected), (_, got) in zip(full.history[1:], resumed.history, strict=True):
         want, have = _untimed(expected), _untimed(got)
         want.pop("val/reward/mean", None)
