@@ -70,10 +70,15 @@ class ModelFamily:
         experts = self.moe.num_experts(hf_config) if self.moe is not None else 0
         out = [RuleAt(r) for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]
         for layer, sparse in enumerate(self.sparse_layers(hf_config)):
-            for rule in rules:
-                if rule.per_layer and rule.applies_to(sparse):
-                    out += ([RuleAt(rule, layer, e) for e in range(experts)] if rule.per_expert
-                            else [RuleAt(rule, layer)])
+            layer_rules = [r for r in rules if r.per_layer and r.applies_to(sparse)]
+            expert_rules = [r for r in layer_rules if r.per_expert]
+            for rule in layer_rules:
+                if not rule.per_expert:
+                    out.append(RuleAt(rule, layer))
+                elif rule is expert_rules[0]:
+                    # Each expert's tensors together (the hub's order): an expert-parallel rank's experts are then
+                    # consecutive, so the weight sync packs them into as few buckets as their bytes need.
+                    out += [RuleAt(r, layer, e) for e in range(experts) for r in expert_rules]
         out += [RuleAt(r) for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
         return out
 
