@@ -320,15 +320,21 @@ class HFEngine:
         """No-op: the KV cache lives only for one generate call, nothing persists between calls."""
 
 
-def _routers(model) -> list[tuple[int, torch.nn.Module]]:
-    """The MoE routers of a transformers model of a known family (``model.layers.{i}.mlp.gate`` on its sparse
-    layers, :class:`~megarl.models.moe.MoESpec`), by layer."""
+def _moe_spec(model):
+    """The :class:`~megarl.models.moe.MoESpec` of a transformers model of a family megarl maps, else ``None``
+    (a dense model, or a family megarl does not map: its own names only)."""
     from megarl.models import family_for
 
     try:
-        spec = family_for(model.config).moe
+        return family_for(model.config).moe
     except ValueError:
-        return []
+        return None
+
+
+def _routers(model) -> list[tuple[int, torch.nn.Module]]:
+    """The MoE routers of a transformers model of a known family (``model.layers.{i}.mlp.gate`` on its sparse
+    layers, :class:`~megarl.models.moe.MoESpec`), by layer."""
+    spec = _moe_spec(model)
     if spec is None:
         return []
     modules = dict(model.named_modules())
@@ -339,13 +345,8 @@ def _routers(model) -> list[tuple[int, torch.nn.Module]]:
 def _hub_views(model, params: dict) -> dict:
     """A mixture-of-experts model's router and experts under the checkpoint's (and SGLang's) names: transformers
     holds them fused in memory (see :meth:`megarl.models.moe.MoESpec.hub_views`)."""
-    from megarl.models import family_for
-
-    try:
-        family = family_for(model.config)
-    except ValueError:  # not a family megarl maps: its own names only
-        return {}
-    return family.moe.hub_views(params, model.config) if family.moe is not None else {}
+    spec = _moe_spec(model)
+    return spec.hub_views(params, model.config) if spec is not None else {}
 
 
 class _RequestBatcher:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple
 from megarl.config.rollout import TOOL_PARSER_INSTALL, tool_call_formats
 
 _FORWARD_UNKNOWN_TOOLS = "SGLANG_FORWARD_UNKNOWN_TOOLS"
+_SGLANG_PARSER_LOGGER = "sglang.srt.function_call"
 _environ_lock = threading.Lock()
 
 
@@ -114,6 +116,10 @@ class ToolCallParser:
             from sglang.srt.function_call.function_call_parser import FunctionCallParser
         except ImportError as exc:
             raise ImportError(f"SGLang's function-call parsers do not import ({exc}): {TOOL_PARSER_INSTALL}") from exc
+        # SGLang's detectors log every call they cannot read (warnings, errors with tracebacks): a policy in
+        # training writes many, and each is already answered to the model and counted
+        # (``num_tool_call_parse_errors``), so only their critical records are kept.
+        logging.getLogger(_SGLANG_PARSER_LOGGER).setLevel(logging.CRITICAL)
         self.format = format
         self._parser_class = FunctionCallParser
         self._tools = {name: Tool.model_validate(dict(schema)) for name, schema in tool_schemas.items()}
