@@ -175,7 +175,7 @@ class RoutingCapture:
         """File the routing of the forward that just ran over ``rows × new_tokens`` tokens (``restart``: it
         recomputed every token so far, so earlier forwards' routing is replaced)."""
         if set(self._pending) != {layer for layer, _ in self.routers}:
-            raise RuntimeError(f"RoutingCapture: routers of layers {sorted({l for l, _ in self.routers} - set(self._pending))} "
+            raise RuntimeError(f"RoutingCapture: routers of layers {sorted({layer for layer, _ in self.routers} - set(self._pending))} "
                                f"did not run in the last forward")
         topk = next(iter(self._pending.values())).shape[-1]
         out = torch.zeros((rows, new_tokens, self.num_layers, topk), dtype=torch.int32)

@@ -31,7 +31,7 @@ def _rows(parity, family, layout):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", parity_jobs.LAYOUTS, ids=lambda l: "tp%d-pp%d-vpp%s" % l)
+@pytest.mark.parametrize("layout", parity_jobs.LAYOUTS, ids=lambda layout: "tp%d-pp%d-vpp%s" % layout)
 def test_logits_and_gradients_match_tp1(parity, family, layout):
     rows = _rows(parity, family, layout)
     last = [r for r in rows if r["last_stage"]]
@@ -45,7 +45,7 @@ def test_logits_and_gradients_match_tp1(parity, family, layout):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", parity_jobs.LAYOUTS, ids=lambda l: "tp%d-pp%d-vpp%s" % l)
+@pytest.mark.parametrize("layout", parity_jobs.LAYOUTS, ids=lambda layout: "tp%d-pp%d-vpp%s" % layout)
 def test_distributed_optimizer_step_matches_reference_adamw(parity, family, layout):
     """Megatron's distributed optimizer on CPU: clipped AdamW step equals torch's on TP=1."""
     rows = _rows(parity, family, layout)

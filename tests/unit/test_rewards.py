@@ -271,9 +271,9 @@ def test_non_finite_scores_are_refused(tokenizer, tmp_path, value):
     spec = _source(tmp_path, f"def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                              f"    return {value}\n") + ":score"
     batch = response_batch(tokenizer, ["1", "2"], num_tokens=2, ground_truths=["1", "2"], index=[5, 6])
-    with pytest.raises(RewardError, match=rf"^row 0 \(prompt index 5, data_source 'addition'\): custom reward "
-                                          rf"function '.*reward.py:score' returned the score -?(nan|inf); scores must "
-                                          rf"be finite; fix the function, or set reward_model.on_error=skip"):
+    with pytest.raises(RewardError, match=r"^row 0 \(prompt index 5, data_source 'addition'\): custom reward "
+                                          r"function '.*reward.py:score' returned the score -?(nan|inf); scores must "
+                                          r"be finite; fix the function, or set reward_model.on_error=skip"):
         RewardManager(tokenizer, compute_score=spec)(batch)
 
 
