@@ -18,7 +18,7 @@ from megarl.algo.mismatch import tis_weights
 from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
 from megarl.parallel.routing import ROUTED_EXPERTS
-from megarl.workers.micro import micro_batches, pad_responses
+from megarl.workers.micro import micro_batches, mini_batches, pad_responses
 from megarl.workers.sharded_model import ShardedModel, StepResult
 
 
@@ -98,18 +98,7 @@ class ActorRole(LogProbRole):
         ``ppo_mini_batch_size / dp`` of them. Losses are normalised by the mini-batch's global
         count (all DP ranks), so the step does not depend on micro-batching or the layout.
         """
-        config, dp = self.config, self.model.groups.dims.dp
-        if self.mini_batch_rows % dp:
-            raise ValueError(
-                f"actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over the "
-                f"actor's data-parallel size {dp}"
-            )
-        local_mini = self.mini_batch_rows // dp
-        if len(batch) % local_mini:
-            raise ValueError(
-                f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
-                f"(actor.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} over dp={dp})"
-            )
+        config = self.config
         keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
         if config.router_replay.replay:
             keys.append(ROUTED_EXPERTS)
@@ -120,15 +109,10 @@ class ActorRole(LogProbRole):
                 raise KeyError("actor.tis_cap is set but the batch has no rollout_log_probs: set "
                                "actor_rollout_ref.rollout.calculate_log_probs=true or actor.tis_cap=null")
             keys.append("rollout_log_probs")
-        results = []
-        for epoch in range(config.ppo_epochs):
-            shuffled = batch
-            if config.shuffle:
-                generator = torch.Generator().manual_seed(seed * 1000 + epoch)
-                shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
-            for mini in shuffled.split(local_mini):
-                results.append(self._step(mini, keys, mask_key, temperature))
-        return results
+        return [self._step(mini, keys, mask_key, temperature)
+                for mini in mini_batches(batch, role="actor", mini_batch_rows=self.mini_batch_rows,
+                                         dp=self.model.groups.dims.dp, epochs=config.ppo_epochs,
+                                         shuffle=config.shuffle, seed=seed)]
 
     def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
         ppo = self.config

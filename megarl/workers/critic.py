@@ -19,7 +19,7 @@ from megarl.algo.losses import agg_norm, value_loss
 from megarl.config.critic import CriticConfig
 from megarl.data.batch import Batch
 from megarl.workers.actor import response_slice
-from megarl.workers.micro import micro_batches, pad_responses
+from megarl.workers.micro import micro_batches, mini_batches, pad_responses
 from megarl.workers.sharded_model import ShardedModel, StepResult
 
 
@@ -74,28 +74,11 @@ class CriticRole:
         ``critic/*`` and adds ``critic/grad_norm`` and ``critic/lr``.
         """
         cfg = self.config
-        dp = self.model.groups.dims.dp
-        if self.mini_batch_rows % dp:
-            raise ValueError(
-                f"critic.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} trajectories do not split over "
-                f"the critic's data-parallel size {dp}"
-            )
-        local_mini = self.mini_batch_rows // dp
-        if len(batch) % local_mini:
-            raise ValueError(
-                f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
-                f"(critic.ppo_mini_batch_size × rollout.n = {self.mini_batch_rows} over dp={dp})"
-            )
         keys = ("input_ids", "attention_mask", "values", "returns", "response_mask")
-        results = []
-        for epoch in range(cfg.ppo_epochs):
-            shuffled = batch
-            if cfg.shuffle:
-                generator = torch.Generator().manual_seed(seed * 1000 + epoch)
-                shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
-            for mini in shuffled.split(local_mini):
-                results.append(self._step(mini, keys))
-        return results
+        return [self._step(mini, keys)
+                for mini in mini_batches(batch, role="critic", mini_batch_rows=self.mini_batch_rows,
+                                         dp=self.model.groups.dims.dp, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                                         seed=seed)]
 
     def _step(self, mini: Batch, keys) -> StepResult:
         cfg = self.config

@@ -16,7 +16,7 @@ by the whole mini-batch's count, so the split never changes a gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -109,3 +109,26 @@ def pad_responses(pieces: Sequence[torch.Tensor], R: int) -> torch.Tensor:
             piece = torch.nn.functional.pad(piece, (0, R - piece.shape[1]))
         out.append(piece)
     return torch.cat(out)
+
+
+def mini_batches(batch: Batch, *, role: str, mini_batch_rows: int, dp: int, epochs: int, shuffle: bool,
+                 seed: int) -> Iterator[Batch]:
+    """This DP rank's mini-batches for ``epochs`` PPO epochs: ``mini_batch_rows / dp`` rows each (one optimizer
+    step each), the rows reshuffled every epoch with ``shuffle`` (seeded by ``seed`` and the epoch, so every
+    rank of a DP replica draws the same order).
+
+    ``role`` (``actor`` / ``critic``) names the setting a batch that does not split evenly comes from.
+    """
+    setting = f"{role}.ppo_mini_batch_size × rollout.n = {mini_batch_rows}"
+    if mini_batch_rows % dp:
+        raise ValueError(f"{setting} trajectories do not split over the {role}'s data-parallel size {dp}")
+    local_mini = mini_batch_rows // dp
+    if len(batch) % local_mini:
+        raise ValueError(f"{len(batch)} rows on this DP rank do not split into mini-batches of {local_mini} "
+                         f"({setting} over dp={dp})")
+    for epoch in range(epochs):
+        shuffled = batch
+        if shuffle:
+            generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+            shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
+        yield from shuffled.split(local_mini)

@@ -1,9 +1,10 @@
-"""Micro-batches of RL batches: row counts, token budgets, trimming of shared padding."""
+"""Micro-batches of RL batches: row counts, token budgets, trimming of shared padding; PPO mini-batches."""
 
+import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.workers.micro import micro_batches, pad_responses, plan
+from megarl.workers.micro import micro_batches, mini_batches, pad_responses, plan
 
 P, R = 5, 4
 
@@ -66,3 +67,30 @@ def test_packed_budget_counts_real_tokens_rounded_to_the_segment_alignment():
         assert e - s == 1 or int(lengths[s:e].sum()) <= 12
     # The budget is per GPU: a context-parallel split over 2 GPUs lets a pack hold twice as many tokens.
     assert plan(batch, max_tokens=12, packed_align=4, cp=2) == [(0, 3, 5, 4), (3, 5, 4, 4)]  # 20, then 16
+
+
+def test_mini_batches_split_each_epoch_and_reshuffle_it_the_same_on_every_rank():
+    batch = _batch([1, 2, 3, 4, 5, 1, 2, 3], [1, 2, 3, 4, 1, 2, 3, 4])
+    first = lambda minis: [int(m["input_ids"][:, P:].sum()) for m in minis]  # noqa: E731
+    # 16 trajectories per optimizer step over dp=4: 4 rows per mini-batch on this rank, 2 steps per epoch.
+    kwargs = dict(role="actor", mini_batch_rows=16, dp=4, epochs=2, seed=3)
+    plain = list(mini_batches(batch, shuffle=False, **kwargs))
+    assert [len(m) for m in plain] == [4, 4, 4, 4]
+    assert torch.equal(plain[0]["input_ids"], batch["input_ids"][:4]) and first(plain[:2]) == first(plain[2:])
+    shuffled = list(mini_batches(batch, shuffle=True, **kwargs))
+    rows = [sorted(int(i) for i in torch.cat([m["input_ids"][:, P] for m in shuffled[e:e + 2]])) for e in (0, 2)]
+    assert rows[0] == rows[1] == sorted(int(i) for i in batch["input_ids"][:, P])  # each epoch: every row once
+    assert first(shuffled) == first(mini_batches(batch, shuffle=True, **kwargs))  # the same order again
+    assert first(shuffled) != first(mini_batches(batch, shuffle=True, **(kwargs | {"seed": 4})))
+
+
+@pytest.mark.parametrize("rows, dp, message", [
+    (6, 4, r"critic.ppo_mini_batch_size × rollout.n = 6 trajectories do not split over the critic's "
+           r"data-parallel size 4"),
+    (12, 2, r"8 rows on this DP rank do not split into mini-batches of 6 \(critic.ppo_mini_batch_size × rollout.n = "
+            r"12 over dp=2\)"),
+])
+def test_mini_batches_refuse_a_batch_that_does_not_split(rows, dp, message):
+    with pytest.raises(ValueError, match=message):
+        next(mini_batches(_batch([1] * 8, [1] * 8), role="critic", mini_batch_rows=rows, dp=dp, epochs=1,
+                          shuffle=False, seed=0))
