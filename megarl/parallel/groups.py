@@ -107,6 +107,7 @@ def init_parallel(
     if parallel_state.model_parallel_is_initialized():
         destroy_parallel()
     vpp = dims.vpp if dims.vpp and dims.vpp > 1 else None
+    before = set(_live_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -116,6 +117,7 @@ def init_parallel(
         expert_tensor_parallel_size=dims.expert_tp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
+    _MEGATRON_GROUPS[:] = [group for group in _live_groups() if group not in before]
     groups = ProcessGroups(
         dims=dims,
         rank=dist.get_rank(),
@@ -157,5 +159,23 @@ def destroy_parallel(*, process_group: bool = False) -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    # Megatron forgets its groups but destroys only its gloo copies: the others (each with its backend's threads and
+    # connections: some 1,000 threads per rank after a few layouts on gloo) would live as long as the process.
+    live = set(_live_groups())
+    for group in _MEGATRON_GROUPS:
+        if group in live:
+            dist.destroy_process_group(group)
+    _MEGATRON_GROUPS.clear()
     if process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_MEGATRON_GROUPS: list[dist.ProcessGroup] = []
+"""The process groups the last ``initialize_model_parallel`` of :func:`init_parallel` created in this process."""
+
+
+def _live_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process that torch.distributed has not destroyed (none before it starts)."""
+    if not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)

@@ -1,6 +1,7 @@
 """Vocab-parallel log-prob and entropy at TP=2 equal the full-softmax computation.
 
-The same 2-rank job also checks the CPU model-parallel RNG tracker (dropout streams).
+The same 2-rank job also checks the CPU model-parallel RNG tracker (dropout streams), and that initialising
+one layout after another releases the previous layout's groups.
 """
 
 import pytest
@@ -43,7 +44,25 @@ def logprob_job():
     (logp * g_logp + entropy * g_ent).sum().backward()
     grads = [torch.empty_like(shard.grad) for _ in range(2)]
     dist.all_gather(grads, shard.grad, group=groups.tp)
-    return logp.detach(), entropy.detach(), torch.cat(grads, dim=-1), _rng_streams(groups)
+    return logp.detach(), entropy.detach(), torch.cat(grads, dim=-1), _rng_streams(groups), _layouts_in_turn()
+
+
+def _layouts_in_turn(cycles: int = 4):
+    """This rank's thread count after each of ``cycles`` layouts initialised in turn (DP=2, TP=2, DP=2, TP=2: each
+    destroys the one before), and a sum over the last layout's TP group."""
+    import os
+
+    import torch.distributed as dist
+
+    from megarl.parallel import ParallelDims, init_parallel
+
+    threads = []
+    for cycle in range(cycles):
+        groups = init_parallel(ParallelDims(tp=2) if cycle % 2 else ParallelDims(tp=1))
+        threads.append(len(os.listdir("/proc/self/task")))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=groups.tp)
+    return threads, float(total)
 
 
 def _rng_streams(groups):
@@ -69,7 +88,7 @@ def tp2_results():
 
 def test_tp2_logprob_entropy_and_grad_equal_full_softmax(tp2_results):
     ref_logp, ref_entropy, ref_grad = _full_softmax()
-    for logp, entropy, grad, _ in tp2_results:
+    for logp, entropy, grad, *_ in tp2_results:
         assert (logp.double() - ref_logp).abs().max() <= 1e-6
         assert (entropy.double() - ref_entropy).abs().max() <= 1e-6
         assert (grad.double() - ref_grad).abs().max() <= 1e-6
@@ -118,3 +137,11 @@ def test_cpu_rng_tracker_gives_per_tp_rank_streams(tp2_results):
     assert not torch.equal(first0[1], first1[1])
     # Forking leaves the default stream where it was.
     assert torch.equal(first0[2], first1[2]) and not torch.equal(first0[0], first0[2])
+
+
+def test_a_new_layout_releases_the_groups_of_the_one_before(tp2_results):
+    """Megatron's own tear-down keeps most of its groups (on gloo, each with threads and connections): a process
+    that initialised a few layouts held some 1,000 threads per rank."""
+    for *_, (threads, total) in tp2_results:
+        assert threads[2] <= threads[0] + 4 and threads[3] <= threads[1] + 4, threads  # the same layout: no more
+        assert total == 2.0  # the last layout's TP group works
