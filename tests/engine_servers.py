@@ -101,3 +101,54 @@ def close_clients(clients: Sequence[EngineClient]) -> None:
                     asyncio.run_coroutine_threadsafe(session.close(), loop).result(5)
                 else:
                     loop.run_until_complete(session.close())
+
+
+# ------------------------------------------------------------------------------------ waiting on an engine's state
+
+STATE_TIMEOUT_S = 120.0
+"""How long :func:`wait_for` waits for a state before failing (a bound for a broken test, never a pace)."""
+
+
+async def get_json(url: str, path: str) -> dict:
+    """``GET url + path`` (a CPU engine server's ``/v1/loads`` or ``/step_gate``), its JSON answer."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + path) as reply:
+        reply.raise_for_status()
+        return await reply.json()
+
+
+async def set_step_gate(url: str, hold_at: int | None) -> dict:
+    """Hold the running batch of the server at ``url`` (started with ``--enable-step-gate``) once its rows have
+    ``hold_at`` output tokens; ``None`` lets it go on. The gate's state after the change."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.post(url + "/step_gate", json={"hold_at": hold_at}) as reply:
+        reply.raise_for_status()
+        return await reply.json()
+
+
+async def wait_for(url: str, path: str, predicate, what: str, timeout_s: float = STATE_TIMEOUT_S) -> dict:
+    """Poll ``GET url + path`` until ``predicate(answer)`` holds; that answer. Fails naming ``what`` and the last
+    answer when it never holds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = await get_json(url, path)
+        if predicate(answer):
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url}: never {what} within {timeout_s} s; last {path}: {answer}")
+        await asyncio.sleep(0.01)
+
+
+async def wait_held_at_gate(url: str) -> dict:
+    """Wait until the running batch of the server at ``url`` waits at its step gate; the gate's state."""
+    return await wait_for(url, "/step_gate", lambda gate: gate["held"], "held a batch at the step gate")
+
+
+def load(answer: dict) -> dict:
+    """The one DP rank's entry of a ``/v1/loads`` answer."""
+    (entry,) = answer["loads"]
+    return entry

@@ -2,7 +2,7 @@
 
     python -m megarl.rollout.server --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
-                                    [--enable-return-routed-experts]
+                                    [--enable-return-routed-experts] [--enable-step-gate]
 
 It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
@@ -48,6 +48,17 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   ``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k]`` array: the experts each token the model
   computed was routed to (the last output token is never fed back; a retracted row's are those of the rebuilt
   pass). Without the flag the field is absent, as on SGLang.
+- **Load** (``GET /v1/loads``, SGLang's route and shape): ``num_running_reqs`` (rows of the running batch),
+  ``num_waiting_reqs`` (queued rows), ``num_used_tokens`` (the running rows' prompt and output tokens),
+  ``queues.waiting`` / ``paused`` (rows held by an ``in_place``/``retract`` pause) / ``retracted``. Callers
+  wait on these (a request has arrived, is running, is held) instead of on the clock.
+- **Step gate** (``--enable-step-gate``, megarl only; tests use it to stop generation at a known token, on
+  a machine of any speed): ``POST /step_gate {"hold_at": k}`` holds the running batch once its rows have ``k``
+  output tokens, between two decoding steps, until ``{"hold_at": null}`` (or a larger ``k``) lets it go on;
+  ``GET /step_gate`` answers ``hold_at``, ``held`` (the batch waits at the gate now) and ``tokens`` (the
+  running rows' output tokens so far). A gate-held batch counts as running, not paused: weight updates and
+  memory releases wait or refuse as for any running batch; a pause, abort or ``/abort_request`` acts on it as
+  between any two steps. Without the flag the route does not exist.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -106,7 +118,7 @@ class EngineServer:
     """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
-                 enable_return_routed_experts: bool = False) -> None:
+                 enable_return_routed_experts: bool = False, enable_step_gate: bool = False) -> None:
         if tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
         if enable_return_routed_experts and not engine.routers:
@@ -128,8 +140,11 @@ class EngineServer:
         self._pause_mode: str | None = None
         self._abort_running = False
         self._abort_rids: set[str] = set()
-        self._holding = False  # the engine thread waits in control (no forward pass runs)
+        self._holding = False  # the engine thread waits in control under a pause (no forward pass runs)
         self._steps = 0  # decoding steps of the running batch: tokens of each of its unfinished rows
+        self.enable_step_gate = enable_step_gate
+        self._hold_at: int | None = None  # the step gate (module docstring): hold once the rows have this many tokens
+        self._gate_held = False  # the engine thread waits at the step gate
         self._in_session = False
         self._groups: dict[str, list[Any]] = {}
         """Weight-update process groups by name (``/init_weights_update_group``): one member per TP rank."""
@@ -160,7 +175,10 @@ class EngineServer:
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/get_weights_by_name", self.get_weights_by_name),
             web.post("/abort_request", self.abort_request),
+            web.get("/v1/loads", self.loads),
         ]
+        if self.enable_step_gate:
+            routes += [web.get("/step_gate", self.step_gate_state), web.post("/step_gate", self.step_gate)]
         app.add_routes(routes)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -185,6 +203,35 @@ class EngineServer:
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
                                   "is_generation": True, "weight_version": self.weight_version})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/loads`` answer for this engine's one DP rank (the fields this engine keeps)."""
+        with self._cond:
+            running, waiting = list(self._running), len(self._queue)
+            held = len(running) if self._holding else 0
+            retracted = held if self._pause_mode == "retract" else 0
+            used = sum(len(row.prompt) for row in running) + self._steps * len(running)
+        load = {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": len(running),
+                "num_waiting_reqs": waiting, "num_used_tokens": used, "num_total_tokens": used,
+                "queues": {"waiting": waiting, "paused": held, "retracted": retracted}}
+        return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                                  "version": "megarl-cpu", "accelerator": None, "num_accelerators": self.tp_size,
+                                  "loads": [load]})
+
+    async def step_gate_state(self, request: web.Request) -> web.Response:
+        with self._cond:
+            return web.json_response({"hold_at": self._hold_at, "held": self._gate_held, "tokens": self._steps,
+                                      "running": len(self._running), "in_weight_update": self._in_session})
+
+    async def step_gate(self, request: web.Request) -> web.Response:
+        """Set (``{"hold_at": k}``, k >= 1) or lift (``{"hold_at": null}``) the step gate."""
+        hold_at = (await _json(request)).get("hold_at")
+        if hold_at is not None and (isinstance(hold_at, bool) or not isinstance(hold_at, int) or hold_at < 1):
+            raise RequestError(f"/step_gate: hold_at must be a positive number of tokens or null, got {hold_at!r}")
+        with self._cond:
+            self._hold_at = hold_at
+            self._cond.notify_all()
+        return await self.step_gate_state(request)
 
     # ------------------------------------------------------------------------ generation
 
@@ -302,16 +349,23 @@ class EngineServer:
                             self._running = []
 
     def _control(self) -> Any:
-        """Between two decoding steps (engine thread): abort, hold while paused, rebuild after a retract."""
+        """Between two decoding steps (engine thread): abort, hold while paused or at the step gate, rebuild after
+        a retract."""
         with self._cond:
             self._steps += 1  # the running rows' tokens so far (this hook follows each sampled token)
             rebuild = False
-            while self._pause_mode in ("in_place", "retract") and not self._abort_running:
-                rebuild = rebuild or self._pause_mode == "retract"
-                self._holding = True
+            while not self._abort_running:
+                if self._pause_mode in ("in_place", "retract"):
+                    rebuild = rebuild or self._pause_mode == "retract"
+                    self._holding, self._gate_held = True, False
+                elif (self._hold_at is not None and self._steps >= self._hold_at
+                      and not any(row.rid in self._abort_rids for row in self._running)):
+                    self._holding, self._gate_held = False, True
+                else:
+                    break
                 self._cond.notify_all()
                 self._cond.wait()
-            self._holding = False
+            self._holding = self._gate_held = False
             if self._abort_running:
                 return ABORT
             if self._abort_rids:
@@ -375,6 +429,7 @@ class EngineServer:
             self._abort_queued({rid})
             with self._cond:
                 self._abort_rids.add(rid)
+                self._cond.notify_all()  # a batch held at the step gate lets the row go
             while any(row.rid == rid and not row.future.done() for row in self._running):
                 await asyncio.sleep(0.005)
             with self._cond:
@@ -702,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
+    parser.add_argument("--enable-step-gate", action="store_true",
+                        help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
@@ -710,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
                       trust_remote_code=args.trust_remote_code)
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
-                          enable_return_routed_experts=args.enable_return_routed_experts)
+                          enable_return_routed_experts=args.enable_return_routed_experts,
+                          enable_step_gate=args.enable_step_gate)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

@@ -61,6 +61,7 @@ SCHEDULE_BATCH = "srt/managers/schedule_batch.py"
 API_TYPES = "api/v1/api_types.py"
 SERVER_ARGS = "srt/server_args.py"
 CONSTANTS = "srt/constants.py"
+LOAD_SNAPSHOT = "srt/managers/load_snapshot.py"
 
 ROUTE_DECORATORS = {"get": "GET", "post": "POST", "put": "PUT", "delete": "DELETE", "patch": "PATCH",
                     "head": "HEAD", "options": "OPTIONS", "trace": "TRACE"}
@@ -738,6 +739,14 @@ def _struct_fields(relative: str, name: str) -> list[str]:
         raise SGLangSourceError(f"no class {name} in {source_path(relative)}")
     return [node.target.id for node in cls.body
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+
+
+@functools.cache
+def load_fields() -> tuple[frozenset[str], frozenset[str]]:
+    """The fields of one ``/v1/loads`` entry (``LoadSnapshot``, one per DP rank) and of its ``queues``
+    (``QueueMetrics``)."""
+    return (frozenset(_struct_fields(LOAD_SNAPSHOT, "LoadSnapshot")),
+            frozenset(_struct_fields(LOAD_SNAPSHOT, "QueueMetrics")))
 
 
 @functools.cache

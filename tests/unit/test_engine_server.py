@@ -20,8 +20,12 @@ from megarl.sync.base import flattened_payload
 from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
+from tests.engine_servers import get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]
+HOLD = 9
+"""Where the step gate stops a long generation (its rows' output tokens) so that a pause, an update or an abort
+lands mid-generation on a machine of any speed."""
 
 
 def payloads(named, tp: int) -> list[bytes]:
@@ -40,7 +44,7 @@ def model_dir(tmp_path_factory):
 def _server(model_dir, log_dir, name="engine 0") -> ServerProcess:
     port = free_port()
     return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
-                          str(port), "--random-seed", "3", "--tp-size", "2"], name=name, url=f"http://127.0.0.1:{port}",
+                          str(port), "--random-seed", "3", "--tp-size", "2", "--enable-step-gate"], name=name, url=f"http://127.0.0.1:{port}",
                          log_path=log_dir / f"{name.replace(' ', '_')}.log", env={"OMP_NUM_THREADS": "1"})
 
 
@@ -214,28 +218,35 @@ def test_released_tags_refuse_generation_and_updates(client):
 
 
 @pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
-def test_pause_modes(client, mode):
+def test_pause_modes(client, server, mode):
     """abort ends a running generation with finish reason abort (tokens kept); in_place and retract hold it,
-    let a weight update through, and finish it after continue_generation."""
+    let a weight update through, and finish it after continue_generation. The step gate stops the batch at its
+    HOLD-th token, so the pause lands mid-generation."""
     long = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
 
     async def scenario():
-        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=5))
-        await asyncio.sleep(0.5)
-        await client.pause_generation(mode)
-        paused_at = time.monotonic()
-        if mode == "abort":
-            return await running, None
-        await asyncio.sleep(0.3)
-        assert not running.done()
-        await client.begin_weight_update()
-        await client.end_weight_update()
-        await client.continue_generation()
-        return await running, paused_at
+        await set_step_gate(server.url, HOLD)
+        try:
+            running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=5))
+            assert (await wait_held_at_gate(server.url))["tokens"] == HOLD
+            await client.pause_generation(mode)
+            await set_step_gate(server.url, None)  # from here only the pause holds the batch
+            if mode == "abort":
+                return await running
+            held = load(await get_json(server.url, "/v1/loads"))
+            assert held["num_running_reqs"] == 1 and held["queues"]["paused"] == 1
+            assert held["queues"]["retracted"] == (mode == "retract")
+            assert not running.done()
+            await client.begin_weight_update()
+            await client.end_weight_update()
+            await client.continue_generation()
+            return await running
+        finally:
+            await set_step_gate(server.url, None)
 
-    out, _ = run_sync(scenario())
+    out = run_sync(scenario())
     if mode == "abort":
-        assert out.finish_reason is FinishReason.ABORT and 0 < len(out.output_ids) < 400
+        assert out.finish_reason is FinishReason.ABORT and len(out.output_ids) == HOLD
         run_sync(client.continue_generation())
     else:
         assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
@@ -259,19 +270,24 @@ def _teacher_forced(engine, prompt, output) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_an_update_during_a_pause_tags_the_later_tokens_with_the_new_version(client, local, model_dir, mode):
+def test_an_update_during_a_pause_tags_the_later_tokens_with_the_new_version(client, server, local, model_dir, mode):
     """SGLang's per-token versions: tokens sampled before the update carry the old version, the later ones the new
     (``meta_info.weight_versions``). retract recomputes the cache: every token's log-prob is its version's model's;
-    in_place keeps the old cache (the earlier tokens are the old model's)."""
+    in_place keeps the old cache (the earlier tokens are the old model's). The pause lands at the step gate's
+    HOLD-th token."""
     old = [(name, tensor.detach().clone()) for name, tensor in local._params.items()]
     new = [(name, tensor * 1.1) for name, tensor in old]
     prompt, long = [1, 2, 3], SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
 
     async def scenario():
         await _push(client, old, f"old-{mode}")
-        running = asyncio.ensure_future(client.generate(prompt, long, seed=5, return_logprob=True))
-        await asyncio.sleep(0.5)
-        await client.pause_generation(mode)
+        await set_step_gate(server.url, HOLD)
+        try:
+            running = asyncio.ensure_future(client.generate(prompt, long, seed=5, return_logprob=True))
+            await wait_held_at_gate(server.url)
+            await client.pause_generation(mode)
+        finally:
+            await set_step_gate(server.url, None)
         assert not running.done()
         if mode == "in_place":  # SGLang refuses to flush a cache that requests still use
             with pytest.raises(EngineError, match="(?s)HTTP 400: Flush cache failed.*pending requests"):
@@ -286,7 +302,7 @@ def test_an_update_during_a_pause_tags_the_later_tokens_with_the_new_version(cli
     assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
     (_, _, k), (later, start, end) = out.weight_versions
     assert out.weight_versions[0][:2] == (f"old-{mode}", 0) and (later, start, end) == (f"new-{mode}", k, 400)
-    assert 0 < k < 400 and out.weight_version == f"new-{mode}"
+    assert k == HOLD and out.weight_version == f"new-{mode}"
     assert out.token_versions() == [f"old-{mode}"] * k + [f"new-{mode}"] * (400 - k)
     got = torch.tensor(out.output_logprobs)
     assert (got[:k] - _teacher_forced(local, prompt, out.output_ids)[:k]).abs().max() <= 1e-4
@@ -299,36 +315,51 @@ def test_an_update_during_a_pause_tags_the_later_tokens_with_the_new_version(cli
     run_sync(_push(client, old, "restored"))
 
 
-def test_abort_keeps_the_tokens_of_one_version_and_an_unpaused_update_waits_for_the_batch(client, local):
+def test_abort_keeps_the_tokens_of_one_version_and_an_unpaused_update_waits_for_the_batch(client, server, local):
     long = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
 
+    def waiting(rows):
+        return lambda answer: load(answer)["num_waiting_reqs"] == rows
+
     async def aborted():
-        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=6))
-        await asyncio.sleep(0.3)
-        await client.pause_generation("abort")
+        await set_step_gate(server.url, HOLD)
+        try:
+            running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=6))
+            await wait_held_at_gate(server.url)
+            await client.pause_generation("abort")
+        finally:
+            await set_step_gate(server.url, None)
         queued = asyncio.ensure_future(client.generate([4, 5], SamplingParams(max_new_tokens=3, temperature=0.0)))
-        await asyncio.sleep(0.2)
-        assert not queued.done()  # nothing starts while paused
+        await wait_for(server.url, "/v1/loads", waiting(1), "queued the request")
+        state = load(await get_json(server.url, "/v1/loads"))  # a second look: still queued, nothing running
+        assert state["num_waiting_reqs"] == 1 and state["num_running_reqs"] == 0 and not queued.done()
         await client.continue_generation()
         return await running, await queued
 
     out, later = run_sync(aborted())
-    assert out.finish_reason is FinishReason.ABORT and 0 < len(out.output_ids) < 400
+    assert out.finish_reason is FinishReason.ABORT and len(out.output_ids) == HOLD
     assert out.weight_versions == ((out.weight_version, 0, len(out.output_ids)),)
     assert later.finish_reason is FinishReason.LENGTH and len(later.output_ids) == 3
 
     async def unpaused():
-        running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=7))
-        await asyncio.sleep(0.2)
-        await client.begin_weight_update()  # waits for the running batch: no token may see half-updated weights
-        done = running.done()
+        await set_step_gate(server.url, HOLD)
+        try:
+            running = asyncio.ensure_future(client.generate([1, 2, 3], long, seed=7))
+            await wait_held_at_gate(server.url)
+            # begin_weight_update waits for the running batch: no token may see half-updated weights.
+            begin = asyncio.ensure_future(client.begin_weight_update())
+            await wait_for(server.url, "/step_gate", lambda gate: gate["in_weight_update"], "opened the session")
+            assert not begin.done() and not running.done()
+        finally:
+            await set_step_gate(server.url, None)
+        await begin
         norm = [("model.norm.weight", local._params["model.norm.weight"].detach().clone())]
         await client.update_weights_from_tensor(payloads(norm, 2), weight_version="after")
         await client.end_weight_update()
-        return done, await running
+        return await running
 
-    done, out = run_sync(unpaused())
-    assert done and len(out.output_ids) == 400 and len(out.weight_versions) == 1
+    out = run_sync(unpaused())
+    assert len(out.output_ids) == 400 and len(out.weight_versions) == 1
     assert out.weight_version != "after"
 
 

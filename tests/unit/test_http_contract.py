@@ -128,3 +128,34 @@ def test_what_the_cpu_server_answers_is_what_sglang_answers(engine_server):
     assert released is None
     assert set(begun) == set(ended) == sglang_source.response_fields("/begin_weight_update", 200)
     assert status == 400 and "must keep their neutral values" in error["error"]["message"]
+
+
+def test_the_load_and_step_gate_routes(engine_server, tmp_path):
+    """``/v1/loads`` answers in SGLang's shape (``LoadSnapshot`` / ``QueueMetrics`` fields); ``/step_gate`` exists
+    only on a server started with ``--enable-step-gate`` and refuses a bad ``hold_at``."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from megarl.rollout.server import EngineServer
+
+    async def exchange(server):
+        client = TestClient(TestServer(server.app()))
+        await client.start_server()
+        try:
+            loads = await (await client.get("/v1/loads")).json()
+            gate = await client.get("/step_gate")
+            set_gate = await client.post("/step_gate", json={"hold_at": 4})
+            bad = await client.post("/step_gate", json={"hold_at": 0})
+            return (loads, gate.status, set_gate.status, await set_gate.json() if set_gate.status == 200 else None,
+                    bad.status)
+        finally:
+            await client.close()
+
+    loads, gate, _, _, _ = asyncio.run(exchange(engine_server))
+    entry_fields, queue_fields = sglang_source.load_fields()
+    (entry,) = loads["loads"]
+    assert set(entry) <= entry_fields and set(entry["queues"]) <= queue_fields
+    assert entry["num_running_reqs"] == entry["num_waiting_reqs"] == 0 and gate == 404
+    gated = EngineServer(engine_server.engine, model_path=engine_server.model_path, enable_step_gate=True)
+    _, gate, set_status, answer, bad = asyncio.run(exchange(gated))
+    assert (gate, set_status, bad) == (200, 200, 400)
+    assert answer == {"hold_at": 4, "held": False, "tokens": 0, "running": 0, "in_weight_update": False}

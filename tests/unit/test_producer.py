@@ -19,7 +19,7 @@ from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
 from megarl.sync.base import flattened_payload
 from megarl.convert.export import Bucket
-from tests.engine_servers import engine_servers
+from tests.engine_servers import engine_servers, set_step_gate, wait_held_at_gate
 
 P, R, N = 16, 6, 4
 TEXTS = ["What is 3 + 4?", "Hi", "What is 21 + 5?", "#### 12", "system user", "The fox"]
@@ -37,7 +37,8 @@ def servers(tokenizer, tmp_path_factory):
     model = build_tiny_model(tokenizer, seed=0)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
-    with engine_servers(directory, tmp_path_factory.mktemp("logs"), num_engines=1) as running:
+    with engine_servers(directory, tmp_path_factory.mktemp("logs"), num_engines=1,
+                        extra_args=("--enable-step-gate",)) as running:
         yield running, model
 
 
@@ -106,6 +107,8 @@ def test_steps_get_their_prompts_groups_in_order_generated_ahead_within_the_boun
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_a_partial_rollout_keeps_its_tokens_across_an_update_each_with_its_version(servers, tokenizer, mode):
+    """Group 0 is stopped at its rows' HOLD-th token by the engine's step gate, the update pauses it there, and
+    its rows finish after the update: each row's first HOLD tokens carry version 10, the rest 11."""
     running, model = servers
     engine = running.engines[0]
     long = 300
@@ -114,14 +117,18 @@ def test_a_partial_rollout_keeps_its_tokens_across_an_update_each_with_its_versi
     producer = RolloutProducer(manager, RolloutBuffer(groups_per_step=1, max_staleness=0),
                                prompts_of=prompts_of(tokenizer), score=score, base_seed=BASE_SEED, max_inflight=1,
                                partial_rollout=True, pause_mode=mode)
-    producer.start(10)
+    hold = 5
+    run_sync(set_step_gate(engine.url, hold))
     try:
-        time.sleep(0.4)  # group 0 is generating
+        producer.start(10)
+        run_sync(wait_held_at_gate(engine.url))  # group 0 is generating, held at its rows' 5th token
         with producer.weight_update(11) as flush:
+            run_sync(set_step_gate(engine.url, None))  # the pause holds it from here
             assert flush is (mode == "retract")  # SGLang refuses to flush under held requests
             set_version(engine, model, 11)
         batch = producer.take(1, timeout_s=120)
     finally:
+        run_sync(set_step_gate(engine.url, None))
         producer.stop()
     versions, mask = batch["rollout_weight_versions"], batch["response_mask"].bool()
     assert ((versions == -1) == ~mask).all()
@@ -129,5 +136,6 @@ def test_a_partial_rollout_keeps_its_tokens_across_an_update_each_with_its_versi
     assert spanning, versions  # requests held across the update: earlier tokens 10, later ones 11
     for row in spanning:
         tokens = versions[row][mask[row]]
-        k = int((tokens == 10).sum())
-        assert (tokens[:k] == 10).all() and (tokens[k:] == 11).all()
+        assert (tokens[:hold] == 10).all() and (tokens[hold:] == 11).all()
+    # A row that stopped before the gate has only version 10; every other row spans the update.
+    assert all(row in spanning or int(mask[row].sum()) <= hold for row in range(N))
