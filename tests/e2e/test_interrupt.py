@@ -50,8 +50,28 @@ def _left_behind(before: set[int], timeout_s: float = 15.0) -> str:
                           text=True).stdout
 
 
+def _engine_urls(log_root) -> list[str]:
+    """The URLs the run's engine servers serve on, from their logs ("serving <model> on http://host:port")."""
+    import re
+
+    urls = []
+    for log in sorted(log_root.rglob("engine_*.log")):
+        found = re.search(r"serving \S+ on (http://\S+)", log.read_text())
+        if found:
+            urls.append(found.group(1))
+    return urls
+
+
 def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
-    """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID)."""
+    """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID).
+    The Ctrl-C lands while step 2's rollout is inside the engines: after step 1 the test pauses every engine in
+    place and waits until a request waits or is held there (so the run is in its generation phase, on a
+    machine of any speed)."""
+    import asyncio
+
+    from megarl.rollout.client import EngineClient
+    from tests.engine_servers import load, wait_for
+
     before = _ray_pids()
     run = _start(tmp_path, "trainer.total_steps=20")
     output = []
@@ -63,6 +83,26 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
             output.append(line)
         servers = [pid for pid in _ray_pids() - before]
         assert servers  # the run's engine servers, router and Ray processes are up
+        urls = _engine_urls(tmp_path / "runs")
+        assert urls, list((tmp_path / "runs").rglob("*"))
+
+        def busy(answer):
+            entry = load(answer)
+            return entry["num_running_reqs"] + entry["num_waiting_reqs"] > 0
+
+        async def hold_the_rollout():
+            for url in urls:
+                engine = EngineClient(url)
+                await engine.pause_generation("in_place")
+                await engine.close()
+            waits = [asyncio.ensure_future(wait_for(url, "/v1/loads", busy, "received a request")) for url in urls]
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                task.result()
+
+        asyncio.run(hold_the_rollout())
         run.send_signal(signal.SIGINT)
         output.append(run.stdout.read())
         returncode = run.wait(timeout=60)
@@ -72,7 +112,7 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
     text = "".join(output)
     assert not (left := _left_behind(before)), left
     assert returncode == 130, text[text.find("Traceback") - 300:][:7000]
-    assert "megarl-train: interrupted at step" in text
+    assert "megarl-train: interrupted at step 1" in text
 
 
 def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
@@ -96,7 +136,9 @@ def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
             line = run.stdout.readline()
             assert line and time.monotonic() < deadline, "".join(output)[-3000:]
             output.append(line)
-        time.sleep(2.5)  # inside ray.init (4 s or more here), where an interrupt used to orphan its agents
+        # The line is printed inside the block that holds interrupts until ray.init is done (where an interrupt
+        # used to orphan Ray's agents): Ctrl-C now lands there on a machine of any speed, as the message below
+        # ("stopping once Ray has started is done") confirms.
         run.send_signal(signal.SIGINT)
         start = time.monotonic()
         output.append(run.stdout.read())

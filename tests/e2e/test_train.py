@@ -417,15 +417,17 @@ def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
 
 
 def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_the_run(assets):
-    """Issue 13: SIGKILL one engine server while its share is being generated (0.3 s after the requests left,
-    384 tokens a row): the step fails within 30 s with an error naming the engine and its URL; after shutdown
-    no engine server or router process is left (checked by PID)."""
+    """Issue 13: SIGKILL one engine server while its share of the step's generation is inside it (paused in place
+    just before the requests leave, so the share waits there, on a machine of any speed; 384 tokens a row): the
+    step fails within 30 s with an error naming the engine and its URL; after shutdown no engine server or
+    router process is left (checked by PID)."""
     import asyncio
     import os
     import signal
 
     from megarl.rollout.client import EngineError
     from megarl.workers.engine_server import EngineServerWorker
+    from tests.engine_servers import load, wait_for
 
     cfg = _config(assets, "engine_killed", "trainer.total_steps=1", "data.max_response_length=384")
     trainer = Trainer(cfg, console=lambda *_: None)
@@ -435,13 +437,18 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         assert all(pid is not None for pid in pids)
         generator = trainer.rollout_manager.generator
         original, killed = generator.generate_batch, []
+        victim = trainer.engines[1]
 
         async def generate_then_kill(*args, **kwargs):
+            if killed:
+                return await original(*args, **kwargs)
+            killed.append(None)
+            await victim.pause_generation("in_place")  # what reaches engine 1 now waits in its queue
             request = asyncio.ensure_future(original(*args, **kwargs))
-            await asyncio.sleep(0.3)
-            if not killed:
-                os.kill(pids[1], signal.SIGKILL)
-                killed.append(time.monotonic())
+            await wait_for(victim.url, "/v1/loads", lambda answer: load(answer)["num_waiting_reqs"] > 0,
+                           "received its share")
+            os.kill(pids[1], signal.SIGKILL)
+            killed[0] = time.monotonic()
             return await request
 
         generator.generate_batch = generate_then_kill
