@@ -50,10 +50,16 @@ class RewardConfig:
     """A row the reward function cannot score (it raises, or returns no finite score): ``raise`` stops the run
     naming the row, its data source and the function; ``skip`` scores it 0, leaves it out of the update (and out
     of validation means) and counts it (``reward/num_errors``)."""
+    timeout_s: float | None = 300.0
+    """The longest one row's scoring may take; past it the row is an error as ``on_error`` says, naming the row.
+    The function then runs on a thread of the reward manager's; null: no limit, on the trainer's thread."""
 
     def __post_init__(self) -> None:
         if self.num_examine < 0:
             raise ValueError(f"reward_model.num_examine must be >= 0, got {self.num_examine}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"reward_model.timeout_s must be > 0 seconds (or null for no limit), got "
+                             f"{self.timeout_s}")
         check_choice("reward_model.on_error", self.on_error, ON_ERROR_MODES)
 
 

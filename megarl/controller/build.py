@@ -450,7 +450,8 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
 
     def manager(num_examine: int) -> RewardManager:
         return RewardManager(tokenizer, compute_score=custom.spec(), reward_kwargs=custom.reward_kwargs or None,
-                             scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine, on_error=reward.on_error)
+                             scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine, on_error=reward.on_error,
+                             timeout_s=reward.timeout_s)
 
     train, val = manager(reward.num_examine), manager(1)  # verl logs one decoded sample per source in validation
     train.check_data_sources(train_set.data_sources(), "data.train_files")

@@ -18,24 +18,35 @@ logged.
 If the batch already has ``rm_scores`` (a reward model ran), they are the scores, as in verl,
 and no rule scoring happens.
 
-Scoring errors: a row whose function raises, returns something other than a number or a dict
-with ``"score"``, or returns a non-finite score (NaN, inf) is an error naming the row (its
-prompt index and ``data_source``) and the function. ``on_error="raise"`` raises
+Scoring errors: a row whose function raises, returns something other than a number (Python's,
+numpy's, or a one-element tensor or array) or a dict with ``"score"``, returns a non-finite score
+(NaN, inf), or has not returned after ``timeout_s`` is an error naming the row (its prompt index
+and ``data_source``) and the function. ``on_error="raise"`` raises
 :class:`RewardError`; ``on_error="skip"`` scores the row 0, records the message in the row's
 ``reward_error`` extra info (``None`` on the other rows) and goes on: the trainer counts such
 rows and leaves them out of the update.
+
+Time limit: with ``timeout_s`` set, the function runs on a daemon thread of the manager's, one row
+at a time, and each row waits at most ``timeout_s`` for it. Python cannot stop a thread, so a row past
+its limit leaves its call running on the old thread (it can no longer hold the run: the process exits
+without it) and the next row gets a new thread; such threads are counted (``abandoned_calls``).
 
 Shape legend: ``B`` rows (trajectories), ``T`` response tokens (``responses.shape[1]``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import math
+import numbers
+import queue
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from megarl.data.batch import Batch
@@ -81,17 +92,22 @@ class RewardManager:
         num_examine: how many decoded samples per ``data_source`` to log at INFO level per call
             (0 in training, 1 in validation, as in verl).
         on_error: ``raise`` or ``skip`` (see the module docstring).
+        timeout_s: the longest one row's scoring may take (``None``: no limit, and the function runs on the
+            caller's thread); see the module docstring.
     """
 
     def __init__(self, tokenizer: Any, *, compute_score: ComputeScore | str | None = None,
                  reward_kwargs: Mapping[str, Any] | None = None, scorers: ScorerRegistry | None = None,
                  scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None, num_examine: int = 0,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", timeout_s: float | None = None) -> None:
         if num_examine < 0:
             raise ValueError(f"num_examine must be >= 0, got {num_examine}")
         if on_error not in ON_ERROR_MODES:
             raise ValueError(f"reward_model.on_error={on_error!r}; use one of {ON_ERROR_MODES}")
         self.on_error = on_error
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"reward_model.timeout_s must be > 0 (or null for no limit), got {timeout_s}")
+        self._bounded = _BoundedCaller(timeout_s) if timeout_s is not None else None
         if reward_kwargs and compute_score is None:
             raise ValueError("reward_kwargs are bound to a custom reward function, but none is set; set the "
                              "custom function ('module_or_path:function') or use scorer_kwargs per data_source")
@@ -145,7 +161,8 @@ class RewardManager:
             extra_info = self._extra_info(batch, extra_infos[i], i)
             scorer = self._scorer(data_sources[i])
             try:
-                score, info = self._split_result(scorer(solution_str, ground_truth, extra_info))
+                call = functools.partial(scorer, solution_str, ground_truth, extra_info)
+                score, info = self._split_result(call() if self._bounded is None else self._bounded(call))
             except Exception as error:  # the reward function is user code: name the row, then raise or skip
                 message = (f"row {i} ({self._where(batch, i, extra_info, data_sources[i])}): {self.function_name} "
                            f"{_describe(error)}")
@@ -209,11 +226,13 @@ class RewardManager:
                 raise BadReturn(f"returned a dict without 'score' (keys {sorted(result)}); return a float or a "
                                 f"dict with 'score'")
             info = dict(result)
-        elif isinstance(result, (int, float)) or (isinstance(result, torch.Tensor) and result.numel() == 1):
+        elif _is_number(result):
             info = {"score": result}
         else:
             raise BadReturn(f"returned {type(result).__name__}; return a float or a dict with 'score'")
         try:
+            if not _is_number(info["score"]):
+                raise TypeError
             score = float(info["score"])
         except (TypeError, ValueError):
             raise BadReturn(f"returned a score of type {type(info['score']).__name__}; scores are numbers") from None
@@ -244,9 +263,59 @@ class BadReturn(ValueError):
     """The reward function returned something that is not a finite score."""
 
 
+class ScoreTimeout(RuntimeError):
+    """The reward function did not return within ``reward_model.timeout_s``."""
+
+
+def _is_number(value: Any) -> bool:
+    """A score the manager takes: a real number (Python's or numpy's, booleans included) or a one-element
+    tensor or array."""
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return True
+    if isinstance(value, np.ndarray):
+        return value.size == 1
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+class _BoundedCaller:
+    """Runs calls one at a time on a daemon thread of its own and waits at most ``timeout_s`` for each; a call
+    past its limit keeps its thread (Python cannot stop a thread) and the next call gets a new one."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.abandoned_calls = 0
+        self._calls: queue.SimpleQueue | None = None
+
+    def __call__(self, function: Callable[[], Any]) -> Any:
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._calls,), name="megarl-reward", daemon=True).start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((function, future))
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._calls.put(None)  # the stuck thread ends once its call returns, if ever
+            self._calls = None
+            self.abandoned_calls += 1
+            raise ScoreTimeout(f"did not return within {self.timeout_s:g} s (reward_model.timeout_s); its call "
+                               f"was left running on a thread of its own") from None
+
+
+def _serve(calls: queue.SimpleQueue) -> None:
+    while (item := calls.get()) is not None:
+        function, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(function())
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, which names the row
+            future.set_exception(error)
+
+
 def _describe(error: Exception) -> str:
     """``returned ...`` for a bad return value, ``raised <Type>: <message>`` for an exception."""
-    if isinstance(error, BadReturn):
+    if isinstance(error, (BadReturn, ScoreTimeout)):
         return str(error)
     return f"raised {type(error).__name__}: {error}"
 

@@ -5,6 +5,7 @@ response "82" followed by <|im_end|> is 3 tokens and its score sits at position 
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -328,3 +329,47 @@ def test_data_sources_without_a_scorer_are_refused_up_front(tokenizer):
                                          r"\(registered: \[.*'addition'.*\]\); set reward_model.custom_reward_function"):
         manager.check_data_sources(["addition", "mystery"], "data.val_files")
     RewardManager(tokenizer, compute_score=lambda **kw: 1.0).check_data_sources(["mystery"], "data.train_files")
+
+
+def test_numpy_and_tensor_scores_are_numbers(tokenizer):
+    """Scores of numpy's types (np.float32, np.int64, np.bool_, 0-d arrays) and one-element tensors are numbers;
+    a string, a two-element array or a complex number is not."""
+    returns = [np.float32(0.5), np.int64(1), np.bool_(True), np.array(0.25), {"score": np.float16(2.0)},
+               torch.tensor([0.75]), True]
+    batch = response_batch(tokenizer, ["1"] * len(returns), num_tokens=3, ground_truths=["1"] * len(returns))
+    registry = ScorerRegistry()
+    registry.register("addition", lambda s, g, e=None: returns[e["index"]], overwrite=True)
+    scores, info = RewardManager(tokenizer, scorers=registry)(batch)
+    assert info["score"] == [0.5, 1.0, 1.0, 0.25, 2.0, 0.75, 1.0]
+    assert scores.sum(1).tolist() == info["score"]
+    for bad, shown in [("0.5", "str"), (np.array([1.0, 2.0]), "ndarray"), (1j, "complex"),
+                       ({"score": "1"}, "a score of type str")]:
+        registry.register("addition", lambda s, g, e=None, bad=bad: bad, overwrite=True)
+        with pytest.raises(RewardError, match=f"row 0 .*returned .*{shown}"):
+            RewardManager(tokenizer, scorers=registry)(response_batch(tokenizer, ["1"], num_tokens=3,
+                                                                      ground_truths=["1"]))
+
+
+def test_a_reward_function_past_its_time_limit_is_named_with_its_row(tokenizer):
+    """Row 1's function never returns: with ``on_error=raise`` the step stops naming row 1 and the limit; with
+    ``skip`` the row scores 0 (counted by the caller from ``reward_error``) and the rows after it are scored
+    on a new thread. The stuck calls are released at the end (they would otherwise wait forever, on daemon
+    threads that do not hold the process)."""
+    release = threading.Event()
+    registry = ScorerRegistry()
+    registry.register("addition", lambda s, g, e=None: release.wait() if e["index"] == 1 else 0.5, overwrite=True)
+    batch = response_batch(tokenizer, ["1", "2", "3"], num_tokens=3, ground_truths=["1", "2", "3"])
+    try:
+        with pytest.raises(RewardError, match=r"row 1 \(prompt index 1, data_source 'addition'\): the registered "
+                                              r"scorer did not return within 2 s \(reward_model.timeout_s\)"):
+            RewardManager(tokenizer, scorers=registry, timeout_s=2.0)(batch)
+        manager = RewardManager(tokenizer, scorers=registry, timeout_s=2.0, on_error="skip")
+        scores, info = manager(batch)
+        assert info["score"] == [0.5, 0.0, 0.5] and scores.sum().item() == 1.0
+        assert info["reward_error"][1].endswith("its call was left running on a thread of its own")
+        assert info["reward_error"][0] is None and info["reward_error"][2] is None
+        assert manager._bounded.abandoned_calls == 1
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match=r"reward_model.timeout_s must be > 0"):
+        RewardManager(tokenizer, timeout_s=0)
