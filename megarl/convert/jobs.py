@@ -106,7 +106,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
     hf_dir, out = Path(hf_dir), Path(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    check_output(out, force)
+    check_output(out, force, {"--hf": hf_dir})
     hf_config = _load_hf_config(hf_dir)
     family = family_for(hf_config)
     dims = _dims(family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
@@ -178,8 +178,8 @@ def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp
     from megarl.parallel.launch import run_ranks
 
     mcore_dir, out = Path(mcore_dir), Path(out)
+    check_output(out, force, {"--mcore": mcore_dir, "--hf-config": hf_config_dir})
     meta = read_mcore_metadata(mcore_dir)
-    check_output(out, force)
     config_dir = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf_config"
     config_flag = f"--hf-config {config_dir}" if hf_config_dir else f"the checkpoint's own config {config_dir}"
     hf_config = _load_hf_config(config_dir, "--hf-config" if hf_config_dir else "the checkpoint's own config")

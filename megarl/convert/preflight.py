@@ -12,21 +12,32 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from megarl.models.weights import Fuse, Split
 
 
-def check_output(out: str | os.PathLike, force: bool) -> None:
+def check_output(out: str | os.PathLike, force: bool, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
     """Refuse an ``--out`` that cannot become the output directory, before any work.
 
-    It must not be a file; an existing directory must be empty unless ``force`` (the CLI's
-    promise: ``--force`` replaces a non-empty output directory); its parent, or the nearest
+    It must not be a file; it must not be, or contain, one of ``inputs`` (flag -> directory: replacing ``out``
+    would delete that input, and with ``--force`` it did); an existing directory must be empty unless ``force``
+    (the CLI's promise: ``--force`` replaces a non-empty output directory); its parent, or the nearest
     existing ancestor when the parent is yet to be created, must be a directory this process
     can create entries in (the conversion writes a temporary directory next to ``out`` and
     renames it). Writability is probed by creating and removing an empty directory there.
     """
     out = Path(out)
+    target = out.resolve()
+    for flag, directory in (inputs or {}).items():
+        if directory is None:
+            continue
+        source = Path(directory).resolve()
+        if source == target or target in source.parents:
+            what = "is" if source == target else "contains"
+            raise ValueError(f"--out {out} {what} the input {flag} {directory}: the output replaces --out, which "
+                             f"would delete that input; choose an --out outside it")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory: choose another --out")
     if out.is_dir() and any(out.iterdir()) and not force:

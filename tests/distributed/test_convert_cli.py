@@ -256,6 +256,25 @@ def test_unwritable_out_is_named(hf_dir, tmp_path, capsys, no_ranks):
     assert (out / "keep.txt").exists()
 
 
+def test_force_never_replaces_an_input(hf_dir, mcore_dir, tmp_path, capsys, no_ranks):
+    """``--out`` equal to the input, or a directory holding it, is refused before any work, ``--force`` or not
+    (it used to delete the input model, and with the parent every file beside it)."""
+    src = tmp_path / "models" / "src"
+    shutil.copytree(hf_dir, src)
+    before = sorted(p.name for p in src.iterdir())
+    for out, what in [(src, "is"), (src.parent, "contains"), (tmp_path, "contains")]:
+        _refused(["hf-to-mcore", "--hf", str(src), "--out", str(out), "--force"], capsys,
+                 f"--out {out} {what} the input --hf {src}: the output replaces --out, which would delete that input")
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    _refused(["hf-to-mcore", "--hf", str(link), "--out", str(src), "--force"], capsys, "is the input --hf")
+    _refused(["mcore-to-hf", "--mcore", str(mcore_dir), "--out", str(mcore_dir), "--force"], capsys,
+             f"--out {mcore_dir} is the input --mcore {mcore_dir}")
+    _refused(["mcore-to-hf", "--mcore", str(mcore_dir), "--hf-config", str(src), "--out", str(src.parent),
+              "--force"], capsys, "contains the input --hf-config")
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
 def test_moe_round_trip_through_cli_at_tp2_ep2(tmp_path):
     """Issue 17: HF -> Megatron at TP=2 × EP=2 (4 ranks, each reading its experts) -> HF (as saved) is bit-exact;
     the checkpoint holds each sparse layer's experts on one axis, one key per layer (a dense layer among them)."""
