@@ -138,8 +138,18 @@ class TrainerConfig:
         check_choice("trainer.mode", self.mode, TRAINING_MODES)
         for name in self.logger:
             check_choice("trainer.logger", name, LOGGERS)
+        for key in ("project_name", "experiment_name"):
+            check_folder_name(f"trainer.{key}", getattr(self, key))
 
     @property
     def world_size(self) -> int:
         """Ranks shared by the colocated roles: ``nnodes × n_gpus_per_node`` on cuda, ``n_cpu_ranks`` on cpu."""
         return self.n_cpu_ranks if self.device == "cpu" else self.nnodes * self.n_gpus_per_node
+
+
+def check_folder_name(key: str, value: str) -> None:
+    """``value`` names one folder inside the checkpoint and log roots: not empty, no path separator, not ``.`` or
+    ``..`` (``../../x`` or an absolute path would put the run's files outside the roots)."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+        raise ValueError(f"{key}={value!r} must name one folder (no '/', not '.' or '..'): it is a folder of "
+                         f"trainer.default_local_dir and trainer.log_dir; to move a run's files, set those instead")

@@ -92,7 +92,15 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         """Take the lock or raise :class:`RunDirectoryInUse` naming the directory and the holder."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            dangling = next((p for p in [self.root, *self.root.parents] if p.is_symlink() and not p.exists()), None)
+            if dangling is None:
+                raise
+            raise FileNotFoundError(f"checkpoint directory {self.root}: {dangling} is a symbolic link to "
+                                    f"{os.readlink(dangling)}, which does not exist; create it, or choose another "
+                                    f"trainer.default_local_dir") from None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -134,7 +134,11 @@ class Trainer:
         """Everything before the first step: model, data, Ray, workers, resume, first weight sync."""
         cfg = self.cfg
         # The run owns its checkpoint directory from here on: a second run into it refuses before any work.
-        self._run_lock = RunLock(self.run_dir).acquire()
+        try:
+            self._run_lock = RunLock(self.run_dir).acquire()
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as error:
+            raise RunInputError(f"cannot create the checkpoint directory {self.run_dir} "
+                                f"(trainer.default_local_dir): {error}") from error
         # Everything the config names outside itself is checked before a model is built or a worker placed.
         try:
             check_run_inputs(cfg)

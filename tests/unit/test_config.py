@@ -360,3 +360,13 @@ def test_an_engine_on_whole_nodes_is_accepted():
 def test_async_training_settings_check_themselves(key, value, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config([f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("trainer.experiment_name", "'../../x'"), ("trainer.experiment_name", "/tmp/elsewhere"),
+    ("trainer.project_name", "'..'"), ("trainer.experiment_name", "a/b"), ("trainer.project_name", "''")])
+def test_run_names_stay_inside_the_roots(key, value):
+    """``experiment_name='../../x'`` or an absolute path used to put checkpoints and logs outside their roots."""
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}=.* must name one folder"):
+        load_config([f"{key}={value}"])
+    assert load_config(["trainer.experiment_name=qwen-7b_run.2"]).trainer.experiment_name == "qwen-7b_run.2"

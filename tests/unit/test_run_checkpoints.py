@@ -325,3 +325,14 @@ def test_an_unreadable_trainer_state_names_the_file(tmp_path):
     (final / "trainer_state.json").write_text('{"global_step": ')
     with pytest.raises(ValueError, match=r"trainer_state\.json of checkpoint .*global_step_1 is unreadable"):
         load_trainer_state(final)
+
+
+def test_a_dangling_symlink_root_is_named(tmp_path):
+    """A checkpoint root that is a symlink to nowhere used to fail with a bare FileExistsError."""
+    from megarl.controller.run_checkpoints import RunLock
+
+    (tmp_path / "ckpt").symlink_to(tmp_path / "gone" / "disk")
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'ckpt'} is a symbolic link to {tmp_path}/gone/disk, "
+                                                r"which does not exist; create it, or choose another "
+                                                r"trainer.default_local_dir"):
+        RunLock(tmp_path / "ckpt" / "megarl" / "run").acquire()
