@@ -235,6 +235,11 @@ OPTIONS = ("gamma", "lam", "whiten", "norm_adv_by_std_in_grpo", "epsilon", "mult
 """Settings :func:`compute` accepts; each estimator uses the ones that apply to it."""
 
 
+GROUP_ESTIMATORS = frozenset(name for name, estimator in ESTIMATORS.items() if "uid" in estimator.fields)
+"""Estimators that compare the samples of one prompt (its ``uid`` group) with each other: one sample per prompt,
+or identical samples, give every advantage 0."""
+
+
 def uses_critic(name: str) -> bool:
     """Whether the estimator needs critic ``values`` (only GAE)."""
     _estimator(name)

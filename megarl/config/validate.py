@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from megarl.algo.advantages import uses_critic
+from megarl.algo.advantages import GROUP_ESTIMATORS, uses_critic
 from megarl.config.actor import ActorConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.parallel import ParallelDims
@@ -49,6 +49,7 @@ def validate(cfg: RunConfig) -> None:
     _check_engines(cfg)
     _check_memory_flags(cfg)
     _check_async(cfg)
+    _check_group_samples(cfg)
 
 
 def _world_keys(cfg: RunConfig) -> str:
@@ -272,3 +273,23 @@ def _check_algorithm(cfg: RunConfig) -> None:
     if actor.tis_cap is not None and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         raise ValueError(f"{ARR}.actor.tis_cap={actor.tis_cap} needs the engines' log-probs: set "
                          f"{ARR}.rollout.calculate_log_probs=True or {ARR}.actor.tis_cap=null")
+
+
+def _check_group_samples(cfg: RunConfig) -> None:
+    """Group estimators (GRPO and relatives) learn from the differences between a prompt's samples: one sample,
+    or greedy samples (all alike), give every advantage 0, so the run would train on nothing."""
+    estimator, rollout = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout
+    greedy = rollout.temperature == 0 or not rollout.do_sample
+    if estimator in GROUP_ESTIMATORS:
+        if rollout.n < 2:
+            raise ValueError(f"algorithm.adv_estimator={estimator} compares the samples of each prompt, but "
+                             f"{ARR}.rollout.n={rollout.n}: every advantage would be 0; set {ARR}.rollout.n >= 2 "
+                             f"(GRPO commonly uses 4-16)")
+        if greedy:
+            setting = "temperature=0" if rollout.temperature == 0 else "do_sample=False"
+            raise ValueError(f"algorithm.adv_estimator={estimator} compares the samples of each prompt, but "
+                             f"{ARR}.rollout.{setting} samples greedily: the {rollout.n} samples are alike and "
+                             f"every advantage would be 0; sample (temperature > 0, do_sample=True)")
+    elif greedy and rollout.n > 1:
+        logger.warning("%s.rollout.n=%d with greedy sampling generates the same response %d times per prompt; "
+                       "set %s.rollout.n=1 or sample (temperature > 0)", ARR, rollout.n, rollout.n, ARR)

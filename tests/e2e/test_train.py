@@ -192,11 +192,12 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
     """``rollout.do_sample=false`` with ``temperature=0.7``: the engines decode greedily and report log-probs at
     T=1 (the batch's meta says so); the actor recomputes at the meta's temperature, not the setting's.
 
-    Also GRPO with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back;
+    REINFORCE++ (GRPO would refuse greedy samples: they are alike), with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back;
     and with context parallelism on the actor (cp=2, packed): the recomputed log-probs gathered over the CP ranks
     equal the engines', and the weights the CP ranks send are the engines' after the update."""
     trainer = _run(_config(assets, "greedy", "trainer.total_steps=1", "actor_rollout_ref.rollout.do_sample=false",
                            "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=1",
+                           "algorithm.adv_estimator=reinforce_plus_plus",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                            "actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.cp=2",
                            "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 
 import pytest
 import torch
@@ -126,9 +128,13 @@ def test_defaults_come_from_the_dataclasses_without_yaml():
     assert schema.actor_rollout_ref.rollout.n == RolloutConfig().n
     assert OmegaConf.is_missing(schema.data, "train_files")  # the one thing a recipe must say
     assert TrainerConfig().world_size == 8
+    bare = OmegaConf.to_object(OmegaConf.merge(schema, {"data": {"train_files": ["x.parquet"]},
+                                                        ARR: {"model": {"path": "m"}}}))
+    with pytest.raises(ValueError, match=r"adv_estimator=grpo compares the samples .*rollout\.n=1:"):
+        validate(bare)  # verl's n=1 under the default estimator, GRPO: a group size is the one more thing to say
     cfg = OmegaConf.to_object(OmegaConf.merge(schema, {"data": {"train_files": ["x.parquet"]},
-                                                       ARR: {"model": {"path": "m"}}}))
-    validate(cfg)  # the bare defaults form a consistent (1 node x 8 GPU) run
+                                                       ARR: {"model": {"path": "m"}, "rollout": {"n": 8}}}))
+    validate(cfg)  # then the defaults form a consistent (1 node x 8 GPU) run
 
 
 def test_schema_is_registered_and_yaml_holds_no_defaults():
@@ -370,3 +376,21 @@ def test_run_names_stay_inside_the_roots(key, value):
     with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}=.* must name one folder"):
         load_config([f"{key}={value}"])
     assert load_config(["trainer.experiment_name=qwen-7b_run.2"]).trainer.experiment_name == "qwen-7b_run.2"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{ARR}.rollout.n=1"], r"adv_estimator=grpo compares the samples of each prompt, but actor_rollout_ref\.rollout"
+                             r"\.n=1: every advantage would be 0"),
+    (["algorithm.adv_estimator=rloo", f"{ARR}.rollout.n=1"], r"adv_estimator=rloo .*every advantage would be 0"),
+    ([f"{ARR}.rollout.temperature=0"], r"rollout\.temperature=0 samples greedily: the \d+ samples are alike"),
+    ([f"{ARR}.rollout.do_sample=false"], r"rollout\.do_sample=False samples greedily")])
+def test_group_estimators_need_distinct_samples(overrides, message):
+    """GRPO with n=1, or greedy sampling with n>1, used to run with no learning signal and no warning."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
+
+
+def test_greedy_duplicates_under_a_critic_are_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="megarl.config.validate"):
+        load_config(["recipe=qwen2_5_7b_ppo", f"{ARR}.rollout.n=2", f"{ARR}.rollout.temperature=0"])
+    assert "generates the same response 2 times per prompt" in caplog.text
