@@ -745,6 +745,23 @@ def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[
     return tensors
 
 
+class _HTTP2ProbeFilter(logging.Filter):
+    """aiohttp logs an ERROR with a traceback for every HTTP/2 connection preface (``PRI * HTTP/2.0``) it
+    refuses; sglang-router opens each worker connection that way first and falls back to HTTP/1.1 on the 400.
+    Such records become one INFO line each: they are the router's probe, not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage) and "PRI/Upgrade" in str(error):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "refused an HTTP/2 connection preface (sglang-router's probe; it goes on with HTTP/1.1)", (), None,
+                None)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megarl.rollout.server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -761,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_HTTP2ProbeFilter())
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -363,6 +363,23 @@ def test_abort_keeps_the_tokens_of_one_version_and_an_unpaused_update_waits_for_
     assert out.weight_version != "after"
 
 
+def test_an_http2_probe_is_one_info_line_not_an_error(server):
+    """sglang-router opens each connection with HTTP/2's preface first (then HTTP/1.1): the server answers 400 and
+    logs one INFO line, not an ERROR with a traceback (every engine log used to start with two)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as connection:
+        connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(24))
+        assert connection.recv(64).startswith(b"HTTP/1.0 400 Bad Request")
+    deadline = time.monotonic() + 30
+    while "HTTP/2 connection preface" not in (log := server.log_path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "INFO aiohttp.server: refused an HTTP/2 connection preface (sglang-router's probe" in log
+    assert "ERROR" not in log and "Traceback" not in log
+
+
 HEALTHY_STUB = """
 import http.server, sys
 class Handler(http.server.BaseHTTPRequestHandler):
