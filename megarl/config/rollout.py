@@ -84,6 +84,10 @@ class ValKwargs:
         check_sampling("actor_rollout_ref.rollout.val_kwargs", self.temperature, self.top_p, self.top_k)
 
 
+TRUNCATE_SIDES = ("left", "right", "middle")
+"""``multi_turn.tool_response_truncate_side`` choices."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class MultiTurnConfig:
     """Request-level multi-turn rollouts with tools (``actor_rollout_ref.rollout.multi_turn.*``)."""
@@ -108,9 +112,17 @@ class MultiTurnConfig:
     counted (``multi_turn/num_timeouts/<hook>``). None: no limit."""
     tokenization_sanity_check: str = "warn"
     """``strict``, ``warn`` or ``off``: compare incremental tokenization with a full re-tokenization."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's reply kept in the conversation (verl's key and default); a longer reply is cut
+    as ``tool_response_truncate_side`` says, marked ``...(truncated)`` and counted
+    (``multi_turn/num_tool_responses_truncated``)."""
+    tool_response_truncate_side: str = "middle"
+    """What a cut keeps of a long reply: ``left`` (its start), ``right`` (its end) or ``middle`` (both ends)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout.multi_turn"
+        check_positive(f"{p}.max_tool_response_length", self.max_tool_response_length)
+        check_choice(f"{p}.tool_response_truncate_side", self.tool_response_truncate_side, TRUNCATE_SIDES)
         check_positive(f"{p}.max_turns", self.max_turns)
         formats = tool_call_formats()
         if formats is not None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -352,7 +353,18 @@ class AgentLoop:
             logger.debug("tool %r raised for request %s", call.name, request.request_id, exc_info=True)
             return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
         request.tool_metrics.setdefault(call.name, []).append({"step_reward": step_reward, **metrics})
-        return str(text)
+        if not isinstance(text, str):
+            if not isinstance(text, (dict, list, int, float, bool, type(None))):
+                request.count("num_tool_bad_responses")
+                logger.warning("tool %r returned a %s, not text; the model is told so", call.name,
+                               type(text).__name__)
+                return f"Error: tool {call.name!r} returned a {type(text).__name__}, not text."
+            text = json.dumps(text, ensure_ascii=False, default=str)
+        limit, side = self.multi_turn.max_tool_response_length, self.multi_turn.tool_response_truncate_side
+        if len(text) > limit:
+            request.count("num_tool_responses_truncated")
+            text = truncate_text(text, limit, side)
+        return text
 
     async def _interact(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
         """INTERACTING: the simulated user judges the last turn and replies or ends the conversation."""
@@ -538,3 +550,16 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
         "num_turns": column([request.num_assistant_turns + request.num_user_turns for request in requests]),
     }
     return Batch(tensors=tensors, non_tensors=non_tensors)
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """``text`` cut to ``limit`` characters plus a ``...(truncated)`` mark, keeping its start (``left``), its
+    end (``right``) or both ends (``middle``), as verl cuts tool replies."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - half:]

@@ -286,6 +286,26 @@ def test_tool_exception_is_contained_in_its_request(tok):
     assert "num_tool_exceptions" not in healthy.metrics
 
 
+@pytest.mark.parametrize("side, kept", [("middle", "a" * 10 + "b" * 6 + "...(truncated)..." + "b" * 6 + "c" * 10),
+                                         ("left", "a" * 10 + "b" * 22 + "...(truncated)"),
+                                         ("right", "(truncated)..." + "b" * 22 + "c" * 10)])
+def test_long_and_non_text_tool_replies(tok, side, kept):
+    """A reply longer than ``max_tool_response_length`` characters is cut as verl cuts it and counted (a 10 MB
+    reply used to cost 17 s and 3.2 GB per call); a dict becomes JSON; an object that is not text is answered
+    with an error and counted (it used to pass as ``str(x)`` silently)."""
+    big = "a" * 10 + "b" * (10 * 2**20) + "c" * 10
+    tools = {"big": NapTool({"seconds": 0, "reply": big}, schema("big")),
+             "data": NapTool({"seconds": 0, "reply": {"sum": 72, "ok": True}}, schema("data")),
+             "odd": NapTool({"seconds": 0, "reply": object()}, schema("odd"))}
+    turn = "Asking.\n" + call("big", {}) + "\n" + call("data", {}) + "\n" + call("odd", {})
+    loop, _ = make_loop(tok, {Q1: [turn, "Done. #### 72"]}, tools=tools, max_tool_response_length=32,
+                        tool_response_truncate_side=side)
+    [req] = run(loop, [request(tools_kwargs={})])
+    replies = [kept, '{"sum": 72, "ok": true}', "Error: tool 'odd' returned a object, not text."]
+    check_sequence(tok, req, [*assistant(turn), (tool_turn(*replies), 0), (GEN, 0), *assistant("Done. #### 72")])
+    assert req.metrics["num_tool_responses_truncated"] == 1 and req.metrics["num_tool_bad_responses"] == 1
+
+
 def test_tool_timeout(tok):
     tools = {"nap": NapTool({"seconds": 30, "reply": "zz"}, schema("nap"))}
     turn = "Waiting.\n" + call("nap", {})
