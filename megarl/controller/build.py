@@ -413,6 +413,30 @@ def check_run_inputs(cfg: RunConfig) -> None:
                 raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r} does not exist")
 
 
+def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
+    """Refuse, before Ray, a checkpoint whose actor (or critic) was saved at another layout than the config's:
+    its optimizer and RNG states load only at the saved one. The error names both layouts and the keys."""
+    from megarl.config.validate import data_parallel_size
+    from megarl.workers.model_checkpoint import layout_mismatch, read_model_metadata
+
+    if checkpoint is None:
+        return
+    roles = [("actor", "actor_rollout_ref.actor.parallel", cfg.actor_rollout_ref.actor.parallel)]
+    if cfg.critic.enable:
+        roles.append(("critic", "critic.parallel", cfg.critic.parallel))
+    for role, key, parallel in roles:
+        if not (checkpoint / role).is_dir():
+            raise ValueError(f"checkpoint {checkpoint} has no {role}/ directory, and this run trains a {role}; resume "
+                             f"from a checkpoint of a run like this one, or start fresh (trainer.resume_mode=disable)")
+        dims = parallel.for_world(data_parallel_size(cfg, parallel) * parallel.model_parallel_size)
+        mismatch = layout_mismatch(read_model_metadata(checkpoint / role), dims)
+        if mismatch is not None:
+            raise ValueError(f"checkpoint {checkpoint / role} was {mismatch}: its optimizer and RNG states load only "
+                             f"at the saved layout; set {key}.* (tp, pp, vpp, cp, ep, etp) and the world size "
+                             f"(trainer.n_gpus_per_node, trainer.nnodes or trainer.n_cpu_ranks) to match it, or "
+                             f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
+
+
 def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = None,
                    console=print) -> tuple[PromptDataset, PromptDataset | None]:
     """The training and validation prompt sets (``data.*``); the count of dropped over-long prompts is reported.

@@ -43,6 +43,7 @@ from megarl.controller.build import (
     build_reward_managers,
     build_roles,
     build_rollout_manager,
+    check_resume_layout,
     check_run_inputs,
     init_ray,
     load_agent_plugins,
@@ -143,6 +144,7 @@ class Trainer:
         try:
             check_run_inputs(cfg)
             self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+            check_resume_layout(cfg, self._resume_from)
             prepare_policy(cfg)
             self.routing_shape = routing_shape(cfg)
             self.plugins = load_agent_plugins(cfg)

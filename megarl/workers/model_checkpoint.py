@@ -57,10 +57,24 @@ DIST_DIR = "dist"
 RNG_DIR = "rng"
 
 
-def _layout(model) -> dict:
-    dims = model.groups.dims
+def layout_of(dims) -> dict:
+    """The layout a checkpoint records (``model.json``'s ``layout``) of ``ParallelDims`` with ``dp`` bound."""
     return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp,
             "ep": dims.ep, "etp": dims.expert_tp}
+
+
+def _layout(model) -> dict:
+    return layout_of(model.groups.dims)
+
+
+def layout_mismatch(meta: dict, dims) -> str | None:
+    """None when the checkpoint of ``meta`` (its ``model.json``) was saved at ``dims`` (``dp`` bound), else
+    ``"TP2×PP1×… on 2 ranks" vs "TP1×…"``-style text naming both."""
+    saved = {"ep": 1, "etp": meta["layout"]["tp"], **meta["layout"], "world_size": meta["world_size"]}
+    current = {**layout_of(dims), "world_size": dims.world_size}
+    if saved == current:
+        return None
+    return f"saved at {_describe(saved)}, but this run's layout is {_describe(current)}"
 
 
 def _optimizer_metadata() -> dict:
@@ -186,13 +200,12 @@ def _describe(layout: dict) -> str:
 
 
 def _check_same_layout(model, meta: dict, directory) -> None:
-    saved = {"ep": 1, "etp": meta["layout"]["tp"], **meta["layout"], "world_size": meta["world_size"]}
-    current = {**_layout(model), "world_size": dist.get_world_size()}
-    if saved != current:
+    mismatch = layout_mismatch(meta, model.groups.dims)
+    if mismatch is not None:
         raise ValueError(
-            f"{directory} was saved at {_describe(saved)} but this role runs at {_describe(current)}: "
-            "optimizer and RNG states load only at the layout they were saved at. Resume at that layout, "
-            "or load the weights alone with load_model(..., with_optimizer=False, load_rng=False)"
+            f"{directory} was {mismatch}: optimizer and RNG states load only at the layout they were saved at. "
+            "Resume at that layout, or load the weights alone with load_model(..., with_optimizer=False, "
+            "load_rng=False)"
         )
 
 

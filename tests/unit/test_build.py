@@ -141,3 +141,32 @@ def test_routing_replay_shape_comes_from_the_policy_and_a_dense_policy_is_refuse
     assert routing_shape(load_config([f"actor_rollout_ref.model.path={moe}"])) is None
     with pytest.raises(ValueError, match=rf"{key}=compare needs a mixture-of-experts policy; .* is a qwen2 model"):
         routing_shape(load_config([f"actor_rollout_ref.model.path={dense}", f"{key}=compare"]))
+
+
+def _role_checkpoint(directory: Path, layout: dict, world_size: int) -> None:
+    import json
+
+    from megarl.workers.model_checkpoint import FORMAT, METADATA_FILE
+
+    (directory / "dist").mkdir(parents=True)
+    (directory / "dist" / "metadata.json").write_text("{}")
+    (directory / METADATA_FILE).write_text(json.dumps({"format": FORMAT, "layout": layout, "world_size": world_size}))
+
+
+def test_a_checkpoint_saved_at_another_layout_is_refused_before_ray(tmp_path):
+    """Resuming a TP=2 checkpoint at TP=1 used to fail after 18 s of start-up inside a worker, suggesting a Python
+    function; now the run's set-up refuses it, naming both layouts and the keys."""
+    from megarl.controller.build import check_resume_layout
+
+    checkpoint = tmp_path / "global_step_3"
+    _role_checkpoint(checkpoint / "actor", {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "dp": 1, "ep": 1, "etp": 2}, 2)
+    tiny = load_config()  # the tiny recipe: TP=2 on 2 CPU ranks
+    check_resume_layout(tiny, checkpoint)
+    check_resume_layout(tiny, None)
+    with pytest.raises(ValueError, match=r"global_step_3/actor was saved at TP2×PP1×VPP1×CP1×DP1 on 2 ranks, but "
+                                         r"this run.s layout is TP1×PP1×VPP1×CP1×DP2 on 2 ranks: .* set "
+                                         r"actor_rollout_ref\.actor\.parallel\.\* \(tp, pp, vpp, cp, ep, etp\)"):
+        check_resume_layout(load_config([f"{ARR}.actor.parallel.tp=1"]), checkpoint)
+    ppo = load_config(["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=8"])
+    with pytest.raises(ValueError, match=r"has no critic/ directory, and this run trains a critic"):
+        check_resume_layout(ppo, checkpoint)
