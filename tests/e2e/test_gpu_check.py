@@ -1,6 +1,7 @@
 """``tools/gpu_check.py --shape tiny`` end to end on CPU: every stage passes with real numbers, with Ray, Hydra,
-sglang-router and datasets blocked in the check's process and in its engine server's (the lent GPU machine has none
-of them), and megarl reaching into sglang only for the pieces a GPU machine carries (``docs/gpu.md``).
+sglang-router, datasets and pyarrow blocked in the check's process and in its engine server's (the lent GPU
+machine has none of them), and megarl reaching into sglang only for the pieces a GPU machine carries
+(``docs/gpu.md``).
 
 The block is a ``sitecustomize`` on ``PYTHONPATH``, so every Python process of the run installs it at start-up:
 a ``sys.meta_path`` finder that raises ``ImportError`` for the blocked packages and logs each sglang module that
@@ -21,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["parity", "engine", "ppo", "sync", "mfu"]
-BLOCKED = ("ray", "hydra", "sglang_router", "datasets")
+BLOCKED = ("ray", "hydra", "sglang_router", "datasets", "pyarrow")
+"""Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
                  "sglang.srt.utils.weight_versions", "sglang.srt.utils.msgspec_utils", "sglang.srt.weight_sync",
                  "sglang.srt.weight_sync.tensor_bucket"}
