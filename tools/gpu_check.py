@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -93,8 +94,9 @@ ROWS, PROMPT, RESPONSE = 8, 96, 160
 ENGINE_ROWS, ENGINE_RESPONSE = 8, 64
 """Engine rows (prompts of 32-53 tokens) and tokens generated per row."""
 SMALL_BUCKET_MB = 4
-VERIFY_SAMPLE = 12
-"""Tensors read back whole after the last sync (besides the first rows of all of them)."""
+VERIFY_SAMPLE, WHOLE_MAX_VALUES = 12, 1 << 20
+"""About this many tensors of at most this many values are read back whole after the last sync (besides the first
+rows of every tensor): the engine answers in JSON, a few seconds per million values."""
 ENGINE_START_S = 300.0
 
 
@@ -224,10 +226,10 @@ class Context:
         self._actor = None
         self._server = None
         self.client = None
+        self.out = Path(args.out or args.work)
+        """Where the JSON lines and the engine's log go (``$OUT`` on the lent machine: they come back)."""
         self.floor: float | None = None
         """Parity's mean |HF bf16 - HF fp32|: how far bf16 alone moves log-probs on this model and data."""
-        self.updated = False
-        """Whether a PPO step changed the actor since the engine loaded its weights."""
 
     def model_dir(self, shape: str, seed: int = 0) -> Path:
         return save_model(self.work / f"qwen2_{shape}_seed{seed}", shape, self.device, seed)
@@ -259,7 +261,7 @@ class Context:
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                     "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1"]
             url = f"http://127.0.0.1:{port}"
-            self._server = ServerProcess(argv, name="engine 0", url=url, log_path=self.work / "engine_0.log").start()
+            self._server = ServerProcess(argv, name="engine 0", url=url, log_path=self.out / "engine_0.log").start()
             self._server.wait_healthy(ENGINE_START_S)
             self.client = EngineClient(url, name="engine 0")
         return self.client
@@ -393,7 +395,6 @@ def run_ppo(ctx: Context, out: dict) -> None:
     batch["old_log_probs"] = before
     batch["advantages"] = sign_N[:, None] * mask
     (result,), seconds = timed(lambda: actor.update(batch))
-    ctx.updated = ctx.updated or result.applied
     after = actor.compute_log_prob(batch)["log_probs"].float().cpu()
     moved_N = ((after - before) * mask).sum(-1) / mask.sum(-1)  # each row's mean change
     toward = float((moved_N * sign_N).mean())
@@ -444,7 +445,8 @@ def run_sync_stage(ctx: Context, out: dict) -> None:
     for bucket in exporter.iter_full(RolloutConfig.bucket_mb << 20, reuse_buffer=False):
         expected.update((name, tensor.detach().float().cpu()) for name, tensor in bucket)
     names = list(expected)
-    whole = set(names[1::max(1, len(names) // VERIFY_SAMPLE)]) - {"model.embed_tokens.weight", "lm_head.weight"}
+    small = [name for name in names if expected[name].numel() <= WHOLE_MAX_VALUES]
+    whole = set(small[1::max(1, len(small) // VERIFY_SAMPLE)])
     differed_before, _ = read_back(client, expected, set())
     transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1, host_ranks=(0,))])
     runs, differ = [], {}
@@ -598,9 +600,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompt and response width of the mfu rows (default 512 on CUDA, 64 without)")
     parser.add_argument("--mfu-steps", type=int, default=4 if cuda else 2, help="steps per side (the first is warm-up)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
-    parser.add_argument("--work", default="/tmp/megarl_gpu_check", help="model directories and the engine's log")
+    parser.add_argument("--work", default="/tmp/megarl_gpu_check", help="where the random models are written (kept)")
     parser.add_argument("--out", default=os.environ.get("OUT") or None,
-                        help="directory of gpu_check.jsonl (default: $OUT, else --work)")
+                        help="directory of gpu_check.jsonl and engine_0.log (default: $OUT, else --work)")
     args = parser.parse_args(argv)
     big = cuda and args.shape != "tiny"
     args.mfu_shape = args.mfu_shape or ("1.5b" if big else "tiny")
@@ -621,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    recorder = Recorder(Path(args.out or args.work) / "gpu_check.jsonl")
+    ctx = Context(args, device)
+    recorder = Recorder(ctx.out / "gpu_check.jsonl")
     import megatron.core
     import transformers
 
@@ -630,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     recorder.record("env", True, 0.0, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
                     megatron_core=megatron.core.__version__, python=sys.version.split()[0], stages=args.stages,
-                    shape=args.shape, mfu_shape=args.mfu_shape, dtype=str(DTYPE).removeprefix("torch."))
-    ctx = Context(args, device)
+                    shape=args.shape, mfu_shape=args.mfu_shape, dtype=str(DTYPE).removeprefix("torch."),
+                    transformer_engine=importlib.util.find_spec("transformer_engine") is not None)
     try:
         for name in args.stages:
             with recorder.stage(name) as out:
