@@ -1,16 +1,17 @@
-"""``tools/gpu_check.py --shape tiny`` end to end on CPU: every stage passes with real numbers, with Ray, Hydra,
-sglang-router, datasets and pyarrow blocked in the check's process and in its engine server's (the lent GPU
-machine has none of them), and megarl reaching into sglang only for the pieces a GPU machine carries
-(``docs/gpu.md``).
+"""``tools/gpu_check.py --shape tiny`` end to end on CPU, set up as on the lent GPU machine: every stage passes with
+real numbers, with Ray, Hydra, sglang-router, datasets and pyarrow blocked in the check's process and in its engine
+server's (that machine has none of them), and sglang served by ``sglang_min`` (``tools/make_sglang_min.py``, built
+here from the installed sglang and put ahead of it on ``PYTHONPATH``, as docs/gpu.md does).
 
 The block is a ``sitecustomize`` on ``PYTHONPATH``, so every Python process of the run installs it at start-up:
-a ``sys.meta_path`` finder that raises ``ImportError`` for the blocked packages and logs each sglang module that
-megarl or the tool imports directly. Nothing here depends on the machine's speed: throughput is only required
-to be a positive number.
+a ``sys.meta_path`` finder that raises ``ImportError`` for the blocked packages and logs every sglang module
+imported, where it comes from and who imported it. Nothing here depends on the machine's speed: throughput is
+only required to be a positive number.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -31,10 +32,9 @@ SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.c
 buckets, weight versions)."""
 
 SITECUSTOMIZE = """
-import os, sys
+import importlib.machinery, os, sys
 
 BLOCKED = {blocked!r}
-ROOT = {root!r}
 LOG = {log!r}
 
 
@@ -53,13 +53,12 @@ def _importer():
 
 class BlockImports:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            _log(f"blocked {{name}} {{_importer()}}")
+        top = name.partition(".")[0]
+        if top in BLOCKED:
             raise ImportError(f"{{name}} is blocked: the GPU check must run without it")
-        if name.partition(".")[0] == "sglang":
-            importer = _importer()
-            if importer.startswith(ROOT) and "site-packages" not in importer:
-                _log(f"sglang {{name}} {{importer}}")
+        if top == "sglang":
+            spec = importlib.machinery.PathFinder.find_spec(name, path)  # what the import itself will find
+            _log(f"sglang {{name}} {{spec.origin if spec else None}} {{_importer()}}")
         return None
 
 
@@ -70,14 +69,25 @@ _log("start " + " ".join(sys.orig_argv[1:4]))
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    """One run of the check: its JSON lines by stage, its RESULT lines, the import log and the JSONL file."""
+    """One run of the check: its JSON lines by stage, its RESULT lines, the import log, the JSONL file and where
+    sglang_min lies."""
+    installed = importlib.util.find_spec("sglang")
+    if installed is None:
+        pytest.skip("sglang 0.5.23 is not installed (pip install --no-deps sglang==0.5.23): nothing to build sglang_min from")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import make_sglang_min
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
     tmp = tmp_path_factory.mktemp("gpu_check")
+    sglang_min = tmp / "sglang_min"
+    make_sglang_min.build(Path(installed.submodule_search_locations[0]).parent, sglang_min)
     site = tmp / "site"
     site.mkdir()
     log = tmp / "imports.log"
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=BLOCKED, root=str(ROOT), log=str(log)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=BLOCKED, log=str(log)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(sglang_min), str(ROOT)]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--shape", "tiny",
                            "--work", str(tmp / "work"), "--out", str(tmp / "out")],
@@ -90,7 +100,7 @@ def check(tmp_path_factory):
         if line.startswith("RESULT "):
             results.update({k: float(v) for k, v in (item.split("=", 1) for item in line.split()[1:])})
     return {"records": records, "lines": lines, "results": results, "imports": log.read_text().splitlines(),
-            "jsonl": (tmp / "out" / "gpu_check.jsonl").read_text().splitlines()}
+            "jsonl": (tmp / "out" / "gpu_check.jsonl").read_text().splitlines(), "sglang_min": sglang_min}
 
 
 def finite(*values) -> bool:
@@ -155,10 +165,14 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
     assert check["results"]["mfu_vs_hf"] == pytest.approx(mfu["mfu_vs_hf"], rel=1e-3)
 
 
-def test_blocked_packages_stay_out_and_sglang_use_is_the_carried_pieces(check):
+def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
     assert len(starts) == 2 and any("megarl.rollout.server" in line for line in starts), starts  # tool and server
-    used = {line.split()[2] for line in check["imports"] if " sglang " in line}
-    # The sender's bucket and the server's weight versions (modules imported first by sglang itself are not seen).
-    assert {"sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils.weight_versions"} <= used
-    assert used <= SGLANG_PIECES, used - SGLANG_PIECES
+    imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
+    assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
+    names = {name for name, _, _ in imported}
+    assert names <= SGLANG_PIECES, names - SGLANG_PIECES
+    # The sender's bucket and serializer, the server's weight versions: both sides of the sync.
+    assert {"sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils.common", "sglang.srt.utils.weight_versions"} <= names
+    direct = {name for name, _, importer in imported if importer.startswith(str(ROOT / "megarl"))}
+    assert direct and direct <= names
