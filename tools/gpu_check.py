@@ -6,8 +6,9 @@
 
 What it imports besides megarl: torch, transformers, numpy, safetensors, aiohttp, megatron-core, omegaconf, and
 for the weight payloads sglang's serializer, torch-reduction patch, flattened buckets and weight versions (a
-full sglang or a copy of just those modules). Never Ray, Hydra, sglang-router or datasets
-(``tests/e2e/test_gpu_check.py`` runs it with them blocked). How to run it on a bare machine: ``docs/gpu.md``.
+full sglang or ``tools/make_sglang_min.py``'s copy of just those modules). Never Ray, Hydra, sglang-router, datasets
+or pyarrow (``tests/e2e/test_gpu_check.py`` runs it with them blocked). How to run it on a bare machine:
+``docs/gpu.md``.
 
 Every stage uses megarl's own API as a run does, with the model in bf16 at TP=1: batches are CPU tensors (as they
 come from the rollout) and megarl places them; the engine is megarl's server process; the weights travel by the
@@ -595,7 +596,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mfu-shape", choices=sorted(SHAPES), default=None,
                         help="model of the mfu stage (default 1.5b on CUDA, tiny with --shape tiny)")
     parser.add_argument("--mfu-tokens", type=int, default=None,
-                        help="tokens per mfu step (default 8192 on CUDA: the fp32 log-softmax fits 80 GB; 1024)")
+                        help="tokens per mfu step (default 8192 on CUDA: the fp32 log-softmax fits 80 GB; 1024 without)")
     parser.add_argument("--mfu-half-seq", type=int, default=None,
                         help="prompt and response width of the mfu rows (default 512 on CUDA, 64 without)")
     parser.add_argument("--mfu-steps", type=int, default=4 if cuda else 2, help="steps per side (the first is warm-up)")
