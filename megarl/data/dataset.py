@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from megarl.data.batch import Batch
@@ -200,6 +199,10 @@ class PromptDataset(torch.utils.data.Dataset):
         if not Path(path).is_file():
             raise FileNotFoundError(f"prompt data file {path!r} does not exist; check data.train_files / "
                                     f"data.val_files (prepare GSM8K with tools/prepare_gsm8k.py)")
+        # Imported here: megarl.config imports this module, and a GPU check without parquet data runs where
+        # pyarrow is not installed (tools/gpu_check.py, docs/gpu.md).
+        import pyarrow.parquet as pq
+
         table = pq.read_table(path)
         if self.prompt_key not in table.column_names:
             raise ValueError(f"{path}: no column {self.prompt_key!r} (data.prompt_key); its columns are "
