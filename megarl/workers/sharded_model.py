@@ -340,7 +340,8 @@ class ShardedModel:
         # the aux loss is split over TP and CP ranks (each its tokens' part: sum), the z-loss is each rank's mean
         # over its tokens (mean); both a mean over DP; layers of a stage summed over PP.
         device = self.device  # NCCL reduces only tensors on the GPU
-        tokens, losses = table[:, :experts].to(device), (table[:, experts:] / num_micro_batches).to(device)
+        tokens = table[:, :experts].contiguous().to(device)  # a copy: collectives need contiguous tensors
+        losses = (table[:, experts:] / num_micro_batches).to(device)
         for axis in ("tp", "cp", "pp", "dp"):
             size = getattr(self.groups.dims, axis)
             if size > 1:
