@@ -203,17 +203,18 @@ def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_devi
 
     def base(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
         masks.append(None if attention_mask is None else attention_mask.device)
-        return query.reshape(query.shape[0], query.shape[1], -1)  # Megatron's [Lq, n, heads·dim]
+        with fake_device:  # Megatron's [Lq, n, heads·dim], fake (pad_sequence's output of fake inputs is not)
+            return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * query.shape[3], device=query.device)
 
     monkeypatch.setattr(DotProductAttention, "forward", base)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     attention = _attention(cp)
     attention._gather = lambda key, value, lengths: [torch.cat([key] * cp), torch.cat([value] * cp)]
-    lengths = [8, 4, 4, 2 * cp * 5]  # rows of one pack: a long one alone, short ones batched
+    lengths = [8, 4, 4, 2 * cp * 5, 160]  # rows of one pack: a long one alone, short ones batched
     bounds = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)  # (read on the host: .tolist())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                             cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds, max_seqlen_q=20,
-                             max_seqlen_kv=20)
+                             cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds, max_seqlen_q=160,
+                             max_seqlen_kv=160)
     with fake_device:
         q, k, v = (torch.zeros(sum(lengths) // cp, 2, 4, device=DEVICE) for _ in range(3))
     out = attention(q, k, v, None, packed_seq_params=params)
@@ -228,7 +229,8 @@ def test_padded_context_parallel_attention_mask_is_on_the_queries_device(monkeyp
 
     def base(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, **kwargs):
         masks.append(attention_mask.device)
-        return query.reshape(query.shape[0], query.shape[1], -1)
+        with fake_device:
+            return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * query.shape[3], device=query.device)
 
     monkeypatch.setattr(DotProductAttention, "forward", base)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
