@@ -101,6 +101,7 @@ class ModelFamily:
             expert_ffn=self.moe.ffn_size(hf_config) if self.moe is not None else None,
         )
         on_gpu = torch.cuda.is_available()
+        use_te = on_gpu and _te_importable()  # the layer spec's choice (block_spec)
         params_dtype = overrides.pop("params_dtype", torch.float32)
         kwargs = dict(
             **sizes,
@@ -131,7 +132,9 @@ class ModelFamily:
             calculate_per_token_loss=True,
             # Fused kernels exist only on GPU.
             use_cpu_initialization=not on_gpu,
-            masked_softmax_fusion=on_gpu,
+            # Megatron's fused masked softmax (local attention) imports a kernel that no package ships
+            # (scaled_masked_softmax_cuda); TransformerEngine's attention brings its own.
+            masked_softmax_fusion=use_te,
             bias_activation_fusion=on_gpu,
             bias_dropout_fusion=on_gpu,
             apply_rope_fusion=False,
@@ -151,11 +154,11 @@ class ModelFamily:
             # gradient-norm clipping treats sharded weights as duplicates and gets the norm wrong.
             raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
         if self.moe is not None:
-            kwargs.update(self._moe_kwargs(hf_config, dims, on_gpu=on_gpu))
+            kwargs.update(self._moe_kwargs(hf_config, dims, use_te=use_te))
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
-    def _moe_kwargs(self, hf_config, dims: ParallelDims, *, on_gpu: bool) -> dict[str, Any]:
+    def _moe_kwargs(self, hf_config, dims: ParallelDims, *, use_te: bool) -> dict[str, Any]:
         """Megatron's MoE settings for ``hf_config`` (router as HF's: softmax scores, renormalised top-k or not)."""
         moe = self.moe
         moe.check(hf_config)
@@ -170,7 +173,7 @@ class ModelFamily:
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             # Grouped GEMM through TransformerEngine on GPU; one linear pair per expert (SequentialMLP) on CPU.
-            moe_grouped_gemm=on_gpu and _te_importable(),
+            moe_grouped_gemm=use_te,
             # All-to-all: ranks hold different token counts (packed sequences); the same path on CPU (gloo).
             moe_token_dispatcher_type="alltoall",
             moe_router_fusion=False,

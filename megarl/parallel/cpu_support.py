@@ -1,8 +1,11 @@
-"""Run Megatron-Core on a machine without CUDA (gloo, fp32, the local layer spec).
+"""Run Megatron-Core without CUDA (gloo, fp32) or without TransformerEngine (the local layer spec).
 
-Megatron-Core assumes CUDA in a handful of places that matter for TP/PP training on CPU.
-This module is the one place that deals with them; it is used only when CUDA is absent
-(``install()`` is a no-op otherwise). What it changes, and why:
+Megatron-Core assumes CUDA in a handful of places that matter for TP/PP training on CPU, and
+TransformerEngine in a few more. This module is the one place that deals with them. Points 1-6 and 11
+apply only when CUDA is absent; points 7-10 are what the local layer spec needs, so they apply
+wherever TransformerEngine is not used (every CPU run, and CUDA without TE): ``install()`` puts
+9 and 10 in place on every machine (each is a no-op where TE provides the thing), and the local
+spec's modules (7, 8) follow the model's device and dtype. What it changes, and why:
 
 1. ``torch.cuda.current_device()`` is used as a ``device=`` argument when Megatron allocates
    buffers (tensor-parallel gathers, rotary tables, the global memory buffer). It returns
@@ -26,15 +29,17 @@ export ~17 % on CPU).
    gather; on gloo each rank's block is broadcast straight into its place in the output instead. NCCL
    (or any other backend) runs torch's all-gather.
 7. :class:`CpuRMSNorm` replaces Megatron's torch norm (which refuses sequence parallelism) in the local layer spec
-   and as the block's final norm (:func:`local_block_spec`), so sequence parallelism runs on CPU.
+   and as the block's final norm (:func:`local_block_spec`), so sequence parallelism runs without TE. Built on the
+   device and in the dtype of the model's other parameters (CUDA without TE included).
 8. :func:`core_attention` replaces Megatron's local core attention (which refuses both) with one that runs packed
    sequences (THD, per segment) and context parallelism (an all-gather of keys and values): TransformerEngine's
-   attention does these on GPU.
-9. Megatron's RoPE for packed sequences selects its frequencies with one index per pack instead of a loop over
-   the sequences (:func:`_patch_thd_rope`; same numbers, far fewer operations).
+   attention does these with TE. Its plans (index tensors) live on the queries' device.
+9. Megatron's unfused RoPE for packed sequences (what runs unless TE's fused RoPE does) selects its frequencies
+   with one index per pack instead of a loop over the sequences with a host sync (``.tolist()``) per layer
+   (:func:`_patch_thd_rope`; same numbers, far fewer operations). Installed on every machine.
 10. Mixture-of-experts routers: ``moe_utils`` imports TransformerEngine's ``te_general_gemm`` only when TE is
    installed, yet the router's gating function tests ``te_general_gemm is not None`` unconditionally (a NameError
-   without TE); it is set to None, so the gating runs ``torch.mm`` (:func:`_patch_moe`).
+   without TE, CUDA or not); it is set to None, so the gating runs ``torch.mm`` (:func:`_patch_te_general_gemm`).
 11. The all-to-all token dispatcher (variable token counts per rank: packed sequences) copies its split sizes to
    the host on a side CUDA stream and hands them to ``all_to_all_single`` as numpy arrays; here they are on the
    host already and become numpy arrays in place (no stream). With expert-tensor parallelism it all-gathers and
@@ -71,6 +76,9 @@ for _message in ("`torch.distributed.reduce_scatter_tensor` is deprecated",
     warnings.filterwarnings("ignore", category=FutureWarning, message=_message)
 
 _PATCHED = False
+"""The CPU patches (points 1, 4, 5, 11) are in place."""
+_PATCHED_LOCAL_SPEC = False
+"""Points 9 and 10 (every machine) are in place."""
 _THREAD_STATE = threading.local()
 _CPU = torch.device("cpu")
 
@@ -211,14 +219,19 @@ def _patch_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker.add = add
 
 
-def _patch_moe() -> None:
-    """Points 10 and 11."""
-    from megatron.core.tensor_parallel import mappings
+def _patch_te_general_gemm() -> None:
+    """Point 10 (a no-op where TransformerEngine is installed: Megatron imported the name)."""
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe import token_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_moe() -> None:
+    """Point 11."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
     dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
     dispatcher.cuda_dtoh_stream = "host"  # class-level: its __init__ creates a CUDA stream only while this is None
     dispatcher._maybe_dtoh_and_synchronize = _splits_on_host
@@ -291,18 +304,22 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 
 
 def install() -> None:
-    """Make Megatron-Core runnable on CPU in this process and on the calling thread.
+    """Make Megatron-Core runnable without TransformerEngine (points 9, 10: on every machine) and, without CUDA,
+    on CPU in this process and on the calling thread.
 
-    Idempotent; does nothing when CUDA is available.
+    Idempotent.
     """
-    global _PATCHED
+    global _PATCHED, _PATCHED_LOCAL_SPEC
+    if not _PATCHED_LOCAL_SPEC:
+        _patch_thd_rope()
+        _patch_te_general_gemm()
+        _PATCHED_LOCAL_SPEC = True
     if cuda_available():
         return
     if not _PATCHED:
         torch.cuda.current_device = _cpu_current_device
         torch.cuda.synchronize = lambda device=None: None
         _patch_rng_tracker()
-        _patch_thd_rope()
         _patch_moe()
         _PATCHED = True
     if not getattr(_THREAD_STATE, "mode", None):
@@ -391,7 +408,10 @@ class CpuRMSNorm(torch.nn.RMSNorm):
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
         if config.normalization != "RMSNorm":
             raise ValueError(f"CpuRMSNorm: normalization {config.normalization!r}; megarl's families use RMSNorm")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        # On the model's device and in its dtype, as Megatron builds every other parameter: on CUDA without
+        # TransformerEngine this spec is the one in use, and nothing moves or casts the norms later.
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
@@ -440,7 +460,7 @@ def core_attention():
                                 attention_bias=attention_bias)
                 length = query.shape[0] * self.cp
                 keys, values = self._gather(key, value, [length])
-                return base(query, keys, values, self._causal(length), attn_mask_type=attn_mask_type)
+                return base(query, keys, values, self._causal(length, query.device), attn_mask_type=attn_mask_type)
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"CpuCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}; use 'thd'")
             bounds = packed_seq_params.cu_seqlens_q_padded
@@ -459,7 +479,7 @@ def core_attention():
                 key, value = self._gather(key, value, lengths)
             queries = query.split([n // self.cp for n in lengths])
             keys, values = key.split(lengths), value.split(lengths)
-            plan = segment_batches(lengths, heads=query.shape[-2], cp=self.cp, rank=rank)
+            plan = segment_batches(lengths, heads=query.shape[-2], cp=self.cp, rank=rank, device=query.device)
             outs = []
             for batch in plan.batches:
                 picked = batch.segments
@@ -472,7 +492,8 @@ def core_attention():
                 q, k, v = (pad_sequence([parts[i] for i in picked]) for parts in (queries, keys, values))
                 mask = None  # cp == 1: as many queries as keys, Megatron's causal mask
                 if batch.query_positions is not None:
-                    mask = (torch.arange(k.shape[0])[None, None, :] > batch.query_positions[:, :, None])[:, None]
+                    keys_k = torch.arange(k.shape[0], device=k.device)
+                    mask = (keys_k[None, None, :] > batch.query_positions[:, :, None])[:, None]
                 out = base(q, k, v, mask, attn_mask_type=attn_mask_type)  # [Lq, n, h·d]
                 outs.append(out.transpose(0, 1).reshape(-1, out.shape[-1]).index_select(0, batch.output_index))
             return torch.cat(outs).index_select(0, plan.restore).unsqueeze(1)
@@ -487,12 +508,13 @@ def core_attention():
             return [gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group).index_select(0, inverse)
                     for t in (key, value)]
 
-        def _causal(self, length: int) -> torch.Tensor:
-            """The mask (True: masked) of this rank's queries of one sequence of ``length`` tokens over all its keys."""
+        def _causal(self, length: int, device: torch.device) -> torch.Tensor:
+            """The mask (True: masked) of this rank's queries of one sequence of ``length`` tokens over all its keys,
+            on ``device``."""
             from megarl.parallel.packing import zigzag_index
 
             rank = torch.distributed.get_rank(self.cp_group)
-            mine = zigzag_index([length], self.cp, rank)
-            return (torch.arange(length)[None, :] > mine[:, None])[None, None]
+            mine = zigzag_index([length], self.cp, rank).to(device)
+            return (torch.arange(length, device=device)[None, :] > mine[:, None])[None, None]
 
     return CpuCoreAttention

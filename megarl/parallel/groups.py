@@ -65,26 +65,35 @@ class ProcessGroups(Coordinates):
         return self.collection.expt_dp
 
 
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+"""The default group's backend on GPU: NCCL for CUDA tensors, gloo for host tensors (Megatron's groups inherit
+both). A host tensor handed to a collective by code outside megarl (or a small metric of megarl's) then still
+reduces; NCCL alone raises "No backend type associated with device type cpu"."""
+
+
 def default_backend() -> str:
-    """``nccl`` when CUDA is usable, ``gloo`` otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """:data:`MIXED_BACKEND` when CUDA is usable, ``gloo`` otherwise."""
+    return MIXED_BACKEND if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) -> None:
     """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_*).
 
-    A no-op when it is already initialised. On GPU it also selects ``LOCAL_RANK``'s device.
+    A no-op when it is already initialised. ``nccl`` becomes :data:`MIXED_BACKEND`. On GPU it also selects
+    ``LOCAL_RANK``'s device.
     """
     if dist.is_initialized():
         return
     backend = backend or default_backend()
+    if backend == "nccl":
+        backend = MIXED_BACKEND
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise ValueError(
                 f"environment variable {var} is not set: start the process with torchrun, Ray "
                 "(megarl's worker groups set it) or megarl.parallel.launch"
             )
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 

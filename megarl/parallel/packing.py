@@ -134,7 +134,19 @@ class SegmentPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -> SegmentPlan:
+def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int, device: torch.device) -> SegmentPlan:
+    plan = _segment_batches_on_host(lengths, heads, cp, rank)
+    if device.type == "cpu":
+        return plan
+    batches = tuple(dataclasses.replace(
+        batch, output_index=batch.output_index.to(device),
+        query_positions=None if batch.query_positions is None else batch.query_positions.to(device))
+        for batch in plan.batches)
+    return SegmentPlan(batches, plan.restore.to(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_batches_on_host(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -> SegmentPlan:
     order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:  # longest first: a segment joins the open batch while its padding costs less than a call
@@ -160,13 +172,15 @@ def _segment_batches(lengths: tuple[int, ...], heads: int, cp: int, rank: int) -
     return SegmentPlan(tuple(batches), torch.argsort(order))
 
 
-def segment_batches(lengths: Sequence[int], *, heads: int, cp: int = 1, rank: int = 0) -> SegmentPlan:
+def segment_batches(lengths: Sequence[int], *, heads: int, cp: int = 1, rank: int = 0,
+                    device: torch.device | str = "cpu") -> SegmentPlan:
     """The segments of a pack (padded ``lengths``; this CP rank holds ``length/cp`` tokens of each, in zigzag
     order) grouped into batches for attention. Many short segments then cost a few batched calls instead of one
     call each (a call costs about ``CALL_COST_SCORES`` scores of one head on CPU), and a long segment still runs
     alone. Longest first; the padding sits at the end of each segment, where causal attention never reaches it
-    from a real query."""
-    return _segment_batches(tuple(int(n) for n in lengths), int(heads), int(cp), int(rank))
+    from a real query. The plan's tensors are on ``device`` (the attention's; cached per layout and device, so a
+    GPU copies each layout's plan once, not once per layer)."""
+    return _segment_batches(tuple(int(n) for n in lengths), int(heads), int(cp), int(rank), torch.device(device))
 
 
 def gather_cp(x_bt: torch.Tensor, lengths: Sequence[int], cp: int, group) -> torch.Tensor:

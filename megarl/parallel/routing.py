@@ -122,11 +122,12 @@ class Routing:
             raise KeyError(f"routing replay/compare needs the batch's {ROUTED_EXPERTS!r} (the engines' routed "
                            f"experts); the micro-batch has {sorted(micro_batch)}")
         layers, topk = routed_BSLK.shape[2:]
-        fill = torch.arange(topk, dtype=routed_BSLK.dtype).expand(layers, topk)
-        targets = self._router_order(prepared.to_model(routed_BSLK, fill)).long()
+        device = micro_batch["input_ids"].device  # the model's (index tensors must be where they index)
+        fill = torch.arange(topk, dtype=routed_BSLK.dtype, device=device).expand(layers, topk)
+        targets = self._router_order(prepared.to_model(routed_BSLK.to(device), fill)).long()
         B, S = micro_batch["input_ids"].shape
         valid = self._router_order(prepared.to_model(routed_mask(micro_batch["attention_mask"]), False))
-        row = self._router_order(prepared.to_model(torch.arange(B)[:, None].expand(B, S), -1))
+        row = self._router_order(prepared.to_model(torch.arange(B, device=device)[:, None].expand(B, S), -1))
         self._contexts[chunk_id] = _Context(index=index, targets=targets, valid=valid, row=row, rows=B)
         if self.replay:
             from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -177,16 +178,16 @@ class Routing:
         valid = context.valid
         counts = torch.stack([((routing_map != rollout).any(dim=1) & valid).double(),
                               ((natural != rollout).any(dim=1) & valid).double(), valid.double()], dim=1)
-        rows = torch.zeros((context.rows, len(COUNTS)), dtype=torch.float64)
+        rows = torch.zeros((context.rows, len(COUNTS)), dtype=torch.float64, device=counts.device)
         keep = context.row >= 0
-        rows.index_add_(0, context.row[keep], counts[keep].cpu())
+        rows.index_add_(0, context.row[keep], counts[keep])
         previous = self._counts.get(context.index)
         self._counts[context.index] = rows if previous is None else previous + rows
 
     def row_counts(self, rows_per_micro_batch: Sequence[int]) -> torch.Tensor:
         """``[sum(rows), 3]`` float64 (:data:`COUNTS`) of this rank's routers, the micro-batches' rows in order
-        (zeros for micro-batches whose routers are on other ranks)."""
-        parts = [self._counts.get(i, torch.zeros((rows, len(COUNTS)), dtype=torch.float64))
+        (zeros for micro-batches whose routers are on other ranks), on the host."""
+        parts = [self._counts[i].cpu() if i in self._counts else torch.zeros((rows, len(COUNTS)), dtype=torch.float64)
                  for i, rows in enumerate(rows_per_micro_batch)]
         return torch.cat(parts) if parts else torch.zeros((0, len(COUNTS)), dtype=torch.float64)
 

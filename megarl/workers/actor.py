@@ -63,9 +63,11 @@ class LogProbRole:
                                           measure_routing=measure_routing)
         if out is None or not self.model.groups.is_collect_rank:
             return None
-        result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R)}
+        # Back on the host: the result travels through Ray to a driver that may have no GPU.
+        result = {"log_probs": pad_responses([response_slice(o["logp"], r) for o, r in zip(out, widths)], R).cpu()}
         if with_entropy:
-            result["entropy"] = pad_responses([response_slice(o["entropy"], r) for o, r in zip(out, widths)], R)
+            result["entropy"] = pad_responses([response_slice(o["entropy"], r) for o, r in zip(out, widths)],
+                                              R).cpu()
         if measure_routing:
             result["routing_counts"] = self.model.last_routing_counts.float()
         return result
@@ -116,7 +118,7 @@ class ActorRole(LogProbRole):
 
     def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
         ppo = self.config
-        norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64)
+        norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64, device=self.model.device)
         dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 

@@ -53,7 +53,8 @@ class CriticRole:
         if out is None or not self.model.groups.is_collect_rank:
             return None
         R = batch["responses"].shape[1]
-        return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R)}
+        # Back on the host: the result travels through Ray to a driver that may have no GPU.
+        return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R).cpu()}
 
     @property
     def _micro_multiple(self) -> int:
@@ -82,7 +83,8 @@ class CriticRole:
 
     def _step(self, mini: Batch, keys) -> StepResult:
         cfg = self.config
-        norm = torch.tensor(agg_norm(mini["response_mask"], cfg.loss_agg_mode), dtype=torch.float64)
+        norm = torch.tensor(agg_norm(mini["response_mask"], cfg.loss_agg_mode), dtype=torch.float64,
+                            device=self.model.device)
         dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 

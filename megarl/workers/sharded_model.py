@@ -46,6 +46,13 @@ hysteresis and floor are Megatron's defaults; the initial scale is torch.amp's (
 few optimizer steps per rollout would discard several rollouts' updates."""
 
 
+def to_device(micro_batch: dict, device: torch.device) -> dict:
+    """``micro_batch`` with its tensors on ``device`` (micro-batches are cut on the host from the batch that came
+    over Ray; the model takes its inputs where its parameters are). Other values pass as they are."""
+    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in micro_batch.items()}
+
+
 def _recompute_fields(recompute_granularity: str | None, recompute_num_layers: int) -> dict:
     """``TransformerConfig`` fields of a role's activation recomputation (``full`` recomputes uniform blocks)."""
     fields: dict = {}
@@ -181,6 +188,12 @@ class ShardedModel:
 
     # ------------------------------------------------------------------------- compute
     @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters are (``cuda:<local rank>`` on GPU, the CPU otherwise): the device of the
+        model's inputs and of the tensors this class hands to collectives."""
+        return next(self.module_chunks[0].parameters()).device
+
+    @property
     def token_layout(self) -> dict[str, int | None]:
         """How a token budget counts on this model (the ``packed_align`` and ``cp`` of
         :func:`megarl.workers.micro.plan`)."""
@@ -212,17 +225,19 @@ class ShardedModel:
 
         if self.value_head:
             raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
+        device = self.device
+        micro_batches = [to_device(mb, device) for mb in micro_batches]
         routing = self._routing(replay_routing, measure_routing)
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
                                    vocab_size=self.hf_config.vocab_size, groups=self.groups, packed=self.packed,
                                    routing=routing)
         if measure_routing:
-            counts = routing.row_counts([mb["input_ids"].shape[0] for mb in micro_batches])
+            counts = routing.row_counts([mb["input_ids"].shape[0] for mb in micro_batches]).to(device)
             for axis in ("tp", "cp", "pp"):  # disjoint tokens (SP, CP) or layers (PP): sums
                 if getattr(self.groups.dims, axis) > 1:
                     dist.all_reduce(counts, group=getattr(self.groups, axis))
-            self.last_routing_counts = counts
+            self.last_routing_counts = counts.cpu()
         return out if self.groups.is_last_stage else None
 
     def forward_values(self, micro_batches: Sequence[dict]) -> list[dict] | None:
@@ -234,6 +249,7 @@ class ShardedModel:
 
         if not self.value_head:
             raise ValueError("forward_values needs a critic: build the ShardedModel with value_head=True")
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups,
                                    packed=self.packed)
@@ -263,6 +279,7 @@ class ShardedModel:
 
         if self.optimizer is None:
             raise ValueError("train_step on a frozen role: build the ShardedModel with optim=OptimConfig(...)")
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -322,7 +339,9 @@ class ShardedModel:
         # Tokens: disjoint over every axis (sum). Losses, per layer and micro-batch on each rank holding the layer:
         # the aux loss is split over TP and CP ranks (each its tokens' part: sum), the z-loss is each rank's mean
         # over its tokens (mean); both a mean over DP; layers of a stage summed over PP.
-        tokens, losses = table[:, :experts].contiguous(), table[:, experts:] / num_micro_batches
+        device = self.device  # NCCL reduces only tensors on the GPU
+        tokens = table[:, :experts].contiguous().to(device)  # a copy: collectives need contiguous tensors
+        losses = (table[:, experts:] / num_micro_batches).to(device)
         for axis in ("tp", "cp", "pp", "dp"):
             size = getattr(self.groups.dims, axis)
             if size > 1:
@@ -332,6 +351,7 @@ class ShardedModel:
                     losses /= size
                 elif axis != "pp":
                     losses[:, 1] /= size
+        tokens, losses = tokens.cpu(), losses.cpu()
         rows = [i for i, is_sparse in enumerate(sparse) if is_sparse]
         share = tokens[rows] / tokens[rows].mean(dim=1, keepdim=True).clamp(min=1e-12)
         out = {"moe_load_max": float(share.max()), "moe_load_min": float(share.min())}
@@ -354,9 +374,11 @@ class ShardedModel:
         for out in outputs:
             values[:-1] += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
         values[-1] = num_micro_batches if self.groups.is_last_stage else 0
+        values = values.to(self.device)  # NCCL reduces only tensors on the GPU
         if self.groups.dims.pp > 1:  # only the last stage has values: sum over the pipeline group
             dist.all_reduce(values, group=self.groups.pp)
         dist.all_reduce(values, group=self.groups.dp)
+        values = values.cpu()
         count = values[-1].item()
         stats = dict(zip(keys, values[:-1].tolist()))
         loss = stats.pop("loss", float("nan"))
