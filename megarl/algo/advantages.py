@@ -6,9 +6,9 @@ both zero wherever the mask is 0. :func:`compute` runs one by name on a batch an
 
 Conventions shared by all estimators:
 
-- The mask is ``response_mask``, or in multi-turn runs the loss mask that is 0 on tool and
-  interaction tokens (:func:`response_loss_mask`). Masked tokens get no advantage, and their
-  values (critic values, log-probs) never influence any other token's advantage.
+- The mask is ``response_mask``: the tokens that train, which the rollout emits (its multi-turn form is 0 on
+  tool and interaction tokens). Masked tokens get no advantage, and their values (critic values, log-probs)
+  never influence any other token's advantage.
 - Outcome estimators (GRPO, RLOO, OPO, REINFORCE++-baseline) score a row by the sum of its
   ``token_level_rewards`` over all T positions: the reward manager puts the score on the last
   token of the response, which may be a masked tool token in a multi-turn episode, and it
@@ -231,7 +231,7 @@ ESTIMATORS: dict[str, _Estimator] = {
 }
 """Estimators by ``algorithm.adv_estimator`` name."""
 
-OPTIONS = ("gamma", "lam", "whiten", "norm_adv_by_std_in_grpo", "epsilon", "multi_turn")
+OPTIONS = ("gamma", "lam", "whiten", "norm_adv_by_std_in_grpo", "epsilon")
 """Settings :func:`compute` accepts; each estimator uses the ones that apply to it."""
 
 
@@ -252,23 +252,6 @@ def _estimator(name: str) -> _Estimator:
     return ESTIMATORS[name]
 
 
-def response_loss_mask(batch, multi_turn: bool = False) -> torch.Tensor:
-    """The [B, T] mask that advantages and losses honour.
-
-    ``response_mask`` normally; with ``multi_turn`` the response part of ``loss_mask``
-    ([B, P+T] or [B, T]), which is also 0 on tool and interaction tokens (seeds-digest §4.10).
-    """
-    if "response_mask" not in batch:
-        raise KeyError("batch has no 'response_mask'; set it to attention_mask[:, -R:] after rollout")
-    response_mask_BT = batch["response_mask"]
-    if not multi_turn:
-        return response_mask_BT
-    if "loss_mask" not in batch:
-        raise KeyError("multi_turn is set but the batch has no 'loss_mask'; the multi-turn rollout must return it, "
-                       "or turn off rollout.multi_turn.enable")
-    return batch["loss_mask"][:, -response_mask_BT.shape[-1]:]
-
-
 def compute(name: str, batch, **cfg: Any):
     """Run the estimator ``name`` on ``batch`` and store its ``advantages`` and ``returns`` there.
 
@@ -276,8 +259,8 @@ def compute(name: str, batch, **cfg: Any):
     holding ``token_level_rewards``, ``response_mask`` and what the estimator needs: ``values``
     (gae), ``uid`` (grpo, grpo_passk, rloo, opo, reinforce_plus_plus_baseline) or
     ``reward_baselines`` (remax). ``cfg`` holds settings from :data:`OPTIONS`: ``gamma``,
-    ``lam``, ``whiten`` (gae), ``norm_adv_by_std_in_grpo``, ``epsilon`` (grpo variants) and
-    ``multi_turn`` (use the loss mask). Settings an estimator does not use are ignored.
+    ``lam``, ``whiten`` (gae), ``norm_adv_by_std_in_grpo`` and ``epsilon`` (grpo variants). Settings an
+    estimator does not use are ignored.
     Returns ``batch``.
     """
     unknown = sorted(set(cfg) - set(OPTIONS))
@@ -290,8 +273,10 @@ def compute(name: str, batch, **cfg: Any):
             raise KeyError(f"advantage estimator {name!r} needs the batch field {key!r}, which is missing")
         inputs[key] = batch[key]
     options = {key: cfg[key] for key in estimator.options if key in cfg}
-    mask_BT = response_loss_mask(batch, bool(cfg.get("multi_turn", False)))
-    advantages_BT, returns_BT = estimator.fn(response_mask=mask_BT, **inputs, **options)
+    if "response_mask" not in batch:
+        raise KeyError("advantages need the batch field 'response_mask' (the tokens that train), which the rollout "
+                       "emits")
+    advantages_BT, returns_BT = estimator.fn(response_mask=batch["response_mask"], **inputs, **options)
     batch["advantages"] = advantages_BT
     batch["returns"] = returns_BT
     return batch

@@ -174,8 +174,8 @@ def apply_overlong_penalty(token_level_scores_BT: torch.Tensor, response_mask_BT
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add :func:`overlong_penalty` to each row's score on its last valid token.
 
-    The length counts every response token (pass ``response_mask``, not the multi-turn loss
-    mask: tool outputs use up the length budget too). Returns new scores and the penalties [B].
+    The length counts every response token (pass ``attention_mask[:, -R:]``, not ``response_mask``, which is 0
+    on multi-turn tool outputs: they use up the length budget too). Returns new scores and the penalties [B].
     """
     length_B = response_mask_BT.bool().sum(dim=-1)
     penalty_B = overlong_penalty(length_B, max_response_length, overlong_buffer_len, penalty_factor)

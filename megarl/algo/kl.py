@@ -150,17 +150,16 @@ def build_kl_controller(type: str = "fixed", kl_coef: float = 0.001, target_kl: 
     raise ValueError(f"unknown algorithm.kl_ctrl.type {type!r}; use 'fixed' or 'adaptive'")
 
 
-def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl",
-                     mask_key: str = "response_mask") -> dict[str, float]:
+def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl") -> dict[str, float]:
     """Set ``batch["token_level_rewards"] = token_level_scores - beta * kl * mask`` and step the controller.
 
     ``batch`` is any mapping-like batch (a :class:`megarl.data.Batch`) holding
-    ``token_level_scores``, ``old_log_probs``, ``ref_log_prob`` and the mask ``mask_key``
-    (``response_mask``; the multi-turn loss mask to keep tool tokens out of the KL), all [B, T].
+    ``token_level_scores``, ``old_log_probs``, ``ref_log_prob`` and ``response_mask`` (the tokens that train:
+    tool tokens of multi-turn rollouts stay out of the KL), all [B, T].
     The controller is updated with the batch KL, the mean over rows of each row's masked mean.
     Returns the metrics ``critic/kl`` and ``critic/kl_coeff`` (the beta used for this batch).
     """
-    mask_BT = batch[mask_key]
+    mask_BT = batch["response_mask"]
     kl_BT = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kind)
     kl_BT = torch.where(mask_BT.bool(), kl_BT, torch.zeros_like(kl_BT))
     beta = kl_ctrl.value

@@ -36,13 +36,14 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": float(values.min())}
 
 
-def data_metrics(batch: Batch, *, use_critic: bool, mask_key: str = "response_mask") -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values, and response/prompt lengths of a step's batch."""
-    response_mask_NR = batch[mask_key].bool()
-    response_length_N = batch["response_mask"].sum(-1).float()
-    max_response = batch["response_mask"].shape[-1]
+def data_metrics(batch: Batch, *, use_critic: bool) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values (over the tokens that train, ``response_mask``), and
+    response/prompt lengths (every token of the response, tool outputs included) of a step's batch."""
+    mask_NR = batch["response_mask"]
+    valid = mask_NR.bool()
+    max_response = valid.shape[-1]
+    response_length_N = batch["attention_mask"][:, -max_response:].sum(-1).float()
     prompt_length_N = batch["attention_mask"][:, :-max_response].sum(-1).float()
-    valid = response_mask_NR
     metrics: dict[str, float] = {}
     metrics |= _stats("critic/score", batch["token_level_scores"].sum(-1))
     metrics |= _stats("critic/rewards", batch["token_level_rewards"].sum(-1))
@@ -51,12 +52,12 @@ def data_metrics(batch: Batch, *, use_critic: bool, mask_key: str = "response_ma
     if use_critic:
         values_NR = batch["values"]
         metrics |= _stats("critic/values", values_NR[valid])
-        metrics["critic/vf_explained_var"] = float(explained_variance(values_NR, batch["returns"], batch[mask_key]))
+        metrics["critic/vf_explained_var"] = float(explained_variance(values_NR, batch["returns"], mask_NR))
     metrics |= _stats("response_length", response_length_N)
     metrics["response_length/clip_ratio"] = float((response_length_N == max_response).float().mean())
     metrics |= _stats("prompt_length", prompt_length_N)
     if "entropys" in batch:
-        metrics["actor/entropy"] = float(masked_mean(batch["entropys"], batch[mask_key]))
+        metrics["actor/entropy"] = float(masked_mean(batch["entropys"], mask_NR))
     return metrics
 
 

@@ -86,9 +86,11 @@ class RunInputError(ValueError):
     """Something the config names outside itself (model or data files, the resume path, the machine) is wrong;
     raised before anything is placed, with the key to change."""
 
-ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "old_log_probs",
-              "advantages", "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
-CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "loss_mask_response", "values", "returns")
+ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
+              "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
+CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
+"""The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
+the one loss mask of every role."""
 
 
 @contextlib.contextmanager
@@ -319,13 +321,10 @@ class Trainer:
         metrics.update(balance_stats(lengths, parts))
         return batch.reorder([i for part in parts for i in part])
 
-    def _mask_key(self) -> str:
-        return "loss_mask_response" if self.cfg.actor_rollout_ref.rollout.multi_turn.enable else "response_mask"
-
     def _select(self, batch: Batch, keys) -> Batch:
-        """The columns a role needs; meta: the loss mask's name and the rollout's sampling temperature."""
+        """The columns a role needs; meta: the rollout's sampling temperature."""
         out = batch.select(*[k for k in keys if k in batch])
-        out.meta = {"mask_key": self._mask_key(), "temperature": batch.meta["temperature"]}
+        out.meta = {"temperature": batch.meta["temperature"]}
         return out
 
     def _experience(self, batch: Batch, metrics: dict[str, float], timing: dict[str, float]) -> Batch:
@@ -336,7 +335,7 @@ class Trainer:
                                                       temperature=temperature))
         if "rollout_log_probs" in batch:
             metrics.update(mismatch_metrics(batch["rollout_log_probs"], batch["old_log_probs"],
-                                            batch[self._mask_key()]))
+                                            batch["response_mask"]))
         if "routing_counts" in batch:
             metrics.update(routing_metrics(batch.pop("routing_counts")["routing_counts"]))
         if self.use_ref:
@@ -353,12 +352,11 @@ class Trainer:
     def _advantages(self, batch: Batch, metrics: dict[str, float]) -> None:
         algo = self.cfg.algorithm
         if algo.use_kl_in_reward:
-            metrics.update(apply_kl_penalty(batch, self.kl_ctrl, algo.kl_penalty, mask_key=self._mask_key()))
+            metrics.update(apply_kl_penalty(batch, self.kl_ctrl, algo.kl_penalty))
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
         advantages.compute(algo.adv_estimator, batch, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten,
-                           norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-                           multi_turn=self.cfg.actor_rollout_ref.rollout.multi_turn.enable)
+                           norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
 
     def _update(self, batch: Batch, step: int, metrics: dict[str, float], timing: dict[str, float]) -> None:
         """Critic update, then actor update and weight sync (after the critic warm-up)."""
@@ -389,9 +387,6 @@ class Trainer:
             self._release_engines(weights=cfg.trainer.critic_warmup <= self.global_step)
             metrics.update(self._rollout_metrics(batch, step))
             self._onload("actor")
-            if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-                R = batch["responses"].shape[1]
-                batch["loss_mask_response"] = batch["loss_mask"][:, -R:]
             if cfg.trainer.balance_batch:
                 batch = self._balance(batch, metrics)
             extra = reward_columns(list(batch.pop(REWARD_EXTRA)[REWARD_EXTRA]))
@@ -461,7 +456,7 @@ class Trainer:
         return batch
 
     def _step_metrics(self, batch: Batch, extra: dict[str, list], timing: dict[str, float]) -> dict[str, float]:
-        metrics = data_metrics(batch, use_critic=self.use_critic, mask_key=self._mask_key())
+        metrics = data_metrics(batch, use_critic=self.use_critic)
         if "acc" in extra and all(v is not None for v in extra["acc"]):
             metrics["critic/acc/mean"] = sum(float(v) for v in extra["acc"]) / len(extra["acc"])
         num_tokens = int(batch["attention_mask"].sum())
@@ -489,7 +484,7 @@ class Trainer:
             return {}
         errors = [i for i, error in enumerate(extra.get("reward_error", [])) if error]
         if errors:
-            batch[self._mask_key()][errors] = 0
+            batch["response_mask"][errors] = 0
             self.console(f"step {step}: {len(errors)} of {len(batch)} rows could not be scored and are left out of "
                          f"the update (reward_model.on_error=skip); the first: {extra['reward_error'][errors[0]]}")
         return {"reward/num_errors": float(len(errors))}
@@ -508,10 +503,11 @@ class Trainer:
         return metrics
 
     def _decode(self, batch: Batch) -> tuple[list[str], list[str], list[float]]:
-        """Prompts, responses (up to their mask) and sequence scores of ``batch``, decoded."""
+        """Prompts, responses (their every token, tool outputs included) and sequence scores of ``batch``, decoded."""
         decode = self.tokenizer.batch_decode
         prompts = decode(batch["prompts"].tolist(), skip_special_tokens=True)
-        responses = decode([r[: int(m.sum())] for r, m in zip(batch["responses"].tolist(), batch["response_mask"])],
+        valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]
+        responses = decode([r[: int(m.sum())] for r, m in zip(batch["responses"].tolist(), valid)],
                            skip_special_tokens=True)
         return prompts, responses, batch["token_level_scores"].sum(-1).tolist()
 

@@ -3,7 +3,7 @@
 Per row (verl's "naive" manager, digest §5):
 
 1. the valid response is ``responses[i, :last + 1]``, where ``last`` is the last position
-   with ``response_mask`` 1 (``attention_mask[:, -T:]`` when there is no ``response_mask``);
+   with ``attention_mask[:, -T:]`` 1 (``response_mask`` when there is no ``attention_mask``):
    multi-turn responses include their tool-output tokens, as in verl;
 2. it is decoded with the tokenizer (special tokens skipped);
 3. it is scored by the custom compute-score function when one is set, otherwise by the
@@ -183,11 +183,13 @@ class RewardManager:
 
     @staticmethod
     def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:
-        if "response_mask" in batch:
-            return batch["response_mask"]
+        """Every token of each response (tool outputs included): the response part of ``attention_mask``, or
+        ``response_mask`` (the tokens that train) when the batch has no attention mask."""
         if "attention_mask" in batch:
             return batch["attention_mask"][:, -num_tokens:]
-        raise ValueError("RewardManager needs `response_mask` [B, T] or `attention_mask` [B, P+T] in the batch "
+        if "response_mask" in batch:
+            return batch["response_mask"]
+        raise ValueError("RewardManager needs `attention_mask` [B, P+T] or `response_mask` [B, T] in the batch "
                          f"to find each response's last token; the batch has {batch.keys()}")
 
     @staticmethod

@@ -481,12 +481,12 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
     """The rollout fields of finished requests, one row each, in the given order (digest §1.4, §4.4).
 
     Tensors: ``prompts`` ``[N, P]`` (left-padded), ``responses`` ``[N, R]`` (right-padded),
-    ``input_ids`` / ``attention_mask`` / ``position_ids`` / ``loss_mask`` ``[N, P+R]``,
-    ``response_mask`` ``[N, R]`` (``attention_mask[:, -R:]``) and, when every request has
-    them, ``rollout_log_probs`` ``[N, R]`` (0 on tool/user/scaffolding tokens and padding).
-    Prompt positions count real tokens from 0; response positions continue from the last prompt
-    position over all ``R`` columns. ``loss_mask`` is the requests' own (1 on generated tokens)
-    except on FAILED requests, whose response is all 0 (not trained on).
+    ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[N, P+R]`` (``attention_mask`` 1 on every token of
+    the conversation, tool outputs included), ``response_mask`` ``[N, R]``: the tokens that train, the
+    requests' own loss mask (1 on generated tokens, 0 on tool/user/scaffolding tokens) except on FAILED requests,
+    whose response is all 0 (not trained on); and, when every request has them, ``rollout_log_probs`` ``[N, R]``
+    (0 on tool/user/scaffolding tokens and padding). Prompt positions count real tokens from 0; response
+    positions continue from the last prompt position over all ``R`` columns.
 
     Non-tensors: ``messages`` (list of message dicts), ``reward_scores`` (dict), ``finish_reason``
     (str), ``metrics`` (dict of numbers), ``rollout_error`` (why a FAILED request failed, else ``""``),
@@ -529,8 +529,7 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
         "input_ids": torch.cat([prompts_NP, responses_NR], dim=1),
         "attention_mask": attention_mask,
         "position_ids": torch.cat([prompt_positions_NP, response_positions_NR], dim=1),
-        "loss_mask": torch.cat([torch.zeros_like(prompt_mask_NP), response_loss_NR], dim=1),
-        "response_mask": attention_mask[:, -response_length:].clone(),
+        "response_mask": response_loss_NR,
     }
     if all(request.response_log_probs is not None for request in requests):
         tensors["rollout_log_probs"] = log_probs_NR

@@ -13,9 +13,9 @@ non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n
   including the first EOS (engines stop there), 0 on padding;
 - ``position_ids`` ``[N, P+R]``: ``cumsum(mask) - 1`` on the prompt (0 on its padding), then
   ``last prompt position + 1 .. R`` on the response (padding included);
-- ``response_mask`` ``[N, R]``: ``attention_mask[:, -R:]``;
-- ``loss_mask`` ``[N, P+R]``: 0 on the prompt, ``response_mask`` on the response (multi-turn:
-  0 on tool and interaction tokens too);
+- ``response_mask`` ``[N, R]``: the tokens that train, the one loss mask every consumer reads (actor, critic,
+  advantages, KL, metrics): here ``attention_mask[:, -R:]``; the multi-turn rollout's is 0 on tool and
+  interaction tokens too (:func:`megarl.rollout.agent_loop.batch_from_requests`);
 - ``rollout_log_probs`` ``[N, R]`` (fp32, when ``calculate_log_probs``): the engine's
   ``log_softmax(logits / T)`` of each response token, 0 on padding;
 - non-tensor ``finish_reason`` per row (``"stop"``, ``"length"``, ``"abort"``), the input's
@@ -291,7 +291,6 @@ class RolloutManager:
             "attention_mask": torch.cat([prompt_mask_NP, response_mask_NR], dim=1),
             "position_ids": torch.cat([prompt_positions_NP, response_positions_NR], dim=1),
             "response_mask": response_mask_NR,
-            "loss_mask": torch.cat([torch.zeros_like(prompt_mask_NP), response_mask_NR], dim=1),
         }
         if self.config.calculate_log_probs:
             tensors["rollout_log_probs"] = logprobs_NR

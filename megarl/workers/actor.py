@@ -92,8 +92,7 @@ class ActorRole(LogProbRole):
         self.mini_batch_rows = config.ppo_mini_batch_size * rollout_n
         """Trajectories per optimizer step over all DP ranks."""
 
-    def update(self, batch: Batch, *, temperature: float = 1.0, mask_key: str = "response_mask",
-               seed: int = 0) -> list[StepResult]:
+    def update(self, batch: Batch, *, temperature: float = 1.0, seed: int = 0) -> list[StepResult]:
         """PPO epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
 
         Every DP rank must hold the same number of rows; each mini-batch takes
@@ -101,7 +100,7 @@ class ActorRole(LogProbRole):
         count (all DP ranks), so the step does not depend on micro-batching or the layout.
         """
         config = self.config
-        keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", mask_key]
+        keys = ["input_ids", "attention_mask", "old_log_probs", "advantages", "response_mask"]
         if config.router_replay.replay:
             keys.append(ROUTED_EXPERTS)
         if config.use_kl_loss:
@@ -111,25 +110,25 @@ class ActorRole(LogProbRole):
                 raise KeyError("actor.tis_cap is set but the batch has no rollout_log_probs: set "
                                "actor_rollout_ref.rollout.calculate_log_probs=true or actor.tis_cap=null")
             keys.append("rollout_log_probs")
-        return [self._step(mini, keys, mask_key, temperature)
+        return [self._step(mini, keys, temperature)
                 for mini in mini_batches(batch, role="actor", mini_batch_rows=self.mini_batch_rows,
                                          dp=self.model.groups.dims.dp, epochs=config.ppo_epochs,
                                          shuffle=config.shuffle, seed=seed)]
 
-    def _step(self, mini: Batch, keys, mask_key: str, temperature: float) -> StepResult:
+    def _step(self, mini: Batch, keys, temperature: float) -> StepResult:
         ppo = self.config
-        norm = torch.tensor(agg_norm(mini[mask_key], ppo.loss_agg_mode), dtype=torch.float64, device=self.model.device)
+        norm = torch.tensor(agg_norm(mini["response_mask"], ppo.loss_agg_mode), dtype=torch.float64, device=self.model.device)
         dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 
         def loss_fn(logp_BS, entropy_BS, mb):
-            response_length = mb[mask_key].shape[1]  # this micro-batch's (trimmed) response width
+            response_length = mb["response_mask"].shape[1]  # this micro-batch's (trimmed) response width
             is_weights_BT, tis_metrics = None, {}
             if ppo.tis_cap is not None:
-                is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mb[mask_key],
+                is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mb["response_mask"],
                                                          cap=ppo.tis_cap, level=ppo.tis_level)
             loss, metrics = policy_loss(
-                response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb[mask_key],
+                response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                 loss_agg_mode=ppo.loss_agg_mode, global_norm=global_norm, policy_loss_mode=ppo.policy_loss_mode,
                 clip_ratio_low=ppo.clip_range[0], clip_ratio_high=ppo.clip_range[1],
                 clip_ratio_c=ppo.clip_ratio_c, entropy_BT=response_slice(entropy_BS, response_length),

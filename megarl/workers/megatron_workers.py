@@ -170,8 +170,7 @@ class ActorWorker(_MegatronWorker):
     def update_actor(self, batch: Batch, *, temperature: float = 1.0, seed: int = 0) -> dict[str, float] | None:
         """PPO epochs × mini-batches; the step-averaged ``actor/*`` metrics on the collect rank."""
         start = time.perf_counter()
-        results = self.actor.update(batch, temperature=temperature, seed=seed,
-                                    mask_key=batch.meta.get("mask_key", "response_mask"))
+        results = self.actor.update(batch, temperature=temperature, seed=seed)
         metrics = step_metrics(results, "actor")
         metrics["perf/update_actor_worker_s"] = time.perf_counter() - start
         return metrics if self.coordinates().is_collect_rank else None

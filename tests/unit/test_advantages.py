@@ -187,15 +187,17 @@ def test_compute_stores_advantages_and_returns():
     assert adv.uses_critic("gae") and not adv.uses_critic("grpo")
 
 
-def test_compute_multi_turn_uses_the_loss_mask():
-    # loss_mask covers prompt (2 columns, all 0) + response; token 1 of row 0 is tool output.
+def test_compute_honours_the_one_loss_mask():
+    """``response_mask`` is the tokens that train; a multi-turn rollout's is 0 on tool output (token 1 of row 0)."""
     batch = outcome_batch()
-    loss_mask = torch.cat([torch.zeros(6, 2, dtype=torch.long), MASK], dim=1)
-    loss_mask[0, 2 + 1] = 0
-    batch["loss_mask"] = loss_mask
-    adv.compute("grpo", batch, norm_adv_by_std_in_grpo=False, multi_turn=True)
+    batch["response_mask"] = MASK.clone()
+    batch["response_mask"][0, 1] = 0
+    adv.compute("grpo", batch, norm_adv_by_std_in_grpo=False)
     close(batch["advantages"][0], [0.5, 0.0, 0.5])
-    with pytest.raises(KeyError, match="no 'loss_mask'"):
+    batch.pop("response_mask")
+    with pytest.raises(KeyError, match="need the batch field 'response_mask'"):
+        adv.compute("grpo", batch)
+    with pytest.raises(ValueError, match=r"unknown advantage settings \['multi_turn'\]"):
         adv.compute("grpo", outcome_batch(), multi_turn=True)
 
 

@@ -202,7 +202,7 @@ def test_correct_tool_call_end_to_end_from_a_batch(tok):
     assert list(batch["finish_reason"]) == ["stop", "stop"]
     assert list(batch["num_turns"]) == [3, 3]
     num = len(req.response_ids)
-    assert batch["loss_mask"][0, 512:512 + num].tolist() == req.response_loss_mask
+    assert batch["response_mask"][0, :num].tolist() == req.response_loss_mask
     assert batch["rollout_log_probs"][0, :num].tolist() == pytest.approx(req.response_log_probs)
 
 
@@ -476,8 +476,8 @@ def test_engine_abort_fails_only_that_request(tok):
     assert tools[GSM8K]._instances == {}
     batch = batch_from_requests([aborted, fine], 512, 256, tok.pad_token_id)
     assert list(batch["finish_reason"]) == ["abort", "stop"]
-    assert batch["loss_mask"][0].sum() == 0 and batch["response_mask"][0].sum() == 0
-    assert batch["loss_mask"][1].sum() == sum(fine.response_loss_mask)
+    assert batch["response_mask"][0].sum() == 0  # a failed request does not train
+    assert batch["response_mask"][1].sum() == sum(fine.response_loss_mask)
 
 
 def test_overlong_prompt_fails_the_request(tok):
@@ -707,8 +707,8 @@ def test_batch_from_requests_hand_checked():
     assert t["input_ids"] == [[0, 11, 12, 13, 21, 22, 23, 0], [0, 0, 14, 15, 24, 0, 0, 0]]
     assert t["attention_mask"] == [[0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0, 0]]
     assert t["position_ids"] == [[0, 0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4, 5]]
-    assert t["loss_mask"] == [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0]]
-    assert t["response_mask"] == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert t["response_mask"] == [[1, 1, 0, 0], [1, 0, 0, 0]]  # the requests' own loss masks: what trains
+    assert "loss_mask" not in t
     assert t["rollout_log_probs"] == [[-0.5, -0.25, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]]
     assert batch["input_ids"].dtype == torch.long and batch["rollout_log_probs"].dtype == torch.float32
     assert list(batch["finish_reason"]) == ["stop", "stop"]

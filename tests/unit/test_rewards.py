@@ -202,7 +202,7 @@ def test_manager_falls_back_to_attention_mask_and_passes_rm_scores(tokenizer):
     batch["rm_scores"] = torch.full((2, 4), 0.25)
     scores, info = RewardManager(tokenizer)(batch)
     assert torch.equal(scores, torch.full((2, 4), 0.25)) and info == {}
-    with pytest.raises(ValueError, match=r"needs `response_mask` \[B, T\] or `attention_mask`"):
+    with pytest.raises(ValueError, match=r"needs `attention_mask` \[B, P\+T\] or `response_mask` \[B, T\]"):
         RewardManager(tokenizer)(Batch.from_dict({"responses": torch.zeros(1, 2, dtype=torch.long),
                                                   "data_source": ["addition"],
                                                   "reward_model": [{"ground_truth": "1"}]}))
@@ -373,3 +373,16 @@ def test_a_reward_function_past_its_time_limit_is_named_with_its_row(tokenizer):
         release.set()
     with pytest.raises(ValueError, match=r"reward_model.timeout_s must be > 0"):
         RewardManager(tokenizer, timeout_s=0)
+
+
+def test_the_score_goes_on_the_last_token_of_the_response_tool_outputs_included(tokenizer):
+    """``response_mask`` is the tokens that train (0 on a multi-turn rollout's tool outputs); the score goes on the
+    response's last token by the attention mask, as verl places it, even when that token is a tool output."""
+    batch = response_batch(tokenizer, ["7", "8"], num_tokens=5, ground_truths=["7", "7"])
+    every_token = batch["response_mask"].clone()
+    every_token[0, 3] = 1  # row 0 ends with a token the model did not generate (a tool output)
+    batch["attention_mask"] = torch.cat([torch.ones(2, 2, dtype=torch.long), every_token], dim=1)
+    registry = ScorerRegistry()
+    registry.register("addition", lambda s, g, e=None: 0.5, overwrite=True)
+    scores, _ = RewardManager(tokenizer, scorers=registry)(batch)
+    assert scores.nonzero().tolist() == [[0, 3], [1, 1]]  # row 1: "8" and <|im_end|>

@@ -125,8 +125,7 @@ def test_engine_servers_through_the_router_n4(servers, local, tokenizer, batch):
     assert_equals_outputs(out, expected)
 
     shapes = {"prompts": (N, P), "responses": (N, R), "input_ids": (N, P + R), "attention_mask": (N, P + R),
-              "position_ids": (N, P + R), "response_mask": (N, R), "loss_mask": (N, P + R),
-              "rollout_log_probs": (N, R)}
+              "position_ids": (N, P + R), "response_mask": (N, R), "rollout_log_probs": (N, R)}
     assert {k: tuple(v.shape) for k, v in out.tensors.items()} == shapes
     assert out.meta == {"temperature": temperature, "do_sample": True, "validate": False}
 
@@ -150,8 +149,7 @@ def test_engine_servers_through_the_router_n4(servers, local, tokenizer, batch):
         assert out["response_mask"][row].tolist() == [1] * length + [0] * (R - length)
         assert response[length:] == [pad] * (R - length)
         assert out["rollout_log_probs"][row, length:].abs().sum() == 0
-    assert torch.equal(out["attention_mask"][:, P:], out["response_mask"])
-    assert torch.equal(out["loss_mask"], torch.cat([torch.zeros(N, P, dtype=torch.long), out["response_mask"]], 1))
+    assert torch.equal(out["attention_mask"][:, P:], out["response_mask"])  # single-turn: every token trains
     # The n samples of a prompt differ (each row has its own sampling stream).
     assert len({tuple(r) for r in out["responses"][:n].tolist()}) > 1
 
@@ -276,7 +274,7 @@ def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, token
     manager = make_manager(servers, tokenizer, response_length=R_turns, **config)
     out = manager.generate(chat_batch)
     B, N = len(chat_batch), len(chat_batch) * n
-    assert tuple(out["input_ids"].shape) == (N, P + R_turns) and tuple(out["loss_mask"].shape) == (N, P + R_turns)
+    assert tuple(out["input_ids"].shape) == (N, P + R_turns) and tuple(out["response_mask"].shape) == (N, R_turns)
     assert out.meta == {"temperature": temperature, "do_sample": True, "validate": False}
     repeated = chat_batch.repeat(n, interleave=True)
     assert torch.equal(out["prompts"], repeated["input_ids"])
@@ -287,7 +285,7 @@ def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, token
     assert set(out["finish_reason"]) <= {"stop", "length"}
     # Generated tokens carry the engine's log-probs at the configured temperature, equal to a separate
     # forward's; the rest is 0.
-    trained = out["loss_mask"][:, P:].bool()
+    trained = out["response_mask"].bool()
     assert trained.any() and (out["rollout_log_probs"][~trained] == 0).all()
     with torch.no_grad():
         logits = local.model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
@@ -297,14 +295,14 @@ def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, token
     torch.testing.assert_close(out["rollout_log_probs"][trained], reference[trained], atol=1e-5, rtol=0)
     # Seeded: the same call again samples the same conversations.
     again = make_manager(servers, tokenizer, response_length=R_turns, **config).generate(chat_batch)
-    assert torch.equal(out["input_ids"], again["input_ids"]) and torch.equal(out["loss_mask"], again["loss_mask"])
+    assert torch.equal(out["input_ids"], again["input_ids"]) and torch.equal(out["response_mask"], again["response_mask"])
 
     # Validation: one greedy sample per prompt, the argmax continuation of its first turn.
     out = manager.generate(chat_batch, validate=True)
     assert len(out) == B and out.meta["validate"] is True and out.meta["do_sample"] is False
     greedy = local.generate(prompt_ids(chat_batch), SamplingParams(max_new_tokens=R_turns, temperature=0.0))
     for row, output in enumerate(greedy):
-        generated = out["responses"][row][out["loss_mask"][row, P:].bool()].tolist()
+        generated = out["responses"][row][out["response_mask"][row].bool()].tolist()
         assert generated[:len(output.output_ids)] == output.output_ids, row
 
 
