@@ -206,6 +206,9 @@ def test_launch_commands_of_tp1_tp8_and_options():
     assert cmd.argv[cmd.argv.index("--tp-size") + 1] == "8" and cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     with pytest.raises(ValueError, match="port must be in 1..65535"):
         command(tp8, port=70000)
+    # Seeded sampling would give every sample of a batched request (a GRPO group) one seed: identical samples.
+    with pytest.raises(ValueError, match="--enable-deterministic-inference makes SGLang sample every row"):
+        command(tp8, extra_args=["--enable-deterministic-inference"])
 
 
 def test_launch_commands_of_a_tp16_engine_on_both_nodes():
