@@ -30,7 +30,7 @@ from megarl.parallel.net import free_port, node_ip
 from megarl.rollout.client import EngineAddress, gather_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET
 from megarl.rollout.weight_group import join_group
-from megarl.sync.base import WeightTransport, close_sessions, verify_and_report
+from megarl.sync.base import WeightTransport, close_sessions, expected_copy, verify_and_report
 
 
 class DistributedTransport(WeightTransport):
@@ -86,7 +86,7 @@ class DistributedTransport(WeightTransport):
                     for e in self.targets]
                 self.group.broadcast(bucket.flat.view(torch.uint8), 0).wait()
                 # The engines hold the bytes now: they load them while the next bucket is built in this buffer.
-                expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+                expected.update((n, expected_copy(t)) for n, t in bucket.named() if n in wanted)
                 sent += bucket.nbytes
                 buckets += 1
             _answers(loading)
