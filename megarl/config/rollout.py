@@ -152,7 +152,8 @@ class RolloutConfig:
     enforce_eager: bool = True
     """SGLang: no CUDA graphs (``disable_cuda_graph``). The ``hf`` engine never captures graphs: leave it true."""
     free_cache_engine: bool = True
-    """Release the KV cache after generation so training gets the memory back (needs ``enforce_eager``)."""
+    """Release the KV cache after generation so training gets the memory back. SGLang keeps its CUDA graphs across
+    release/resume (``cuda_graph`` memory tag), so this goes with ``enforce_eager=false`` too."""
     n: int = 1
     """Samples per prompt in training (GRPO's group size)."""
     temperature: float = 1.0

@@ -15,8 +15,10 @@ Every error names the full key to change and what to change it to. The rules:
    fits in one node; the ``hf`` engine is not sharded (``tensor_model_parallel_size`` null);
    prompt/response widths agree with ``data.*``; disaggregated engines (``hybrid_engine=false``)
    need their pool (``rollout.pool_nodes``) and only they may have one.
-4. Memory flags: offloading needs cuda; ``free_cache_engine`` needs ``enforce_eager`` on cuda
-   (freeing the KV cache invalidates captured CUDA graphs, seeds-digest §4.1).
+4. Memory flags: offloading needs cuda. ``free_cache_engine`` and CUDA graphs (``enforce_eager=false``) go
+   together on SGLang: its memory saver keeps the virtual addresses of what it releases and releases and
+   resumes the graphs under their own ``cuda_graph`` tag, so captured graphs survive release/resume; the
+   ``hf`` engine never captures graphs (``enforce_eager=false`` is ignored there, with a warning).
 5. Algorithm ↔ roles: ``gae`` needs ``critic.enable`` and a critic is only trained for
    ``gae``; ``trainer.critic_warmup`` needs the critic; multi-turn rollouts need
    ``data.return_raw_chat``.
@@ -228,17 +230,16 @@ def _check_memory_flags(cfg: RunConfig) -> None:
     flags[f"{ARR}.ref.param_offload"] = arr.ref.param_offload
     flags.update({f"critic.{name}": getattr(cfg.critic, name)
                   for name in ("param_offload", "grad_offload", "optimizer_offload")})
+    rollout = arr.rollout
+    if rollout.name == "hf" and not rollout.enforce_eager:
+        logger.warning("%s.rollout.enforce_eager=False is ignored by the hf engine: it never captures CUDA graphs",
+                       ARR)
     if cfg.trainer.device == "cpu":
         for key, value in flags.items():
             if value:
                 raise ValueError(f"{key}=True needs trainer.device=cuda (offloading moves GPU memory to the "
                                  f"host; on cpu everything is already there): set {key}=False")
         return
-    rollout = arr.rollout
-    if rollout.free_cache_engine and not rollout.enforce_eager:
-        raise ValueError(f"{ARR}.rollout.free_cache_engine=True needs {ARR}.rollout.enforce_eager=True (freeing "
-                         f"the KV cache invalidates captured CUDA graphs): set enforce_eager=True or "
-                         f"free_cache_engine=False")
     if not arr.hybrid_engine and rollout.free_cache_engine:
         logger.warning("%s.rollout.free_cache_engine is ignored without %s.hybrid_engine: separate engines keep "
                        "their memory", ARR, ARR)

@@ -313,6 +313,9 @@ class LaunchCommand:
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 """SGLang's launch flag that makes ``/generate`` answer ``return_routed_experts`` (megarl's CPU server takes it too)."""
 
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+"""SGLang's launch flag for seeded sampling, which megarl refuses (:func:`sglang_launch_command`)."""
+
 MEMORY_SAVER_UNSET_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """Removed from the server's environment with the memory saver: torch_memory_saver does not support
 expandable segments, which a Megatron worker's environment may enable (slime removes them too)."""
@@ -340,8 +343,14 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
       answers every token's routed experts);
     - ``--skip-server-warmup`` always: the warm-up request would run before the first weight sync,
       and a slow one fails the start (slime skips it too);
-    - then ``extra_args`` as given.
+    - then ``extra_args`` as given, except ``--enable-deterministic-inference``: with it SGLang samples every row of
+      a request from the request's one seed (42 when none is sent), so every sample of a GRPO group would be the
+      same (see :mod:`megarl.rollout.manager`).
     """
+    if DETERMINISTIC_FLAG in extra_args:
+        raise ValueError(f"engine {gpus.engine}: {DETERMINISTIC_FLAG} makes SGLang sample every row of a batched "
+                         f"request from one seed (42 unless the request names another): all samples of a prompt would "
+                         f"be identical and their advantages 0; megarl does not launch SGLang with it")
     node = gpus.node(node_rank)
     if not 0 < port < 65536:
         raise ValueError(f"engine {gpus.engine}: server port must be in 1..65535, got {port}")

@@ -370,7 +370,7 @@ def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
         return f"lower {c}.forward_micro_batch_size_per_gpu"
     if row in ("engine_weights", "kv_cache"):
         if phase not in ("rollout", "weight sync"):
-            return f"set {ARR}.rollout.free_cache_engine=true (and enforce_eager=true)"
+            return f"set {ARR}.rollout.free_cache_engine=true"
         if rollout.name == "sglang":
             return f"lower {ARR}.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}"
         if row == "kv_cache":

@@ -17,7 +17,11 @@ from megarl.models.weights import WeightRule
 from megarl.config.parallel import ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(?P<e>\d+)\.")
+_GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc(?P<fc>[12])\.weight(?P<e>\d+)$")
+"""TransformerEngine's grouped GEMM (``TEGroupedMLP``, Megatron's MoE spec with ``moe_grouped_gemm``): its
+``GroupedLinear`` registers one parameter per local expert, ``weight0`` .. ``weight{n-1}``
+(``experts.linear_fc1.weight<local expert>``), where the local spec has ``experts.local_experts.<local expert>.``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +125,15 @@ def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
                 out[name] = param
                 continue
             template = _LAYER.sub("decoder.layers.{i}.", name)
-            expert = _EXPERT.search(template)
-            if expert is not None:  # a local expert: global index = this rank's first expert + local index
+            # A local expert (global index = this rank's first expert + local index), in either spelling; the
+            # grouped one becomes its rule's te_megatron template, which names the local spec's parameter.
+            expert = _EXPERT.search(template) or _GROUPED_EXPERT.search(template)
+            if expert is not None:
                 template = _EXPERT.sub(".experts.local_experts.{e}.", template)
+                template = _GROUPED_EXPERT.sub(r".experts.linear_fc\g<fc>.weight{e}", template)
             template = te_to_local.get(template, template)
             out[template.format(i=int(match.group(1)) + offset,
-                                e=int(expert.group(1)) + expert_offset if expert is not None else None)] = param
+                                e=int(expert.group("e")) + expert_offset if expert is not None else None)] = param
     return out
 
 

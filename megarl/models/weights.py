@@ -50,7 +50,8 @@ class WeightRule:
     split: Split
     fuse: Fuse = Fuse.NONE
     te_megatron: str | None = None
-    """Name under the TransformerEngine spec, where norms fuse into the next linear layer."""
+    """Name under the TransformerEngine spec, where norms fuse into the next linear layer and a grouped-GEMM expert
+    is ``weight{e}`` (:func:`megarl.convert.param_map.local_parameters` gives ``{e}`` the global expert index)."""
     untied_only: bool = False
     """Present only when input and output embeddings are not tied."""
     layers: str = "all"

@@ -88,8 +88,7 @@ class HFEngine:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self._pad_id = self.eos_token_ids[0]
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._params.update(_hub_views(self.model, self._params))
+        self._params = self._weights()
         self.routers = _routers(self.model)
         """``(layer, router module)`` of every mixture-of-experts layer (empty for a dense model)."""
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -248,6 +247,11 @@ class HFEngine:
             with torch.no_grad():
                 for param, tensor in targets:
                     param.copy_(tensor)
+            if self.device.type == "cuda":
+                # The copies are only enqueued. The sender refills its bucket buffer once this call has answered,
+                # and megarl's engine server keeps the CUDA IPC mappings open across buckets (torch's receiver
+                # synchronises its stream only when it lets a mapping go): wait until the bytes are read.
+                torch.cuda.current_stream(self.device).synchronize()
             self._session_buckets += 1
             self._session_tensors += len(targets)
 
@@ -314,10 +318,20 @@ class HFEngine:
                 return
             if self.device.type == "cuda":
                 self.model.to(self.device)
+                # The move gave every parameter new storage: the per-expert hub views of _params still point into
+                # the freed host copies, so updates through them would never reach the model.
+                self._params = self._weights()
             self._released = False
 
     def flush_cache(self) -> None:
         """No-op: the KV cache lives only for one generate call, nothing persists between calls."""
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The tensors weight updates write, by name: the model's parameters and, for a mixture-of-experts model,
+        the checkpoint-named views into its fused experts (views of the parameters' current storage)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(_hub_views(self.model, params))
+        return params
 
 
 def _moe_spec(model):

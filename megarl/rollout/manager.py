@@ -32,6 +32,13 @@ one batched ``/generate`` concurrently (the router spreads them), then pad and a
 ``derive_row_seed(share seed, i)``. Multi-turn rollouts (``multi_turn=True``) run the
 request-level agent loop of ``megarl.rollout.agent_loop`` over the same generator.
 
+Seeds go to megarl's engine only (``rollout.name=hf``), so only there do seeded runs repeat bit for bit.
+SGLang 0.5.23 applies one request's ``sampling_seed`` to every row of it, and only with
+``--enable-deterministic-inference`` (``sampling_batch_info.py``; a row without a seed gets 42), where
+``multinomial_with_seed`` hashes (seed, position): all ``n`` samples of a prompt in one batched request would be
+the same sequence. Without the flag SGLang ignores the seed. So SGLang engines get no seed and sample from their
+own generators (``--random-seed``), and megarl never launches them with that flag.
+
 A generation that fails (an engine died, the router lost it) raises
 :class:`~megarl.rollout.client.EngineError` naming the engines that no longer answer
 ``/health``, with their URLs.
@@ -155,6 +162,8 @@ class RolloutManager:
         call_seed = seed
         if call_seed is None and self.config.seed is not None:
             call_seed = derive_row_seed(self.config.seed, self._num_calls)
+        if self.config.name != "hf":
+            call_seed = None  # SGLang would give every row of a request one seed (module docstring)
         if self.config.multi_turn.enable:
             generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:

@@ -673,7 +673,14 @@ class _Payload:
 
     def __init__(self, payload: Any, load_format: str | None) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+        # A CUDA payload is pickled under SGLang's torch-reduction patch (the sender names its GPU by UUID): it
+        # rebuilds through patch_torch._rebuild_cuda_tensor_modified, which calls
+        # reductions._rebuild_cuda_tensor_original, an attribute only the patch creates. SGLang's scheduler
+        # applies it before it opens payloads; so does this server (idempotent; it changes only how this process
+        # would pickle tensors, which it never does).
+        monkey_patch_torch_reductions()
         if load_format not in (None, "direct", FLATTENED_BUCKET):
             raise RequestError(f"/update_weights_from_tensor: load_format {load_format!r} is not supported here; "
                                f"use {FLATTENED_BUCKET!r} or none")

@@ -94,25 +94,40 @@ def flattened_payload(bucket) -> bytes:
                                                 "metadata": packed.get_metadata()})
 
 
-async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor]) -> bool:
-    """Whether ``client``'s engine reports every weight of ``expected`` (all rows) equal to it; ``False`` when it
-    cannot report weights (SGLang 0.5.23 has no ``get_weights_by_name`` for Qwen2/Qwen3: HTTP 400);
-    ``RuntimeError`` naming the engine and the tensors that differ."""
-    differ = []
+async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor]) -> list[str] | None:
+    """Compare ``client``'s engine's copy of every weight of ``expected`` (host tensors, all rows) with it; the names
+    it could not verify, or ``None`` when the engine cannot report weights at all (SGLang 0.5.23 has no
+    ``get_weights_by_name`` for Qwen2/Qwen3: HTTP 400). ``RuntimeError`` naming the engine and the tensors that
+    differ.
+
+    An engine with TP > 1 answers whole only replicated tensors and the row-parallel ones it all-gathers (SGLang's
+    ``LlamaForCausalLM.get_weights_by_name`` gathers ``o_proj``/``down_proj``); for column-parallel and vocabulary
+    tensors it answers its TP rank 0's slice. An answer of another shape than the tensor is such a slice: the
+    tensor is not verified (and reported so), never compared in part."""
+    differ, unverified = [], []
     for name, tensor in expected.items():
         rows = tensor.shape[0] if tensor.dim() else 1
         try:
             values = await client.get_weights_by_name(name, truncate_size=rows)
         except EngineError as error:
             if error.status == 400:
-                return False
+                return None
             raise
-        if not torch.equal(torch.tensor(values, dtype=torch.float32).reshape(tensor.shape), tensor.float()):
+        answer = torch.tensor(values, dtype=torch.float32)
+        if answer.numel() != tensor.numel():
+            unverified.append(name)
+        elif not torch.equal(answer.reshape(tensor.shape), tensor.float()):
             differ.append(name)
     if differ:
         raise RuntimeError(f"weight sync: {client.name} at {client.url} does not hold the trainer's weights after "
                            f"the update ({len(differ)} tensors differ: {differ[:5]})")
-    return True
+    return unverified
+
+
+def expected_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A sent tensor as :func:`verify_engine` compares it: a host copy (the engines answer host values, and the
+    bucket buffer it came from is refilled next)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def verify_sample(names: Sequence[str], count: int, step: int) -> list[str]:
@@ -138,17 +153,22 @@ def verify_and_report(transport: WeightTransport, targets: Sequence[EngineAddres
                       bytes_sent: int, buckets: int, expected: dict[str, torch.Tensor],
                       lead: bool) -> dict[str, Any]:
     """Verify ``expected`` (what this rank sent) on every target; this rank's statistics. ``lead``: the rank that
-    opened and closed the targets' sessions (it counts the engines). ``unverifiable``: indices of the targets
-    that cannot report weights (the trainer counts an engine verified when no sender found it unverifiable)."""
+    opened and closed the targets' sessions (it counts the engines). ``verified_checks`` / ``unverified_checks``:
+    tensors compared / answered only in part (TP slices), over all targets. ``unverifiable``: indices of the
+    targets that cannot report weights, or reported none of ``expected`` whole (the trainer counts an engine
+    verified when no sender found it unverifiable)."""
     clients = [transport.client(t) for t in targets]
     seconds = time.perf_counter() - start
-    reports = gather_sync([verify_engine(c, expected) for c in clients]) if expected else [True] * len(clients)
+    reports = gather_sync([verify_engine(c, expected) for c in clients]) if expected else [[] for _ in clients]
     delivered = bytes_sent * len(targets)
+    compared = [0 if r is None else len(expected) - len(r) for r in reports]
     return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered),
-            "weight_sync/buckets": float(buckets), "verified_checks": len(expected) * len(targets),
+            "weight_sync/buckets": float(buckets), "verified_checks": sum(compared),
+            "unverified_checks": sum(len(r) for r in reports if r is not None),
             "weight_sync/engines": float(len(targets) if lead else 0),
             "weight_sync/gbps": delivered / max(seconds, 1e-9) / 1e9,
-            "unverifiable": [t.index for t, ok in zip(targets, reports, strict=True) if not ok]}
+            "unverifiable": [t.index for t, r, n in zip(targets, reports, compared, strict=True)
+                             if r is None or (expected and n == 0)]}
 
 
 def merge_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -160,6 +180,8 @@ def merge_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
     out = {k: sum(s[k] for s in stats) for k in ("weight_sync/bytes", "weight_sync/buckets", "weight_sync/engines")}
     # Tensors read back per engine (each sender checks the tensors it sent on each of its engines).
     out["weight_sync/verified_tensors"] = sum(s["verified_checks"] for s in stats) / max(engines, 1)
+    # Tensors an engine with TP > 1 answered only in part (its TP rank 0's slice): not verified.
+    out["weight_sync/unverified_tensors"] = sum(s["unverified_checks"] for s in stats) / max(engines, 1)
     out["weight_sync/seconds"] = max(s["weight_sync/seconds"] for s in stats)
     out["weight_sync/verified_engines"] = engines - len(unverifiable)
     out["weight_sync/gbps"] = out["weight_sync/bytes"] / max(out["weight_sync/seconds"], 1e-9) / 1e9

@@ -10,7 +10,8 @@ the sender posts ``/update_weights_from_distributed`` (names, dtypes, shapes, ``
 rank receives it into a buffer of its own and loads it, while the sender already builds the next bucket in
 its buffer (it waits for the engines' answers only before the next broadcast). NCCL on GPU, gloo on CPU
 (megarl's CPU engine server implements the receiving side). Stage 0's sender opens the engines' session before any stage sends
-and closes it after all have sent (the replica's senders form its pipeline group and meet there).
+and closes it after all have sent (the replica's senders form its pipeline group and meet there). The stages send
+one after the other (they meet between stages): an engine never has two groups' broadcasts in flight.
 
 SGLang's loader takes full HF tensors on every rank (``update_weights_from_distributed`` →
 ``model.load_weights``), so TP-matched shards cannot be sent this way: the stage's TP all-gather stays.
@@ -30,7 +31,7 @@ from megarl.parallel.net import free_port, node_ip
 from megarl.rollout.client import EngineAddress, gather_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET
 from megarl.rollout.weight_group import join_group
-from megarl.sync.base import WeightTransport, close_sessions, verify_and_report
+from megarl.sync.base import WeightTransport, close_sessions, expected_copy, verify_and_report
 
 
 class DistributedTransport(WeightTransport):
@@ -66,12 +67,32 @@ class DistributedTransport(WeightTransport):
         active = self.sender and bool(self.targets)
         if active and self.group is None:
             self._connect()
-        wanted = set(verify_names)
         expected: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
         if active and self.lead:
             gather_sync([self.client(e).begin_weight_update() for e in self.targets])
         self._meet(active)  # every stage sends only once the sessions are open
+        sent = buckets = 0
+        # Stage by stage: an SGLang scheduler serves one request at a time and enqueues each broadcast on one
+        # stream (the first one of a group also blocks in ncclCommInitRank), so two stages broadcasting on their
+        # own groups at once could be taken in opposite orders by two engines: a deadlock. A stage starts once
+        # every engine has answered for the last bucket of the stage before it.
+        for stage in range(self.groups.dims.pp):
+            if stage == self.groups.pp_rank:
+                sent, buckets = self._send(exporter, bucket_bytes, version, set(verify_names), expected, active)
+            self._meet(active)  # after the last stage: every stage has sent
+        if active and self.lead:
+            close_sessions(self, self.targets, flush_cache=flush_cache)
+        self._meet(active)  # sessions closed: the tensors are readable
+        if not active:
+            return None
+        return verify_and_report(self, self.targets, start=start, bytes_sent=sent, buckets=buckets,
+                                 expected=expected, lead=self.lead)
+
+    def _send(self, exporter, bucket_bytes: int, version: str | None, wanted: set[str],
+              expected: dict[str, torch.Tensor], active: bool) -> tuple[int, int]:
+        """This stage's buckets (every rank of the stage builds them; an active sender broadcasts each to its
+        engines): the bytes and buckets sent, once every engine has answered for the last one."""
         sent = buckets = 0
         loading: list[concurrent.futures.Future] = []  # the engines' answers on the previous bucket
         try:
@@ -86,7 +107,7 @@ class DistributedTransport(WeightTransport):
                     for e in self.targets]
                 self.group.broadcast(bucket.flat.view(torch.uint8), 0).wait()
                 # The engines hold the bytes now: they load them while the next bucket is built in this buffer.
-                expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+                expected.update((n, expected_copy(t)) for n, t in bucket.named() if n in wanted)
                 sent += bucket.nbytes
                 buckets += 1
             _answers(loading)
@@ -94,14 +115,7 @@ class DistributedTransport(WeightTransport):
         finally:
             if loading:  # an error here: let the requests end (an engine's error names it) before leaving
                 concurrent.futures.wait(loading, timeout=60)
-        self._meet(active)  # every stage has sent
-        if active and self.lead:
-            close_sessions(self, self.targets, flush_cache=flush_cache)
-        self._meet(active)  # sessions closed: the tensors are readable
-        if not active:
-            return None
-        return verify_and_report(self, self.targets, start=start, bytes_sent=sent, buckets=buckets,
-                                 expected=expected, lead=self.lead)
+        return sent, buckets
 
     def _meet(self, active: bool) -> None:
         """A barrier of the replica's senders (its pipeline group of TP-0, CP-0 ranks)."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import EngineAddress, run_sync, submit
-from megarl.sync.base import WeightTransport, close_sessions, flattened_payload, verify_and_report
+from megarl.sync.base import WeightTransport, close_sessions, expected_copy, flattened_payload, verify_and_report
 
 NUM_BUFFERS = 2
 
@@ -86,7 +86,7 @@ class TensorTransport(WeightTransport):
                     pending.popleft().result()  # the engine is done with the buffer the next bucket fills
                 handles = [payload] if self.group is None else _all_gather(payload, self.group, engine.host_ranks)
                 if client is not None:
-                    expected.update((n, t.clone()) for n, t in bucket.named() if n in wanted)
+                    expected.update((n, expected_copy(t)) for n, t in bucket.named() if n in wanted)
                     pending.append(submit(client.update_weights_from_tensor(handles, weight_version=version)))
                     sent += bucket.nbytes
                     buckets += 1

@@ -67,7 +67,7 @@ class EngineServerWorker(Worker):
             port = free_port(host)
             argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
-                    _hf_device(device), "--tp-size", str(tp), *extra_args]
+                    _hf_device(device, self.local_rank), "--tp-size", str(tp), *extra_args]
             if model.trust_remote_code:
                 argv.append("--trust-remote-code")
             env: dict[str, str] = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -98,8 +98,11 @@ class EngineServerWorker(Worker):
             self.server.stop()
 
 
-def _hf_device(device: str) -> str:
-    """The CPU engine's torch device for ``trainer.device`` (the actor's visible GPU on CUDA runs)."""
+def _hf_device(device: str, local_rank: int) -> str:
+    """The hf engine's torch device for ``trainer.device``: on CUDA its own GPU, ``cuda:<local_rank>``. The group's
+    set-up (:meth:`megarl.workers.base.Worker.setup_env`) makes ``CUDA_VISIBLE_DEVICES`` the GPUs of all the
+    group's workers on the node in local-rank order, and the server process inherits it, so ``cuda:0`` would put
+    every engine of a node on the first one."""
     if device == "cuda":
-        return "cuda:0"
+        return f"cuda:{local_rank}"
     return device

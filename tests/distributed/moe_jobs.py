@@ -106,6 +106,45 @@ def _export_checks(chunks, family, cfg, groups, original) -> dict:
     return out
 
 
+class _TeGroupedNames:
+    """A model chunk whose experts' weights carry the names TransformerEngine's grouped GEMM gives them
+    (``TEGroupedMLP``'s ``GroupedLinear``: ``experts.linear_fc1.weight<local expert>``); the same parameters."""
+
+    def __init__(self, chunk) -> None:
+        self.chunk, self.config, self.vp_stage = chunk, chunk.config, chunk.vp_stage
+
+    def named_parameters(self):
+        import re
+
+        for name, param in self.chunk.named_parameters():
+            yield re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".experts.\2.weight\1", name), param
+
+    def named_modules(self):
+        return self.chunk.named_modules()
+
+
+def _te_grouped_checks(chunks, family, cfg, groups, hf_dir: str, original) -> dict:
+    """The experts under TE's grouped-GEMM names: the parameter map finds each at its global expert (this rank's
+    expert-parallel offset included) as under the local spec's names; loading through those names gives the same
+    weights, and the export is bit-exact."""
+    from megarl.convert import load_hf_into
+    from megarl.convert.param_map import local_parameters
+
+    grouped_chunks = [_TeGroupedNames(chunk) for chunk in chunks]
+    rules = family.weight_rules(cfg)
+    local, grouped = local_parameters(chunks, rules), local_parameters(grouped_chunks, rules)
+    loaded = {name: param.detach().clone() for name, param in local.items()}
+    with torch.no_grad():
+        for param in local.values():
+            param.zero_()
+    load_hf_into(grouped_chunks, hf_dir, family, groups, hf_config=cfg)
+    export = _export_checks(grouped_chunks, family, cfg, groups, original)
+    return {"renamed": sum(".experts.linear_fc" in n for c in grouped_chunks for n, _ in c.named_parameters()),
+            "same_params": list(grouped) == list(local) and all(grouped[n] is local[n] for n in local),
+            "reloaded": all(torch.equal(param, loaded[name]) for name, param in local.items()),
+            "export_names_equal": export["export_names_equal"], "export_bit_exact": export["export_bit_exact"]}
+
+
 def _hf_space(chunks, family, cfg, groups, tensor_of) -> dict[str, list]:
     """This rank's view of ``tensor_of(param)`` for every parameter, as (HF name, slice, tensor) in HF layout: the
     pieces each HF tensor is made of at this layout (expert tensors split by expert-TP, the rest by TP)."""
@@ -209,6 +248,7 @@ def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> di
                 "ep_rank": groups.ep_rank,
                 "local_expert_params": sum(".local_experts." in n for c in chunks for n, _ in c.named_parameters()),
                 **_export_checks(chunks, family, cfg, groups, original)}
+        held["te_grouped"] = _te_grouped_checks(chunks, family, cfg, groups, hf_dir, original)
         forward_backward(pj._wrap_ddp(chunks), mine, loss_fn=pj.loss_fn, temperature=pj.TEMPERATURE, vocab_size=VOCAB,
                          groups=groups)
         grads = _hf_space(chunks, family, cfg, groups, lambda p: p.main_grad)

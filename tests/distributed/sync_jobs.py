@@ -58,6 +58,7 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     for index, (name, engine_fields) in enumerate(cases):
         engines = [EngineAddress(**fields) for fields in engine_fields]
         transport = make_transport(name, groups, engines, device="cpu")
+        posts = _record_posts(transport) if name == "distributed" else None
         stats, rings = [], []
         for attempt in range(2):  # the second sync reuses the groups and buffers of the first
             perturb(chunks, 2 * index + attempt)
@@ -68,7 +69,7 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
             kept = exporter._kept_ring  # the shared-memory bucket buffers kept for the next sync
             rings.append(None if kept is None else [b.untyped_storage().data_ptr() for b in kept])
         transport.close()
-        case = {"transport": name, "stats": stats, "names": len(truth), "rings": rings}
+        case = {"transport": name, "stats": stats, "names": len(truth), "rings": rings, "posts": posts}
         dist.barrier()
         if dist.get_rank() == 0:
             clients = [EngineClient(e.url, name=e.name) for e in engines]
@@ -83,6 +84,26 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
         out["cases"].append(case)
         dist.barrier()
     return out
+
+
+def _record_posts(transport) -> list[tuple[float, float]]:
+    """Record, on this rank, each ``/update_weights_from_distributed`` request of ``transport`` to any engine: when it
+    was sent and when its answer came (``time.monotonic``: one clock for every process of the machine)."""
+    import time
+
+    posts: list[tuple[float, float]] = []
+    for engine in transport.targets:
+        client = transport.client(engine)
+        post = client.update_weights_from_distributed
+
+        async def recorded(*args, _post=post, **kwargs):
+            sent = time.monotonic()
+            answer = await _post(*args, **kwargs)
+            posts.append((sent, time.monotonic()))
+            return answer
+
+        client.update_weights_from_distributed = recorded
+    return posts
 
 
 _ORIGINAL: dict = {}

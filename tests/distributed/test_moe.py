@@ -131,6 +131,19 @@ def test_expert_parallel_export_is_bit_exact(ep, name, layout):
 
 
 @pytest.mark.parametrize("name, layout", CHECKS)
+def test_te_grouped_gemm_expert_names_load_and_export_the_right_global_experts(ep, name, layout):
+    """TransformerEngine's grouped GEMM names a rank's experts experts.linear_fc{1,2}.weight<local expert>: the
+    parameter map finds every one at its global expert (as under the local spec's names), the loader fills them with
+    the same weights and the export is bit-exact."""
+    results = [rank[f"{name}/{layout}"]["te_grouped"] for rank in ep[0]]
+    sparse_layers = 3 if name == "qwen3_moe" else 4
+    ep_size, pp = moe_jobs.EP_LAYOUTS[layout]["ep"], moe_jobs.EP_LAYOUTS[layout].get("pp", 1)
+    assert sum(r["renamed"] for r in results) == 4 // ep_size * 2 * sparse_layers * 4 // pp
+    assert all(r["same_params"] and r["reloaded"] and r["export_names_equal"] and r["export_bit_exact"]
+               for r in results)
+
+
+@pytest.mark.parametrize("name, layout", CHECKS)
 def test_expert_parallel_gradients_and_optimizer_step_equal_ep1(ep, name, layout):
     """Megatron DDP's gradients (experts reduced over expert-data-parallel ranks, the rest over data-parallel
     ones) and one clipped step of the distributed optimizer (a dense and an expert optimizer) equal EP=1's."""

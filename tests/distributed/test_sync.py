@@ -81,6 +81,21 @@ def test_buckets_for_the_first_tp_rank_only(synced):
         assert "tp_ranks needs to_pp_ranks=()" in got["refused"]
 
 
+def test_distributed_stages_send_one_after_the_other(synced):
+    """distributed with PP=2 and two engines: stage 1 posts its first bucket only after both engines answered stage
+    0's last one (two stages broadcasting at once on their own groups can deadlock SGLang engines that take them in
+    opposite orders)."""
+    results, _ = synced
+    stage_0 = results[0]["cases"][2]["posts"]
+    stage_1 = results[2]["cases"][2]["posts"]
+    assert len(stage_0) > 10 and len(stage_1) > 10  # two syncs of dozens of buckets, to both engines
+    for attempt in range(2):  # each sync's requests (sends and answers) in its own half of the records
+        first = sorted(stage_0)[attempt * len(stage_0) // 2:(attempt + 1) * len(stage_0) // 2]
+        second = sorted(stage_1)[attempt * len(stage_1) // 2:(attempt + 1) * len(stage_1) // 2]
+        assert max(end for _, end in first) < min(sent for sent, _ in second)
+    assert results[1]["cases"][2]["posts"] == results[3]["cases"][2]["posts"] == []
+
+
 def test_who_sends(synced):
     """tensor: each engine's first host rank drives it; distributed: each stage's TP-0 rank sends its buckets."""
     results, _ = synced

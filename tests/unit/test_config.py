@@ -207,7 +207,6 @@ RULE_CASES = [
     # memory flags
     ("memory_offload_cpu", [f"{ARR}.actor.optimizer_offload=true"], f"{ARR}.actor.optimizer_offload"),
     ("memory_ref_offload_cpu", [f"{ARR}.ref.param_offload=true"], f"{ARR}.ref.param_offload"),
-    ("memory_eager", ["recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false"], f"{ARR}.rollout.enforce_eager"),
     # algorithm and roles
     ("algo_gae_needs_critic", ["algorithm.adv_estimator=gae"], "critic.enable"),
     ("algo_critic_unused", ["critic.enable=true"], "critic.enable"),
@@ -250,6 +249,19 @@ def test_fixed_variants_of_the_rules_pass():
                   f"{ARR}.rollout.free_cache_engine=false"))
     validate(_cfg(f"{ARR}.hybrid_engine=false", f"{ARR}.rollout.pool_nodes=[2]"))
     validate(_cfg(f"{ARR}.actor.router_replay.mode=compare"))
+
+
+def test_cuda_graphs_go_with_a_released_kv_cache_on_sglang(caplog):
+    """SGLang keeps its CUDA graphs across release/resume (memory saver, ``cuda_graph`` tag): free_cache_engine no
+    longer forces enforce_eager. The hf engine never captures graphs: enforce_eager=false is named as ignored."""
+    cfg = _cfg("recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false", f"{ARR}.rollout.free_cache_engine=true")
+    assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.trainer.device == "cuda"
+    with caplog.at_level("WARNING", logger="megarl.config.validate"):
+        validate(cfg)
+    assert "enforce_eager" not in caplog.text
+    with caplog.at_level("WARNING", logger="megarl.config.validate"):
+        validate(_cfg(f"{ARR}.rollout.enforce_eager=false"))  # the tiny recipe: the hf engine
+    assert f"{ARR}.rollout.enforce_eager=False is ignored by the hf engine" in caplog.text
 
 
 def test_the_tiny_architectures_the_config_names_are_the_ones_megarl_builds():

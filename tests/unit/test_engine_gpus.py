@@ -206,6 +206,9 @@ def test_launch_commands_of_tp1_tp8_and_options():
     assert cmd.argv[cmd.argv.index("--tp-size") + 1] == "8" and cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     with pytest.raises(ValueError, match="port must be in 1..65535"):
         command(tp8, port=70000)
+    # Seeded sampling would give every sample of a batched request (a GRPO group) one seed: identical samples.
+    with pytest.raises(ValueError, match="--enable-deterministic-inference makes SGLang sample every row"):
+        command(tp8, extra_args=["--enable-deterministic-inference"])
 
 
 def test_launch_commands_of_a_tp16_engine_on_both_nodes():
@@ -366,3 +369,35 @@ def test_probe_on_a_fragmented_node_finds_non_consecutive_gpus(ray_cluster):
 def test_probe_refuses_cpu_only_pools():
     with pytest.raises(ValueError, match="'cpu' has CPU-only bundles"):
         probe_bundle_gpus([ResourcePool("cpu", [2], use_gpu=False)])
+
+
+def test_each_hf_engine_of_a_node_serves_on_its_own_gpu(tmp_path, monkeypatch):
+    """rollout.name=hf on CUDA: the server of the worker at local rank k runs on cuda:k (the group sets
+    CUDA_VISIBLE_DEVICES to the node's GPUs of the group in local-rank order), not every engine on cuda:0."""
+    from megarl.workers import engine_server
+
+    started = []
+
+    class Recorder:
+        def __init__(self, argv, **kwargs):
+            started.append(list(argv))
+
+        def start(self):
+            pass
+
+        def wait_healthy(self, timeout_s):
+            pass
+
+    monkeypatch.setattr(engine_server, "ServerProcess", Recorder)
+    devices = []
+    for local_rank in range(3):
+        worker = engine_server.EngineServerWorker()
+        worker.local_rank = local_rank
+        worker.start_server(engine=local_rank, rollout=RolloutConfig(name="hf"), model=ModelConfig(path=str(tmp_path)),
+                            seed=0, device="cuda", log_dir=str(tmp_path))
+        argv = started[-1]
+        devices.append(argv[argv.index("--device") + 1])
+    assert devices == ["cuda:0", "cuda:1", "cuda:2"]
+    worker.start_server(engine=0, rollout=RolloutConfig(name="hf"), model=ModelConfig(path=str(tmp_path)), seed=0,
+                        device="cpu", log_dir=str(tmp_path))
+    assert started[-1][started[-1].index("--device") + 1] == "cpu"

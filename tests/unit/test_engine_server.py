@@ -466,3 +466,53 @@ def test_the_trainers_memory_phases_keep_engine_weights_valid(client):
     assert len(generate()) == 2
     trainer._resume_engines(["weights", "kv_cache"])  # nothing released: no call at all
     assert trainer._released_tags == set()
+
+
+class _CudaPayloadStandIn:
+    """Pickles as a CUDA tensor does under SGLang's torch-reduction patch (``_rebuild_cuda_tensor_modified`` with
+    torch's rebuild_cuda_tensor arguments, the device at index 6); its "IPC handle" carries the bytes themselves."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
+
+        return _rebuild_cuda_tensor_modified, (torch.Tensor, torch.Size([len(self.data)]), (1,), 0, None, torch.uint8,
+                                               0, self.data)
+
+
+# A fresh process that never applied SGLang's patch; torch's CUDA rebuild is stood in by one that reads the bytes
+# from the "handle" (no GPU here).
+OPEN_IN_A_FRESH_PROCESS = """
+import json, sys
+import torch
+from torch.multiprocessing import reductions
+reductions.rebuild_cuda_tensor = lambda cls, size, stride, offset, storage, dtype, device, handle, *rest: (
+    torch.frombuffer(bytearray(handle), dtype=dtype))
+assert not hasattr(reductions, "_rebuild_cuda_tensor_original")
+from megarl.rollout.server import _Payload
+named = _Payload(sys.argv[1], "flattened_bucket").named()
+print(json.dumps({name: tensor.tolist() for name, tensor in named}))
+"""
+
+
+def test_a_cuda_payload_pickled_under_sglangs_patch_opens_in_the_server(tmp_path):
+    """A CUDA sender pickles under SGLang's monkey_patch_torch_reductions(); the engine server, a process that had
+    not applied it, opens such a payload (before: AttributeError _rebuild_cuda_tensor_original)."""
+    import json
+    import os
+    import subprocess
+
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    values = torch.tensor([1.5, -2.0, 3.25, 4.0])
+    metadata = [FlattenedTensorMetadata(name="w", shape=torch.Size([4]), dtype=torch.float32, start_idx=0, end_idx=16,
+                                        numel=16)]
+    payload = MultiprocessingSerializer.serialize(
+        {"flattened_tensor": _CudaPayloadStandIn(values.numpy().tobytes()), "metadata": metadata}, output_str=True)
+    done = subprocess.run([sys.executable, "-c", OPEN_IN_A_FRESH_PROCESS, payload], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"w": [1.5, -2.0, 3.25, 4.0]}

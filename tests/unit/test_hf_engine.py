@@ -299,3 +299,51 @@ def test_moe_weights_update_by_the_checkpoints_per_expert_names(name, tmp_path):
         assert torch.equal(engine.model(input_ids=ids).logits, target(input_ids=ids).logits)
     expert = next(n for n in tensors if ".experts.2." in n and n.endswith(("up_proj.weight", "w3.weight")))
     assert torch.equal(engine._params[expert], tensors[expert])
+
+
+def _as_if_on_cuda(engine, monkeypatch):
+    """``engine`` (a CPU model) behaving as one on CUDA: its device says cuda, moving the model gives every parameter
+    new storage (as ``model.to("cpu")`` / ``model.to("cuda")`` do), and the CUDA stream calls are recorded."""
+    synced = []
+
+    def move(*args, **kwargs):
+        for param in engine.model.parameters():
+            param.data = param.data.clone()
+        return engine.model
+
+    class Stream:
+        def synchronize(self):
+            synced.append(True)
+
+    engine.device = torch.device("cuda", 0)
+    engine.model.to = move
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return synced
+
+
+def test_moe_expert_updates_reach_the_model_after_a_release_and_resume(monkeypatch):
+    """On CUDA, release/resume move the model to the host and back, replacing every parameter's storage: the
+    per-expert views the updates write through are rebuilt on resume, so a later update changes the model."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed import moe_jobs
+
+    engine = HFEngine(AutoModelForCausalLM.from_config(moe_jobs.tiny_moe_config("qwen3_moe")), build_tiny_tokenizer())
+    _as_if_on_cuda(engine, monkeypatch)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    name = "model.layers.0.mlp.experts.2.down_proj.weight"
+    value = torch.full_like(engine._params[name], 0.25)
+    update_weights(engine, [[(name, value)]])
+    fused = dict(engine.model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
+    assert torch.equal(fused[2], value) and not torch.equal(fused[1], value)
+
+
+def test_an_update_on_cuda_returns_once_its_copies_are_done(engine, monkeypatch):
+    """The sender refills a bucket buffer once the engine has answered for it, and the engine server keeps the CUDA
+    IPC mappings open: each update synchronises the stream its copies were enqueued on before returning."""
+    synced = _as_if_on_cuda(engine, monkeypatch)
+    name, param = next(iter(engine.model.named_parameters()))
+    update_weights(engine, [[(name, param.detach() + 1)], [(name, param.detach() + 2)]])
+    assert len(synced) == 2

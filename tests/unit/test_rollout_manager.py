@@ -370,6 +370,52 @@ def test_engine_returning_too_many_tokens_is_an_error(tokenizer, batch):
         fake.server_close()
 
 
+class _RecordingEngine(_TooManyTokens):
+    """A fake engine answering every row with R tokens and recording each /generate's sampling_params."""
+
+    requests: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append(body["sampling_params"])
+        rows = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else None
+        result = {"output_ids": [1] * R, "meta_info": {"finish_reason": {"type": "length", "length": R},
+                                                       "output_token_logprobs": [[0.0, 1, None]] * R}}
+        data = json.dumps([result] * len(rows) if rows is not None else result).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_sampling_seeds_go_to_megarls_engine_only(tokenizer, batch, engine):
+    """A batched request's one sampling_seed seeds each of its rows on megarl's engine (derive_row_seed(seed, i));
+    SGLang would give every row that one seed (with --enable-deterministic-inference: all n samples of a prompt
+    identical), so SGLang engines get none."""
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RecordingEngine)
+    thread = threading.Thread(target=fake.serve_forever, daemon=True)
+    thread.start()
+    _RecordingEngine.requests = []
+    try:
+        client = EngineClient(f"http://127.0.0.1:{fake.server_address[1]}", name="engine 0")
+        manager = RolloutManager(client, [client, client], tokenizer, RolloutConfig(name=engine, n=4, seed=3),
+                                 prompt_length=P, response_length=R)
+        manager.generate(batch, seed=11)
+        manager.generate(batch)  # seeded from rollout.seed
+    finally:
+        fake.shutdown()
+        fake.server_close()
+    seeds = [request.get("sampling_seed") for request in _RecordingEngine.requests]
+    if engine == "hf":  # one per share: derive_row_seed(call seed, first row of the share)
+        half = len(TEXTS) // 2 * 4
+        assert sorted(seeds) == sorted([derive_row_seed(11, 0), derive_row_seed(11, half),
+                                derive_row_seed(derive_row_seed(3, 1), 0), derive_row_seed(derive_row_seed(3, 1), half)])
+    else:
+        assert seeds == [None] * 4
+
+
 def test_engines_paused_past_the_routers_health_checks_still_get_requests(servers, tokenizer, batch, tmp_path):
     """A weight sync pauses the engines (SGLang's /health and /ready fail then; the CPU server's /health is 503):
     the router megarl starts must not drop them. Its health checks are off; here they would run every second,

@@ -57,3 +57,52 @@ def test_join_group_meets_sglangs_init_custom_process_group():
 def test_join_group_refuses_an_unknown_backend():
     with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\), got 'mpi'"):
         join_group("127.0.0.1", 1, 0, 1, "g", backend="mpi")
+
+
+class _TpSlicingEngine:
+    """An engine client answering ``/get_weights_by_name`` as an SGLang engine at TP=2 does: its TP rank 0's slice
+    (the first half of the rows) of column-parallel tensors, the whole of the others; ``wrong``: a whole tensor
+    whose values differ."""
+
+    name, url = "engine 0", "http://engine-0"
+
+    def __init__(self, held: dict[str, torch.Tensor], sliced: set[str]) -> None:
+        self.held, self.sliced = held, sliced
+
+    async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        tensor = self.held[name]
+        if name in self.sliced:
+            tensor = tensor[: tensor.shape[0] // 2]
+        return tensor[:truncate_size].tolist()
+
+
+def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers():
+    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.sync.base import merge_stats, verify_and_report, verify_engine
+
+    generator = torch.Generator().manual_seed(0)
+    sent = {"model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=generator),
+            "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 8, generator=generator),
+            "model.norm.weight": torch.randn(4, generator=generator)}
+    engine = _TpSlicingEngine(dict(sent), sliced={"model.layers.0.self_attn.q_proj.weight"})
+    assert gather_sync([verify_engine(engine, sent)])[0] == ["model.layers.0.self_attn.q_proj.weight"]
+    # A whole answer that differs still fails the sync; a sliced one is never compared in part.
+    engine.held["model.layers.0.self_attn.o_proj.weight"] = sent["model.layers.0.self_attn.o_proj.weight"] + 1
+    with pytest.raises(RuntimeError, match=r"engine 0 at http://engine-0 .*1 tensors differ.*o_proj"):
+        gather_sync([verify_engine(engine, sent)])
+    engine.held["model.layers.0.self_attn.o_proj.weight"] = sent["model.layers.0.self_attn.o_proj.weight"]
+
+    class Transport:
+        def client(self, target):
+            return engine
+
+    target = EngineAddress(index=0, url=engine.url, tp=2)
+    stats = verify_and_report(Transport(), [target], start=0.0, bytes_sent=1, buckets=1, expected=sent, lead=True)
+    merged = merge_stats([stats])
+    assert (merged["weight_sync/verified_tensors"], merged["weight_sync/unverified_tensors"]) == (2, 1)
+    assert merged["weight_sync/verified_engines"] == 1
+    # Nothing answered whole: the engine is not counted verified.
+    only_sliced = {"model.layers.0.self_attn.q_proj.weight": sent["model.layers.0.self_attn.q_proj.weight"]}
+    stats = verify_and_report(Transport(), [target], start=0.0, bytes_sent=1, buckets=1, expected=only_sliced,
+                              lead=True)
+    assert merge_stats([stats])["weight_sync/verified_engines"] == 0
