@@ -317,6 +317,43 @@ def test_multi_turn_grpo_with_tools(assets, tmp_path):
     assert metrics["weight_sync/verified_engines"] == 2
 
 
+def test_multi_turn_ppo_critic_trains_on_the_actors_tokens(assets, tmp_path):
+    """Multi-turn PPO with a simulated user (the GSM8K interaction: the tiny model never writes ``#### n``, so the
+    user asks again after each turn): the user's tokens are in the responses but do not train. The critic's
+    value loss covers exactly the tokens the actor trains on: with one mini-batch and one micro-batch its
+    ``vpred_mean`` (the values of the tokens in its loss, before its step) is the batch's ``critic/values/mean``
+    over ``response_mask``; it used to include the user's tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    rows = []
+    for i in range(4):
+        a, b = 10 + i, 20 + 3 * i
+        rows.append({"data_source": "addition", "ability": "math",
+                     "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"index": i, "interaction_kwargs": {"name": "gsm8k", "ground_truth": str(a + b)}}})
+    data = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    interactions = tmp_path / "interaction.yaml"
+    interactions.write_text(yaml.safe_dump({"interaction": [
+        {"name": "gsm8k", "class_name": "megarl.rollout.interaction.Gsm8kInteraction", "config": {}}]}))
+    trainer = _run(_config(assets, "multi_turn_ppo", "trainer.total_steps=1", f"data.train_files=[{data}]",
+                           "data.val_files=[]", "data.max_prompt_length=128", "data.max_response_length=160",
+                           "data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           "actor_rollout_ref.rollout.multi_turn.max_turns=2",
+                           f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={interactions}",
+                           "algorithm.adv_estimator=gae", "critic.enable=true", "critic.parallel.tp=2",
+                           "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=16",
+                           "critic.forward_micro_batch_size_per_gpu=16"))
+    (_, metrics), = trainer.history
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["multi_turn/num_user_turns/mean"] > 0  # the user's replies are in some responses
+    print(f"vpred_mean {metrics['critic/vpred_mean']:.7f} values/mean {metrics['critic/values/mean']:.7f}")
+    assert metrics["critic/vpred_mean"] == pytest.approx(metrics["critic/values/mean"], abs=1e-5)
+
+
 def test_hanging_tool_hooks_cost_their_time_limit_and_are_counted(assets, tmp_path):
     """Issue 12, item 2 under a real run: tool hooks that never return (create and release blocking their thread,
     calc_reward awaiting forever) used to stall training (0 steps in 240 s). Each now costs tool_timeout_s=2,
