@@ -2,9 +2,10 @@
 
 Per row (verl's "naive" manager, digest §5):
 
-1. the valid response is ``responses[i, :last + 1]``, where ``last`` is the last position
-   with ``attention_mask[:, -T:]`` 1 (``response_mask`` when there is no ``attention_mask``):
-   multi-turn responses include their tool-output tokens, as in verl;
+1. the valid response is ``responses[i, :last + 1]``, where ``last`` is the last position with
+   the rollout's ``attention_mask[:, -T:]`` 1 (``response_mask``, the tokens that train, in a batch
+   without the rollout's attention mask): multi-turn responses include their tool-output tokens, as
+   in verl;
 2. it is decoded with the tokenizer (special tokens skipped);
 3. it is scored by the custom compute-score function when one is set, otherwise by the
    scorer registered for the row's ``data_source``, with ``reward_model["ground_truth"]``
@@ -183,12 +184,16 @@ class RewardManager:
 
     @staticmethod
     def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:
-        """Every token of each response (tool outputs included): the response part of ``attention_mask``, or
-        ``response_mask`` (the tokens that train) when the batch has no attention mask."""
-        if "attention_mask" in batch:
+        """Every token of each response (tool outputs included): the response part of a rollout's
+        ``attention_mask`` (``[B, P+T]`` beside ``prompts`` ``[B, P]``); else ``response_mask`` (the tokens that
+        train), else the last ``T`` columns of ``attention_mask``."""
+        if "attention_mask" in batch and "prompts" in batch and \
+                batch["attention_mask"].shape[1] == batch["prompts"].shape[1] + num_tokens:
             return batch["attention_mask"][:, -num_tokens:]
         if "response_mask" in batch:
             return batch["response_mask"]
+        if "attention_mask" in batch:
+            return batch["attention_mask"][:, -num_tokens:]
         raise ValueError("RewardManager needs `attention_mask` [B, P+T] or `response_mask` [B, T] in the batch "
                          f"to find each response's last token; the batch has {batch.keys()}")
 

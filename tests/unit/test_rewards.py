@@ -381,6 +381,7 @@ def test_the_score_goes_on_the_last_token_of_the_response_tool_outputs_included(
     batch = response_batch(tokenizer, ["7", "8"], num_tokens=5, ground_truths=["7", "7"])
     every_token = batch["response_mask"].clone()
     every_token[0, 3] = 1  # row 0 ends with a token the model did not generate (a tool output)
+    batch["prompts"] = torch.ones(2, 2, dtype=torch.long)
     batch["attention_mask"] = torch.cat([torch.ones(2, 2, dtype=torch.long), every_token], dim=1)
     registry = ScorerRegistry()
     registry.register("addition", lambda s, g, e=None: 0.5, overwrite=True)
