@@ -2,7 +2,7 @@
 
 Each estimator takes [B, T] response-token tensors and returns ``(advantages_BT, returns_BT)``,
 both zero wherever the mask is 0. :func:`compute` runs one by name on a batch and stores
-``advantages`` and ``returns`` in it (seeds-digest §3.4; the controller calls it on the driver).
+``advantages`` and ``returns`` in it (the controller calls it on the driver).
 
 Conventions shared by all estimators:
 

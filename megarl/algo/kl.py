@@ -1,7 +1,7 @@
 """KL divergence estimators between the policy and the reference, and the in-reward KL penalty.
 
 Per-token estimators of KL(pi || pi_ref) from the log-probs of the sampled tokens, with
-``d = logp - ref_logp`` (seeds-digest §3.3):
+``d = logp - ref_logp``:
 
 - ``kl`` / ``k1``: ``d`` (unbiased, high variance, can be negative);
 - ``abs``: ``|d|``;

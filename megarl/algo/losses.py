@@ -1,6 +1,6 @@
 """Actor and critic losses: PPO/GSPO policy loss with entropy and KL terms, clipped value loss, aggregation.
 
-Aggregation (``loss_agg_mode``, seeds-digest §3.5 and §3.8) turns a [B, T] per-token loss
+Aggregation (``loss_agg_mode``) turns a [B, T] per-token loss
 into a scalar. Every mode is written as ``numerator / global_norm``, where the numerator is a
 sum over this micro-batch's rows and ``global_norm`` is the normaliser of the **whole
 mini-batch** (all micro-batches, all data-parallel ranks):

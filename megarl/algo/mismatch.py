@@ -2,7 +2,7 @@
 
 The rollout engine samples with its own kernels (and often lower precision), so the
 behaviour policy it actually ran, with log-probs ``rollout_log_probs``, differs slightly from
-the one the trainer recomputes as ``old_log_probs`` (seeds-digest §3.1, §9.2). PPO's ratio is
+the one the trainer recomputes as ``old_log_probs``. PPO's ratio is
 taken against ``old_log_probs``; the samples, however, came from the engine. Two tools:
 
 - :func:`mismatch_metrics`: diagnostics between the two (mean and max of ``|delta log p|`` and

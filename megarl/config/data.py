@@ -16,7 +16,7 @@ class DataConfig:
     """Prompt data (``data.*``); the data-set keys are :class:`megarl.data.PromptDataset`'s keyword arguments."""
 
     train_files: list[str] = MISSING
-    """Training parquet files (megarl's row schema, seeds-digest §2.1)."""
+    """Training parquet files (megarl's row schema: megarl.data.dataset)."""
     val_files: list[str] = dataclasses.field(default_factory=list)
     """Validation parquet files; empty: no validation."""
     train_batch_size: int = 1024

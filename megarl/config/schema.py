@@ -1,6 +1,6 @@
 """The run configuration: one typed, ``kw_only`` dataclass per component, registered with Hydra.
 
-Layout (verl's key names, seeds-digest §7), each section defined in the module named after it::
+Layout (verl's key names), each section defined in the module named after it::
 
     RunConfig
       recipe                      name of the recipe that produced this config

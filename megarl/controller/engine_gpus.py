@@ -1,4 +1,4 @@
-"""Which GPUs each SGLang engine server gets, and the command that starts it (issue 13, items 1 and 5).
+"""Which GPUs each SGLang engine server gets, and the command that starts it.
 
 Three steps, each usable alone:
 

@@ -1,4 +1,4 @@
-"""Step metrics computed on the driver: data, timing and throughput (seeds-digest §1.6).
+"""Step metrics computed on the driver: data, timing and throughput.
 
 Names follow verl's so dashboards carry over: ``critic/score/mean``, ``critic/rewards/mean``,
 ``critic/advantages/max``, ``response_length/mean``, ``response_length/clip_ratio``,

@@ -1,4 +1,4 @@
-"""The single controller: the PPO/GRPO step loop (seeds-digest §1.3) over roles built by ``controller.build``.
+"""The single controller: the PPO/GRPO step loop (docs/design.md, 'One step') over roles built by ``controller.build``.
 
 ``Trainer(cfg).fit()`` on the driver. Per step, in the digest's order::
 

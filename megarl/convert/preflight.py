@@ -18,7 +18,8 @@ from pathlib import Path
 from megarl.models.weights import Fuse, Split
 
 
-def check_output(out: str | os.PathLike, force: bool, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+def check_output(out: str | os.PathLike, force: bool,
+                 inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
     """Refuse an ``--out`` that cannot become the output directory, before any work.
 
     It must not be a file; it must not be, or contain, one of ``inputs`` (flag -> directory: replacing ``out``

@@ -1,4 +1,4 @@
-"""Sequence-length balancing across data-parallel ranks (seeds-digest §1.5).
+"""Sequence-length balancing across data-parallel ranks.
 
 Before dispatch the controller reorders the trajectories so that, when the batch is cut into
 ``k`` equal contiguous chunks (one per DP rank), every chunk carries a similar number of

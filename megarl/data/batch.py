@@ -14,7 +14,7 @@ allows it; ``pop`` is the one in-place operation. Every operation checks its inp
 names the offending key or setting in its error. A batch is plain data (dicts of tensors
 and numpy arrays), so it pickles, and therefore travels through Ray, as is.
 
-Field names follow ``reference/seeds-digest.md`` §1.4.
+Field names: docs/design.md, 'The batch fields'.
 
 Shape legend: ``N`` rows of an index (``idx_N``).
 """

@@ -1,6 +1,6 @@
 """Parquet prompt datasets: rows of chat prompts, templated, tokenised, filtered; and collate.
 
-Row schema (digest §2.1; written by ``tools/prepare_gsm8k.py`` and
+Row schema (written by ``tools/prepare_gsm8k.py`` and
 ``tools/make_addition_data.py``):
 
 - ``data_source`` (str): picks the reward scorer;
@@ -111,7 +111,7 @@ def _clean_tools_kwargs(tools_kwargs: Any, where: str) -> dict[str, dict[str, An
 class PromptDataset(torch.utils.data.Dataset):
     """Chat prompts from parquet files, templated with the tokenizer's generation prompt.
 
-    Settings are the ``data.*`` config keys of digest §2.2 / §7.2.
+    Settings are the ``data.*`` config keys.
 
     On construction every prompt is checked (a list of ``{role, content}`` messages, else
     ``ValueError`` naming file and row). With ``filter_overlong_prompts`` each prompt is

@@ -46,7 +46,7 @@ export ~17 % on CPU).
    reduce-scatters different token counts per rank, which gloo's list collectives refuse: those pad to the
    largest count and use the tensor collectives (:func:`_gather_uneven`, :func:`_reduce_scatter_uneven`).
 
-Measured cost of the mode: about 8 % of a tiny model's training step (reference/megatron-cpu.md).
+Measured cost of the mode: about 8 % of a tiny model's training step.
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
 """
 

@@ -1,6 +1,6 @@
 """The reward manager: one score per trajectory, placed on its last valid response token.
 
-Per row (verl's "naive" manager, digest §5):
+Per row (verl's "naive" manager):
 
 1. the valid response is ``responses[i, :last + 1]``, where ``last`` is the last position with
    the rollout's ``attention_mask[:, -T:]`` 1 (``response_mask``, the tokens that train, in a batch

@@ -1,7 +1,7 @@
 """The multi-turn agent loop: every request runs its own state machine, all concurrently.
 
 ``AgentLoop(engine, tokenizer, config, tools, interactions).run(requests)`` drives each
-:class:`~megarl.rollout.request.AsyncRolloutRequest` through (digest §4.5-4.6)::
+:class:`~megarl.rollout.request.AsyncRolloutRequest` through::
 
     PENDING --initialize, create tool instances, start interaction--> RUNNING
     RUNNING --engine STOP, tool calls in the text--> TOOL_CALLING --responses appended--> RUNNING
@@ -12,7 +12,7 @@
     TOOL_CALLING / INTERACTING --max_turns or max_user_turns reached--> COMPLETED (max_turns)
     any --engine abort, tool create/reward error, overlong prompt--> FAILED (abort)
 
-Turns: ``max_turns`` counts assistant generations (digest §4.6); ``max_user_turns`` counts
+Turns: ``max_turns`` counts assistant generations; ``max_user_turns`` counts
 tool-response turns plus interaction replies. When a limit is reached after an assistant
 turn, its tool calls are not executed (as in verl) and the conversation ends.
 
@@ -40,8 +40,8 @@ by ``multi_turn.tool_timeout_s``. An expired call counts as ``num_timeouts/<hook
 request's metrics and is handled like an exception of that hook.
 
 :func:`requests_from_batch` turns a prompt batch into requests (``n`` adjacent samples per
-prompt) and :func:`batch_from_requests` turns finished requests into the rollout fields of
-digest §1.4.
+prompt) and :func:`batch_from_requests` turns finished requests into the rollout fields
+(docs/design.md, 'The batch fields').
 
 Shape legend: ``N`` trajectories, ``P`` prompt length, ``R`` response length.
 """
@@ -478,7 +478,7 @@ def requests_from_batch(batch: Batch, n: int, *, prompt_key: str = "raw_prompt")
 
 def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: int, response_length: int,
                         pad_token_id: int) -> Batch:
-    """The rollout fields of finished requests, one row each, in the given order (digest §1.4, §4.4).
+    """The rollout fields of finished requests, one row each, in the given order.
 
     Tensors: ``prompts`` ``[N, P]`` (left-padded), ``responses`` ``[N, R]`` (right-padded),
     ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[N, P+R]`` (``attention_mask`` 1 on every token of

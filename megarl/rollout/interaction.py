@@ -1,4 +1,4 @@
-"""Interactions: a simulated user that answers the model's turns (digest §4.9).
+"""Interactions: a simulated user that answers the model's turns.
 
 When an assistant turn ends without a tool call and the request has an interaction, the agent
 loop asks it for the user's reply::

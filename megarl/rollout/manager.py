@@ -4,7 +4,7 @@
 prompts (``input_ids``, ``attention_mask``, ``position_ids`` ``[B, W]`` and per-row
 non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n`` rows, the
 ``n`` samples of a prompt adjacent (row ``i·n + j`` is sample ``j`` of prompt ``i``, matching
-``Batch.repeat(n, interleave=True)``), with the fields of seeds-digest §1.4:
+``Batch.repeat(n, interleave=True)``), with these fields (docs/design.md, 'The batch fields'):
 
 - ``prompts`` ``[N, P]``: the prompt, left-padded with the pad id;
 - ``responses`` ``[N, R]``: the response, right-padded with the pad id;

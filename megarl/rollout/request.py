@@ -1,7 +1,7 @@
 """One multi-turn rollout request: its messages, its token sequence built turn by turn, its state.
 
 An :class:`AsyncRolloutRequest` holds a conversation and the token ids the engine sees,
-grown incrementally (digest §4.5):
+grown incrementally:
 
 - ``initialize`` renders the prompt messages (with the request's tool schemas) through the
   tokenizer's chat template, with the assistant generation prompt: the *prompt* part;
@@ -55,7 +55,7 @@ def output_text(tokenizer: Any, output_ids: Sequence[int]) -> str:
 
 
 class RequestState(str, enum.Enum):
-    """Where a request is in its loop (digest §4.5, plus INTERACTING)."""
+    """Where a request is in its loop (the agent loop's states, plus INTERACTING)."""
 
     PENDING = "pending"
     RUNNING = "running"

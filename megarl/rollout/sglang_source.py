@@ -1,6 +1,6 @@
 """SGLang's HTTP wire format, read from the installed sglang's own source files.
 
-The contract test (issue 13) checks megarl's HTTP client and CPU engine server against the
+The contract test checks megarl's HTTP client and CPU engine server against the
 pinned sglang: the routes ``sglang/srt/entrypoints/http_server.py`` registers, the request
 types of ``sglang/srt/managers/io_struct.py``, what each route's handler answers, and the
 flags ``python -m sglang.launch_server`` accepts. Importing those modules needs GPU-only

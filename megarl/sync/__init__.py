@@ -1,4 +1,4 @@
-"""Weight sync: moving the actor's weights into the rollout engines after each update (issue 14).
+"""Weight sync: moving the actor's weights into the rollout engines after each update.
 
 One module per transport behind :class:`~megarl.sync.base.WeightTransport`, on the engine servers' HTTP API
 (SGLang's routes; megarl's CPU engine server implements the same):

@@ -1,6 +1,6 @@
 """The actor and reference roles on one rank: response log-probs and the PPO update.
 
-Both wrap a :class:`ShardedModel`. Batches follow seeds-digest §1.4: ``input_ids`` /
+Both wrap a :class:`ShardedModel`. Batches hold the fields of docs/design.md ('The batch fields'): ``input_ids`` /
 ``attention_mask`` are [N, P+R] (left-padded prompt ‖ right-padded response), and response
 fields (``old_log_probs``, ``advantages``, ``response_mask``, ...) are [N, R]. The log-prob
 of response token j sits at sequence position P+j-1 (it is predicted from what precedes it).
@@ -117,7 +117,8 @@ class ActorRole(LogProbRole):
 
     def _step(self, mini: Batch, keys, temperature: float) -> StepResult:
         ppo = self.config
-        norm = torch.tensor(agg_norm(mini["response_mask"], ppo.loss_agg_mode), dtype=torch.float64, device=self.model.device)
+        norm = torch.tensor(agg_norm(mini["response_mask"], ppo.loss_agg_mode), dtype=torch.float64,
+                            device=self.model.device)
         dist.all_reduce(norm, group=self.model.groups.dp)  # the mini-batch's count over all DP ranks
         global_norm = float(norm)
 
@@ -125,8 +126,8 @@ class ActorRole(LogProbRole):
             response_length = mb["response_mask"].shape[1]  # this micro-batch's (trimmed) response width
             is_weights_BT, tis_metrics = None, {}
             if ppo.tis_cap is not None:
-                is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"], mb["response_mask"],
-                                                         cap=ppo.tis_cap, level=ppo.tis_level)
+                is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"],
+                                                         mb["response_mask"], cap=ppo.tis_cap, level=ppo.tis_level)
             loss, metrics = policy_loss(
                 response_slice(logp_BS, response_length), mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                 loss_agg_mode=ppo.loss_agg_mode, global_norm=global_norm, policy_loss_mode=ppo.policy_loss_mode,

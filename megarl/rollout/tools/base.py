@@ -12,7 +12,7 @@ the agent loop:
    the value lands in the request's ``reward_scores[tool_name]``;
 4. ``await tool.release(request_id, **release_kwargs)``, always, even if the request failed.
 
-The per-row kwargs come from the row's ``extra_info.tools_kwargs[tool_name]`` (digest §4.8).
+The per-row kwargs come from the row's ``extra_info.tools_kwargs[tool_name]``.
 Calls from different requests interleave on one event loop: keep per-request state in
 ``self._instances[instance_id]`` and never block the loop (a blocking call also defeats the
 agent loop's per-call timeout; run blocking work with ``asyncio.to_thread``).

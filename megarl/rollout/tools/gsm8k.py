@@ -1,6 +1,6 @@
 """``calc_gsm8k_reward``: the model submits its GSM8K answer and is told whether it is right.
 
-Behaviour (digest §4.11, as verl's ``Gsm8kTool``):
+Behaviour (as verl's ``Gsm8kTool``):
 
 - ``create(instance_id, ground_truth=...)``: the row's reference answer
   (``tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth``) is required.

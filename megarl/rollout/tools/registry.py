@@ -1,4 +1,4 @@
-"""Tools from a tool-config YAML (``rollout.multi_turn.tool_config_path``, digest §4.8).
+"""Tools from a tool-config YAML (``rollout.multi_turn.tool_config_path``).
 
 The file lists tools; each entry names the class, its settings and the OpenAI function schema
 shown to the model::
