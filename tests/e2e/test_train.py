@@ -93,12 +93,12 @@ def test_grpo_steps_resume_and_crashed_save(assets):
                         "trainer.export_hf=true", f"trainer.rollout_data_dir={root / 'grpo' / 'dumps'}",
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3]
-    assert full.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
+    assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
         # Every tensor of the model was compared after every sync, on both engines.
-        assert metrics["weight_sync/verified_tensors"] == len(full.weight_names)
+        assert metrics["weight_sync/verified_tensors"] == len(full.roles.weight_names)
         assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
         assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5, metrics["mismatch/abs_logp_diff_mean"]
         assert metrics["actor/skipped_steps"] == 0
@@ -182,10 +182,10 @@ def test_ppo_with_critic(assets):
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
     assert "actor/pg_loss" in both and both["weight_sync/verified_engines"] == 2
     # Engines on their own pool get the weights by broadcast (issue 14), every tensor read back.
-    assert trainer.weight_transport == "distributed"
-    assert both["weight_sync/verified_tensors"] == len(trainer.weight_names)
+    assert trainer.roles.weight_transport == "distributed"
+    assert both["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
-    assert set(trainer.plan.pools) == {"global", "rollout"}
+    assert set(trainer.roles.plan.pools) == {"global", "rollout"}
 
 
 def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
@@ -202,9 +202,9 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
                            "actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.cp=2",
                            "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
     (_, metrics), = trainer.history
-    assert trainer.weight_transport == "distributed"
+    assert trainer.roles.weight_transport == "distributed"
     assert trainer.cfg.actor_rollout_ref.actor.parallel.cp == 2
-    assert metrics["weight_sync/verified_tensors"] == len(trainer.weight_names)
+    assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
     assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
     # Recomputing at 0.7 instead differs by 0.43 nat per token on this model (measured).
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5, metrics["mismatch/abs_logp_diff_mean"]
@@ -222,16 +222,16 @@ def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
         assert metrics["actor/skipped_steps"] == 2  # both mini-batches
         assert math.isnan(metrics["actor/loss"])
         # Nothing was applied: the engines (synced and verified after the step) hold the initial weights.
-        assert metrics["weight_sync/verified_tensors"] == len(trainer.weight_names)
+        assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
         from safetensors.torch import load_file
 
         from megarl.rollout.client import run_sync
 
         initial = load_file(str(Path(assets["model"]) / "model.safetensors"))
-        for name in trainer.weight_names:
-            held = run_sync(trainer.engines[0].get_weights_by_name(name, truncate_size=initial[name].shape[0]))
+        for name in trainer.roles.weight_names:
+            held = run_sync(trainer.roles.engines[0].get_weights_by_name(name, truncate_size=initial[name].shape[0]))
             assert torch.tensor(held).equal(initial[name].float()), name
-        trainer.actor_wg.kill_rank(1)
+        trainer.roles.actor.kill_rank(1)
         start = time.monotonic()
         with pytest.raises(WorkerError) as error:
             trainer.train_step()
@@ -471,11 +471,11 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
     trainer = Trainer(cfg, console=lambda *_: None)
     try:
         trainer.setup()
-        pids = trainer.rollout_wg.call_all(EngineServerWorker.server_pid) + [trainer.roles.router.pid]
+        pids = trainer.roles.rollout.call_all(EngineServerWorker.server_pid) + [trainer.roles.router.pid]
         assert all(pid is not None for pid in pids)
         generator = trainer.rollout_manager.generator
         original, killed = generator.generate_batch, []
-        victim = trainer.engines[1]
+        victim = trainer.roles.engines[1]
 
         async def generate_then_kill(*args, **kwargs):
             if killed:
@@ -493,7 +493,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         with pytest.raises(EngineError) as error:
             trainer.train_step()
         assert time.monotonic() - killed[0] < 30
-        url = trainer.engines[1].url
+        url = trainer.roles.engines[1].url
         assert f"generation failed: engine 1 at {url} no longer answer(s) /health" in str(error.value)
         assert error.value.engine == "engine 1" and error.value.url == url
     finally:

@@ -441,31 +441,33 @@ def test_the_trainers_memory_phases_keep_engine_weights_valid(client):
     weights too and resumes them before the sync, kv after; a critic warm-up step keeps the weights (it used to
     resume released weights without a sync: garbage on SGLang) and only kv comes back; tags never released are
     never resumed (SGLang refuses that)."""
-    from megarl.config import load_config
-    from megarl.controller.trainer import Trainer
+    from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.engines, trainer._released_tags = load_config(), [client], set()
+    memory = EngineMemory([client], enabled=True)
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
 
     def generate():
         return run_sync(client.generate(PROMPTS[0], greedy)).output_ids
 
-    trainer._release_engines(weights=False)  # warm-up step: no sync follows
-    assert trainer._released_tags == {"kv_cache", "cuda_graph"}
+    memory.release(weights=False)  # warm-up step: no sync follows
+    assert memory.released == {"kv_cache", "cuda_graph"}
     with pytest.raises(EngineError, match=r"memory \['kv_cache'\] is released"):
         generate()
-    trainer._resume_engines(["kv_cache", "cuda_graph"])
-    assert len(generate()) == 2 and trainer._released_tags == set()
-    trainer._release_engines(weights=True)  # a step that syncs
-    trainer._resume_engines(["weights"])
+    memory.resume(TRAINING_TAGS)
+    assert len(generate()) == 2 and memory.released == set()
+    memory.release(weights=True)  # a step that syncs
+    memory.resume(["weights"])
     run_sync(client.begin_weight_update())
     run_sync(client.end_weight_update())
-    assert trainer._released_tags == {"kv_cache", "cuda_graph"}
-    trainer._resume_engines(["kv_cache", "cuda_graph"])
+    assert memory.released == {"kv_cache", "cuda_graph"}
+    memory.resume(TRAINING_TAGS)
     assert len(generate()) == 2
-    trainer._resume_engines(["weights", "kv_cache"])  # nothing released: no call at all
-    assert trainer._released_tags == set()
+    memory.resume(["weights", "kv_cache"])  # nothing released: no call at all
+    assert memory.released == set()
+    off = EngineMemory([client], enabled=False)  # engines on their own GPUs keep their memory
+    off.release(weights=True)
+    assert off.released == set() and len(generate()) == 2
+
 
 
 class _CudaPayloadStandIn:
