@@ -152,3 +152,28 @@ def load(answer: dict) -> dict:
     """The one DP rank's entry of a ``/v1/loads`` answer."""
     (entry,) = answer["loads"]
     return entry
+
+
+def admin_key_of(url: str) -> str | None:
+    """The admin key of the CPU engine server serving ``url`` on this machine, read from its process's initial
+    environment (``/proc/<pid>/environ``, readable by the run's own user only): how a test, or an operator of
+    the run, drives the engines of a ``megarl-train`` run from outside it. None when the server has no key."""
+    from pathlib import Path
+    from urllib.parse import urlsplit
+
+    from megarl.rollout.http_api import ADMIN_KEY_ENV
+
+    port = str(urlsplit(url).port)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"megarl.rollout.server" not in argv or port.encode() not in argv[argv.index(b"--port") + 1:][:1]:
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        prefix = f"{ADMIN_KEY_ENV}=".encode()
+        return next((entry[len(prefix):].decode() for entry in environ if entry.startswith(prefix)), None)
+    raise LookupError(f"no megarl.rollout.server process serves {url} on this machine")

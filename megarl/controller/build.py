@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,6 +30,7 @@ from megarl.controller.placement import PlacementPlan, create_pools, engine_repl
 from megarl.data.dataset import PromptDataset
 from megarl.models.sampling import derive_seed
 from megarl.reward import RewardManager
+from megarl.convert.export import remove_shared_memory
 from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
@@ -87,13 +89,18 @@ class Roles:
         return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
-        """Stop the router and the engine servers, kill every worker and give the pools' resources back."""
+        """Stop the router and the engine servers, kill every worker and give the pools' resources back; the
+        shared-memory bucket buffers the killed workers of this machine held are unlinked."""
         self.router.stop()
         stop_engine_servers(self.rollout)
+        here = ray.get_runtime_context().get_node_id()
+        pids = [info["pid"] for group in self.groups for info in getattr(group, "node_infos", [])
+                if info.get("node_id") == here]
         for group in self.groups:
             group.shutdown()
         for pool in self.pools.values():
             pool.remove()
+        remove_shared_memory(pids)
 
 
 def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
@@ -115,10 +122,11 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
             critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
         rollout_pool = pools["rollout"] if separate else pools["global"]
+        admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
-                                                  gpus, log_dir)
+                                                  gpus, log_dir, admin_key=admin_key)
         built.append(rollout)
-        engines = [EngineClient(a.url, name=a.name) for a in addresses]
+        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key) for a in addresses]
         router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                               log_dir=log_dir)
         targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
@@ -219,13 +227,15 @@ def engine_server_slots(plan: PlacementPlan, gpus: list | None) -> list[EngineSe
 
 
 def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float, gpus: list | None,
-                         log_dir: str | os.PathLike) -> tuple[WorkerGroup, list[EngineAddress]]:
+                         log_dir: str | os.PathLike, *, admin_key: str | None = None
+                         ) -> tuple[WorkerGroup, list[EngineAddress]]:
     """The engine servers' owners (one :class:`EngineServerWorker` per :func:`engine_server_slots` entry, taking
     ``share`` of its bundle) with every server started (concurrently) and healthy; the engines' addresses (an
     engine spanning nodes serves on its node_rank 0). On failure nothing is left running."""
     arr = cfg.actor_rollout_ref
     slots = engine_server_slots(plan, gpus)
     group = _group(cfg, EngineServerWorker, pool, share, role="rollout", bundles=[s.bundle for s in slots])
+    host = "127.0.0.1" if on_this_machine_only() else None  # nothing listens beyond what must reach it
     try:
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
         calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
@@ -241,25 +251,35 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
 
             heads = {s.engine: rank for rank, s in enumerate(slots) if s.node_rank == 0}
             # A multi-node engine's first node also picks its --dist-init-addr port.
-            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and gpus[s.engine].nnodes > 1 else 1})
+            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and gpus[s.engine].nnodes > 1 else 1,
+                                            "host": host})
                                       for s in slots], EngineServerWorker.address)
-            for slot, call, (host, ports) in zip(slots, calls, where, strict=True):
+            for slot, call, (serve_on, ports) in zip(slots, calls, where, strict=True):
                 engine = gpus[slot.engine]
                 if engine.nnodes > 1:
                     engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
                 call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
-                                                       seed=seeds[slot.engine], node_rank=slot.node_rank, host=host,
-                                                       return_routed_experts=bool(routed))
-                call["url"] = f"http://{host}:{ports[0]}"
+                                                       seed=seeds[slot.engine], node_rank=slot.node_rank,
+                                                       host=serve_on, return_routed_experts=bool(routed))
+                call["url"] = f"http://{serve_on}:{ports[0]}"
         urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
-                                          device=cfg.trainer.device, log_dir=str(log_dir), **call))
+                                          device=cfg.trainer.device, log_dir=str(log_dir), admin_key=admin_key,
+                                          host=host, **call))
                                  for s, call in zip(slots, calls)], EngineServerWorker.start_server)
     except BaseException:
         stop_engine_servers(group)
         group.shutdown()
         raise
     head_url = {s.engine: url for s, url in zip(slots, urls) if s.node_rank == 0}
-    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp) for e in plan.engines]
+    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp, admin_key=admin_key)
+                   for e in plan.engines]
+
+
+def on_this_machine_only() -> bool:
+    """Whether the Ray cluster is this one machine (one live node, the driver's): its engine servers then serve
+    on loopback, where only this machine's processes reach them."""
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    return len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id()
 
 
 @dataclasses.dataclass

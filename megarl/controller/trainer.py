@@ -60,6 +60,7 @@ from megarl.controller.preflight import preflight
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.tracking import Tracking, dump_generations
+from megarl.convert.export import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
@@ -147,6 +148,10 @@ class Trainer:
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * self.loader.batches_per_epoch
+        removed = remove_shared_memory()  # buffers of dead processes: a run killed before it could unlink them
+        if removed:
+            self.console(f"removed {removed} shared-memory files in {SHARED_MEMORY_DIR} left by processes that no "
+                         f"longer run (a killed run's weight-sync buffers)")
         with interrupts_deferred("Ray has started"):  # then shutdown() stops it
             self._started_ray = init_ray(cfg, console=self.console)
         self.roles = build_roles(cfg, self.log_dir / "servers")

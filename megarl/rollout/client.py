@@ -119,6 +119,8 @@ class EngineAddress:
     index: int
     url: str
     tp: int = 1
+    admin_key: str | None = dataclasses.field(default=None, repr=False)
+    """The run's engine admin key (control routes need it); never printed."""
     replica: int = 0
     """The actor DP replica whose senders stream weights into it (``distributed`` transport)."""
     host_ranks: tuple[int, ...] = ()
@@ -133,9 +135,12 @@ class EngineClient:
     """Calls one SGLang-API server at ``url`` (``http://host:port``); ``name`` labels it in errors."""
 
     def __init__(self, url: str, *, name: str = "engine", generate_timeout_s: float | None = None,
-                 control_timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+                 control_timeout_s: float = CONTROL_TIMEOUT_S, admin_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+        """Sent with every control route (``Route.admin``): an engine started with the run's key serves those
+        only to the trainer."""
         self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
@@ -162,7 +167,9 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(total=self.control_timeout_s if timeout_s is None else timeout_s)
         where = f"{self.name} at {self.url}: {route.method} {path}"
         try:
-            async with self._session().request(route.method, self.url + path, json=body, timeout=timeout) as reply:
+            headers = self._admin_headers if route.admin else None
+            async with self._session().request(route.method, self.url + path, json=body, timeout=timeout,
+                                               headers=headers) as reply:
                 text = await reply.text()
                 if reply.status != 200:
                     raise EngineError(f"{where} failed with HTTP {reply.status}: {_message(text)}", engine=self.name,

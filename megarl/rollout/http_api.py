@@ -45,6 +45,9 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # PAUSE_MODES (megarl.config.async_training, which checks them in the config): ``mode`` of ``/pause_generation``:
 # abort running requests (they finish with ``abort``), retract them (their KV is dropped; they resume from their
 # tokens on ``/continue_generation``), or hold them in place.
+ADMIN_KEY_ENV = "MEGARL_ENGINE_ADMIN_KEY"
+"""The environment variable megarl's CPU engine server reads its admin key from (never its command line, which
+other users of the machine can read); SGLang takes it as ``--admin-api-key``."""
 FLATTENED_BUCKET = "flattened_bucket"
 """``load_format`` of ``/update_weights_from_tensor`` for one flattened tensor per bucket plus metadata."""
 
@@ -62,6 +65,10 @@ class Route:
     """Body fields megarl may send."""
     reads: tuple[str, ...] = ()
     """Response fields megarl reads (top level)."""
+    admin: bool = False
+    """A control route: SGLang marks it ``AuthLevel.ADMIN_OPTIONAL``, so an engine launched with an admin key
+    (``--admin-api-key``; megarl's CPU server: :data:`ADMIN_KEY_ENV`) serves it only to a request carrying
+    ``Authorization: Bearer <key>``. Generation, health and model info stay open (the router calls them)."""
 
 
 GENERATE_META_READS = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs",
@@ -74,26 +81,26 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid",
                                                           "return_routed_experts", "routed_experts_start_len"),
           reads=("output_ids", "meta_info")),
-    Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message")),
-    Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message")),
+    Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message"), admin=True),
+    Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message"), admin=True),
     Route("/update_weights_from_tensor", "POST", "UpdateWeightsFromTensorReqInput",
           sends=("serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
-          reads=("success", "message")),
+          reads=("success", "message"), admin=True),
     Route("/init_weights_update_group", "POST", "InitWeightsUpdateGroupReqInput",
           sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
-          reads=("success", "message")),
+          reads=("success", "message"), admin=True),
     Route("/update_weights_from_distributed", "POST", "UpdateWeightsFromDistributedReqInput",
           sends=("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format"),
-          reads=("success", "message")),
+          reads=("success", "message"), admin=True),
     Route("/destroy_weights_update_group", "POST", "DestroyWeightsUpdateGroupReqInput", sends=("group_name",),
-          reads=("success", "message")),
-    Route("/pause_generation", "POST", "PauseGenerationReqInput", sends=("mode",)),
-    Route("/continue_generation", "POST", "ContinueGenerationReqInput"),
-    Route("/flush_cache", "POST"),
-    Route("/release_memory_occupation", "POST", "ReleaseMemoryOccupationReqInput", sends=("tags",)),
-    Route("/resume_memory_occupation", "POST", "ResumeMemoryOccupationReqInput", sends=("tags",)),
-    Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size")),
-    Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all")),
+          reads=("success", "message"), admin=True),
+    Route("/pause_generation", "POST", "PauseGenerationReqInput", sends=("mode",), admin=True),
+    Route("/continue_generation", "POST", "ContinueGenerationReqInput", admin=True),
+    Route("/flush_cache", "POST", admin=True),
+    Route("/release_memory_occupation", "POST", "ReleaseMemoryOccupationReqInput", sends=("tags",), admin=True),
+    Route("/resume_memory_occupation", "POST", "ResumeMemoryOccupationReqInput", sends=("tags",), admin=True),
+    Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size"), admin=True),
+    Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all"), admin=True),
 )}
 """Every route megarl calls, by path."""
 

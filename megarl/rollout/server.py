@@ -59,6 +59,10 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   running rows' output tokens so far). A gate-held batch counts as running, not paused: weight updates and
   memory releases wait or refuse as for any running batch; a pause, abort or ``/abort_request`` acts on it as
   between any two steps. Without the flag the route does not exist.
+- **Admin key** (the environment variable ``MEGARL_ENGINE_ADMIN_KEY``, as SGLang's ``--admin-api-key``, never on
+  the command line): every control route (those SGLang marks ``ADMIN_OPTIONAL``: weight updates, memory,
+  pause and continue, flush, weight reads, aborts; and ``/step_gate``) answers 401 to a request without
+  ``Authorization: Bearer <key>``; generation, health, model info and loads stay open (the router uses them).
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ import asyncio
 import base64
 import dataclasses
 import logging
+import os
+import secrets
 import sys
 import threading
 import time
@@ -82,7 +88,7 @@ from aiohttp import web
 from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
-from megarl.rollout.http_api import FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES
+from megarl.rollout.http_api import ADMIN_KEY_ENV, FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES, ROUTES
 from megarl.rollout.weight_group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
@@ -118,7 +124,8 @@ class EngineServer:
     """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
-                 enable_return_routed_experts: bool = False, enable_step_gate: bool = False) -> None:
+                 enable_return_routed_experts: bool = False, enable_step_gate: bool = False,
+                 admin_key: str | None = None) -> None:
         if tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
         if enable_return_routed_experts and not engine.routers:
@@ -143,6 +150,7 @@ class EngineServer:
         self._holding = False  # the engine thread waits in control under a pause (no forward pass runs)
         self._steps = 0  # decoding steps of the running batch: tokens of each of its unfinished rows
         self.enable_step_gate = enable_step_gate
+        self._admin_key = admin_key or None
         self._hold_at: int | None = None  # the step gate (module docstring): hold once the rows have this many tokens
         self._gate_held = False  # the engine thread waits at the step gate
         self._in_session = False
@@ -157,7 +165,7 @@ class EngineServer:
     # ------------------------------------------------------------------------ application
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 34, middlewares=[_errors])
+        app = web.Application(client_max_size=1 << 34, middlewares=[self._authorize, _errors])
         routes = [
             web.get("/health", self.health), web.get("/model_info", self.model_info),
             web.get("/get_model_info", self.model_info),  # what sglang-router asks workers
@@ -183,6 +191,20 @@ class EngineServer:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """Control routes need the admin key when the server has one (SGLang's ``ADMIN_OPTIONAL`` decision:
+        ``Authorization: Bearer <key>``, compared in constant time); the rest are open."""
+        if self._admin_key is not None and _is_control(request.path):
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), self._admin_key.encode()):
+                logger.warning("refused %s %s from %s: no valid admin key", request.method, request.path,
+                               request.remote)
+                return web.json_response({"error": {"message": f"{request.path} needs the engine's admin key "
+                                                               f"(Authorization: Bearer <key>)"}}, status=401)
+        return await handler(request)
 
     async def _start(self, app: web.Application) -> None:
         self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
@@ -628,6 +650,12 @@ def _add_weight_versions(meta: dict[str, Any], events: list, version: str, num_t
     add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, version, num_tokens), num_tokens)
 
 
+def _is_control(path: str) -> bool:
+    """A route only the trainer may call: SGLang's admin routes megarl uses, and the step gate."""
+    route = ROUTES.get(path)
+    return path == "/step_gate" or (route is not None and route.admin)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
     """Refusals and engine errors as HTTP 400 with a JSON message (SGLang's ``{"error": {"message"}}``)."""
@@ -793,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                       trust_remote_code=args.trust_remote_code)
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
                           enable_return_routed_experts=args.enable_return_routed_experts,
-                          enable_step_gate=args.enable_step_gate)
+                          enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None))
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

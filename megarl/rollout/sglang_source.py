@@ -192,6 +192,9 @@ class Route:
     """The handler's parameters: (name, annotation source text)."""
     conditional: bool
     """Registered inside an ``if`` (depends on an environment variable or server setting)."""
+    auth: str = "normal"
+    """The handler's ``@auth_level(AuthLevel.X)`` (``normal``, ``admin_optional``, ``admin_force``): with
+    ``--admin-api-key`` set, the admin levels need that key (``sglang/srt/utils/auth.py``)."""
 
 
 def _resolve_path(node: ast.AST, module_strings: dict[str, str]) -> str | None:
@@ -249,7 +252,15 @@ def _scan_routes(relative: str, owners: set[str], prefix: str = "") -> tuple[lis
         request_type, params = handler_info(func) if func is not None else (None, ())
         routes.append(Route(path=prefix + path, methods=methods, handler=func.name if func is not None else "?",
                             source=f"{relative}:{func.lineno if func is not None else line}",
-                            request_type=request_type, params=params, conditional=conditional))
+                            request_type=request_type, params=params, conditional=conditional,
+                            auth=auth_of(func)))
+
+    def auth_of(func) -> str:
+        for deco in getattr(func, "decorator_list", []):
+            if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Name) and deco.func.id == "auth_level"
+                    and deco.args and isinstance(deco.args[0], ast.Attribute)):
+                return deco.args[0].attr.lower()
+        return "normal"
 
     def methods_of(call: ast.Call, attr: str) -> frozenset[str]:
         if attr in ROUTE_DECORATORS:

@@ -22,6 +22,7 @@ from typing import Any
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.parallel.net import free_port, free_ports, node_ip
+from megarl.rollout.http_api import ADMIN_KEY_ENV
 from megarl.rollout.server_process import ServerProcess
 from megarl.workers.base import Worker
 
@@ -40,15 +41,16 @@ class EngineServerWorker(Worker):
     def name(self) -> str:
         return f"engine {self.engine}" + (f" node_rank {self.node_rank}" if self.node_rank else "")
 
-    def address(self, num_ports: int = 1) -> tuple[str, list[int]]:
-        """This node's IP and ``num_ports`` distinct free ports on it (the server's, and for the first node of
-        an engine spanning nodes its ``--dist-init-addr`` port): the driver builds SGLang's command with them."""
-        host = node_ip()
+    def address(self, num_ports: int = 1, host: str | None = None) -> tuple[str, list[int]]:
+        """The address to serve on (``host``; None: this node's IP) and ``num_ports`` distinct free ports on it
+        (the server's, and for the first node of an engine spanning nodes its ``--dist-init-addr`` port): the
+        driver builds SGLang's command with them."""
+        host = host or node_ip()
         return host, free_ports(host, num_ports)
 
     def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
                      log_dir: str, tp: int = 1, node_rank: int = 0, launch: Any = None, url: str | None = None,
-                     extra_args: Sequence[str] = ()) -> str:
+                     extra_args: Sequence[str] = (), admin_key: str | None = None, host: str | None = None) -> str:
         """Start engine ``engine``'s server (its part on node ``node_rank``) and wait until it is healthy;
         returns its URL.
 
@@ -56,10 +58,13 @@ class EngineServerWorker(Worker):
         per TP rank, as SGLang's ranks do). ``launch``/``url``: for ``rollout.name=sglang``, the
         :class:`~megarl.controller.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
         and the URL it serves on (from :meth:`address`). ``extra_args``: appended to megarl's CPU server's
-        command line (SGLang's are in ``launch``).
+        command line (SGLang's are in ``launch``). ``admin_key``: the run's engine admin key: the server then
+        serves its control routes only to requests carrying it (SGLang: ``--admin-api-key``; megarl's server
+        reads it from :data:`~megarl.rollout.http_api.ADMIN_KEY_ENV`, off its command line). ``host``: the address
+        megarl's server listens on (None: this node's IP; a run on one machine passes loopback).
         """
         self.engine, self.node_rank = engine, node_rank
-        host = node_ip()
+        host = host or node_ip()
         if rollout.name == "hf":
             if node_rank:
                 raise ValueError(f"{self.name}: megarl's CPU engine server is one process per engine; "
@@ -71,11 +76,15 @@ class EngineServerWorker(Worker):
             if model.trust_remote_code:
                 argv.append("--trust-remote-code")
             env: dict[str, str] = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            if admin_key:
+                env[ADMIN_KEY_ENV] = admin_key
             url = f"http://{host}:{port}"
         elif rollout.name == "sglang":
             if launch is None or url is None:
                 raise ValueError(f"{self.name}: an SGLang engine needs its launch command and URL (GPUs, port)")
             argv, env = list(launch.argv), launch.environ(os.environ)
+            if admin_key:
+                argv += ["--admin-api-key", admin_key]
         else:
             raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; use 'hf' or 'sglang'")
         log_name = f"engine_{engine}" + (f"_node{node_rank}" if node_rank else "") + ".log"

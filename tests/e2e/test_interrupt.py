@@ -8,28 +8,41 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 pytest.importorskip("ray")
 
 
-def _ray_pids() -> set[int]:
-    """PIDs of Ray's processes on this machine (GCS, raylet, their agents, workers), engine servers and routers."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    marks = ("gcs_server", "raylet", "ray::", "ray/_private", "ray/dashboard", "default_worker.py",
-             "megarl.rollout.server", "sglang_router")
-    return {int(line.split(None, 1)[0]) for line in out.splitlines()
-            if len(line.split(None, 1)) == 2 and any(m in line.split(None, 1)[1] for m in marks)}
+TAG = "MEGARL_TEST_RUN"
+"""Set to a fresh value in each run's environment: every process the run starts (Ray's GCS, raylet, agents and
+workers, engine servers, the router) inherits it, so the test finds exactly its own run's processes, whatever
+else runs on the machine (another test's Ray cluster, a CI job beside it)."""
 
 
-def _start(tmp_path, *extra: str) -> subprocess.Popen:
+def _run_pids(tag: str) -> set[int]:
+    """Live processes started by the run tagged ``tag`` (``/proc/<pid>/environ``; zombies have none)."""
+    mark = f"{TAG}={tag}".encode()
+    pids = set()
+    for proc in os.listdir("/proc"):
+        if proc.isdigit():
+            try:
+                with open(f"/proc/{proc}/environ", "rb") as environ:
+                    if mark in environ.read().split(b"\0"):
+                        pids.add(int(proc))
+            except OSError:  # gone, or not ours
+                continue
+    return pids
+
+
+def _start(tmp_path, tag: str, *extra: str) -> subprocess.Popen:
     from megarl.models.tiny import save_tiny
     from megarl.warmstart.addition_data import ensure_addition_data
 
     train, test = ensure_addition_data(tmp_path / "data", num_train=16, num_test=4, seed=0)
     model = save_tiny(tmp_path / "model", num_layers=1)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
                f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
@@ -38,11 +51,11 @@ def _start(tmp_path, *extra: str) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def _left_behind(before: set[int], timeout_s: float = 15.0) -> str:
-    """``ps`` lines of Ray, engine server and router processes started since ``before`` still alive after
-    ``timeout_s`` ('' when none)."""
+def _left_behind(tag: str, timeout_s: float = 15.0) -> str:
+    """``ps`` lines of the processes the run tagged ``tag`` started that are still alive after ``timeout_s`` ('' when
+    none)."""
     deadline = time.monotonic() + timeout_s
-    while (left := _ray_pids() - before) and time.monotonic() < deadline:
+    while (left := _run_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if not left:
         return ""
@@ -70,10 +83,10 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
     import asyncio
 
     from megarl.rollout.client import EngineClient
-    from tests.engine_servers import load, wait_for
+    from tests.engine_servers import admin_key_of, load, wait_for
 
-    before = _ray_pids()
-    run = _start(tmp_path, "trainer.total_steps=20")
+    tag = uuid.uuid4().hex
+    run = _start(tmp_path, tag, "trainer.total_steps=20")
     output = []
     try:
         deadline = time.monotonic() + 180
@@ -81,8 +94,7 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
             line = run.stdout.readline()
             assert line and time.monotonic() < deadline, "".join(output)[-3000:]
             output.append(line)
-        servers = [pid for pid in _ray_pids() - before]
-        assert servers  # the run's engine servers, router and Ray processes are up
+        assert len(_run_pids(tag)) > 3  # the run's engine servers, router and Ray processes are up (tagged)
         urls = _engine_urls(tmp_path / "runs")
         assert urls, list((tmp_path / "runs").rglob("*"))
 
@@ -91,8 +103,8 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
             return entry["num_running_reqs"] + entry["num_waiting_reqs"] > 0
 
         async def hold_the_rollout():
-            for url in urls:
-                engine = EngineClient(url)
+            for url in urls:  # the run's engines serve control routes to holders of its key only
+                engine = EngineClient(url, admin_key=admin_key_of(url))
                 await engine.pause_generation("in_place")
                 await engine.close()
             waits = [asyncio.ensure_future(wait_for(url, "/v1/loads", busy, "received a request")) for url in urls]
@@ -110,25 +122,14 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
         run.kill()
         run.wait()
     text = "".join(output)
-    assert not (left := _left_behind(before)), left
+    assert not (left := _left_behind(tag)), left
     assert returncode == 130, text[text.find("Traceback") - 300:][:7000]
     assert "megarl-train: interrupted at step 1" in text
 
 
 def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
-    from megarl.models.tiny import save_tiny
-    from megarl.warmstart.addition_data import ensure_addition_data
-
-    train, test = ensure_addition_data(tmp_path / "data", num_train=16, num_test=4, seed=0)
-    model = save_tiny(tmp_path / "model", num_layers=1)
-    before = _ray_pids()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
-               f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
-               f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}"]
-    run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    tag = uuid.uuid4().hex
+    run = _start(tmp_path, tag)
     output = []
     try:
         deadline = time.monotonic() + 120
@@ -148,11 +149,7 @@ def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
         run.kill()
         run.wait()
     text = "".join(output)
-    deadline = time.monotonic() + 15
-    while (left := _ray_pids() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, left))], capture_output=True,
-                                    text=True).stdout
+    assert not (left := _left_behind(tag)), left
     assert returncode == 130, text[text.find("Traceback") - 300:][:7000]
     assert "interrupt: stopping once Ray has started is done" in text
     assert "megarl-train: interrupted at step 0; workers and Ray stopped" in text

@@ -94,6 +94,11 @@ def test_grpo_steps_resume_and_crashed_save(assets):
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3]
     assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
+    # Issue 31: the buckets' shared-memory files of the run's (killed) workers are gone with the run.
+    from megarl.convert.export import shared_memory_files
+
+    pids = [info["pid"] for group in full.roles.groups for info in group.node_infos]
+    assert len(pids) >= 2 and shared_memory_files(pids) == []
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
@@ -473,6 +478,13 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         trainer.setup()
         pids = trainer.roles.rollout.call_all(EngineServerWorker.server_pid) + [trainer.roles.router.pid]
         assert all(pid is not None for pid in pids)
+        # Issue 31: a run on one machine serves its engines and router on loopback only.
+        import psutil
+
+        listening = {(c.laddr.ip, c.laddr.port) for pid in pids for c in psutil.Process(pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+        assert all(engine.url.startswith("http://127.0.0.1:") for engine in trainer.roles.engines)
         generator = trainer.rollout_manager.generator
         original, killed = generator.generate_batch, []
         victim = trainer.roles.engines[1]

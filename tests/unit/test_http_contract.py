@@ -159,3 +159,63 @@ def test_the_load_and_step_gate_routes(engine_server, tmp_path):
     _, gate, set_status, answer, bad = asyncio.run(exchange(gated))
     assert (gate, set_status, bad) == (200, 200, 400)
     assert answer == {"hold_at": 4, "held": False, "tokens": 0, "running": 0, "in_weight_update": False}
+
+
+def test_control_routes_are_sglangs_admin_routes():
+    """``Route.admin`` is what SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_*)``: with ``--admin-api-key`` these
+    need the key; generation, health and model info stay open (the router calls them)."""
+    sglang_auth = {route.path: route.auth for route in sglang_source.routes()}
+    for path, route in ROUTES.items():
+        assert route.admin == (sglang_auth[path] != "normal"), (path, sglang_auth[path])
+    assert {p for p, r in ROUTES.items() if not r.admin} == {"/health", "/model_info", "/generate"}
+    assert sglang_source.launch_server_flags()["--admin-api-key"] == "admin_api_key"
+
+
+def test_an_engine_with_the_runs_key_serves_control_routes_only_to_the_trainer(tmp_path):
+    """Every control route answers 401 without the key (a client that was not the trainer used to zero the
+    embedding, or pause a run for minutes); with it the trainer's client works; generation needs no key."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from megarl.models.tiny import save_tiny
+    from megarl.rollout.client import EngineClient, EngineError
+    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.server import EngineServer
+
+    model = save_tiny(tmp_path / "model", num_layers=1)
+    server = EngineServer(HFEngine(model), model_path=str(model), admin_key="run-key", enable_step_gate=True)
+
+    async def exchange():
+        client = TestClient(TestServer(server.app()))
+        await client.start_server()
+        try:
+            refused = {}
+            for path, route in ROUTES.items():
+                if route.admin:
+                    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "run-key"}):
+                        reply = await client.request(route.method, path, json={}, headers=headers)
+                        refused.setdefault(path, set()).add(reply.status)
+            refused["/step_gate"] = {(await client.post("/step_gate", json={"hold_at": 1})).status}
+            url = str(client.make_url("")).rstrip("/")
+            outsider, trainer = EngineClient(url, name="x"), EngineClient(url, name="t", admin_key="run-key")
+            generated = await outsider.generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
+            try:
+                await outsider.pause_generation("in_place")
+            except EngineError as error:
+                outsider_error = str(error)
+            await trainer.pause_generation("in_place")
+            await trainer.continue_generation()
+            await trainer.begin_weight_update()
+            await trainer.end_weight_update()
+            health = (await client.get("/health")).status
+            await outsider.close()
+            await trainer.close()
+            return refused, generated, outsider_error, health
+        finally:
+            await client.close()
+
+    refused, generated, outsider_error, health = asyncio.run(exchange())
+    assert all(statuses == {401} for statuses in refused.values()), refused
+    assert len(refused) == sum(route.admin for route in ROUTES.values()) + 1
+    assert len(generated.output_ids) == 2 and health == 200
+    assert "POST /pause_generation failed with HTTP 401: /pause_generation needs the engine's admin key" in outsider_error
+    assert "run-key" not in outsider_error
