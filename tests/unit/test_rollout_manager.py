@@ -333,16 +333,22 @@ def test_generate_refuses_a_running_event_loop():
 
 
 class _TooManyTokens(http.server.BaseHTTPRequestHandler):
-    """A fake engine whose /generate answers every row with R + 1 tokens (SGLang's JSON)."""
+    """A fake engine whose /generate answers every row with ``tokens`` (R + 1) tokens (SGLang's JSON)."""
+
+    tokens = R + 1
 
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
 
+    def record(self, body: dict) -> None:
+        pass
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.record(body)
         rows = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else None
-        tokens = R + 1
+        tokens = self.tokens
         result = {"output_ids": [1] * tokens, "meta_info": {"finish_reason": {"type": "length", "length": tokens},
                                                             "output_token_logprobs": [[0.0, 1, None]] * tokens}}
         data = json.dumps([result] * len(rows) if rows is not None else result).encode()
@@ -374,19 +380,10 @@ class _RecordingEngine(_TooManyTokens):
     """A fake engine answering every row with R tokens and recording each /generate's sampling_params."""
 
     requests: list = []
+    tokens = R
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    def record(self, body: dict) -> None:
         self.requests.append(body["sampling_params"])
-        rows = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else None
-        result = {"output_ids": [1] * R, "meta_info": {"finish_reason": {"type": "length", "length": R},
-                                                       "output_token_logprobs": [[0.0, 1, None]] * R}}
-        data = json.dumps([result] * len(rows) if rows is not None else result).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
 
 @pytest.mark.parametrize("engine", ["hf", "sglang"])
