@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer.shutdown()
         print(f"megarl-train: interrupted at step {trainer.global_step}; workers and Ray stopped", file=sys.stderr)
         return 130
+    except run_failures() as error:  # the run names what failed: that, not pages of traceback
+        trainer.shutdown()
+        print(failure_report(error, trainer.global_step + 1, trainer.log_dir), file=sys.stderr)
+        return 1
     finally:
         trainer.shutdown()
     print(f"TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.log_dir})")
@@ -61,6 +65,32 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"Checkpoints: none written (trainer.save_freq={cfg.trainer.save_freq}); root {trainer.run_dir}")
     return 0
+
+
+def run_failures() -> tuple[type[BaseException], ...]:
+    """Failures whose message names the part that failed (a worker's role and rank, an engine and its URL, a
+    reward row, the share of failed rollouts, a server that did not start)."""
+    from megarl.controller.metrics import RolloutFailureError
+    from megarl.reward.manager import RewardError
+    from megarl.rollout.client import EngineError
+    from megarl.rollout.server_process import ServerStartError
+    from megarl.workers.group import WorkerError
+
+    return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError
+
+
+def failure_report(error: BaseException, step: int, log_dir, max_lines: int = 20) -> str:
+    """What ``megarl-train`` prints when the run fails: the error's own message (its first ``max_lines`` lines),
+    and where the whole traceback went (``<log_dir>/error.log``)."""
+    import traceback
+    from pathlib import Path
+
+    path = Path(log_dir) / "error.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(error)))
+    lines = f"{type(error).__name__}: {error}".splitlines()
+    shown = "\n".join(lines[:max_lines]) + ("\n..." if len(lines) > max_lines else "")
+    return f"megarl-train: step {step} failed; workers and Ray stopped.\n{shown}\n(the whole traceback: {path})"
 
 
 if __name__ == "__main__":

@@ -440,6 +440,27 @@ def test_two_runs_into_one_directory(assets):
     assert manager.latest() == manager.path(2) and manager.steps() == [1, 2]  # step 2 saved again, whole
 
 
+def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
+    """Issue 31: a run that fails after Ray started (here the reward function raises on some rows, with
+    ``on_error=raise``) prints the error's own message, naming the row, and where the traceback went, instead of
+    60-100 lines of traceback first; exit code 1, nothing left running."""
+    import subprocess
+    import sys
+
+    overrides = _overrides(assets, "fails", "trainer.total_steps=1",
+                           "reward_model.custom_reward_function.name=even_prompts_raise")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
+    assert "RewardError: row " in report and "ConnectionError: judge unavailable for prompt" in report
+    assert "Traceback" not in run.stderr
+    log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
+    assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
+
+
 def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
     """Issue 12, item 3 end to end: megarl-train on an empty model directory exits 2 within seconds, naming the
     key and the missing files (it used to fail inside transformers with "need sentencepiece or tiktoken")."""
