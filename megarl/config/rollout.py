@@ -209,6 +209,11 @@ class RolloutConfig:
     ``random``."""
     engine_startup_timeout_s: float = 600.0
     """How long an engine server may take to answer ``/health`` after it starts (loading the model included)."""
+    engine_timeout_s: float = 120.0
+    """How long a running engine may go without answering: each control call (weights, memory, pause, reads) gets
+    this long, and while a rollout generates every engine is asked for its load (``/v1/loads``) every few seconds;
+    one that answers nothing for this long (frozen, hung in a collective) fails the step naming it. An engine
+    that answers again sooner goes on."""
     max_failed_frac: float = 0.5
     """A training step or validation round in which more than this share of the rollouts FAILED (finish reason
     ``abort``: an overlong prompt, a tool's set-up or reward error or time-out, an engine abort) stops the run,
@@ -218,6 +223,7 @@ class RolloutConfig:
         p = "actor_rollout_ref.rollout"
         check_choice(f"{p}.router_policy", self.router_policy, ROUTER_POLICIES)
         check_positive(f"{p}.engine_startup_timeout_s", self.engine_startup_timeout_s)
+        check_positive(f"{p}.engine_timeout_s", self.engine_timeout_s)
         if not 0 <= self.max_failed_frac <= 1:
             raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
         check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)

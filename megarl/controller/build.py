@@ -126,7 +126,8 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
         rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
                                                   gpus, log_dir, admin_key=admin_key)
         built.append(rollout)
-        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key) for a in addresses]
+        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key, control_timeout_s=a.timeout_s)
+                   for a in addresses]
         router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                               log_dir=log_dir)
         targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
@@ -271,8 +272,8 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
         group.shutdown()
         raise
     head_url = {s.engine: url for s, url in zip(slots, urls) if s.node_rank == 0}
-    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp, admin_key=admin_key)
-                   for e in plan.engines]
+    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp, admin_key=admin_key,
+                                 timeout_s=arr.rollout.engine_timeout_s) for e in plan.engines]
 
 
 def on_this_machine_only() -> bool:

@@ -121,6 +121,8 @@ class EngineAddress:
     tp: int = 1
     admin_key: str | None = dataclasses.field(default=None, repr=False)
     """The run's engine admin key (control routes need it); never printed."""
+    timeout_s: float = 120.0
+    """The limit of each control call to it (``rollout.engine_timeout_s``)."""
     replica: int = 0
     """The actor DP replica whose senders stream weights into it (``distributed`` transport)."""
     host_ranks: tuple[int, ...] = ()
@@ -310,6 +312,15 @@ class EngineClient:
 
     async def model_info(self) -> dict[str, Any]:
         return await self.call("/model_info")
+
+    async def answers(self, timeout_s: float) -> bool:
+        """True when the server answers at all within ``timeout_s`` (``/v1/loads``; an error status is an answer
+        too): a liveness probe that generates nothing."""
+        try:
+            await self.call("/v1/loads", timeout_s=timeout_s)
+        except EngineError as error:
+            return error.status is not None
+        return True
 
 
 def _message(text: str) -> str:

@@ -101,6 +101,7 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/resume_memory_occupation", "POST", "ResumeMemoryOccupationReqInput", sends=("tags",), admin=True),
     Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size"), admin=True),
     Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all"), admin=True),
+    Route("/v1/loads", "GET", reads=("loads",)),
 )}
 """Every route megarl calls, by path."""
 

@@ -69,6 +69,8 @@ from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_param
 from megarl.rollout.hooks import HookRunner
 
 _PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
+WATCHED_ROUTE = "/v1/loads"
+"""The route :meth:`RolloutManager._watch` asks every engine while a rollout runs."""
 
 
 class RolloutManager:
@@ -249,12 +251,19 @@ class RolloutManager:
                 self._in_flight[index] -= len(rows)
 
     async def _naming_failures(self, work: Any) -> Any:
-        """Await ``work`` (timed as the engines' busy time); when generation fails, say which engines no longer
-        answer ``/health``."""
+        """Await ``work`` (timed as the engines' busy time) while :meth:`_watch` checks that every engine still
+        answers; when generation fails, say which engines no longer answer ``/health``."""
         start = time.perf_counter()
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(self._watch())
         try:
-            return await work
+            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                watch.result()  # an engine stopped answering: its EngineError
+            return task.result()
         except EngineError as error:
+            if error.route == WATCHED_ROUTE:
+                raise
             alive = await asyncio.gather(*(engine.health() for engine in self.engines))
             down = [engine for engine, ok in zip(self.engines, alive, strict=True) if not ok]
             if not down:
@@ -264,7 +273,35 @@ class RolloutManager:
                               engine=", ".join(e.name for e in down), url=", ".join(e.url for e in down),
                               route=error.route) from error
         finally:
+            for pending in (watch, task):
+                if not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pending
             self._busy_s += time.perf_counter() - start
+
+    async def _watch(self) -> None:
+        """Ask every engine for its load every few seconds while a rollout runs; raise :class:`EngineError` naming
+        those that answered nothing for ``rollout.engine_timeout_s`` (frozen, or hung in a collective: the
+        generation itself would wait for ever). An engine that answers again sooner goes on."""
+        limit = self.config.engine_timeout_s
+        interval = min(5.0, limit / 4)
+        heard = {engine.url: time.monotonic() for engine in self.engines}
+
+        async def probe(engine: EngineClient) -> None:
+            if await engine.answers(timeout_s=interval):
+                heard[engine.url] = time.monotonic()
+
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(probe(engine) for engine in self.engines))
+            now = time.monotonic()
+            silent = [engine for engine in self.engines if now - heard[engine.url] > limit]
+            if silent:
+                names = ", ".join(f"{engine.name} at {engine.url}" for engine in silent)
+                raise EngineError(f"generation: {names} answered nothing for {limit:g} s "
+                                  f"(actor_rollout_ref.rollout.engine_timeout_s): frozen, or hung", route=WATCHED_ROUTE,
+                                  engine=", ".join(e.name for e in silent), url=", ".join(e.url for e in silent))
 
     def assemble(self, prompts: list[list[int]], outputs: list[GenerateOutput], *, routed: bool = False) -> Batch:
         """Pad prompts left to P and responses right to R; build masks, positions and log-probs; and, when every

@@ -59,7 +59,8 @@ class WeightTransport(abc.ABC):
     def client(self, engine: EngineAddress) -> EngineClient:
         """One client per engine for the transport's life: its keep-alive connections serve every sync."""
         if engine.url not in self._clients:
-            self._clients[engine.url] = EngineClient(engine.url, name=engine.name, admin_key=engine.admin_key)
+            self._clients[engine.url] = EngineClient(engine.url, name=engine.name, admin_key=engine.admin_key,
+                                                     control_timeout_s=engine.timeout_s)
         return self._clients[engine.url]
 
 

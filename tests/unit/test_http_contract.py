@@ -167,7 +167,7 @@ def test_control_routes_are_sglangs_admin_routes():
     sglang_auth = {route.path: route.auth for route in sglang_source.routes()}
     for path, route in ROUTES.items():
         assert route.admin == (sglang_auth[path] != "normal"), (path, sglang_auth[path])
-    assert {p for p, r in ROUTES.items() if not r.admin} == {"/health", "/model_info", "/generate"}
+    assert {p for p, r in ROUTES.items() if not r.admin} == {"/health", "/model_info", "/generate", "/v1/loads"}
     assert sglang_source.launch_server_flags()["--admin-api-key"] == "admin_api_key"
 
 

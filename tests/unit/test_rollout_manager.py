@@ -62,7 +62,8 @@ def local(model_dir):
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    with engine_servers(model_dir, tmp_path_factory.mktemp("logs"), num_engines=2, router=True) as running:
+    with engine_servers(model_dir, tmp_path_factory.mktemp("logs"), num_engines=2, router=True,
+                        extra_args=("--enable-step-gate",)) as running:
         yield running
 
 
@@ -443,6 +444,42 @@ def test_engines_paused_past_the_routers_health_checks_still_get_requests(server
         router.stop()
 
 
+def test_a_frozen_engine_is_named_and_one_that_comes_back_goes_on(servers, tokenizer, batch):
+    """Issue 31: SIGSTOP engine 1 while its share of a rollout is inside it (held at its step gate): the rollout
+    fails naming it once it has answered nothing for ``engine_timeout_s`` (it used to hang silently); frozen for
+    less than that, it goes on and the rollout completes."""
+    import concurrent.futures
+
+    from megarl.rollout.client import run_sync
+    from tests.engine_servers import set_step_gate, wait_held_at_gate
+
+    victim, pid = servers.engines[1], servers.processes[1].pid
+
+    def rollout_with_a_freeze(limit_s: float, frozen_s: float | None):
+        manager = make_manager(servers, tokenizer, response_length=64, engine_timeout_s=limit_s)
+        run_sync(set_step_gate(victim.url, 2))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            rollout = pool.submit(manager.generate, batch, seed=5)
+            try:
+                run_sync(wait_held_at_gate(victim.url))
+                os.kill(pid, signal.SIGSTOP)
+                if frozen_s is None:  # frozen until the rollout gives up on it
+                    error = rollout.exception(timeout=120)
+                else:
+                    time.sleep(frozen_s)  # the freeze itself: longer than a probe, shorter than the limit
+                    error = None
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                run_sync(set_step_gate(victim.url, None))
+            return error if frozen_s is None else rollout.result(timeout=120)
+
+    error = rollout_with_a_freeze(4.0, None)
+    assert isinstance(error, EngineError) and error.engine == "engine 1" and error.url == victim.url
+    assert f"generation: engine 1 at {victim.url} answered nothing for 4 s" in str(error)
+    out = rollout_with_a_freeze(20.0, 8.0)  # two probes go unanswered: within the limit
+    assert len(out) == len(batch) * RolloutConfig().n and set(out["finish_reason"]) <= {"stop", "length"}
+
+
 # Last in the module: it kills the module's engine 1.
 def test_a_killed_engine_server_is_named_within_seconds(servers, tokenizer, batch):
     manager = make_manager(servers, tokenizer, n=2, seed=0)
@@ -474,3 +511,4 @@ def test_assembled_rows_carry_the_weight_version_of_each_token(tokenizer):
     # Engines say "default" before the first weight sync: no versions then.
     outputs[1] = GenerateOutput(output_ids=[5], finish_reason=FinishReason.STOP, weight_version="default")
     assert "rollout_weight_versions" not in manager.assemble([[1, 2], [3]], outputs)
+
