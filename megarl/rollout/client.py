@@ -26,8 +26,10 @@ import aiohttp
 import numpy as np
 
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
-from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, request_body
+from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, Route, request_body
 
+RETRY_DELAYS_S = (0.25, 1.0)
+"""Waits before the second and third try of an idempotent call whose connection failed (``Route.idempotent``)."""
 CONTROL_TIMEOUT_S = 600.0
 """Limit of one control call (weights, memory, pause); generation has none (``generate_timeout_s``)."""
 
@@ -38,6 +40,8 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, *, engine: str, url: str, route: str, status: int | None = None) -> None:
         super().__init__(message)
         self.engine, self.url, self.route, self.status = engine, url, route, status
+        self.unreachable = False
+        """The connection failed (refused, reset, cut mid-answer): no answer at all."""
 
 
 def sampling_params_dict(params: SamplingParams, seed: int | None) -> dict[str, Any]:
@@ -163,8 +167,25 @@ class EngineClient:
 
     async def call(self, path: str, *, timeout_s: float | None = None, **fields: Any) -> Any:
         """The JSON answer of ``path`` (``None`` for an empty one); ``fields`` go through
-        :func:`~megarl.rollout.http_api.request_body`."""
+        :func:`~megarl.rollout.http_api.request_body`. A read (``Route.idempotent``) whose connection fails is
+        tried again after each of :data:`RETRY_DELAYS_S`; the error then says how many tries failed."""
         route = ROUTES[path]
+        for delay in RETRY_DELAYS_S if route.idempotent else ():
+            try:
+                return await self._call_once(route, timeout_s, fields)
+            except EngineError as error:
+                if not error.unreachable:
+                    raise
+            await asyncio.sleep(delay)
+        try:
+            return await self._call_once(route, timeout_s, fields)
+        except EngineError as error:
+            if error.unreachable and route.idempotent:
+                error.args = (f"{error} (tried {len(RETRY_DELAYS_S) + 1} times)",)
+            raise
+
+    async def _call_once(self, route: Route, timeout_s: float | None, fields: dict[str, Any]) -> Any:
+        path = route.path
         body = request_body(path, **fields) if route.method == "POST" else None
         timeout = aiohttp.ClientTimeout(total=self.control_timeout_s if timeout_s is None else timeout_s)
         where = f"{self.name} at {self.url}: {route.method} {path}"
@@ -180,8 +201,10 @@ class EngineClient:
                     return None
                 return await reply.json(content_type=None)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
-            raise EngineError(f"{where}: the server cannot be reached ({type(error).__name__}: {error})",
-                              engine=self.name, url=self.url, route=path) from error
+            failed = EngineError(f"{where}: the server cannot be reached ({type(error).__name__}: {error})",
+                                 engine=self.name, url=self.url, route=path)
+            failed.unreachable = True
+            raise failed from error
         except asyncio.TimeoutError as error:
             raise EngineError(f"{where}: no answer within {timeout.total} s", engine=self.name, url=self.url,
                               route=path) from error

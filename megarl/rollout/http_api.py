@@ -65,6 +65,8 @@ class Route:
     """Body fields megarl may send."""
     reads: tuple[str, ...] = ()
     """Response fields megarl reads (top level)."""
+    idempotent: bool = False
+    """Asking twice does what asking once does (reads): the client retries it when the connection fails."""
     admin: bool = False
     """A control route: SGLang marks it ``AuthLevel.ADMIN_OPTIONAL``, so an engine launched with an admin key
     (``--admin-api-key``; megarl's CPU server: :data:`ADMIN_KEY_ENV`) serves it only to a request carrying
@@ -76,8 +78,8 @@ GENERATE_META_READS = ("id", "finish_reason", "prompt_tokens", "completion_token
 """``meta_info`` fields of a ``/generate`` answer megarl reads."""
 
 ROUTES: Mapping[str, Route] = {route.path: route for route in (
-    Route("/health", "GET"),
-    Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version")),
+    Route("/health", "GET", idempotent=True),
+    Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version"), idempotent=True),
     Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid",
                                                           "return_routed_experts", "routed_experts_start_len"),
           reads=("output_ids", "meta_info")),
@@ -99,9 +101,10 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/flush_cache", "POST", admin=True),
     Route("/release_memory_occupation", "POST", "ReleaseMemoryOccupationReqInput", sends=("tags",), admin=True),
     Route("/resume_memory_occupation", "POST", "ResumeMemoryOccupationReqInput", sends=("tags",), admin=True),
-    Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size"), admin=True),
+    Route("/get_weights_by_name", "POST", "GetWeightsByNameReqInput", sends=("name", "truncate_size"), admin=True,
+          idempotent=True),
     Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all"), admin=True),
-    Route("/v1/loads", "GET", reads=("loads",)),
+    Route("/v1/loads", "GET", reads=("loads",), idempotent=True),
 )}
 """Every route megarl calls, by path."""
 

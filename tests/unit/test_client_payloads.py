@@ -183,3 +183,48 @@ def test_weight_version_spans_give_each_token_its_version():
         meta["weight_versions"] = spans
         with pytest.raises(RuntimeError, match="do not cover its 5 output tokens end to end"):
             generate_output({"output_ids": [1, 2, 3, 4, 5], "meta_info": meta}, return_logprob=False)
+
+
+def _flaky_server(drops: int):
+    """A server on a port of its own that resets the first ``drops`` connections, then answers one with JSON;
+    ``(url, served)``, ``served`` growing by one per connection it took."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    served: list[int] = []
+
+    def serve() -> None:
+        with listener:
+            for attempt in range(drops + 1):
+                connection, _ = listener.accept()
+                served.append(attempt)
+                with connection:
+                    connection.recv(65536)
+                    if attempt < drops:
+                        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # reset
+                        continue
+                    body = b'{"model_path": "m", "is_generation": true}'
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", served
+
+
+def test_reads_are_retried_when_the_connection_fails_and_other_calls_are_not():
+    """Issue 31, item 5: ``/model_info`` (a read) survives two dropped connections (the engine named if all three
+    tries fail); ``/pause_generation`` (a control call) is never repeated: the first failure is the error."""
+    from megarl.rollout.client import EngineClient, EngineError, run_sync
+
+    url, served = _flaky_server(2)
+    assert run_sync(EngineClient(url, name="engine 3").model_info())["model_path"] == "m" and served[-1] == 2
+    url, served = _flaky_server(1)
+    with pytest.raises(EngineError, match=r"engine 3 at .*: POST /pause_generation: the server cannot be reached"):
+        run_sync(EngineClient(url, name="engine 3").pause_generation("abort"))
+    assert served == [0]
+    url, served = _flaky_server(100)  # aiohttp may itself try a GET twice on a reset connection
+    with pytest.raises(EngineError, match=r"engine 3 at .*: GET /health: the server cannot be reached .*\(tried 3 "
+                                          r"times\)"):
+        run_sync(EngineClient(url, name="engine 3").call("/health"))
+    assert len(served) >= 3
