@@ -34,8 +34,14 @@ fi
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # --- Ray ---------------------------------------------------------------------------------------
-# Ray 2.60 starts clusters with token authentication; the nodes of one job trust each other.
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# Token authentication: Ray's ports listen on every interface of every node, and without a token anyone who
+# reaches them can run code in the job's cluster. One fresh token per job, in the environment every srun step
+# inherits (the head, the workers and the driver), written nowhere. RAY_AUTH_MODE=disabled turns it off.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [[ $RAY_AUTH_MODE == token && -z ${RAY_AUTH_TOKEN:-} ]]; then
+    RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+    export RAY_AUTH_TOKEN
+fi
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
 
 # --- Python ------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -22,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=qwen2_5_7b_grpo trainer.total_steps=10")
     parser.add_argument("--print-config", action="store_true", help="print the composed config and exit")
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    use_ray_tokens()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("ray", "megatron", "torch", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -65,6 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"Checkpoints: none written (trainer.save_freq={cfg.trainer.save_freq}); root {trainer.run_dir}")
     return 0
+
+
+def use_ray_tokens() -> None:
+    """A run that starts its own Ray cluster (no ``RAY_ADDRESS``) uses Ray's token authentication with a fresh
+    token, unless ``RAY_AUTH_MODE`` says otherwise: Ray's ports listen on every interface, and without a token
+    anyone who reaches them can run code in the cluster. The token lives only in this process's environment and
+    those of the processes Ray starts (written nowhere). Ray reads the mode when it is imported: call this
+    first."""
+    import os
+    import secrets
+
+    if "RAY_ADDRESS" not in os.environ and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
 
 
 def run_failures() -> tuple[type[BaseException], ...]:

@@ -507,16 +507,26 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
 
 def init_ray(cfg: RunConfig, console=print) -> bool:
     """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
-    a no-op when Ray is up. Returns True when this call started Ray (the caller then stops it)."""
+    a no-op when Ray is up. Returns True when this call started Ray (the caller then stops it).
+
+    Ray's ports listen on every interface: a local cluster without token authentication (``RAY_AUTH_MODE`` other
+    than ``token``, which Ray reads when it is imported: ``megarl-train`` sets it with a fresh ``RAY_AUTH_TOKEN``
+    first) lets anyone who reaches them run code in the run's cluster, and is warned about. A cluster joined at
+    ``RAY_ADDRESS`` uses its own settings."""
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     trainer = cfg.trainer
-    env = {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if os.environ.get("RAY_ADDRESS"):
         console(f"joining the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
-    elif trainer.device == "cpu":
+        return True
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        logging.getLogger(__name__).warning("a local Ray cluster without token authentication (RAY_AUTH_MODE=%s): "
+                                            "any process that reaches this machine's Ray ports can run code in the "
+                                            "run's cluster; megarl-train turns it on unless RAY_AUTH_MODE is set",
+                                            os.environ.get("RAY_AUTH_MODE", "unset"))
+    if trainer.device == "cpu":
         num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)
         console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
         ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},

@@ -36,14 +36,26 @@ def _run_pids(tag: str) -> set[int]:
     return pids
 
 
+def _environ(pid: int) -> dict[str, str]:
+    """A process's initial environment (empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+
+
 def _start(tmp_path, tag: str, *extra: str) -> subprocess.Popen:
     from megarl.models.tiny import save_tiny
     from megarl.warmstart.addition_data import ensure_addition_data
 
     train, test = ensure_addition_data(tmp_path / "data", num_train=16, num_test=4, seed=0)
     model = save_tiny(tmp_path / "model", num_layers=1)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
-    env.pop("RAY_ADDRESS", None)
+    # As a user runs it: no RAY_AUTH_MODE, so the run's local Ray cluster uses token authentication.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(name, None)
     command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
                f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
                f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}", *extra]
@@ -94,7 +106,11 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
             line = run.stdout.readline()
             assert line and time.monotonic() < deadline, "".join(output)[-3000:]
             output.append(line)
-        assert len(_run_pids(tag)) > 3  # the run's engine servers, router and Ray processes are up (tagged)
+        started = _run_pids(tag) - {run.pid}
+        assert len(started) > 3  # the run's engine servers, router and Ray processes are up (tagged)
+        # Issue 31: the run's own Ray cluster authenticates with a token of its own (only its processes hold it).
+        modes = {_environ(pid).get("RAY_AUTH_MODE") for pid in started}
+        assert modes == {"token"} and all(len(_environ(pid).get("RAY_AUTH_TOKEN", "")) == 64 for pid in started)
         urls = _engine_urls(tmp_path / "runs")
         assert urls, list((tmp_path / "runs").rglob("*"))
 

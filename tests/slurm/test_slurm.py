@@ -74,7 +74,8 @@ def slurm_env():
     # The jobs run megarl-train, megarl-plan and ray from this interpreter's environment.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["SLURM_CONF"] = f"{_slurm_state()}/slurm.conf"
-    env["RAY_AUTH_MODE"] = "disabled"
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # as a user submits: slurm/env.sh turns token auth on
+        env.pop(name, None)
     yield env
     if not was_running:
         subprocess.run(["bash", str(SLURM_LOCAL), "stop"], capture_output=True, timeout=120)
