@@ -489,7 +489,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
     import os
     import signal
 
-    from megarl.rollout.client import EngineError
+    from megarl.rollout.client import EngineError, run_sync
     from megarl.workers.engine_server import EngineServerWorker
     from tests.engine_servers import load, wait_for
 
@@ -506,22 +506,25 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
                      if c.status == psutil.CONN_LISTEN}
         assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
         assert all(engine.url.startswith("http://127.0.0.1:") for engine in trainer.roles.engines)
-        generator = trainer.rollout_manager.generator
-        original, killed = generator.generate_batch, []
+        generator, manager = trainer.rollout_manager.generator, trainer.rollout_manager
+        original, generate, killed = generator.generate_batch, manager.generate, []
         victim = trainer.roles.engines[1]
 
+        def pause_then_generate(*args, **kwargs):
+            run_sync(victim.pause_generation("in_place"))  # before any request leaves: engine 1 keeps its share
+            return generate(*args, **kwargs)
+
         async def generate_then_kill(*args, **kwargs):
-            if killed:
-                return await original(*args, **kwargs)
-            killed.append(None)
-            await victim.pause_generation("in_place")  # what reaches engine 1 now waits in its queue
             request = asyncio.ensure_future(original(*args, **kwargs))
-            await wait_for(victim.url, "/v1/loads", lambda answer: load(answer)["num_waiting_reqs"] > 0,
-                           "received its share")
-            os.kill(pids[1], signal.SIGKILL)
-            killed[0] = time.monotonic()
+            if not killed:
+                killed.append(None)
+                await wait_for(victim.url, "/v1/loads", lambda answer: sum(
+                    load(answer)[key] for key in ("num_waiting_reqs", "num_running_reqs")) > 0, "received its share")
+                os.kill(pids[1], signal.SIGKILL)
+                killed[0] = time.monotonic()
             return await request
 
+        manager.generate = pause_then_generate
         generator.generate_batch = generate_then_kill
         with pytest.raises(EngineError) as error:
             trainer.train_step()
