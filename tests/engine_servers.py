@@ -3,7 +3,7 @@
     with engine_servers(model_dir, log_dir, num_engines=2, router=True) as servers:
         manager = RolloutManager(servers.generator, servers.engines, tokenizer, config, ...)
 
-Each engine is ``python -m megarl.rollout.server`` on ``model_dir`` with its own
+Each engine is ``python -m megarl.rollout.cpu_engine`` on ``model_dir`` with its own
 ``--random-seed`` (engine ``i``: ``seeds[i]``, default ``i``), ``OMP_NUM_THREADS=1`` and its log
 in ``log_dir``; the servers start concurrently (all started, then each waited for), so N
 engines cost about one start-up. With ``router=True`` a real sglang-router
@@ -45,7 +45,7 @@ def engine_server(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, i
     appended to its command line)."""
     port = free_port()
     name = f"engine {index}"
-    return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
+    return ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
                           str(port), "--random-seed", str(seed), "--tp-size", str(tp_size), *extra_args], name=name,
                          url=f"http://127.0.0.1:{port}",
                          log_path=Path(log_dir) / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"})
@@ -169,11 +169,11 @@ def admin_key_of(url: str) -> str | None:
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"megarl.rollout.server" not in argv or port.encode() not in argv[argv.index(b"--port") + 1:][:1]:
+            if b"megarl.rollout.cpu_engine" not in argv or port.encode() not in argv[argv.index(b"--port") + 1:][:1]:
                 continue
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
         prefix = f"{ADMIN_KEY_ENV}=".encode()
         return next((entry[len(prefix):].decode() for entry in environ if entry.startswith(prefix)), None)
-    raise LookupError(f"no megarl.rollout.server process serves {url} on this machine")
+    raise LookupError(f"no megarl.rollout.cpu_engine process serves {url} on this machine")

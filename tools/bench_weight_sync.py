@@ -317,7 +317,7 @@ def start_engines(hf_dir: Path, log_dir: Path, tp: int, count: int = 2) -> list:
     for index in range(count):
         port = free_port()
         servers.append(ServerProcess(
-            [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(hf_dir), "--port", str(port),
+            [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(hf_dir), "--port", str(port),
              "--dtype", "float32", "--tp-size", str(tp)], name=f"engine {index}", url=f"http://127.0.0.1:{port}",
             log_path=log_dir / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"}))
     for server in servers:

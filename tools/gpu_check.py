@@ -18,7 +18,7 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
           same weights (a random Qwen2.5-shaped model, ``initializer_range`` 0.05 so a wrong position, mask or
           norm shows), packed (THD) and padded micro-batches. Pass: mean |megarl - HF fp32| within 3x of
           mean |HF bf16 - HF fp32| in both modes.
-  engine  ``python -m megarl.rollout.server --device cuda:0 --dtype bfloat16`` (``cpu`` without CUDA) generates
+  engine  ``python -m megarl.rollout.cpu_engine --device cuda:0 --dtype bfloat16`` (``cpu`` without CUDA) generates
           (T=1, log-probs); the actor recomputes them (``ActorRole.compute_log_prob``): the rollout/train gap on
           identical weights. Pass: tokens generated, gap finite and within 4x parity's HF bf16 error (both
           models are within that of HF fp32) when parity ran.
@@ -258,7 +258,7 @@ class Context:
             from megarl.rollout.server_process import ServerProcess
 
             port = free_port()
-            argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(self.model_dir(self.args.shape)),
+            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(self.model_dir(self.args.shape)),
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                     "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1"]
             url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,8 @@
 """Rollout: engine protocol, the HTTP client of engine servers, rollout manager, multi-turn agent loop, tools.
 
 An engine replica is a server process speaking SGLang's HTTP API (``sglang.launch_server`` on
-GPUs; megarl's CPU engine server, :mod:`megarl.rollout.server` over :class:`HFEngine`, in CI),
+GPUs; megarl's CPU engine server, the subpackage :mod:`megarl.rollout.cpu_engine`, in CI; nothing else here
+imports it),
 with sglang-router (:mod:`megarl.rollout.router`) in front for generation; :class:`EngineClient`
 is the one client of that API. The rollout's settings are :class:`megarl.config.RolloutConfig`
 (``actor_rollout_ref.rollout``).
@@ -17,7 +18,6 @@ from megarl.rollout.engine import (
     update_weights,
     weight_update_session,
 )
-from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.manager import RolloutManager
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "EngineError",
     "FinishReason",
     "GenerateOutput",
-    "HFEngine",
     "RolloutEngine",
     "RolloutManager",
     "SamplingParams",

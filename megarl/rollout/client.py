@@ -2,7 +2,7 @@
 
 :class:`EngineClient` talks to one server (an engine, or sglang-router for generation) with
 the wire format of :mod:`megarl.rollout.http_api`; the same code drives ``sglang.launch_server``
-on GPUs and megarl's CPU engine server (:mod:`megarl.rollout.server`) in CI.
+on GPUs and megarl's CPU engine server (:mod:`megarl.rollout.cpu_engine`) in CI.
 
 - Async methods reuse one ``aiohttp`` session (keep-alive connections) per event loop.
 - :func:`run_sync` runs a call from synchronous code (the trainer, the actor's weight sync) on

@@ -1,7 +1,7 @@
 """Rollout engines as server processes, each owned by a Ray actor on the engine's node.
 
 An :class:`EngineServerWorker` sits on the first bundle an engine serves (for an SGLang engine spanning
-nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.rollout.server``) for
+nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.rollout.cpu_engine``) for
 ``rollout.name=hf``, ``python -m sglang.launch_server`` for ``sglang`` (with exactly the
 engine's GPUs, :mod:`megarl.controller.engine_gpus`). It starts the server, waits for it to
 answer ``/health`` (an error names the engine, its URL and its log), reports its URL, and
@@ -70,7 +70,7 @@ class EngineServerWorker(Worker):
                 raise ValueError(f"{self.name}: megarl's CPU engine server is one process per engine; "
                                  f"it has no node_rank > 0")
             port = free_port(host)
-            argv = [sys.executable, "-m", "megarl.rollout.server", "--model-path", model.local_path, "--host", host,
+            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
                     _hf_device(device, self.local_rank), "--tp-size", str(tp), *extra_args]
             if model.trust_remote_code:

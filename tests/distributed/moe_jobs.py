@@ -335,7 +335,7 @@ def forced_routing_logprobs(model, ids: list[int], routed) -> torch.Tensor:
     """HF log-probs of each next token of ``ids`` with every sparse layer's router forced to ``routed``
     ``[len(ids), layers, top_k]`` (weights: the router's own softmax at those experts, renormalised as the family
     does): what Megatron with routing replay must compute."""
-    from megarl.rollout.hf_engine import _routers
+    from megarl.rollout.cpu_engine.hf_engine import _routers
 
     originals = []
     for layer, gate in _routers(model):

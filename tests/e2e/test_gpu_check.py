@@ -167,7 +167,7 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
 
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
-    assert len(starts) == 2 and any("megarl.rollout.server" in line for line in starts), starts  # tool and server
+    assert len(starts) == 2 and any("megarl.rollout.cpu_engine" in line for line in starts), starts  # tool and server
     imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
     assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
     names = {name for name, _, _ in imported}

@@ -109,8 +109,9 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
         started = _run_pids(tag) - {run.pid}
         assert len(started) > 3  # the run's engine servers, router and Ray processes are up (tagged)
         # Issue 31: the run's own Ray cluster authenticates with a token of its own (only its processes hold it).
-        modes = {_environ(pid).get("RAY_AUTH_MODE") for pid in started}
-        assert modes == {"token"} and all(len(_environ(pid).get("RAY_AUTH_TOKEN", "")) == 64 for pid in started)
+        environs = [environ for environ in map(_environ, started) if environ]  # a process may end meanwhile
+        assert len(environs) > 3 and {environ.get("RAY_AUTH_MODE") for environ in environs} == {"token"}
+        assert all(len(environ.get("RAY_AUTH_TOKEN", "")) == 64 for environ in environs)
         urls = _engine_urls(tmp_path / "runs")
         assert urls, list((tmp_path / "runs").rglob("*"))
 

@@ -62,7 +62,7 @@ RECEIVER = BUCKET + textwrap.dedent("""
     import json, sys
     from sglang.srt.utils import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
-    from megarl.rollout.server import _Payload
+    from megarl.rollout.cpu_engine.weights import Payload
 
     def sglang_open(payload):
         # As SGLang's tokenizer manager normalizes the base64 strings and its scheduler rebuilds a
@@ -80,7 +80,7 @@ RECEIVER = BUCKET + textwrap.dedent("""
     for engine, ranks in enumerate(payloads):
         for rank, payload in enumerate(ranks):
             how = "megarl-server" if engine == len(payloads) - 1 else "sglang"
-            tensors = _Payload(payload, "flattened_bucket").named() if how == "megarl-server" else sglang_open(payload)
+            tensors = Payload(payload, "flattened_bucket").named() if how == "megarl-server" else sglang_open(payload)
             report["opened"].append({
                 "engine": engine, "rank": rank, "how": how, "names": sorted(name for name, _ in tensors),
                 "mismatched": [name for name, t in tensors

@@ -260,9 +260,9 @@ def emitted_flags(argv: tuple[str, ...]) -> set[str]:
 
 
 def test_every_emitted_flag_is_a_flag_of_the_pinned_sglang():
-    """Against the flag list read from the installed sglang's source (megarl.rollout.sglang_source, with ``ast``)."""
+    """Against the flag list read from the installed sglang's source (tests.sglang_source, with ``ast``)."""
     root = _sglang_dir()
-    sglang_source = pytest.importorskip("megarl.rollout.sglang_source")
+    sglang_source = pytest.importorskip("tests.sglang_source")
     flags = sglang_source.launch_server_flags()
     emitted = set().union(*(emitted_flags(argv) for argv in all_commands()))
     assert emitted == set(EMITTED_FIELDS)  # all_commands() shows every flag the function can emit

@@ -18,7 +18,7 @@ from megarl.convert.export import Bucket
 from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
 from megarl.sync.base import flattened_payload
 from megarl.rollout.engine import FinishReason, SamplingParams
-from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
 from tests.engine_servers import get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
 
 def _server(model_dir, log_dir, name="engine 0") -> ServerProcess:
     port = free_port()
-    return ServerProcess([sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir), "--port",
+    return ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
                           str(port), "--random-seed", "3", "--tp-size", "2", "--enable-step-gate"], name=name, url=f"http://127.0.0.1:{port}",
                          log_path=log_dir / f"{name.replace(' ', '_')}.log", env={"OMP_NUM_THREADS": "1"})
 
@@ -493,8 +493,8 @@ from torch.multiprocessing import reductions
 reductions.rebuild_cuda_tensor = lambda cls, size, stride, offset, storage, dtype, device, handle, *rest: (
     torch.frombuffer(bytearray(handle), dtype=dtype))
 assert not hasattr(reductions, "_rebuild_cuda_tensor_original")
-from megarl.rollout.server import _Payload
-named = _Payload(sys.argv[1], "flattened_bucket").named()
+from megarl.rollout.cpu_engine.weights import Payload
+named = Payload(sys.argv[1], "flattened_bucket").named()
 print(json.dumps({name: tensor.tolist() for name, tensor in named}))
 """
 

@@ -1,7 +1,7 @@
 """The wire format pinned to the installed sglang (issue 13, build item 3).
 
 megarl's table of what it sends and reads (:data:`megarl.rollout.http_api.ROUTES`) is checked
-against sglang's own sources, read with ``ast`` by :mod:`megarl.rollout.sglang_source`: every
+against sglang's own sources, read with ``ast`` by :mod:`tests.sglang_source`: every
 route is served with the method megarl uses, every field sent is a field of the route's request
 type, every field read is one sglang returns. The CPU engine server is held to the same lists:
 it serves every route, and everything it answers is something sglang answers.
@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from megarl.rollout import sglang_source
+from tests import sglang_source
 from megarl.rollout.client import sampling_params_dict
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http_api import GENERATE_META_READS, MEMORY_TAGS, PAUSE_MODES, ROUTES, request_body
@@ -68,8 +68,8 @@ def test_a_field_outside_the_table_never_reaches_the_wire():
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.hf_engine import HFEngine
-    from megarl.rollout.server import EngineServer
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.rollout.cpu_engine.server import EngineServer
 
     model = save_tiny(tmp_path_factory.mktemp("contract") / "model", num_layers=1)
     return EngineServer(HFEngine(model), model_path=str(model))
@@ -135,7 +135,7 @@ def test_the_load_and_step_gate_routes(engine_server, tmp_path):
     only on a server started with ``--enable-step-gate`` and refuses a bad ``hold_at``."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megarl.rollout.server import EngineServer
+    from megarl.rollout.cpu_engine.server import EngineServer
 
     async def exchange(server):
         client = TestClient(TestServer(server.app()))
@@ -178,8 +178,8 @@ def test_an_engine_with_the_runs_key_serves_control_routes_only_to_the_trainer(t
 
     from megarl.models.tiny import save_tiny
     from megarl.rollout.client import EngineClient, EngineError
-    from megarl.rollout.hf_engine import HFEngine
-    from megarl.rollout.server import EngineServer
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.rollout.cpu_engine.server import EngineServer
 
     model = save_tiny(tmp_path / "model", num_layers=1)
     server = EngineServer(HFEngine(model), model_path=str(model), admin_key="run-key", enable_step_gate=True)

@@ -29,7 +29,7 @@ from megarl.models.sampling import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.client import EngineClient, EngineError, gather_sync
 from megarl.rollout.engine import FinishReason, SamplingParams
-from megarl.rollout.hf_engine import HFEngine
+from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.server_process import ServerProcess, free_port
 from tests.engine_servers import close_clients, engine_servers

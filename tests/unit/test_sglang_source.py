@@ -1,4 +1,4 @@
-"""The reader of SGLang's wire format (:mod:`megarl.rollout.sglang_source`) against the installed sglang.
+"""The reader of SGLang's wire format (:mod:`tests.sglang_source`) against the installed sglang.
 
 Every expectation below was read by hand in the pinned sglang (0.5.23) sources, quoted where it
 matters, so a reader bug (a decorator form it misses, a base class it drops) fails here rather
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout import sglang_source as src
+from tests import sglang_source as src
 
 REPO = Path(__file__).resolve().parents[2]
 

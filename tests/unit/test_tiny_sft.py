@@ -270,7 +270,7 @@ def test_warm_start_samples_what_the_hf_engine_samples(data, tokenizer, temperat
     it the engine's row seeds, padding and stop ids. The SFT stop check, and with it the cached model,
     depends on it."""
     from megarl.rollout.engine import SamplingParams
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
 
     model = build_tiny_model(tokenizer, seed=0, **SMALL)
     rows = tiny_sft.read_sft_rows([data[0]])

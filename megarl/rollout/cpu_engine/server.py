@@ -1,6 +1,6 @@
 """megarl's CPU engine server: the HF engine behind SGLang's HTTP API.
 
-    python -m megarl.rollout.server --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
+    python -m megarl.rollout.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
                                     [--enable-return-routed-experts] [--enable-step-gate]
 
@@ -8,73 +8,17 @@ It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSO
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
 on GPUs. It accepts (and ignores) body fields it does not use: sglang-router adds several.
 
-State, as SGLang's scheduler keeps it, at this engine's granularity (decoding steps):
-
-- **Requests** are queued rows; a scheduler task runs them in batches on the engine thread
-  (rows that differ only in seed and ``max_new_tokens`` share a batch; a batched ``/generate``
-  arrives at once, so its rows form one batch). Row ``i`` of a request samples from
-  ``derive_row_seed(sampling_seed, i)`` (its own ``sampling_params``' seed, or the one shared by
-  the batch: sglang-router forwards a batch with one ``sampling_params``), so a batch sharing
-  one seed still gives every row its own stream; without a seed, rows draw from the server's
-  seeded generator. (SGLang with deterministic inference would give every row of such a batch
-  the same seed: megarl sends seeds only to this engine.)
-- **Pause** (``/pause_generation``): ``abort`` ends running and queued rows now (finish reason
-  ``abort``, tokens so far kept); ``in_place`` holds the running batch between two decoding
-  steps, KV cache kept; ``retract`` holds it and, on ``/continue_generation``, recomputes its KV
-  cache from the tokens so far with the weights then loaded. Until ``/continue_generation`` no
-  new batch starts. The answer to ``/pause_generation`` comes once no forward pass runs.
-- **Memory tags** (``/release_memory_occupation``, ``/resume_memory_occupation``; ``weights``,
-  ``kv_cache``, ``cuda_graph``; none given: all). Generating needs ``weights`` and ``kv_cache``
-  held, and updating weights needs ``weights`` held: this engine refuses both otherwise (on
-  GPUs SGLang would compute garbage from released weights), so a wrong phase order fails in CI.
-  Releasing while rows run (not paused) is refused.
-- **Weights** change inside a ``/begin_weight_update`` ... ``/end_weight_update`` session
-  (``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payloads, one per
-  engine TP rank, ``load_format`` ``flattened_bucket`` or a list of ``(name, tensor)``); each
-  update may set ``weight_version``. An answer reports, as SGLang 0.5.23 does, ``weight_version``
-  and ``weight_versions``: spans of its output tokens per version (a request held by an
-  ``in_place``/``retract`` pause across an update has two). No batch starts inside a session, and
-  ``/begin_weight_update`` waits for a running batch that is not paused, so every token was
-  sampled by one set of weights. ``/flush_cache`` is refused (HTTP 400) while requests are held in
-  place or run unpaused; retracted ones do not count (SGLang's ``flush_cache``).
-- **TP ranks** (``--tp-size N``): the model is one unsharded copy, but the weight paths behave as
-  N SGLang TP ranks do, each taking the full tensors: ``/update_weights_from_tensor`` needs N
-  payloads and opens each once (each holds its own reference to the shared bucket), checking that
-  they name the same tensors; ``/init_weights_update_group`` joins N members (ranks
-  ``rank_offset .. rank_offset + N - 1``), each receiving every broadcast. The weights load from
-  rank 0's copy.
-- **Routed experts** (mixture-of-experts models, ``--enable-return-routed-experts`` as SGLang's flag):
-  ``/generate`` with ``return_routed_experts`` answers ``meta_info.routed_experts``, SGLang's base64 of an int32
-  ``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k]`` array: the experts each token the model
-  computed was routed to (the last output token is never fed back; a retracted row's are those of the rebuilt
-  pass). Without the flag the field is absent, as on SGLang.
-- **Load** (``GET /v1/loads``, SGLang's route and shape): ``num_running_reqs`` (rows of the running batch),
-  ``num_waiting_reqs`` (queued rows), ``num_used_tokens`` (the running rows' prompt and output tokens),
-  ``queues.waiting`` / ``paused`` (rows held by an ``in_place``/``retract`` pause) / ``retracted``. Callers
-  wait on these (a request has arrived, is running, is held) instead of on the clock.
-- **Step gate** (``--enable-step-gate``, megarl only; tests use it to stop generation at a known token, on
-  a machine of any speed): ``POST /step_gate {"hold_at": k}`` holds the running batch once its rows have ``k``
-  output tokens, between two decoding steps, until ``{"hold_at": null}`` (or a larger ``k``) lets it go on;
-  ``GET /step_gate`` answers ``hold_at``, ``held`` (the batch waits at the gate now) and ``tokens`` (the
-  running rows' output tokens so far). A gate-held batch counts as running, not paused: weight updates and
-  memory releases wait or refuse as for any running batch; a pause, abort or ``/abort_request`` acts on it as
-  between any two steps. Without the flag the route does not exist.
-- **Admin key** (the environment variable ``MEGARL_ENGINE_ADMIN_KEY``, as SGLang's ``--admin-api-key``, never on
-  the command line): every control route (those SGLang marks ``ADMIN_OPTIONAL``: weight updates, memory,
-  pause and continue, flush, weight reads, aborts; and ``/step_gate``) answers 401 to a request without
-  ``Authorization: Bearer <key>``; generation, health, model info and loads stay open (the router uses them).
+The state it keeps (requests, pause, memory tags, weights, TP ranks, routed experts, load, step gate, admin
+key) is described in :mod:`megarl.rollout.cpu_engine`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import dataclasses
 import logging
-import os
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -87,8 +31,10 @@ from aiohttp import web
 
 from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
-from megarl.rollout.hf_engine import HFEngine
-from megarl.rollout.http_api import ADMIN_KEY_ENV, FLATTENED_BUCKET, MEMORY_TAGS, PAUSE_MODES, ROUTES
+from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.cpu_engine.requests import RequestError, errors, json_body, memory_tags, per_row, result
+from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
+from megarl.rollout.http_api import PAUSE_MODES, ROUTES
 from megarl.rollout.weight_group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
@@ -100,10 +46,6 @@ NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 
                     "min_new_tokens": 0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
                     "logit_bias": None, "custom_params": None}
 """SGLang sampling keys accepted only at their neutral value (this engine does not implement them)."""
-
-
-class RequestError(ValueError):
-    """A request this engine cannot serve; answered with HTTP 400 and the message."""
 
 
 @dataclasses.dataclass
@@ -156,16 +98,16 @@ class EngineServer:
         self._in_session = False
         self._groups: dict[str, list[Any]] = {}
         """Weight-update process groups by name (``/init_weights_update_group``): one member per TP rank."""
-        self._receive_buffers: dict[str, list[_Buffer]] = {}
+        self._receive_buffers: dict[str, list[ReceiveBuffer]] = {}
         """Per group, each member's receive buffer, reused from bucket to bucket (what CUDA's caching allocator
         gives SGLang's ranks: fresh host memory per bucket would cost its page faults every time)."""
         self._opened: dict[int, Any] = {}
-        """The bucket buffers opened during the weight-update session (:meth:`_Payload.keep_open`)."""
+        """The bucket buffers opened during the weight-update session (:meth:`Payload.keep_open`)."""
 
     # ------------------------------------------------------------------------ application
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 34, middlewares=[self._authorize, _errors])
+        app = web.Application(client_max_size=1 << 34, middlewares=[self._authorize, errors])
         routes = [
             web.get("/health", self.health), web.get("/model_info", self.model_info),
             web.get("/get_model_info", self.model_info),  # what sglang-router asks workers
@@ -247,7 +189,7 @@ class EngineServer:
 
     async def step_gate(self, request: web.Request) -> web.Response:
         """Set (``{"hold_at": k}``, k >= 1) or lift (``{"hold_at": null}``) the step gate."""
-        hold_at = (await _json(request)).get("hold_at")
+        hold_at = (await json_body(request)).get("hold_at")
         if hold_at is not None and (isinstance(hold_at, bool) or not isinstance(hold_at, int) or hold_at < 1):
             raise RequestError(f"/step_gate: hold_at must be a positive number of tokens or null, got {hold_at!r}")
         with self._cond:
@@ -258,18 +200,18 @@ class EngineServer:
     # ------------------------------------------------------------------------ generation
 
     async def generate(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await json_body(request)
         if body.get("input_ids") is None:
             raise RequestError("/generate: this engine takes token ids (input_ids), not text; the trainer tokenizes")
         batched = bool(body["input_ids"]) and isinstance(body["input_ids"][0], list)
         prompts = body["input_ids"] if batched else [body["input_ids"]]
         num = len(prompts)
-        sampling = _per_row(body.get("sampling_params") or {}, num, "sampling_params")
-        logprob = _per_row(bool(body.get("return_logprob", False)) if not isinstance(body.get("return_logprob"), list)
+        sampling = per_row(body.get("sampling_params") or {}, num, "sampling_params")
+        logprob = per_row(bool(body.get("return_logprob", False)) if not isinstance(body.get("return_logprob"), list)
                            else body["return_logprob"], num, "return_logprob")
-        rids = _per_row(body.get("rid"), num, "rid")
-        routed = _per_row(bool(body.get("return_routed_experts", False)), num, "return_routed_experts")
-        routed_start = _per_row(int(body.get("routed_experts_start_len", 0)), num, "routed_experts_start_len")
+        rids = per_row(body.get("rid"), num, "rid")
+        routed = per_row(bool(body.get("return_routed_experts", False)), num, "return_routed_experts")
+        routed_start = per_row(int(body.get("routed_experts_start_len", 0)), num, "routed_experts_start_len")
         missing = self._missing_tags()
         if missing:
             raise RequestError(f"/generate: memory {missing} is released; /resume_memory_occupation first")
@@ -399,7 +341,7 @@ class EngineServer:
     # ------------------------------------------------------------------------ pause
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = (await _json(request)).get("mode", "abort")
+        mode = (await json_body(request)).get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise RequestError(f"/pause_generation: mode {mode!r}; use one of {PAUSE_MODES}")
         with self._cond:
@@ -428,7 +370,7 @@ class EngineServer:
         self._queue = kept
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await _json(request)
+        await json_body(request)
         with self._cond:
             self._pause_mode = None
             self._cond.notify_all()
@@ -436,7 +378,7 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await json_body(request)
         if body.get("abort_all"):
             self._abort_queued()
             with self._cond:
@@ -474,9 +416,9 @@ class EngineServer:
             self.weight_version = str(version)
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await _json(request)
+        await json_body(request)
         if "weights" in self.released:
-            return _result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
+            return result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
                                   "with tags ['weights'] first")
         # No new batch from here; a running one that is not paused finishes first (SGLang's update takes the
         # writer lock, which waits for running requests), so every token has exactly one weight version.
@@ -489,24 +431,24 @@ class EngineServer:
             self._in_session = False
             self._wake.set()
             raise
-        return _result(True, "Weight update session opened.")
+        return result(True, "Weight update session opened.")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        await _json(request)
+        await json_body(request)
         await self._off_loop(self.engine.end_weight_update)
         self._in_session = False
         self._opened.clear()
         self._wake.set()  # batches held back by the session
-        return _result(True, "Weight update session closed.")
+        return result(True, "Weight update session closed.")
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await json_body(request)
         if "weights" in self.released:
-            return _result(False, "update_weights_from_tensor: weights are released; /resume_memory_occupation "
+            return result(False, "update_weights_from_tensor: weights are released; /resume_memory_occupation "
                                   "with tags ['weights'] first (updating released weights writes into freed memory "
                                   "on GPUs)")
         if not self._in_session:
-            return _result(False, "update_weights_from_tensor must run between begin_weight_update() and "
+            return result(False, "update_weights_from_tensor must run between begin_weight_update() and "
                                   "end_weight_update()")
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or len(payloads) != self.tp_size:
@@ -515,7 +457,7 @@ class EngineServer:
                                f"{len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
         # Every payload is opened (each holds a reference its sender counted) and its layout checked; this one
         # process loads rank 0's tensors (SGLang's ranks load theirs in parallel, one process each).
-        ranks = [_Payload(payload, body.get("load_format")) for payload in payloads]
+        ranks = [Payload(payload, body.get("load_format")) for payload in payloads]
         for rank, other in enumerate(ranks[1:], 1):
             if other.layout() != ranks[0].layout():
                 raise RequestError(f"/update_weights_from_tensor: TP rank {rank}'s payload names other tensors than "
@@ -527,62 +469,62 @@ class EngineServer:
         self._set_weight_version(body.get("weight_version"))
         if body.get("flush_cache", True) and self._flush_refusal() is None:  # SGLang skips a refused flush
             self.engine.flush_cache()
-        return _result(True, f"Succeeded to update {len(named)} tensors.")
+        return result(True, f"Succeeded to update {len(named)} tensors.")
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join the trainer's broadcast group as rank ``rank_offset`` (this engine is one TP rank), as SGLang
         does: ``rendezvous(tcp://master_address:master_port)``, a store prefixed by ``group_name``."""
-        body = await _json(request)
+        body = await json_body(request)
         name = body.get("group_name", "weight_update_group")
         if body.get("backend", "nccl") != "gloo":
-            return _result(False, f"init_weights_update_group: backend {body.get('backend', 'nccl')!r}; this engine "
+            return result(False, f"init_weights_update_group: backend {body.get('backend', 'nccl')!r}; this engine "
                                   f"runs on CPU, use backend 'gloo'")
         if name in self._groups:
-            return _result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
+            return result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
         try:
             rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
             if rank_offset < 1 or rank_offset + self.tp_size > world_size:
                 raise ValueError(f"ranks {rank_offset}..{rank_offset + self.tp_size - 1} (this engine's "
                                  f"{self.tp_size} TP ranks) do not fit a group of {world_size} whose rank 0 sends")
-            self._receive_buffers[name] = [_Buffer() for _ in range(self.tp_size)]
+            self._receive_buffers[name] = [ReceiveBuffer() for _ in range(self.tp_size)]
             self._groups[name] = list(await asyncio.gather(*[
                 self._off_loop(join_group, str(body["master_address"]), int(body["master_port"]), rank_offset + r,
                                world_size, name) for r in range(self.tp_size)]))
         except (KeyError, RuntimeError, ValueError) as error:
-            return _result(False, f"Failed to initialize custom process group: {error}.")
-        return _result(True, "Succeeded to initialize custom process group.")
+            return result(False, f"Failed to initialize custom process group: {error}.")
+        return result(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Receive one broadcast from rank 0 of the group (per tensor, or one ``flattened_bucket``) and load it."""
-        body = await _json(request)
+        body = await json_body(request)
         name = body.get("group_name", "weight_update_group")
         if name not in self._groups:
-            return _result(False, f"Group {name} not in {sorted(self._groups)}. Please call "
+            return result(False, f"Group {name} not in {sorted(self._groups)}. Please call "
                                   f"`init_weights_update_group` first.")
         if "weights" in self.released:
-            return _result(False, "update_weights_from_distributed: weights are released; /resume_memory_occupation "
+            return result(False, "update_weights_from_distributed: weights are released; /resume_memory_occupation "
                                   "with tags ['weights'] first")
         if not self._in_session:
-            return _result(False, "update_weights_from_distributed must run between begin_weight_update() and "
+            return result(False, "update_weights_from_distributed must run between begin_weight_update() and "
                                   "end_weight_update()")
         ranks = await asyncio.gather(*[
-            self._off_loop(_receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
+            self._off_loop(receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
                            buffer)
             for member, buffer in zip(self._groups[name], self._receive_buffers[name], strict=True)])
         named = ranks[0]
         await self._off_loop(self.engine.update_weights_from_tensor, named)
         self._set_weight_version(body.get("weight_version"))
-        return _result(True, f"Succeeded to update {len(named)} tensors.")
+        return result(True, f"Succeeded to update {len(named)} tensors.")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = (await _json(request)).get("group_name", "weight_update_group")
+        name = (await json_body(request)).get("group_name", "weight_update_group")
         self._receive_buffers.pop(name, None)
         if self._groups.pop(name, None) is None:
-            return _result(False, "The group to be destroyed does not exist.")
-        return _result(True, "Succeeded to destroy custom process group.")
+            return result(False, "The group to be destroyed does not exist.")
+        return result(True, "Succeeded to destroy custom process group.")
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await json_body(request)
         name = body.get("name")
         params = self.engine._params
         if name not in params:
@@ -599,7 +541,7 @@ class EngineServer:
     # ------------------------------------------------------------------------ memory
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags((await _json(request)).get("tags"), "/release_memory_occupation")
+        tags = memory_tags((await json_body(request)).get("tags"), "/release_memory_occupation")
         if self._running and not self._holding:
             raise RequestError(f"/release_memory_occupation: {len(self._running)} requests are running; "
                                f"/pause_generation first")
@@ -612,7 +554,7 @@ class EngineServer:
         return web.json_response(None)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = _tags((await _json(request)).get("tags"), "/resume_memory_occupation")
+        tags = memory_tags((await json_body(request)).get("tags"), "/resume_memory_occupation")
         if "weights" in tags and "weights" in self.released:
             await self._off_loop(self.engine.resume_memory_occupation)
         self.released -= tags
@@ -654,178 +596,3 @@ def _is_control(path: str) -> bool:
     """A route only the trainer may call: SGLang's admin routes megarl uses, and the step gate."""
     route = ROUTES.get(path)
     return path == "/step_gate" or (route is not None and route.admin)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Refusals and engine errors as HTTP 400 with a JSON message (SGLang's ``{"error": {"message"}}``)."""
-    try:
-        return await handler(request)
-    except (RequestError, ValueError, RuntimeError, TypeError, KeyError) as error:
-        logger.warning("%s %s: %s", request.method, request.path, error)
-        return web.json_response({"error": {"message": f"{type(error).__name__}: {error}"}}, status=400)
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    body = await request.json()
-    if not isinstance(body, dict):
-        raise RequestError(f"{request.path}: the body must be a JSON object")
-    return body
-
-
-def _result(success: bool, message: str) -> web.Response:
-    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
-
-
-def _per_row(value: Any, num: int, key: str) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != num:
-            raise RequestError(f"/generate: {key} has {len(value)} entries for {num} inputs")
-        return value
-    return [value] * num
-
-
-def _tags(tags: Any, route: str) -> set[str]:
-    if tags is None:
-        return set(MEMORY_TAGS)
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown:
-        raise RequestError(f"{route}: unknown tags {unknown}; use {list(MEMORY_TAGS)}")
-    return set(tags)
-
-
-class _Payload:
-    """One TP rank's ``serialized_named_tensors`` entry, opened (its shared memory mapped, or its CUDA IPC handle)."""
-
-    def __init__(self, payload: Any, load_format: str | None) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        # A CUDA payload is pickled under SGLang's torch-reduction patch (the sender names its GPU by UUID): it
-        # rebuilds through patch_torch._rebuild_cuda_tensor_modified, which calls
-        # reductions._rebuild_cuda_tensor_original, an attribute only the patch creates. SGLang's scheduler
-        # applies it before it opens payloads; so does this server (idempotent; it changes only how this process
-        # would pickle tensors, which it never does).
-        monkey_patch_torch_reductions()
-        if load_format not in (None, "direct", FLATTENED_BUCKET):
-            raise RequestError(f"/update_weights_from_tensor: load_format {load_format!r} is not supported here; "
-                               f"use {FLATTENED_BUCKET!r} or none")
-        self.flattened = load_format == FLATTENED_BUCKET
-        data = base64.b64decode(payload) if isinstance(payload, str) else payload
-        self.obj = MultiprocessingSerializer.deserialize(data)
-
-    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, shape)`` of each tensor, without building them."""
-        if self.flattened:
-            return [(m.name, tuple(m.shape)) for m in self.obj["metadata"]]
-        return [(n, tuple(t.shape)) for n, t in self.obj]
-
-    def keep_open(self, opened: dict[int, Any], *, limit: int) -> None:
-        """Hold this payload's flat buffer in ``opened`` (by address; the oldest beyond ``limit`` let go): a sender
-        that reuses its bucket buffers sends the same handle again, which torch then opens from its cache of
-        live shared storages instead of mapping the memory afresh (1.7 ms per handle and the page faults of every
-        byte read). The server lets go of all at the end of the weight-update session."""
-        if not self.flattened:
-            return
-        flat = self.obj["flattened_tensor"]
-        key = flat.untyped_storage().data_ptr()
-        opened.pop(key, None)
-        opened[key] = flat
-        while len(opened) > limit:
-            opened.pop(next(iter(opened)))
-
-    def named(self) -> list[tuple[str, Any]]:
-        """The ``(name, tensor)`` pairs."""
-        if self.flattened:
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-            return FlattenedTensorBucket(flattened_tensor=self.obj["flattened_tensor"],
-                                         metadata=self.obj["metadata"]).reconstruct_tensors()
-        return list(self.obj)
-
-
-class _Buffer:
-    """A growing flat byte buffer, reused by one group member from bucket to bucket."""
-
-    def __init__(self) -> None:
-        self.data = torch.empty(0, dtype=torch.uint8)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.data.numel() < nbytes:
-            self.data = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self.data = torch.empty(nbytes, dtype=torch.uint8)
-        return self.data[:nbytes]
-
-
-def _receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
-             load_format: str | None, buffer: _Buffer) -> list[tuple[str, torch.Tensor]]:
-    """The tensors rank 0 broadcasts: one per name, or one flattened bucket of them all (into ``buffer``; the
-    tensors returned are views of it, valid until this member's next bucket)."""
-    if load_format == FLATTENED_BUCKET:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        layout = FlattenedTensorBucket.empty(names, dtypes, shapes, "meta")  # its metadata (checks names, shapes)
-        flat = buffer.take(layout.get_flattened_tensor().numel())
-        group.broadcast(flat, 0).wait()
-        return FlattenedTensorBucket(flattened_tensor=flat, metadata=layout.get_metadata()).reconstruct_tensors()
-    if load_format is not None:
-        raise RequestError(f"/update_weights_from_distributed: load_format {load_format!r}; use "
-                           f"{FLATTENED_BUCKET!r} or none")
-    tensors = [(name, torch.empty(shape, dtype=getattr(torch, str(dtype).removeprefix("torch."))))
-               for name, dtype, shape in zip(names, dtypes, shapes, strict=True)]
-    for work in [group.broadcast(tensor, 0) for _, tensor in tensors]:
-        work.wait()
-    return tensors
-
-
-class _HTTP2ProbeFilter(logging.Filter):
-    """aiohttp logs an ERROR with a traceback for every HTTP/2 connection preface (``PRI * HTTP/2.0``) it
-    refuses; sglang-router opens each worker connection that way first and falls back to HTTP/1.1 on the 400.
-    Such records become one INFO line each: they are the router's probe, not a fault."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import BadHttpMessage
-
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, BadHttpMessage) and "PRI/Upgrade" in str(error):
-            record.msg, record.args, record.exc_info, record.exc_text = (
-                "refused an HTTP/2 connection preface (sglang-router's probe; it goes on with HTTP/1.1)", (), None,
-                None)
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.server", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--random-seed", type=int, default=0)
-    parser.add_argument("--tp-size", type=int, default=1, help="TP ranks the weight paths behave as (module doc)")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--enable-return-routed-experts", action="store_true",
-                        help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
-    parser.add_argument("--enable-step-gate", action="store_true",
-                        help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.server").addFilter(_HTTP2ProbeFilter())
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
-                      trust_remote_code=args.trust_remote_code)
-    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
-                          enable_return_routed_experts=args.enable_return_routed_experts,
-                          enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None))
-    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,66 @@
+"""``python -m megarl.rollout.cpu_engine``: start megarl's CPU engine server (:mod:`megarl.rollout.cpu_engine`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+from aiohttp import web
+
+from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.cpu_engine.server import EngineServer, logger
+from megarl.rollout.http_api import ADMIN_KEY_ENV
+
+
+class _HTTP2ProbeFilter(logging.Filter):
+    """aiohttp logs an ERROR with a traceback for every HTTP/2 connection preface (``PRI * HTTP/2.0``) it
+    refuses; sglang-router opens each worker connection that way first and falls back to HTTP/1.1 on the 400.
+    Such records become one INFO line each: they are the router's probe, not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage) and "PRI/Upgrade" in str(error):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "refused an HTTP/2 connection preface (sglang-router's probe; it goes on with HTTP/1.1)", (), None,
+                None)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.cpu_engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1, help="TP ranks the weight paths behave as (module doc)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
+    parser.add_argument("--enable-step-gate", action="store_true",
+                        help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_HTTP2ProbeFilter())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
+                      trust_remote_code=args.trust_remote_code)
+    server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
+                          enable_return_routed_experts=args.enable_return_routed_experts,
+                          enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None))
+    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
