@@ -454,29 +454,42 @@ def test_a_frozen_engine_is_named_and_one_that_comes_back_goes_on(servers, token
     from tests.engine_servers import set_step_gate, wait_held_at_gate
 
     victim, pid = servers.engines[1], servers.processes[1].pid
+    probe, missed = victim.answers, threading.Event()
 
-    def rollout_with_a_freeze(limit_s: float, frozen_s: float | None):
+    async def answers(timeout_s: float) -> bool:  # the manager's liveness probe, observed
+        answered = await probe(timeout_s)
+        if not answered:
+            missed.set()
+        return answered
+
+    victim.answers = answers
+
+    def rollout_with_a_freeze(limit_s: float, comes_back: bool):
         manager = make_manager(servers, tokenizer, response_length=64, engine_timeout_s=limit_s)
         run_sync(set_step_gate(victim.url, 2))
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             rollout = pool.submit(manager.generate, batch, seed=5)
             try:
                 run_sync(wait_held_at_gate(victim.url))
+                missed.clear()
                 os.kill(pid, signal.SIGSTOP)
-                if frozen_s is None:  # frozen until the rollout gives up on it
-                    error = rollout.exception(timeout=120)
-                else:
-                    time.sleep(frozen_s)  # the freeze itself: longer than a probe, shorter than the limit
+                if comes_back:  # frozen until a probe has gone unanswered, then back within the limit
+                    assert missed.wait(60)
                     error = None
+                else:  # frozen until the rollout gives up on it
+                    error = rollout.exception(timeout=120)
             finally:
                 os.kill(pid, signal.SIGCONT)
                 run_sync(set_step_gate(victim.url, None))
-            return error if frozen_s is None else rollout.result(timeout=120)
+            return rollout.result(timeout=120) if comes_back else error
 
-    error = rollout_with_a_freeze(4.0, None)
+    try:
+        error = rollout_with_a_freeze(4.0, comes_back=False)
+        out = rollout_with_a_freeze(20.0, comes_back=True)  # a probe went unanswered: within the limit
+    finally:
+        victim.answers = probe
     assert isinstance(error, EngineError) and error.engine == "engine 1" and error.url == victim.url
     assert f"generation: engine 1 at {victim.url} answered nothing for 4 s" in str(error)
-    out = rollout_with_a_freeze(20.0, 8.0)  # two probes go unanswered: within the limit
     assert len(out) == len(batch) * RolloutConfig().n and set(out["finish_reason"]) <= {"stop", "length"}
 
 
