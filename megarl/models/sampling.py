@@ -214,6 +214,85 @@ ABORT, REBUILD = "abort", "rebuild"
 """What a sampling loop's ``control`` callback may answer between steps (None: go on)."""
 
 
+class _Decoder:
+    """The model side of the sampling loop: the left-padded batch, its KV cache, the tokens fed so far and
+    the routing capture, giving the next logits after a prefill, a one-token step or a rebuild."""
+
+    def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], pad_token_id: int,
+                 routing: RoutingCapture | None) -> None:
+        from transformers import DynamicCache
+
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self.model, self.routing = model, routing
+        self.device = next(model.parameters()).device
+        self.input_ids_BL, self.attention_mask_BL, self.position_ids_BL = left_pad(prompts, pad_token_id, self.device)
+        self.num_rows, self.width = self.input_ids_BL.shape
+        self.fed_BT = self.input_ids_BL.new_zeros((self.num_rows, 0))
+        self.next_position_B1 = self.position_ids_BL[:, -1:] + 1
+        self.cache = self._new_cache()
+
+    def prefill(self) -> torch.Tensor:
+        logits_BV = last_logits(self.model, self.input_ids_BL, self.attention_mask_BL, self.position_ids_BL,
+                                self.cache)
+        if self.routing is not None:
+            self.routing.collect(self.num_rows, self.width, restart=True)
+        return logits_BV
+
+    def feed(self, tokens_B: torch.Tensor, *, rebuild: bool) -> torch.Tensor:
+        """The logits after ``tokens_B``; ``rebuild``: recompute the KV cache of every token so far first."""
+        self.fed_BT = torch.cat([self.fed_BT, tokens_B[:, None]], dim=1)
+        self.attention_mask_BL = torch.cat([self.attention_mask_BL,
+                                            self.attention_mask_BL.new_ones((self.num_rows, 1))], dim=1)
+        if rebuild:
+            self.cache = self._new_cache()
+            steps_T = torch.arange(1, self.fed_BT.shape[1] + 1, device=self.device)
+            positions_BL = torch.cat([self.position_ids_BL, self.position_ids_BL[:, -1:] + steps_T], dim=1)
+            logits_BV = last_logits(self.model, torch.cat([self.input_ids_BL, self.fed_BT], dim=1),
+                                    self.attention_mask_BL, positions_BL, self.cache)
+            if self.routing is not None:
+                self.routing.collect(self.num_rows, self.width + self.fed_BT.shape[1], restart=True)
+        else:
+            logits_BV = last_logits(self.model, tokens_B[:, None], self.attention_mask_BL, self.next_position_B1,
+                                    self.cache)
+            if self.routing is not None:
+                self.routing.collect(self.num_rows, 1)
+        self.next_position_B1 = self.next_position_B1 + 1
+        return logits_BV
+
+    def file_routing(self, prompts: Sequence[Sequence[int]], rows: list[Continuation]) -> list[Continuation]:
+        """``rows`` with each one's routed experts filed (with a routing capture)."""
+        if self.routing is not None:
+            for row, (prompt, continuation) in enumerate(zip(prompts, rows, strict=True)):
+                continuation.routed_experts = self.routing.row(row, self.width - len(prompt),
+                                                               self.width + len(continuation.token_ids) - 1)
+        return rows
+
+
+def _file_tokens(rows: list[Continuation], finished: list[bool], tokens: list[int], logprobs: list[float],
+                 stop_ids: set[int], max_new_tokens: Sequence[int]) -> None:
+    """Append each unfinished row's sampled token; a row finishes on a stop id or at its token budget."""
+    for row, continuation in enumerate(rows):
+        if finished[row]:
+            continue
+        continuation.token_ids.append(tokens[row])
+        continuation.logprobs.append(logprobs[row])
+        continuation.stopped = tokens[row] in stop_ids
+        finished[row] = continuation.stopped or len(continuation.token_ids) == max_new_tokens[row]
+
+
+def _apply_control(action: Any, rows: list[Continuation], finished: list[bool]) -> Any:
+    """Apply a ``control`` answer's aborts to the rows; the action left for the model (None or REBUILD)."""
+    if action == ABORT:
+        action = set(range(len(rows)))
+    if isinstance(action, (set, frozenset)):  # abort these rows, go on with the others
+        for row in action:
+            rows[row].aborted, finished[row] = not finished[row], True
+        return None
+    if action not in (None, REBUILD):
+        raise ValueError(f"sampling control answered {action!r}; expected None, {ABORT!r} or {REBUILD!r}")
+    return action
+
+
 @torch.no_grad()
 def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: Sequence[int], row_seeds: Sequence[int], stop_token_ids: Collection[int],
@@ -236,76 +315,27 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
 
     ``routing`` (an entered :class:`RoutingCapture`): each row's routed experts are filed in its
     ``routed_experts`` (after a REBUILD, the rebuilt forward's: every token routed by the current weights).
+    Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
     """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    input_ids_BL, attention_mask_BL, position_ids_BL = left_pad(prompts, pad_token_id, device)
-    num_rows = len(prompts)
+    decoder = _Decoder(model, prompts, pad_token_id, routing)
     generators = None
     if temperature != 0:
-        generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in row_seeds]
+        generators = [torch.Generator(device=decoder.device).manual_seed(int(seed)) for seed in row_seeds]
     stop_ids = {int(t) for t in stop_token_ids}
-
-    cache = DynamicCache(config=model.config)
-    logits_BV = last_logits(model, input_ids_BL, attention_mask_BL, position_ids_BL, cache)
-    width = input_ids_BL.shape[1]
-    if routing is not None:
-        routing.collect(num_rows, width, restart=True)
-    next_position_B1 = position_ids_BL[:, -1:] + 1
-    rows = [Continuation() for _ in range(num_rows)]
-    finished = [False] * num_rows
-    fed_BT = input_ids_BL.new_zeros((num_rows, 0))
-
-    def done() -> list[Continuation]:
-        if routing is not None:
-            for row, (prompt, continuation) in enumerate(zip(prompts, rows, strict=True)):
-                continuation.routed_experts = routing.row(row, width - len(prompt),
-                                                          width + len(continuation.token_ids) - 1)
-        return rows
-
+    rows = [Continuation() for _ in prompts]
+    finished = [False] * len(rows)
+    logits_BV = decoder.prefill()
     while True:
         tokens_B, logprobs_B = sample_tokens(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p,
                                              generators=generators)
-        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-        for row, continuation in enumerate(rows):
-            if finished[row]:
-                continue
-            continuation.token_ids.append(tokens[row])
-            continuation.logprobs.append(logprobs[row])
-            continuation.stopped = tokens[row] in stop_ids
-            finished[row] = continuation.stopped or len(continuation.token_ids) == max_new_tokens[row]
-        if all(finished):
-            return done()
-        action = control() if control is not None else None
-        if action == ABORT:
-            for row, continuation in enumerate(rows):
-                continuation.aborted = not finished[row]
-            return done()
-        if isinstance(action, (set, frozenset)):  # abort these rows, go on with the others
-            for row in action:
-                rows[row].aborted, finished[row] = not finished[row], True
-            if all(finished):
-                return done()
-            action = None
-        # Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
-        fed_BT = torch.cat([fed_BT, tokens_B[:, None]], dim=1)
-        attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones((num_rows, 1))], dim=1)
-        if action == REBUILD:
-            cache = DynamicCache(config=model.config)
-            steps_T = torch.arange(1, fed_BT.shape[1] + 1, device=device)
-            positions_BL = torch.cat([position_ids_BL, position_ids_BL[:, -1:] + steps_T], dim=1)
-            logits_BV = last_logits(model, torch.cat([input_ids_BL, fed_BT], dim=1), attention_mask_BL, positions_BL,
-                                    cache)
-            if routing is not None:
-                routing.collect(num_rows, width + fed_BT.shape[1], restart=True)
-        elif action is None:
-            logits_BV = last_logits(model, tokens_B[:, None], attention_mask_BL, next_position_B1, cache)
-            if routing is not None:
-                routing.collect(num_rows, 1)
+        _file_tokens(rows, finished, tokens_B.tolist(), logprobs_B.tolist(), stop_ids, max_new_tokens)
+        if not all(finished) and control is not None:
+            action = _apply_control(control(), rows, finished)
         else:
-            raise ValueError(f"sampling control answered {action!r}; expected None, {ABORT!r} or {REBUILD!r}")
-        next_position_B1 = next_position_B1 + 1
+            action = None
+        if all(finished):
+            return decoder.file_routing(prompts, rows)
+        logits_BV = decoder.feed(tokens_B, rebuild=action == REBUILD)
 
 
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,

@@ -415,6 +415,47 @@ class CpuRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
+def _packed_attention(attention, base, query, key, value, packed_seq_params, attn_mask_type):
+    """``CpuCoreAttention`` over a THD pack: causal attention within each segment, ``base`` (Megatron's local
+    attention) run on batches of segments of like length; with CP, the keys and values gathered first."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"CpuCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}; use 'thd'")
+    bounds = packed_seq_params.cu_seqlens_q_padded
+    if bounds is None:
+        bounds = packed_seq_params.cu_seqlens_q
+    bounds = [int(b) for b in bounds.tolist()]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # Attention.forward squeezed the batch dimension of THD: [t, heads, dim]. Views per segment (a split's
+    # backward is one concatenation; a slice's, a zero tensor of the whole pack per segment).
+    from torch.nn.utils.rnn import pad_sequence
+
+    from megarl.parallel.packing import segment_batches
+
+    rank = torch.distributed.get_rank(attention.cp_group) if attention.cp > 1 else 0
+    if attention.cp > 1:
+        key, value = attention._gather(key, value, lengths)
+    queries = query.split([n // attention.cp for n in lengths])
+    keys, values = key.split(lengths), value.split(lengths)
+    plan = segment_batches(lengths, heads=query.shape[-2], cp=attention.cp, rank=rank, device=query.device)
+    outs = []
+    for batch in plan.batches:
+        picked = batch.segments
+        if len(picked) == 1 and batch.query_positions is None:
+            (i,) = picked
+            out = base(queries[i].unsqueeze(1), keys[i].unsqueeze(1), values[i].unsqueeze(1), None,
+                       attn_mask_type=attn_mask_type)
+            outs.append(out.squeeze(1))
+            continue
+        q, k, v = (pad_sequence([parts[i] for i in picked]) for parts in (queries, keys, values))
+        mask = None  # cp == 1: as many queries as keys, Megatron's causal mask
+        if batch.query_positions is not None:
+            keys_k = torch.arange(k.shape[0], device=k.device)
+            mask = (keys_k[None, None, :] > batch.query_positions[:, :, None])[:, None]
+        out = base(q, k, v, mask, attn_mask_type=attn_mask_type)  # [Lq, n, h·d]
+        outs.append(out.transpose(0, 1).reshape(-1, out.shape[-1]).index_select(0, batch.output_index))
+    return torch.cat(outs).index_select(0, plan.restore).unsqueeze(1)
+
+
 @functools.cache
 def core_attention():
     """:class:`CpuCoreAttention` (built on first use: it subclasses Megatron's local attention, and this module is
@@ -461,42 +502,7 @@ def core_attention():
                 length = query.shape[0] * self.cp
                 keys, values = self._gather(key, value, [length])
                 return base(query, keys, values, self._causal(length, query.device), attn_mask_type=attn_mask_type)
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"CpuCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}; use 'thd'")
-            bounds = packed_seq_params.cu_seqlens_q_padded
-            if bounds is None:
-                bounds = packed_seq_params.cu_seqlens_q
-            bounds = [int(b) for b in bounds.tolist()]
-            lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-            # Attention.forward squeezed the batch dimension of THD: [t, heads, dim]. Views per segment (a split's
-            # backward is one concatenation; a slice's, a zero tensor of the whole pack per segment).
-            from torch.nn.utils.rnn import pad_sequence
-
-            from megarl.parallel.packing import segment_batches
-
-            rank = torch.distributed.get_rank(self.cp_group) if self.cp > 1 else 0
-            if self.cp > 1:
-                key, value = self._gather(key, value, lengths)
-            queries = query.split([n // self.cp for n in lengths])
-            keys, values = key.split(lengths), value.split(lengths)
-            plan = segment_batches(lengths, heads=query.shape[-2], cp=self.cp, rank=rank, device=query.device)
-            outs = []
-            for batch in plan.batches:
-                picked = batch.segments
-                if len(picked) == 1 and batch.query_positions is None:
-                    (i,) = picked
-                    out = base(queries[i].unsqueeze(1), keys[i].unsqueeze(1), values[i].unsqueeze(1), None,
-                               attn_mask_type=attn_mask_type)
-                    outs.append(out.squeeze(1))
-                    continue
-                q, k, v = (pad_sequence([parts[i] for i in picked]) for parts in (queries, keys, values))
-                mask = None  # cp == 1: as many queries as keys, Megatron's causal mask
-                if batch.query_positions is not None:
-                    keys_k = torch.arange(k.shape[0], device=k.device)
-                    mask = (keys_k[None, None, :] > batch.query_positions[:, :, None])[:, None]
-                out = base(q, k, v, mask, attn_mask_type=attn_mask_type)  # [Lq, n, h·d]
-                outs.append(out.transpose(0, 1).reshape(-1, out.shape[-1]).index_select(0, batch.output_index))
-            return torch.cat(outs).index_select(0, plan.restore).unsqueeze(1)
+            return _packed_attention(self, base, query, key, value, packed_seq_params, attn_mask_type)
 
         def _gather(self, key, value, lengths):
             """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""
