@@ -20,11 +20,10 @@ from typing import Any, Protocol
 
 from megarl.algo.dapo import REWARD_EXTRA, DynamicSamplingBuffer
 from megarl.config.schema import RunConfig
-from megarl.controller.build import SEED_STREAM_ASYNC_ROLLOUT, SEED_STREAM_ROLLOUT
 from megarl.controller.metrics import sample_staleness, staleness_metrics, timer
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
-from megarl.models.sampling import derive_seed
+from megarl.seeds import SEED_STREAM_ASYNC_ROLLOUT, SEED_STREAM_ROLLOUT, derive_seed
 from megarl.rollout.buffer import GroupStatus, RolloutBuffer
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megarl.data.batch import Batch
+from megarl.seeds import data_order_seed
 
 
 class PromptLoader:
@@ -29,7 +30,7 @@ class PromptLoader:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.dataset)))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed(data_order_seed(self.seed, epoch))
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
     def next(self) -> Batch:

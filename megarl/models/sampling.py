@@ -1,9 +1,7 @@
-"""Seeded sampling from a transformers causal LM: per-row seed streams and megarl's one sampling loop.
+"""Seeded sampling from a transformers causal LM: megarl's one sampling loop.
 
-:func:`derive_row_seed` is the one definition of how a call's seed becomes the seed of row ``i``'s
-sampling stream. The rollout engine (``HFEngine``; megarl's CPU engine server seeds row ``i`` of a
-request from its ``sampling_seed`` with it), the rollout manager and the trainer derive their seeds
-with it.
+Row ``i`` of a call seeded with ``seed`` samples from ``derive_row_seed(seed, i)`` (:mod:`megarl.seeds`,
+where every random stream of a run is listed).
 
 This module owns the sampling loop, :func:`sample_continuations`: left-padded prompts
 (:func:`left_pad`, position ids from the mask), one prefill then one token per step with a KV
@@ -26,30 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-MAX_SEED = 2**63 - 1
-"""Seeds are non-negative 63-bit integers (what ``torch.Generator.manual_seed`` and SGLang accept)."""
-
-
-def derive_row_seed(seed: int, row: int) -> int:
-    """The seed of row ``row``'s sampling stream in a call seeded with ``seed`` (a stable hash)."""
-    digest = hashlib.blake2b(f"{int(seed)}:{int(row)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & MAX_SEED
-
-
-def derive_seed(seed: int, *parts: int) -> int:
-    """A seed for a named stream of ``seed`` (e.g. ``(rollout seed, stream, step)``): :func:`derive_row_seed`
-    applied part by part, so every tuple of parts gets its own reproducible seed."""
-    for part in parts:
-        seed = derive_row_seed(seed, part)
-    return seed
-
+from megarl.seeds import derive_row_seed
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     """The ids generation stops at: the tokenizer's EOS, then those of the model's config and generation

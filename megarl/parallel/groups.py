@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.parallel import cpu_support
+from megarl.seeds import stage_seed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,13 +152,13 @@ def set_seed(seed: int, groups: ProcessGroups) -> None:
     """Seed every generator as Megatron's training does: per pipeline stage, per TP rank."""
     from megatron.core import tensor_parallel
 
-    stage_seed = seed + 100 * groups.pp_rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
+    stage = stage_seed(seed, groups.pp_rank)
+    random.seed(stage)
+    np.random.seed(stage)
     # On CPU the default generator is also the "data-parallel" stream that Megatron seeds
     # with torch.cuda.manual_seed (a no-op without CUDA): torch.manual_seed covers it.
-    torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
+    torch.manual_seed(stage)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage, force_reset_rng=True)
 
 
 def destroy_parallel(*, process_group: bool = False) -> None:

@@ -75,15 +75,11 @@ from megarl.rollout.request import (
 )
 from megarl.rollout.tool_parser import ToolCall, ToolCallError, ToolCallParser
 from megarl.rollout.tools.base import BaseTool
+from megarl.seeds import turn_seed
 
 logger = logging.getLogger(__name__)
 
 _ACTIVE_STATES = (RequestState.RUNNING, RequestState.TOOL_CALLING, RequestState.INTERACTING)
-
-
-def _turn_seed(seed: int, request: AsyncRolloutRequest) -> int:
-    """A seed per (base seed, prompt row, sample, turn): reproducible, different for every turn."""
-    return hash((seed, request.batch_data_id, request.rollout_offset, request.num_assistant_turns)) & 0x7FFFFFFF
 
 
 class AgentLoop:
@@ -286,7 +282,8 @@ class AgentLoop:
             return FinishReasonType.LENGTH
         params = dataclasses.replace(
             sampling, max_new_tokens=min(sampling.max_new_tokens, budget),
-            seed=None if sampling.seed is None else _turn_seed(sampling.seed, request))
+            seed=None if sampling.seed is None else turn_seed(sampling.seed, request.batch_data_id, request.rollout_offset,
+                                                                  request.num_assistant_turns))
         output = await self.engine.async_generate(request.generation_prompt_ids(self.tokenizer), params,
                                                   return_logprob=self.config.calculate_log_probs)
         if output.finish_reason is FinishReason.ABORT:

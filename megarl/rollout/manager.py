@@ -63,7 +63,7 @@ import torch
 
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.models.sampling import derive_row_seed
+from megarl.seeds import derive_row_seed
 from megarl.rollout.client import EngineClient, EngineError
 from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_params_for
 from megarl.rollout.hooks import HookRunner

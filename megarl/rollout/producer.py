@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from megarl.data.batch import Batch
-from megarl.models.sampling import derive_seed
+from megarl.seeds import derive_seed
 from megarl.rollout.buffer import GroupRecord, GroupStatus, RolloutBuffer
 from megarl.rollout.client import gather_sync
 from megarl.rollout.manager import RolloutManager

@@ -56,6 +56,7 @@ import torch
 from megarl.models.sampling import eos_token_ids, generate
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.reward.registry import default_compute_score
+from megarl.seeds import sft_probe_seed
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def reward_probe(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow],
     def probe(step: int) -> float:
         model.eval()
         try:
-            return mean_reward(model, tokenizer, rows, prompt_ids, temperature=1.0, seed=seed * 1_000_003 + step)
+            return mean_reward(model, tokenizer, rows, prompt_ids, temperature=1.0, seed=sft_probe_seed(seed, step))
         finally:
             model.train()
 

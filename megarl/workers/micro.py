@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megarl.data.batch import Batch
+from megarl.seeds import mini_batch_order_seed
 
 
 def _widths(batch: Batch) -> tuple[int, int, torch.Tensor, torch.Tensor]:
@@ -129,6 +130,6 @@ def mini_batches(batch: Batch, *, role: str, mini_batch_rows: int, dp: int, epoc
     for epoch in range(epochs):
         shuffled = batch
         if shuffle:
-            generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+            generator = torch.Generator().manual_seed(mini_batch_order_seed(seed, epoch))
             shuffled = batch.reorder(torch.randperm(len(batch), generator=generator))
         yield from shuffled.split(local_mini)

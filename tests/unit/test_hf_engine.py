@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megarl.models.sampling import derive_row_seed, truncate_probs
+from megarl.models.sampling import truncate_probs
+from megarl.seeds import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, update_weights, weight_update_session
 from megarl.rollout.cpu_engine.hf_engine import HFEngine

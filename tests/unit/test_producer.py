@@ -11,7 +11,7 @@ import torch
 
 from megarl.config import RolloutConfig
 from megarl.data.dataset import collate
-from megarl.models.sampling import derive_seed
+from megarl.seeds import derive_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.buffer import RolloutBuffer
 from megarl.rollout.client import run_sync

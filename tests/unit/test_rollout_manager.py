@@ -25,7 +25,7 @@ import torch
 from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
 from megarl.data.batch import Batch
 from megarl.data.dataset import collate
-from megarl.models.sampling import derive_row_seed
+from megarl.seeds import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.client import EngineClient, EngineError, gather_sync
 from megarl.rollout.engine import FinishReason, SamplingParams

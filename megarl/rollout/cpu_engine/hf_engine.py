@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from megarl.models.sampling import MAX_SEED, RoutingCapture, derive_row_seed, eos_token_ids, sample_continuations
+from megarl.models.sampling import RoutingCapture, eos_token_ids, sample_continuations
+from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 
 

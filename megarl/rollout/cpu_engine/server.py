@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megarl.models.sampling import ABORT, MAX_SEED, REBUILD, derive_row_seed
+from megarl.models.sampling import ABORT, REBUILD
+from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.cpu_engine.requests import RequestError, errors, json_body, memory_tags, per_row, result
