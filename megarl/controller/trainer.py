@@ -31,18 +31,13 @@ from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
 from megarl.controller.build import (
-    SEED_STREAM_VALIDATION,
     Roles,
     build_datasets,
     build_reward_managers,
     build_roles,
     build_rollout_manager,
-    check_resume_layout,
-    check_run_inputs,
     init_ray,
     load_agent_plugins,
-    prepare_policy,
-    routing_shape,
 )
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 from megarl.controller.interrupts import interrupts_deferred
@@ -59,17 +54,18 @@ from megarl.controller.metrics import (
 from megarl.controller.preflight import preflight
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
+from megarl.controller.run_inputs import check_resume_layout, check_run_inputs, prepare_policy, routing_shape
 from megarl.controller.tracking import Tracking, dump_generations
 from megarl.convert.export import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
-from megarl.models.sampling import derive_seed
+from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
-from megarl.reward.manager import reward_columns
-from megarl.workers.base import Worker
+from megarl.seeds import SEED_STREAM_VALIDATION, derive_seed
 from megarl.sync import merge_stats, verify_sample
+from megarl.workers.base import Worker
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
 
 logger = logging.getLogger("megarl.train")

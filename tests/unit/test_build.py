@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.controller.build import prepare_policy
+from megarl.controller.run_inputs import prepare_policy
 
 ARR = "actor_rollout_ref"
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_data_without_the_prompt_column_or_not_parquet_is_refused_naming_the_fil
 
 
 def test_inputs_outside_the_config_are_checked_before_placement(tmp_path, monkeypatch):
-    from megarl.controller.build import check_run_inputs
+    from megarl.controller.run_inputs import check_run_inputs
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ValueError, match=r"trainer\.device=cuda but this machine has no usable CUDA GPU"):
@@ -131,7 +131,7 @@ def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_place
 def test_routing_replay_shape_comes_from_the_policy_and_a_dense_policy_is_refused(tmp_path):
     """``routing_shape``: (layers, top-k) of a mixture-of-experts policy with ``router_replay`` on, None when off; a
     dense policy with it on is refused naming the key, before anything is placed."""
-    from megarl.controller.build import routing_shape
+    from megarl.controller.run_inputs import routing_shape
     from megarl.models.tiny import save_tiny
 
     moe = save_tiny(tmp_path / "moe", arch="qwen3_moe", num_layers=3)
@@ -156,7 +156,7 @@ def _role_checkpoint(directory: Path, layout: dict, world_size: int) -> None:
 def test_a_checkpoint_saved_at_another_layout_is_refused_before_ray(tmp_path):
     """Resuming a TP=2 checkpoint at TP=1 used to fail after 18 s of start-up inside a worker, suggesting a Python
     function; now the run's set-up refuses it, naming both layouts and the keys."""
-    from megarl.controller.build import check_resume_layout
+    from megarl.controller.run_inputs import check_resume_layout
 
     checkpoint = tmp_path / "global_step_3"
     _role_checkpoint(checkpoint / "actor", {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "dp": 1, "ep": 1, "etp": 2}, 2)

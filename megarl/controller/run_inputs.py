@@ -1,0 +1,167 @@
+"""The run's inputs outside its config, checked before anything is placed or started.
+
+A config can be valid and still name things that are not there or do not fit: a model directory without
+weights, a data file without the prompt column, a tool file that does not exist, a CUDA run on a machine
+without a GPU, a checkpoint saved at another parallel layout, router replay for a dense model. Each check here
+reads the input itself and refuses it with the key that names it and what to do, before Ray starts, so no
+worker, engine or router is left to clean up. Cross-field checks of the config alone live in
+:mod:`megarl.config.validate`; a checkpoint directory's own files in :mod:`megarl.controller.run_checkpoints`.
+
+The trainer calls, in order: :func:`check_run_inputs`, :func:`check_resume_layout`, :func:`prepare_policy`
+(which for the tiny recipe also writes its data and warm start), then :func:`routing_shape` when it builds the
+rollout manager.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from megarl.config.schema import RunConfig
+from megarl.config.validate import data_parallel_size
+from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
+from megarl.warmstart.sft import ensure_tiny_sft
+
+
+def prepare_policy(cfg: RunConfig) -> None:
+    """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
+    model's directories (and the critic's), refuse missing data files naming the key, and for
+    ``model.init=tiny_sft`` write the addition data at its default paths and build the cached SFT warm start."""
+    model = cfg.actor_rollout_ref.model
+    if model.init != "tiny_sft":
+        _check_model_directories(cfg)
+    train = _check_data(cfg)
+    if model.init == "tiny_sft":
+        ensure_tiny_sft(model.local_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
+                        seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward, arch=model.tiny_arch)
+
+
+def _check_model_directories(cfg: RunConfig) -> None:
+    model = cfg.actor_rollout_ref.model
+    if not Path(model.local_path).is_dir():
+        raise ValueError(f"actor_rollout_ref.model.path={model.path!r} is not a directory; give an HF model "
+                         f"directory (convert hub checkpoints with megarl-convert) or use model.init=tiny_sft")
+    if model.tokenizer_path is None:
+        check_model_directory(model.local_path, "actor_rollout_ref.model.path")
+    else:
+        check_model_directory(model.local_path, "actor_rollout_ref.model.path", parts=("config", "weights"))
+        check_model_directory(model.local_tokenizer_path, "actor_rollout_ref.model.tokenizer_path",
+                              parts=("tokenizer",))
+    if cfg.critic.enable and cfg.critic.model_path is not None:
+        check_model_directory(str(Path(cfg.critic.model_path).expanduser()), "critic.model_path",
+                              parts=("config", "weights"))
+
+
+def _check_data(cfg: RunConfig) -> list[Path]:
+    """The training files; a missing data file is an error naming its key, except the tiny recipe's own
+    default files, which are written (never anywhere else: a typo must not fill with addition problems)."""
+    data = cfg.data
+    train = [Path(f).expanduser() for f in data.train_files]
+    val = [Path(f).expanduser() for f in data.val_files]
+    missing = [(key, p) for key, files in (("data.train_files", train), ("data.val_files", val))
+               for p in files if not p.is_file()]
+    defaults = {(Path(ADDITION_DATA_DIR) / name).resolve() for name in ADDITION_DATA_FILES}
+    tiny = cfg.actor_rollout_ref.model.init == "tiny_sft"
+    if missing and tiny and all(p.resolve() in defaults for _, p in missing):
+        ensure_addition_data(ADDITION_DATA_DIR)
+    elif missing:
+        key, path = missing[0]
+        raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing parquet "
+                         f"files (tools/ converts GSM8K; the tiny recipe writes its own only at "
+                         f"{ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
+    for key, files in (("data.train_files", train), ("data.val_files", val)):
+        for path in files:
+            try:
+                columns = pq.read_schema(path).names
+            except (OSError, pa.ArrowException) as error:
+                raise ValueError(f"{key}: {path} is not a readable parquet file ({error})") from error
+            if data.prompt_key not in columns:
+                raise ValueError(f"{key}: {path} has no column {data.prompt_key!r} (data.prompt_key) holding the "
+                                 f"chat messages; its columns are {columns}")
+            missing_columns = [c for c in ("data_source", "reward_model") if c not in columns]
+            if missing_columns:
+                raise ValueError(f"{key}: {path} has no column(s) {missing_columns}, which pick each row's reward "
+                                 f"scorer and hold its ground truth; its columns are {columns}")
+    return train
+
+
+MODEL_FILES = {
+    "config": ("config.json",),
+    "weights": ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json"),
+    "tokenizer": ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"),
+}
+"""What an HF model directory must hold, by part: any one of the patterns."""
+
+
+def check_model_directory(path: str, key: str, *, parts=("config", "weights", "tokenizer")) -> None:
+    """Refuse an HF directory that lacks a config, weights or a tokenizer, naming ``key`` and what is missing
+    (transformers' own errors for an empty directory name neither the setting nor the file)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{key}={path!r} is not a directory")
+    missing = [part for part in parts if not any(any(directory.glob(p)) for p in MODEL_FILES[part])]
+    if missing:
+        wanted = "; ".join(f"{part}: one of {', '.join(MODEL_FILES[part])}" for part in missing)
+        raise ValueError(f"{key}={path!r} has no {' / '.join(missing)} ({wanted}); point {key} at an HF model "
+                         f"directory (megarl-convert mcore-to-hf writes one)")
+
+
+def check_run_inputs(cfg: RunConfig) -> None:
+    """What the config names outside itself, checked before anything is placed: the machine has the
+    ``trainer.device`` it asks for (a local cluster only; with ``RAY_ADDRESS`` the cluster decides), and
+    the multi-turn tool and interaction files exist. Each error names the key."""
+    if cfg.trainer.device == "cuda" and not os.environ.get("RAY_ADDRESS") and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but this machine has no usable CUDA GPU and RAY_ADDRESS names no "
+                         "cluster: set trainer.device=cpu (with trainer.n_cpu_ranks), or run on GPU machines")
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable:
+        for key, path in (("tool_config_path", multi_turn.tool_config_path),
+                          ("interaction_config_path", multi_turn.interaction_config_path)):
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"actor_rollout_ref.rollout.multi_turn.{key}={path!r} does not exist")
+
+
+def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
+    """Refuse, before Ray, a checkpoint whose actor (or critic) was saved at another layout than the config's:
+    its optimizer and RNG states load only at the saved one. The error names both layouts and the keys."""
+    from megarl.workers.model_checkpoint import layout_mismatch, read_model_metadata
+
+    if checkpoint is None:
+        return
+    roles = [("actor", "actor_rollout_ref.actor.parallel", cfg.actor_rollout_ref.actor.parallel)]
+    if cfg.critic.enable:
+        roles.append(("critic", "critic.parallel", cfg.critic.parallel))
+    for role, key, parallel in roles:
+        if not (checkpoint / role).is_dir():
+            raise ValueError(f"checkpoint {checkpoint} has no {role}/ directory, and this run trains a {role}; resume "
+                             f"from a checkpoint of a run like this one, or start fresh (trainer.resume_mode=disable)")
+        dims = parallel.for_world(data_parallel_size(cfg, parallel) * parallel.model_parallel_size)
+        mismatch = layout_mismatch(read_model_metadata(checkpoint / role), dims)
+        if mismatch is not None:
+            raise ValueError(f"checkpoint {checkpoint / role} was {mismatch}: its optimizer and RNG states load only "
+                             f"at the saved layout; set {key}.* (tp, pp, vpp, cp, ep, etp) and the world size "
+                             f"(trainer.n_gpus_per_node, trainer.nnodes or trainer.n_cpu_ranks) to match it, or "
+                             f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
+
+
+def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
+    """``(num_hidden_layers, top_k)`` of the policy when ``actor.router_replay`` is on (the shape of each token's
+    routed experts the engines return), None when off; refuses a dense policy, naming the key."""
+    replay = cfg.actor_rollout_ref.actor.router_replay
+    if not replay.enabled:
+        return None
+    from transformers import AutoConfig
+
+    from megarl.models import family_for
+
+    model = cfg.actor_rollout_ref.model
+    hf_config = AutoConfig.from_pretrained(model.local_path, trust_remote_code=model.trust_remote_code)
+    family = family_for(hf_config)
+    if family.moe is None:
+        raise ValueError(f"actor_rollout_ref.actor.router_replay.mode={replay.mode} needs a mixture-of-experts policy; "
+                         f"actor_rollout_ref.model.path={model.path!r} is a {family.name} model: set the mode to off")
+    return int(hf_config.num_hidden_layers), family.moe.topk(hf_config)
