@@ -24,6 +24,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.data.dataset import PromptDataset
+from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
 from megarl.reward import RewardManager
 from megarl.convert.export import remove_shared_memory
@@ -349,33 +350,53 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
     return train, val
 
 
-def init_ray(cfg: RunConfig, console=print) -> bool:
+@dataclasses.dataclass
+class RayConnection:
+    """Ray as :func:`init_ray` left it: joined, or started here with a reaper (:mod:`megarl.parallel.reaper`)."""
+
+    reaper: Reaper | None = None
+
+    def shutdown(self) -> None:
+        """Leave the cluster (a local one stops); the reaper ends whatever of the local cluster is left."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.reaper is not None:
+            self.reaper.close()
+
+
+def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
     """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
-    a no-op when Ray is up. Returns True when this call started Ray (the caller then stops it).
+    a no-op (None) when Ray is up. The caller shuts the returned connection down at the end of the run. A local
+    cluster's processes are the run's: a reaper ends them when the driver ends, ``kill -9`` included.
 
     Ray's ports listen on every interface: a local cluster without token authentication (``RAY_AUTH_MODE`` other
     than ``token``, which Ray reads when it is imported: ``megarl-train`` sets it with a fresh ``RAY_AUTH_TOKEN``
     first) lets anyone who reaches them run code in the run's cluster, and is warned about. A cluster joined at
     ``RAY_ADDRESS`` uses its own settings."""
     if ray.is_initialized():
-        return False
+        return None
     trainer = cfg.trainer
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if os.environ.get("RAY_ADDRESS"):
         console(f"joining the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
-        return True
+        return RayConnection()
     if os.environ.get("RAY_AUTH_MODE") != "token":
         logging.getLogger(__name__).warning("a local Ray cluster without token authentication (RAY_AUTH_MODE=%s): "
                                             "any process that reaches this machine's Ray ports can run code in the "
                                             "run's cluster; megarl-train turns it on unless RAY_AUTH_MODE is set",
                                             os.environ.get("RAY_AUTH_MODE", "unset"))
-    if trainer.device == "cpu":
-        num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)
-        console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
-        ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},
-                 logging_level=logging.WARNING, log_to_driver=True)
-    else:
-        console("starting a local Ray cluster (the machine's GPUs)")
-        ray.init(runtime_env={"env_vars": env}, include_dashboard=False, logging_level=logging.WARNING)
-    return True
+    connection = RayConnection(start_reaper())  # before Ray starts: its processes inherit the run's tag
+    try:
+        if trainer.device == "cpu":
+            num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)
+            console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
+            ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},
+                     logging_level=logging.WARNING, log_to_driver=True)
+        else:
+            console("starting a local Ray cluster (the machine's GPUs)")
+            ray.init(runtime_env={"env_vars": env}, include_dashboard=False, logging_level=logging.WARNING)
+    except BaseException:
+        connection.shutdown()
+        raise
+    return connection

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -31,6 +30,7 @@ from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
 from megarl.controller.build import (
+    RayConnection,
     Roles,
     build_datasets,
     build_reward_managers,
@@ -106,7 +106,7 @@ class Trainer:
         self.rollout: RolloutSource | None = None
         """Where each step's scored trajectories come from (:mod:`megarl.controller.rollout_source`)."""
         self.engine_memory: EngineMemory | None = None
-        self._started_ray = False
+        self._ray: RayConnection | None = None
         self._shut_down = False
         self._run_lock: RunLock | None = None
 
@@ -149,7 +149,7 @@ class Trainer:
             self.console(f"removed {removed} shared-memory files in {SHARED_MEMORY_DIR} left by processes that no "
                          f"longer run (a killed run's weight-sync buffers)")
         with interrupts_deferred("Ray has started"):  # then shutdown() stops it
-            self._started_ray = init_ray(cfg, console=self.console)
+            self._ray = init_ray(cfg, console=self.console)
         self.roles = build_roles(cfg, self.log_dir / "servers")
         arr = cfg.actor_rollout_ref
         self.engine_memory = EngineMemory(self.roles.engines,
@@ -525,8 +525,8 @@ class Trainer:
             for client in [self.roles.generator, *self.roles.engines]:
                 client.close_all()
             self.roles.shutdown()
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
         if self._run_lock is not None:
             self._run_lock.release()
             self._run_lock = None

@@ -182,3 +182,35 @@ def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
     assert "megarl-train: interrupted at step 0; workers and Ray stopped" in text
     assert "Traceback" not in text and "Segmentation fault" not in text
     assert stopped_s < 30
+
+
+def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
+    """Issue 31: ``kill -9`` of megarl-train once the weight sync's shared-memory buffers exist (after step 1):
+    within 30 s no process of the run is left (Ray's dashboard and runtime-env agents used to outlive the driver by
+    about a minute, still listening) and none of its ``/dev/shm/torch_<pid>_*`` files (they used to stay until the
+    next run's start)."""
+    from pathlib import Path
+
+    tag = uuid.uuid4().hex
+    run = _start(tmp_path, tag, "trainer.total_steps=20")
+    output = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("step 1:") for line in output):
+            line = run.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
+            output.append(line)
+        started = _run_pids(tag) - {run.pid}
+
+        def shared_memory() -> list[Path]:
+            return [path for pid in started for path in Path("/dev/shm").glob(f"torch_{pid}_*")]
+
+        held = shared_memory()
+        assert held, "the tensor transport's bucket buffers exist after step 1's weight sync"
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=60)
+    finally:
+        run.kill()
+        run.wait()
+    assert not (left := _left_behind(tag, timeout_s=30)), left
+    assert shared_memory() == [], f"left in /dev/shm by the run's processes: {shared_memory()}"

@@ -1,0 +1,140 @@
+"""No process of a run outlives it: a reaper that ends the run's local processes when its driver ends.
+
+A run that starts its own Ray cluster tags its driver's environment with ``MEGARL_RUN_ID=<random>`` before Ray
+starts, so every process it starts inherits the tag: Ray's GCS, raylet and agents, the workers, the engine
+servers and sglang-router. :func:`start_reaper` then starts a small process (``python -m
+megarl.parallel.reaper``, no torch) that holds the read end of a pipe whose write end only the driver holds. The
+pipe reaches end of file when the driver closes it (:meth:`Reaper.close`, at the run's shutdown) or when the
+driver dies, ``kill -9`` included: the reaper then sends SIGTERM to every process still carrying the run's tag,
+SIGKILL to those left after :data:`GRACE_S`, removes the shared-memory buffers they left in ``/dev/shm``
+(``torch_<pid>_*``) and exits.
+
+Without it, Ray's dashboard and runtime-env agents outlive a killed driver by about a minute, still
+listening (measured with Ray 2.60), and the weight sync's shared memory stays until the next run's start. A
+cluster started outside the run (``RAY_ADDRESS``, Slurm's ``ray start``) is not the run's: its processes carry
+no tag and are left to their owner.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN_ID_VARIABLE = "MEGARL_RUN_ID"
+"""The environment variable that tags a run's processes."""
+GRACE_S = 3.0
+"""Seconds between SIGTERM and SIGKILL for the run's processes still alive when the driver has ended."""
+SHARED_MEMORY_DIR = Path("/dev/shm")
+
+
+class Reaper:
+    """The driver's handle on its reaper process (:func:`start_reaper`)."""
+
+    def __init__(self, process: subprocess.Popen, write_fd: int, run_id: str, previous: str | None) -> None:
+        self.process, self.run_id, self._write_fd, self._previous = process, run_id, write_fd, previous
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """The run has ended: the reaper ends what of it is left and exits (waited for); processes this one starts
+        from now on are not tagged."""
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+            self._write_fd = None
+            if os.environ.get(RUN_ID_VARIABLE) == self.run_id:
+                if self._previous is None:
+                    del os.environ[RUN_ID_VARIABLE]
+                else:
+                    os.environ[RUN_ID_VARIABLE] = self._previous
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_reaper() -> Reaper:
+    """Tag this process's environment with a fresh run id (its children from now on inherit it) and start the
+    reaper that ends every tagged process once this process closes the reaper or dies."""
+    run_id, previous = secrets.token_hex(8), os.environ.get(RUN_ID_VARIABLE)
+    os.environ[RUN_ID_VARIABLE] = run_id
+    read_fd, write_fd = os.pipe()  # not inheritable (PEP 446): only this process holds the write end
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "megarl.parallel.reaper", str(read_fd), run_id,
+                                    str(os.getpid())],
+                                   pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        os.close(read_fd)
+    return Reaper(process, write_fd, run_id, previous)
+
+
+def tagged_processes(run_id: str, *, exclude: set[int] = frozenset()) -> list[int]:
+    """The pids of this user's processes whose environment carries ``MEGARL_RUN_ID=run_id``."""
+    entry = f"{RUN_ID_VARIABLE}={run_id}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in exclude:
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if entry in environ.split(b"\0"):
+            found.append(int(proc.name))
+    return found
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def remove_shared_memory_of(pids: list[int]) -> int:
+    """Unlink ``/dev/shm/torch_<pid>_*`` of ``pids`` (processes that no longer run); how many files."""
+    removed = 0
+    for pid in pids:
+        for path in SHARED_MEMORY_DIR.glob(f"torch_{pid}_*"):
+            try:
+                path.unlink()
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def reap(run_id: str, driver: int) -> list[int]:
+    """End every process of run ``run_id`` but ``driver`` (SIGTERM, then SIGKILL after :data:`GRACE_S`) and remove
+    their shared memory; the pids it found."""
+    me = {os.getpid(), driver}
+    pids = tagged_processes(run_id, exclude=me)
+    if not pids:
+        return []
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and tagged_processes(run_id, exclude=me):
+        time.sleep(0.1)
+    _signal_all(tagged_processes(run_id, exclude=me), signal.SIGKILL)
+    remove_shared_memory_of(pids)
+    return pids
+
+
+def main(argv: list[str]) -> int:
+    read_fd, run_id, driver = int(argv[0]), argv[1], int(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the driver; the reaper waits for its end
+    with os.fdopen(read_fd, "rb") as pipe:
+        while pipe.read(4096):
+            pass
+    pids = reap(run_id, driver)
+    if pids:
+        print(f"megarl reaper: ended {len(pids)} process(es) the run left behind", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

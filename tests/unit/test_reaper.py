@@ -1,0 +1,54 @@
+"""The reaper (megarl.parallel.reaper): a run's tagged processes end with the run, and only they."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from megarl.parallel.reaper import RUN_ID_VARIABLE, start_reaper, tagged_processes
+
+
+def test_closing_the_reaper_ends_the_runs_processes_and_spares_the_driver_and_others():
+    before = os.environ.get(RUN_ID_VARIABLE)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # started before: untagged
+    reaper = start_reaper()
+    run_id = reaper.run_id
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # inherits the tag
+        assert child.pid in tagged_processes(run_id)
+        assert other.pid not in tagged_processes(run_id)
+        reaper.close()
+        assert child.wait(timeout=30) != 0  # ended by the reaper (SIGTERM)
+        assert reaper.process.returncode == 0
+        assert other.poll() is None  # not the run's
+        assert os.environ.get(RUN_ID_VARIABLE) == before  # later children are not tagged
+    finally:
+        other.kill()
+        other.wait()
+        reaper.close()
+
+
+def test_the_reaper_ends_the_runs_processes_when_the_driver_dies():
+    """A driver killed with SIGKILL cannot clean up: its reaper sees the pipe close and ends the rest."""
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from megarl.parallel.reaper import start_reaper\n"
+        "reaper = start_reaper()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(reaper.run_id, reaper.process.pid, child.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id, reaper_pid, child_pid = driver.stdout.readline().split()
+        assert int(child_pid) in tagged_processes(run_id)
+        driver.kill()
+        driver.wait()
+        # The reaper and the child are not this process's children: poll /proc until they are gone.
+        deadline = time.monotonic() + 30
+        while (tagged_processes(run_id) or os.path.exists(f"/proc/{reaper_pid}")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tagged_processes(run_id) == []
+        assert not os.path.exists(f"/proc/{reaper_pid}")
+    finally:
+        driver.kill()
