@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except run_failures() as error:  # the run names what failed: that, not pages of traceback
         trainer.shutdown()
-        print(failure_report(error, trainer.global_step + 1, trainer.log_dir), file=sys.stderr)
+        failed_step = getattr(error, "step", trainer.global_step + 1)  # a checkpoint's failure names its step
+        print(failure_report(error, failed_step, trainer.log_dir), file=sys.stderr)
         return 1
     finally:
         trainer.shutdown()
@@ -81,14 +82,15 @@ def use_ray_tokens() -> None:
 
 def run_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message names the part that failed (a worker's role and rank, an engine and its URL, a
-    reward row, the share of failed rollouts, a server that did not start)."""
+    reward row, the share of failed rollouts, a server that did not start, a checkpoint that could not be written)."""
     from megarl.controller.metrics import RolloutFailureError
+    from megarl.controller.run_checkpoints import CheckpointSaveError
     from megarl.reward.manager import RewardError
     from megarl.rollout.client import EngineError
     from megarl.rollout.server_process import ServerStartError
     from megarl.workers.group import WorkerError
 
-    return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError
+    return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError, CheckpointSaveError
 
 
 def failure_report(error: BaseException, step: int, log_dir, max_lines: int = 20) -> str:

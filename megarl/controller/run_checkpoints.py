@@ -46,6 +46,7 @@ at once, naming the holder's PID and host, so ``clean_stale`` never removes a li
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -72,6 +73,34 @@ FULL_HASH_BYTES = 64 * 2**20
 SAMPLE_BLOCK_BYTES = 2**20
 SAMPLE_BLOCKS = 8
 _HASH_THREADS = 4
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (:meth:`CheckpointManager.save_failed`); nothing committed is lost."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+        """The step whose checkpoint failed."""
+
+
+def _directory_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def _out_of_space(error: BaseException, free: int, total: int) -> bool:
+    """True when ``error`` (or one it was raised from) is ENOSPC, names it (a worker's error reaches the driver as
+    text), or the device was all but full when the save failed (torch's checkpoint errors can lose the errno)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "No space left on device" in str(error) or free < min(64 * 2**20, total // 100)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class RunDirectoryInUse(RuntimeError):
@@ -299,6 +328,42 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         self._prune(step)
         return final
+
+    def save_failed(self, step: int, tmp: str | os.PathLike, error: BaseException) -> CheckpointSaveError:
+        """The error to raise when writing the checkpoint of ``step`` into ``tmp`` failed with ``error``: the partial
+        save is removed (a resume never sees it, and its space is given back) and the message says why it failed,
+        what is intact and what to do; out of space, it says so with the device's free and total bytes."""
+        tmp = Path(tmp)
+        partial = _directory_bytes(tmp) if tmp.is_dir() else 0
+        usage = shutil.disk_usage(self.root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = self.steps()
+        intact = (f"the checkpoint of step {latest[-1]} ({self.path(latest[-1])}) is intact" if latest
+                  else "no earlier checkpoint exists")
+        if _out_of_space(error, usage.free, usage.total):
+            return CheckpointSaveError(
+                f"checkpoint of step {step} not saved: no space left on the device of {self.root} ({_size(usage.free)} "
+                f"free of {_size(usage.total)} when it failed; the partial save, {_size(partial)}, is removed). "
+                f"Nothing committed is lost: {intact}. Free space there, keep fewer checkpoints "
+                f"(trainer.max_actor_ckpt_to_keep) or point trainer.default_local_dir at a larger disk, then resume "
+                f"(trainer.resume_mode=auto)", step)
+        return CheckpointSaveError(f"checkpoint of step {step} not saved ({intact}; the partial save is removed): "
+                                   f"{type(error).__name__}: {error}", step)
+
+    def check_space(self, step: int) -> None:
+        """Refuse to start the checkpoint of ``step`` when the device of the root has less free space than the
+        last committed checkpoint of this run takes (a save of the same run is about as large)."""
+        latest = self.steps()
+        if not latest:
+            return
+        needed = _directory_bytes(self.path(latest[-1]))
+        free = shutil.disk_usage(self.root).free
+        if free < needed:
+            raise CheckpointSaveError(
+                f"checkpoint of step {step} not started: the device of {self.root} has {_size(free)} free and the "
+                f"last checkpoint (step {latest[-1]}) takes {_size(needed)}. Nothing is lost. Free space there, keep "
+                f"fewer checkpoints (trainer.max_actor_ckpt_to_keep) or point trainer.default_local_dir at a larger "
+                f"disk, then resume (trainer.resume_mode=auto)", step)
 
     def _write_pointer(self, step: int) -> None:
         tmp = self.root / f".{POINTER_NAME}.{os.getpid()}"

@@ -207,16 +207,20 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """A checkpoint of the current step: actor (and critic) with optimizer and RNG, trainer state."""
+        self.checkpoints.check_space(self.global_step)
         tmp = self.checkpoints.begin(self.global_step)
-        self.roles.actor.call_all(ActorWorker.save_checkpoint, str(tmp / "actor"))
-        if self.use_critic:
-            self.roles.critic.call_all(CriticWorker.save_checkpoint, str(tmp / "critic"))
-        if self.cfg.trainer.export_hf:
-            self.roles.actor.call_all(ActorWorker.export_hf, str(tmp / "actor_hf"))
-        buffer = self.rollout.state()
-        if buffer is not None:  # the groups generated ahead, and those generating (issued again at resume)
-            save_state(tmp / "rollout_buffer", buffer)
-        return self.checkpoints.commit(self.global_step, tmp, self._trainer_state())
+        try:
+            self.roles.actor.call_all(ActorWorker.save_checkpoint, str(tmp / "actor"))
+            if self.use_critic:
+                self.roles.critic.call_all(CriticWorker.save_checkpoint, str(tmp / "critic"))
+            if self.cfg.trainer.export_hf:
+                self.roles.actor.call_all(ActorWorker.export_hf, str(tmp / "actor_hf"))
+            buffer = self.rollout.state()
+            if buffer is not None:  # the groups generated ahead, and those generating (issued again at resume)
+                save_state(tmp / "rollout_buffer", buffer)
+            return self.checkpoints.commit(self.global_step, tmp, self._trainer_state())
+        except Exception as error:
+            raise self.checkpoints.save_failed(self.global_step, tmp, error) from error
 
     # ================================================================================ stages
     # ------------------------------------------------------------------ memory between phases

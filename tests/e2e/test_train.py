@@ -461,6 +461,36 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
 
 
+def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):
+    """Issue 31: a checkpoint root on a full device (a 1 MiB tmpfs; the save needs several) used to fail with
+    ``CheckpointException ranks:dict_keys([])``; now the run names the device, its free space and what to do, the
+    partial save is removed, exit code 1."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full device needs a small tmpfs, and this user cannot mount one: {mounted.stderr.strip()}")
+    try:
+        overrides = _overrides(assets, "full", "trainer.total_steps=1", "trainer.save_freq=1",
+                               f"trainer.default_local_dir={disk}")
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+        env.pop("RAY_ADDRESS", None)
+        run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 1, run.stderr[-3000:]
+        report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
+        assert "CheckpointSaveError: checkpoint of step 1 not saved: no space left on the device of" in report, report
+        assert "no earlier checkpoint exists" in report and "trainer.default_local_dir" in report
+        assert "Traceback" not in run.stderr
+        assert not [p for p in disk.rglob("*") if p.name.startswith(".tmp_")]  # the partial save is gone
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
     """Issue 12, item 3 end to end: megarl-train on an empty model directory exits 2 within seconds, naming the
     key and the missing files (it used to fail inside transformers with "need sentencepiece or tiktoken")."""

@@ -336,3 +336,42 @@ def test_a_dangling_symlink_root_is_named(tmp_path):
                                                 r"which does not exist; create it, or choose another "
                                                 r"trainer.default_local_dir"):
         RunLock(tmp_path / "ckpt" / "megarl" / "run").acquire()
+
+
+def test_a_save_is_refused_up_front_when_the_disk_has_less_room_than_the_last_checkpoint(tmp_path):
+    """Issue 31: a full disk used to surface as ``CheckpointException ranks:dict_keys([])``. The last checkpoint
+    here is a sparse file larger than the disk's free space (no space is used)."""
+    import shutil
+
+    manager = CheckpointManager(tmp_path)
+    manager.check_space(1)  # no checkpoint yet: nothing to compare with
+    tmp = manager.begin(1)
+    with open(tmp / "shard.bin", "wb") as shard:
+        shard.truncate(shutil.disk_usage(tmp_path).free + 2**30)
+    manager.commit(1, tmp, {})
+    with pytest.raises(cm.CheckpointSaveError, match=r"checkpoint of step 2 not started: the device of .* free and the "
+                                                      r"last checkpoint \(step 1\) takes .*trainer.default_local_dir"):
+        manager.check_space(2)
+
+
+def test_a_failed_save_is_removed_and_says_whether_the_disk_is_full(tmp_path):
+    import errno
+
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    tmp = manager.begin(2)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "part.bin").write_bytes(b"x" * 4096)
+    error = manager.save_failed(2, tmp, RuntimeError("CheckpointException ranks:dict_keys([])"))
+    assert not tmp.exists() and manager.steps() == [1]  # the partial save is gone; step 1 is intact
+    assert str(error).startswith("checkpoint of step 2 not saved (the checkpoint of step 1 (")
+    assert "RuntimeError: CheckpointException" in str(error)
+    tmp = manager.begin(2)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise RuntimeError("a worker failed") from full
+    except RuntimeError as wrapped:
+        error = manager.save_failed(2, tmp, wrapped)
+    assert "checkpoint of step 2 not saved: no space left on the device of" in str(error)
+    assert "the checkpoint of step 1" in str(error) and "is intact" in str(error)
+    assert not tmp.exists()
