@@ -27,7 +27,7 @@ from megarl.data.dataset import PromptDataset
 from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
 from megarl.reward import RewardManager
-from megarl.convert.export import remove_shared_memory
+from megarl.parallel.shared_memory import remove_shared_memory
 from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
@@ -76,17 +76,39 @@ class Roles:
 
     def shutdown(self) -> None:
         """Stop the router and the engine servers, kill every worker and give the pools' resources back; the
-        shared-memory bucket buffers the killed workers of this machine held are unlinked."""
+        shared-memory bucket buffers the killed workers held are unlinked on every node (this one here, the
+        others by a task pinned to each)."""
         self.router.stop()
         stop_engine_servers(self.rollout)
-        here = ray.get_runtime_context().get_node_id()
-        pids = [info["pid"] for group in self.groups for info in getattr(group, "node_infos", [])
-                if info.get("node_id") == here]
+        by_node: dict[str, list[int]] = {}
+        for group in self.groups:
+            for info in getattr(group, "node_infos", []):
+                by_node.setdefault(info.get("node_id"), []).append(info["pid"])
         for group in self.groups:
             group.shutdown()
         for pool in self.pools.values():
             pool.remove()
-        remove_shared_memory(pids)
+        here = ray.get_runtime_context().get_node_id()
+        remove_shared_memory(by_node.pop(here, []))
+        remove_shared_memory_on_nodes(by_node)
+
+
+def remove_shared_memory_on_nodes(pids_by_node: dict[str, list[int]], timeout_s: float = 60.0) -> int:
+    """Unlink the shared-memory files of ``pids_by_node[node]`` on each node, by a task pinned there (no CPU
+    asked: the run's pools are gone or full); how many files. A node that does not answer is warned about."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(remove_shared_memory)
+    pending = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pids)
+               for node, pids in pids_by_node.items() if node is not None and pids}
+    removed = 0
+    for node, ref in pending.items():
+        try:
+            removed += ray.get(ref, timeout=timeout_s)
+        except Exception as error:  # the node may be gone; its files go with its next run's start
+            logging.getLogger(__name__).warning("shared memory of this run's workers on node %s not removed: %s",
+                                                node, error)
+    return removed
 
 
 def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:

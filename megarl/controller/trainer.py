@@ -56,7 +56,7 @@ from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import check_resume_layout, check_run_inputs, prepare_policy, routing_shape
 from megarl.controller.tracking import Tracking, dump_generations
-from megarl.convert.export import SHARED_MEMORY_DIR, remove_shared_memory
+from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader

@@ -23,10 +23,7 @@ tensor larger than ``bucket_bytes`` travels alone, in a bucket of its own size.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -397,51 +394,6 @@ def empty_buffer(numel: int, dtype: torch.dtype, device, *, shared_memory: bool 
     element = torch.empty((), dtype=dtype).element_size()
     storage = torch.UntypedStorage._new_shared(numel * element)
     return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
-
-
-SHARED_MEMORY_DIR = Path("/dev/shm")
-"""Where torch's ``file_system`` strategy creates shared-memory buffers: ``torch_<creator pid>_<...>``."""
-_SHARED_FILE = re.compile(r"torch_(\d+)_")
-
-
-def shared_memory_files(pids: Iterable[int] | None = None, directory: Path | None = None) -> list[Path]:
-    """torch's shared-memory files in ``directory`` (:data:`SHARED_MEMORY_DIR`) created by ``pids`` (None: by any
-    process that is no longer alive)."""
-    directory = SHARED_MEMORY_DIR if directory is None else Path(directory)
-    wanted = None if pids is None else {int(pid) for pid in pids}
-    found = []
-    for path in directory.glob("torch_*") if directory.is_dir() else ():
-        match = _SHARED_FILE.match(path.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if (pid in wanted) if wanted is not None else not _alive(pid):
-            found.append(path)
-    return found
-
-
-def remove_shared_memory(pids: Iterable[int] | None = None, directory: Path | None = None) -> int:
-    """Unlink the shared-memory files :func:`shared_memory_files` finds: a process killed while it held bucket
-    buffers (every Ray worker is killed at the end of a run) never unlinks them, and each holds its bytes in RAM
-    until the machine reboots. Mappings still open stay valid. Returns how many were removed."""
-    removed = 0
-    for path in shared_memory_files(pids, directory):
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def split_flat(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:

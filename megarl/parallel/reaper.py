@@ -25,11 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.parallel.shared_memory import remove_shared_memory
+
 RUN_ID_VARIABLE = "MEGARL_RUN_ID"
 """The environment variable that tags a run's processes."""
 GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL for the run's processes still alive when the driver has ended."""
-SHARED_MEMORY_DIR = Path("/dev/shm")
 
 
 class Reaper:
@@ -95,19 +96,6 @@ def _signal_all(pids: list[int], signum: int) -> None:
             pass
 
 
-def remove_shared_memory_of(pids: list[int]) -> int:
-    """Unlink ``/dev/shm/torch_<pid>_*`` of ``pids`` (processes that no longer run); how many files."""
-    removed = 0
-    for pid in pids:
-        for path in SHARED_MEMORY_DIR.glob(f"torch_{pid}_*"):
-            try:
-                path.unlink()
-                removed += 1
-            except OSError:
-                pass
-    return removed
-
-
 def reap(run_id: str, driver: int) -> list[int]:
     """End every process of run ``run_id`` but ``driver`` (SIGTERM, then SIGKILL after :data:`GRACE_S`) and remove
     their shared memory; the pids it found."""
@@ -120,7 +108,7 @@ def reap(run_id: str, driver: int) -> list[int]:
     while time.monotonic() < deadline and tagged_processes(run_id, exclude=me):
         time.sleep(0.1)
     _signal_all(tagged_processes(run_id, exclude=me), signal.SIGKILL)
-    remove_shared_memory_of(pids)
+    remove_shared_memory(pids)
     return pids
 
 

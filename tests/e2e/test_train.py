@@ -95,7 +95,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert [s for s, _ in full.history] == [1, 2, 3]
     assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
     # Issue 31: the buckets' shared-memory files of the run's (killed) workers are gone with the run.
-    from megarl.convert.export import shared_memory_files
+    from megarl.parallel.shared_memory import shared_memory_files
 
     pids = [info["pid"] for group in full.roles.groups for info in group.node_infos]
     assert len(pids) >= 2 and shared_memory_files(pids) == []
@@ -459,6 +459,29 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     assert "Traceback" not in run.stderr
     log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
+
+
+def test_shared_memory_of_another_nodes_workers_is_removed_there(assets):
+    """Roles.shutdown unlinks the killed workers' buffers of every other node by a task pinned to that node (the
+    same code, on this one-node cluster pinned to this node): a dead process's file goes, a live one's stays."""
+    import subprocess
+    import sys
+
+    from megarl.controller.build import remove_shared_memory_on_nodes
+    from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, shared_memory_files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    files = [SHARED_MEMORY_DIR / f"torch_{dead.pid}_1_0", SHARED_MEMORY_DIR / f"torch_{os.getpid()}_megarl_test_0"]
+    for path in files:
+        path.write_bytes(b"")
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        assert remove_shared_memory_on_nodes({node: [dead.pid]}) == 1
+        assert shared_memory_files([dead.pid]) == [] and files[1].exists()
+    finally:
+        for path in files:
+            path.unlink(missing_ok=True)
 
 
 def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):

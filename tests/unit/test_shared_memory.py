@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from megarl.convert.export import SHARED_MEMORY_DIR, remove_shared_memory, shared_memory_files
+from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory, shared_memory_files
 
 HOLD_A_BUFFER = """
 import sys, time
