@@ -56,7 +56,6 @@ from megarl.controller.metrics import (
     timer,
     timing_metrics,
 )
-from megarl.controller.preflight import preflight
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.tracking import Tracking, dump_generations
@@ -65,6 +64,7 @@ from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.models.sampling import derive_seed
+from megarl.plan.preflight import preflight
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
 from megarl.reward.manager import reward_columns
