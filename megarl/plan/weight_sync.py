@@ -19,12 +19,16 @@ request:
 Mixture-of-experts models under expert parallelism: an expert bucket is filled on the EP rank holding its experts
 (gathered over their ETP group) and broadcast over the EP group; the plan adds that broadcast to the actor side.
 
-The sync's memory (:class:`SyncMemory`, the **weight-sync buffers** row of :mod:`megarl.plan.memory`): on every
-actor rank the exporter's bucket buffers in the engine dtype (``tensor``: two, each as large as the largest bucket
-it takes in turn, buckets of ``rollout.bucket_mb / 2``; ``distributed``: one, buckets of ``rollout.bucket_mb``; a
-tensor larger than a bucket travels alone and sizes its buffer; a stage whose pipeline group hosts no engine rank
-holds only its own buckets) and the largest TP-gathered parameter of the stage (model dtype; vocabulary rows
-gather in place). ``distributed`` engines receive each bucket into a buffer of its size.
+The sync's memory (:class:`SyncMemory`, the **weight-sync buffers** row of :mod:`megarl.plan.memory`), in the
+engine dtype as the transport reports it (:meth:`megarl.sync.base.WeightTransport.plan_buffers`, from the values
+it asks the exporter for and the exporter's own rule, :func:`megarl.convert.param_map.rank_buckets`): on the actor
+ranks that hold buckets, the buffers they take turns in (``tensor``: two, each as large as the largest bucket it
+takes, buckets of ``rollout.bucket_mb / 2``, on every rank; ``distributed``: one, buckets of ``rollout.bucket_mb``,
+on the TP-0 ranks, the others joining the all-gathers only; a tensor larger than a bucket travels alone and sizes
+its buffer; a stage whose pipeline group hosts no engine rank holds only its own buckets; a rank that holds no
+bucket passes its stage's expert buckets on to its EP group in a scratch of the bucket's size), and on every rank
+the exporter's gather scratch, the largest TP-gathered parameter of its stage (model dtype; vocabulary rows gather
+in place). ``distributed`` engines receive each bucket into a buffer of its size.
 """
 
 from __future__ import annotations
@@ -32,14 +36,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megarl.config.parallel import ParallelDims
 from megarl.config.rollout import resolve_transport
 from megarl.config.schema import RunConfig
 from megarl.config.trainer import LinksConfig
+from megarl.convert.param_map import Unit
 from megarl.models.sizes import Architecture
 from megarl.models.weights import Split
 from megarl.plan.all_to_all import ep_link
 from megarl.plan.memory import DTYPE_BYTES
-from megarl.plan.placement import PlacementPlan, engine_replica
+from megarl.plan.placement import PlacementPlan, engine_replica, megatron_coordinates
+from megarl.plan.report import expert_groups
+from megarl.sync import RankLayout, transport_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +122,6 @@ class _WeightSync:
     """One run's weight sync: its buckets, per-stage gathers, buffers and steps."""
 
     def __init__(self, cfg: RunConfig, model: Architecture, placement: PlacementPlan):
-        from megarl.convert.param_map import buckets
-        from megarl.sync.tensor import NUM_BUFFERS
-
         arr = cfg.actor_rollout_ref
         self.cfg, self.model, self.placement = cfg, model, placement
         self.dims = dims = placement.role("actor").dims
@@ -124,26 +129,36 @@ class _WeightSync:
         self.engine_bytes, self.dtype_bytes = DTYPE_BYTES[arr.rollout.dtype], DTYPE_BYTES[arr.model.dtype]
         self.pool = placement.pools[placement.role("actor").pool]
         self.stride = dims.tp * dims.cp * dims.dp  # rank r's pipeline peers: r mod stride + p * stride
-        self.hosts = ({b for e in placement.engines for b in e.bundles} if self.transport == "tensor" else set())
+        self.hosts = {b for e in placement.engines for b in e.bundles if e.pool == self.pool.name}
         self.units = _units(model, dims)
-        tp = dims.tp
-        self.num_buffers = NUM_BUFFERS if self.transport == "tensor" else 1
-        # The exporter's buckets (WeightExporter.iter_buckets, at the engine dtype): the tensor transport splits
-        # rollout.bucket_mb over its two buffers; buffers hold a multiple of tp elements (stripes).
-        self.budget = max(1, (arr.rollout.bucket_mb << 20) // self.num_buffers)
-        self.groups = buckets(self.units, self._full, self.budget)
-        self.sizes = [sum(self._full(u) for u in b) for b in self.groups]
-        self.padded = [math.ceil(n // self.engine_bytes / tp) * tp * self.engine_bytes for n in self.sizes]
-        self.owners = [b[0].pp_rank for b in self.groups]
+        self.cls = transport_class(self.transport)
+        # The exporter's buckets at the engine dtype and the buffers the transport takes for them, as it reports.
+        self.buffers = self.cls.plan_buffers(self.units, self._full, bucket_bytes=arr.rollout.bucket_mb << 20,
+                                             element_size=self.engine_bytes, tp=dims.tp, ranks=self._ranks(),
+                                             hosts=self.hosts)
 
-    def _full(self, unit, size: int | None = None) -> int:
+    def _full(self, unit: Unit, size: int | None = None) -> int:
         """A unit's HF tensors in bytes (the engine dtype unless ``size``)."""
         return sum(math.prod(s) for s in unit.hf_shapes) * (size or self.engine_bytes)
 
+    def _pipeline_ranks(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s pipeline group, stage by stage."""
+        return tuple(rank % self.stride + p * self.stride for p in range(self.dims.pp))
+
+    def _ranks(self) -> dict[int, RankLayout]:
+        """Every actor rank's place, as the transport's buffers depend on it."""
+        dims = self.dims
+        ep_tp = {r: tuple(m % dims.tp for m in group) for group in expert_groups(dims) for r in group} \
+            if dims.ep > 1 else {}
+        out = {}
+        for rank in range(self.pool.size):
+            tp_rank, _, _, stage = megatron_coordinates(rank, dims)
+            out[rank] = RankLayout(stage, tp_rank, self._pipeline_ranks(rank), ep_tp.get(rank, (tp_rank,)))
+        return out
+
     def _receivers(self, rank: int) -> frozenset[int]:
-        """The stages of ``rank``'s pipeline group that receive every bucket (hosting engine ranks: ``tensor``)."""
-        base = rank % self.stride
-        return frozenset(p for p in range(self.dims.pp) if base + p * self.stride in self.hosts)
+        """The stages of ``rank``'s pipeline group that receive every bucket (as the transport says)."""
+        return frozenset(self.cls.receiving_stages(self._pipeline_ranks(rank), self.hosts))
 
     def _per_stage(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
         """Per pipeline stage: the gather scratch (bytes, model dtype), the bytes a rank receives in the TP (and
@@ -172,16 +187,8 @@ class _WeightSync:
         return scratch, gathered, ep_received
 
     def _actor_buffers(self, scratch: dict[int, int]) -> dict[int, int]:
-        """Each actor rank's bucket buffers and gather scratch (bytes)."""
-        ring: dict[tuple[int, frozenset[int]], int] = {}
-        buffers = {}
-        for rank in range(self.pool.size):
-            stage, wanted = rank // self.stride, self._receivers(rank)
-            if (stage, wanted) not in ring:
-                held = [self.padded[i] for i in range(len(self.groups)) if self.owners[i] == stage or stage in wanted]
-                ring[stage, wanted] = sum(max(held[k::self.num_buffers], default=0) for k in range(self.num_buffers))
-            buffers[rank] = ring[stage, wanted] + scratch[stage]
-        return buffers
+        """Each actor rank's bucket buffers (the transport's) and gather scratch (the exporter's; bytes)."""
+        return {rank: held + scratch[rank // self.stride] for rank, held in self.buffers.actor.items()}
 
     def _ep_steps(self, ep_received: dict[int, int]) -> list[SyncStep]:
         """The expert buckets' broadcast over each EP group (none without expert parallelism)."""
@@ -205,12 +212,12 @@ class _WeightSync:
             if len({self.pool.node_of(r) for r in members}) > 1:
                 pp_link = "infiniband"
             group_delivered = group_stripes = 0
-            for i, stage in enumerate(self.owners):
+            for i, stage in enumerate(self.buffers.owners):
                 others = len(wanted - {stage})
                 if others:
-                    group_delivered += self.padded[i]
+                    group_delivered += self.buffers.padded[i]
                     # one broadcast when every other stage receives, else one send per receiving stage
-                    group_stripes += self.padded[i] // tp * (1 if others == pp - 1 else others)
+                    group_stripes += self.buffers.padded[i] // tp * (1 if others == pp - 1 else others)
             delivered, stripes = max(delivered, group_delivered), max(stripes, group_stripes)
         return delivered, stripes, pp_link
 
@@ -221,7 +228,7 @@ class _WeightSync:
             return [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages at once)" if pp > 1 else ""),
                              "intra_node", max(gathered.values())), *ep_steps,
                     SyncStep("actor", "broadcast: every engine GPU receives every bucket", "infiniband",
-                             sum(self.sizes))]
+                             sum(self.buffers.sizes))]
         steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages in turn)" if pp > 1 else ""),
                           "intra_node", sum(gathered.values())), *ep_steps]
         if pp > 1:
@@ -242,23 +249,20 @@ class _WeightSync:
 
     def memory(self) -> SyncMemory:
         scratch, gathered, ep_received = self._per_stage()
-        model_bytes, count = sum(self.sizes), len(self.groups)
+        buffers = self.buffers
+        model_bytes, count = sum(buffers.sizes), buffers.buckets
         engine_tp = self.placement.engines[0].tp
         steps = [*self._actor_steps(gathered, self._ep_steps(ep_received)),
                  SyncStep("engine", f"{count} engine requests, one per bucket", "requests", count=count),
                  SyncStep("engine", "each engine GPU copies its shard out of the buckets (read + write)", "hbm",
                           2 * model_bytes // engine_tp)]
-        plan = SyncPlan(self.transport, model_bytes, self.budget, count, tuple(steps), self.cfg.trainer.links,
-                        overlapped=self.transport == "tensor", senders=self._senders())
-        return SyncMemory(plan, self._actor_buffers(scratch),
-                          max(self.sizes) if self.transport == "distributed" else 0)
+        plan = SyncPlan(self.transport, model_bytes, buffers.bucket_bytes, count, tuple(steps),
+                        self.cfg.trainer.links, overlapped=self.transport == "tensor", senders=self._senders())
+        return SyncMemory(plan, self._actor_buffers(scratch), buffers.engine)
 
-
-def _units(model: Architecture, dims) -> list:
+def _units(model: Architecture, dims: ParallelDims) -> list[Unit]:
     """Every tensor in HF order, placed as :func:`megarl.convert.param_map.build_plan` places it (experts by EP
     rank)."""
-    from megarl.convert.param_map import Unit
-
     chunk_layers = model.num_layers // (dims.pp * dims.num_virtual_stages)
 
     def owner(layer):

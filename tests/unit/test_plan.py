@@ -154,6 +154,10 @@ def test_7b_weight_sync_estimate_per_transport(plan_7b):
                                                rel=1e-12)
     assert split.sync.senders == (0, 2, 4, 6)  # the TP-0 rank of each DP replica
     assert _kinds(split)["rollout pool, engine"].rows["sync_buffers"] == V * H * 2
+    # The actor's TP-0 ranks (the senders) build the buckets in one buffer, as large as the largest (the
+    # embedding's); their TP-1 peers only join the all-gathers: the gather scratch alone.
+    actor = {g.gpus: g.rows["sync_buffers"] for g in split.gpus if g.pool == "global"}
+    assert actor == {(0, 2, 4, 6): V * H * 2 + 2 * F * H * 2, (1, 3, 5, 7): 2 * F * H * 2}
 
 
 # ------------------------------------------------------------------------------------- formulas
