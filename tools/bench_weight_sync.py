@@ -239,7 +239,6 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
     from megarl.rollout.client import EngineAddress
     from megarl.rollout.weight_group import join_group
     from megarl.sync import make_transport, verify_sample
-    from megarl.sync.tensor import NUM_BUFFERS
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     groups = common.init_ranks("cpu", tp, pp)
@@ -277,7 +276,8 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
                     stats = result
         transport.close()
         # The limit: the same buckets' collectives, alone, plus one copy of the bytes delivered.
-        plan = bucket_plan(exporter, bucket_bytes // NUM_BUFFERS if name == "tensor" else bucket_bytes)
+        export = transport.export_args(bucket_bytes)  # what the transport asks of the exporter
+        plan = bucket_plan(exporter, export["bucket_bytes"])
         if name == "tensor":
             moved = min(_tensor_limit_s(groups, plan) for _ in range(repeats))
         else:
@@ -292,11 +292,6 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
         dist.barrier()
         limit = {"collectives": moved, "copy": copy}
         # Where the time goes: the export alone (the transport's buckets built and delivered, no engine).
-        if name == "tensor":
-            export = {"bucket_bytes": bucket_bytes // NUM_BUFFERS, "num_buffers": NUM_BUFFERS,
-                      "to_pp_ranks": transport.receivers, "shared_memory": True}
-        else:
-            export = {"bucket_bytes": bucket_bytes, "num_buffers": 1, "to_pp_ranks": (), "tp_ranks": (0,)}
         dist.barrier()
         start = time.perf_counter()
         for _ in exporter.iter_buckets(**export):

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from megarl.config import ConfigError, load_config
-    from megarl.controller.preflight import plan_run
+    from megarl.plan.preflight import plan_run
 
     try:
         plan = plan_run(load_config(args.overrides), check=False)

@@ -65,7 +65,7 @@ class TrainerConfig:
     """Worker processes (gloo ranks) on this machine, with ``device=cpu``: the CPU world size."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB (2^30 bytes), with ``device=cuda``: what ``megarl-plan`` and the trainer's
-    pre-flight check (``megarl.controller.preflight``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
+    pre-flight check (``megarl.plan.preflight``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
     which CUDA reports about 79.2 as usable; set less to keep headroom."""
     links: LinksConfig = dataclasses.field(default_factory=LinksConfig)
     """Bandwidths of the GPUs' links, with ``device=cuda``: what ``megarl-plan`` estimates the weight sync from."""

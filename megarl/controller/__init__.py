@@ -1,30 +1,7 @@
-"""The single controller: the step loop (``Trainer``, loaded on first use) and the placement of roles and engines on
-Ray resource pools."""
+"""The single controller: the step loop (``Trainer``, loaded on first use), the building of a run's roles on the
+placement :mod:`megarl.plan` decides, run checkpoints, metrics and tracking."""
 
-from megarl.controller.placement import (
-    EnginePlacement,
-    PlacementPlan,
-    PoolSpec,
-    ResourcePool,
-    RolePlacement,
-    create_pools,
-    make_placement,
-    megatron_coordinates,
-    plan_placement,
-)
-
-__all__ = [
-    "Trainer",
-    "EnginePlacement",
-    "PlacementPlan",
-    "PoolSpec",
-    "ResourcePool",
-    "RolePlacement",
-    "create_pools",
-    "make_placement",
-    "megatron_coordinates",
-    "plan_placement",
-]
+__all__ = ["Trainer"]
 
 
 def __getattr__(name: str):

@@ -22,9 +22,9 @@ import ray
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
-from megarl.controller.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.data.dataset import PromptDataset
 from megarl.parallel.reaper import Reaper, start_reaper
+from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
 from megarl.reward import RewardManager
 from megarl.parallel.shared_memory import remove_shared_memory
@@ -47,7 +47,7 @@ class Roles:
     """The running workers of a run and how they are wired."""
 
     plan: PlacementPlan
-    """Where every role sits (``megarl.controller.placement``)."""
+    """Where every role sits (``megarl.plan.placement``)."""
     pools: dict
     """Ray placement groups by pool name (``global``, and ``rollout`` when disaggregated)."""
     actor: WorkerGroup
@@ -210,9 +210,9 @@ def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
 
 def engine_gpus_of(plan: PlacementPlan, pools: dict) -> list:
     """Per engine, its GPUs on each of its nodes for ``sglang.launch_server``
-    (:class:`~megarl.controller.engine_gpus.EngineGpus`), probed from Ray: call it right after
+    (:class:`~megarl.plan.engine_gpus.EngineGpus`), probed from Ray: call it right after
     ``create_pools``, before any worker holds the bundles' GPUs."""
-    from megarl.controller.engine_gpus import engine_gpus, probe_bundle_gpus
+    from megarl.plan.engine_gpus import engine_gpus, probe_bundle_gpus
 
     return engine_gpus(plan.engines, probe_bundle_gpus(pools))
 
@@ -249,14 +249,14 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
         calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
         # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
-        from megarl.controller.engine_gpus import ROUTED_EXPERTS_FLAG
+        from megarl.plan.engine_gpus import ROUTED_EXPERTS_FLAG
 
         routed = (ROUTED_EXPERTS_FLAG,) if arr.actor.router_replay.enabled else ()
         if gpus is None:
             for call in calls:
                 call["extra_args"] = routed
         if gpus is not None:
-            from megarl.controller.engine_gpus import sglang_launch_command
+            from megarl.plan.engine_gpus import sglang_launch_command
 
             heads = {s.engine: rank for rank, s in enumerate(slots) if s.node_rank == 0}
             # A multi-node engine's first node also picks its --dist-init-addr port.

@@ -51,7 +51,6 @@ from megarl.controller.metrics import (
     timer,
     timing_metrics,
 )
-from megarl.controller.preflight import preflight
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import check_resume_layout, check_run_inputs, prepare_policy, routing_shape
@@ -60,6 +59,7 @@ from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memor
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
+from megarl.plan.preflight import preflight
 from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager

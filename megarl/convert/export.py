@@ -30,7 +30,15 @@ import torch.distributed as dist
 
 from megarl.convert.hf_io import expected_shapes
 from megarl.convert.layout import ModelSizes, hf_slices, hf_split_dim, unfuse_into
-from megarl.convert.param_map import Unit, buckets, build_plan, local_parameters
+from megarl.convert.param_map import (
+    Unit,
+    buckets,
+    build_plan,
+    local_parameters,
+    rank_buckets,
+    ring_lengths,
+    stripe_numel,
+)
 from megarl.models.weights import Fuse
 from megarl.parallel.cpu_support import all_gather_into_tensor as _all_gather
 from megarl.parallel.cpu_support import plain_torch
@@ -114,24 +122,23 @@ class WeightExporter:
             raise ValueError(f"num_buffers must be >= 0, got {num_buffers}")
         my_stage, tp = self.groups.pp_rank, self.dims.tp
         receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
-        holds = tp_ranks is None or self.groups.tp_rank in set(tp_ranks)
         if tp_ranks is not None and self.dims.pp > 1 and receivers != frozenset():
             raise ValueError("iter_buckets: tp_ranks needs to_pp_ranks=() with pipeline stages (a bucket crosses "
                              "stages in stripes from every TP rank)")
         groups = buckets(self.units, self._full_bytes, bucket_bytes)
         sizes = [sum(self._full_bytes(u) for u in bucket) // self._element_size for bucket in groups]
-        held = [i for i, bucket in enumerate(groups)
-                if holds and (receivers is None or bucket[0].pp_rank == my_stage or my_stage in receivers)]
-        # An expert bucket crosses the expert-parallel group when a member of this rank's group needs it.
-        ep_needs = tp_ranks is None or any(t in set(tp_ranks) for t in self._ep_tp_ranks)
-        # Buffers hold a multiple of tp elements: a bucket crosses stages in tp stripes (see _deliver).
-        buffers = self._ring([-(-sizes[i] // tp) * tp for i in held], num_buffers, shared_memory)
+        # What this rank holds; an expert bucket crosses the expert-parallel group when a member of this rank's
+        # group needs it. Buffers hold a multiple of tp elements: a bucket crosses stages in tp stripes (_deliver).
+        mine = rank_buckets(sizes, [b[0].pp_rank for b in groups], [b[0].ep_owner is not None for b in groups],
+                            stage=my_stage, tp=tp, tp_rank=self.groups.tp_rank, num_buffers=num_buffers,
+                            to_pp_ranks=receivers, tp_ranks=tp_ranks, ep_tp_ranks=self._ep_tp_ranks)
+        buffers = self._ring([stripe_numel(sizes[i], tp) for i in mine.held], num_buffers, shared_memory)
         try:
-            yield from self._fill(groups, sizes, set(held), buffers, receivers, ep_needs)
+            yield from self._fill(groups, sizes, set(mine.held), set(mine.passed), buffers, receivers)
         finally:
             self._gather_buffer = None  # the gather scratch lives only as long as an export
 
-    def _fill(self, groups, sizes, held_set, buffers, receivers, ep_needs) -> Iterator[Bucket]:
+    def _fill(self, groups, sizes, held_set, passed_set, buffers, receivers) -> Iterator[Bucket]:
         pp, my_stage = self.dims.pp, self.groups.pp_rank
         for i, bucket in enumerate(groups):
             owner, ep_owner = bucket[0].pp_rank, bucket[0].ep_owner
@@ -139,7 +146,7 @@ class WeightExporter:
             if i not in held_set:
                 if owner == my_stage:
                     with plain_torch():
-                        if ep_owner is not None and ep_needs:  # another member of the EP group needs it
+                        if i in passed_set:  # an expert bucket another member of the EP group needs
                             self._ep_deliver(self._ep_scratch(sizes[i]), bucket, sizes[i])
                         elif experts_here:  # a TP rank that needs no bucket: the all-gathers only
                             self._gather_bucket(bucket, None)
@@ -303,7 +310,7 @@ class WeightExporter:
             for numel in sizes:
                 yield allocate(numel)
             return
-        lengths = [max(sizes[k::count], default=0) for k in range(count)]
+        lengths = ring_lengths(sizes, count)
         if not (shared_memory and device.type == "cpu"):
             ring = [allocate(n) for n in lengths]
         else:  # kept for the next export (see iter_buckets)

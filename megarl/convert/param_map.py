@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -108,6 +109,66 @@ def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]
     if current:
         out.append(current)
     return out
+
+
+
+def stripe_numel(numel: int, tp: int) -> int:
+    """Elements of a bucket's buffer: ``numel`` rounded up to a multiple of ``tp`` (a bucket crosses pipeline
+    stages in ``tp`` equal stripes)."""
+    return -(-numel // tp) * tp
+
+
+def ring_lengths(sizes: Sequence[int], count: int) -> list[int]:
+    """The ``count`` buffers that buffers of ``sizes`` elements take turns in (the ``i``-th in buffer ``i mod
+    count``), each as large as the largest it takes; ``count=0``: one allocation each."""
+    if count == 0:
+        return list(sizes)
+    return [max(sizes[k::count], default=0) for k in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBuckets:
+    """The buckets of an export a rank holds and the buffers they take there (elements; :func:`rank_buckets`)."""
+
+    held: tuple[int, ...]
+    """Buckets the rank holds (yields), in turn in its ring of buffers."""
+    passed: tuple[int, ...]
+    """Expert buckets of its stage it does not hold but fills or receives for its expert-parallel group, each in a
+    scratch buffer of the bucket's size."""
+    ring: tuple[int, ...]
+    """Each ring buffer: the largest held bucket it takes, a multiple of ``tp`` elements."""
+    scratch: int
+    """The largest ``passed`` bucket."""
+
+    @property
+    def numel(self) -> int:
+        """Elements the rank's bucket buffers take at most (the ring and the largest scratch)."""
+        return sum(self.ring) + self.scratch
+
+
+def rank_buckets(numels: Sequence[int], owners: Sequence[int], experts: Sequence[bool], *, stage: int, tp: int,
+                 tp_rank: int, num_buffers: int, to_pp_ranks: Iterable[int] | None, tp_ranks: Iterable[int] | None,
+                 ep_tp_ranks: Iterable[int]) -> RankBuckets:
+    """Which buckets a rank of pipeline stage ``stage`` and TP rank ``tp_rank`` holds, and the buffers they take, as
+    :meth:`megarl.convert.export.WeightExporter.iter_buckets` allocates them (it calls this): buckets of
+    ``numels`` elements owned by the stages ``owners`` (``experts``: an expert bucket), the other arguments as
+    ``iter_buckets`` takes them; ``ep_tp_ranks``: the TP ranks of the rank's expert-parallel group (its own alone
+    without expert parallelism).
+
+    A rank holds its stage's buckets and, on a stage of ``to_pp_ranks`` (None: every stage), every other stage's;
+    none when its TP rank is not in ``tp_ranks`` (None: all): it joins the all-gathers only, and passes its stage's
+    expert buckets on to the members of its expert-parallel group that hold them."""
+    receivers = None if to_pp_ranks is None else frozenset(to_pp_ranks)
+    wanted = None if tp_ranks is None else set(tp_ranks)
+    holds = wanted is None or tp_rank in wanted
+    ep_needs = wanted is None or any(t in wanted for t in ep_tp_ranks)
+    held = tuple(i for i, owner in enumerate(owners)
+                 if holds and (receivers is None or owner == stage or stage in receivers))
+    kept = set(held)
+    passed = tuple(i for i, owner in enumerate(owners)
+                   if i not in kept and owner == stage and experts[i] and ep_needs)
+    ring = tuple(ring_lengths([stripe_numel(numels[i], tp) for i in held], num_buffers))
+    return RankBuckets(held, passed, ring, max((numels[i] for i in passed), default=0))
 
 
 def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:

@@ -10,7 +10,10 @@ One module per transport behind :class:`~megarl.sync.base.WeightTransport`, on t
 
 ``actor_rollout_ref.rollout.weight_transport``: ``auto`` picks ``tensor`` for colocated engines
 (``hybrid_engine=true``) and ``distributed`` for disaggregated ones. The buckets come from the converter's
-streaming export (:meth:`megarl.convert.export.WeightExporter.iter_buckets`).
+streaming export (:meth:`megarl.convert.export.WeightExporter.iter_buckets`). A transport's class says what it
+asks of the export (:meth:`~megarl.sync.base.WeightTransport.export_args`: the bucket size, the buffers its buckets
+take turns in, the ranks that hold them) and reports what a sync allocates from the same values
+(:meth:`~megarl.sync.base.WeightTransport.plan_buffers`), which the planner (:mod:`megarl.plan.weight_sync`) prints.
 """
 
 from __future__ import annotations
@@ -19,19 +22,28 @@ from collections.abc import Sequence
 
 from megarl.config.rollout import resolve_transport
 from megarl.rollout.client import EngineAddress
-from megarl.sync.base import TRANSPORTS, WeightTransport, merge_stats, verify_sample
+from megarl.sync.base import TRANSPORTS, RankLayout, SyncBuffers, WeightTransport, merge_stats, verify_sample
 
-__all__ = ["TRANSPORTS", "WeightTransport", "make_transport", "merge_stats", "resolve_transport", "verify_sample"]
+__all__ = ["TRANSPORTS", "RankLayout", "SyncBuffers", "WeightTransport", "make_transport", "merge_stats",
+           "resolve_transport", "transport_class", "verify_sample"]
+
+
+def transport_class(name: str) -> type[WeightTransport]:
+    """The class of transport ``name`` (resolved: ``tensor`` or ``distributed``)."""
+    if name == "tensor":
+        from megarl.sync.tensor import TensorTransport
+
+        return TensorTransport
+    if name == "distributed":
+        from megarl.sync.distributed import DistributedTransport
+
+        return DistributedTransport
+    raise ValueError(f"unknown weight transport {name!r}; one of {TRANSPORTS}")
 
 
 def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str) -> WeightTransport:
     """Transport ``name`` (resolved: ``tensor`` or ``distributed``) for this actor rank; collective."""
-    if name == "tensor":
-        from megarl.sync.tensor import TensorTransport
-
-        return TensorTransport(groups, engines)
-    if name == "distributed":
-        from megarl.sync.distributed import DistributedTransport
-
-        return DistributedTransport(groups, engines, backend="nccl" if device == "cuda" else "gloo")
-    raise ValueError(f"unknown weight transport {name!r}; one of {TRANSPORTS}")
+    cls = transport_class(name)
+    if cls.name == "distributed":
+        return cls(groups, engines, backend="nccl" if device == "cuda" else "gloo")
+    return cls(groups, engines)

@@ -11,28 +11,123 @@ the statistics, the other ranks ``None``.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from megarl.convert.param_map import Unit, buckets, rank_buckets, stripe_numel
 from megarl.parallel.cpu_support import plain_torch
 from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
 
 
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """Where an actor rank sits, as far as its sync buffers depend on it (its Megatron coordinates)."""
+
+    stage: int
+    tp_rank: int
+    pipeline_ranks: tuple[int, ...]
+    """Its pipeline group's ranks, stage by stage."""
+    ep_tp_ranks: tuple[int, ...]
+    """The TP ranks of its expert-parallel group's members (its own TP rank alone without expert parallelism)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncBuffers:
+    """The buckets of one weight sync by a transport and the buffers it takes for them
+    (:meth:`WeightTransport.plan_buffers`; bytes)."""
+
+    transport: str
+    bucket_bytes: int
+    """Most bytes a bucket groups (a larger tensor travels alone)."""
+    num_buffers: int
+    """Buffers a holding actor rank's buckets take turns in (bucket ``i`` in buffer ``i mod num_buffers``)."""
+    sizes: tuple[int, ...]
+    """Each bucket's bytes, in HF order: one engine request each."""
+    owners: tuple[int, ...]
+    """Each bucket's pipeline stage."""
+    padded: tuple[int, ...]
+    """Each bucket's buffer: a multiple of ``tp`` elements (a bucket crosses stages in ``tp`` stripes)."""
+    actor: dict[int, int]
+    """Each actor rank's bucket buffers (by rank): its ring, and a scratch for expert buckets it passes on."""
+    engine: int
+    """The buffer an engine GPU receives a bucket into (0: the engines read the actor's buffers)."""
+
+    @property
+    def buckets(self) -> int:
+        return len(self.sizes)
+
+
 class WeightTransport(abc.ABC):
-    """One way of moving the actor's buckets into the engines (see the module docstring)."""
+    """One way of moving the actor's buckets into the engines (see the module docstring).
+
+    What it asks of the exporter (:meth:`export_args`) is set by class attributes, so that the planner
+    (:mod:`megarl.plan.weight_sync`) counts what a sync allocates from the same values (:meth:`plan_buffers`)."""
 
     name = ""
+    num_buffers = 1
+    """Buffers a holding actor rank's buckets take turns in; ``rollout.bucket_mb`` is split over them."""
+    holding_tp_ranks: tuple[int, ...] | None = None
+    """The TP ranks of a stage that hold the buckets (None: all); the others join the all-gathers only."""
+    shared_memory = False
+    """CPU bucket buffers in shared memory (the engines open them by handle)."""
+    engines_receive = False
+    """Each engine GPU receives every bucket into a buffer of its own (else it reads the actor's buffers)."""
+    receivers: tuple[int, ...] = ()
+    """The stages of this rank's pipeline group that need every bucket besides their own
+    (:meth:`receiving_stages`)."""
 
     def __init__(self, groups, engines: Sequence[EngineAddress]) -> None:
         self.groups = groups
         self.engines = list(engines)
         self._clients: dict[str, EngineClient] = {}
+
+    @classmethod
+    def bucket_budget(cls, bucket_bytes: int) -> int:
+        """Most bytes a bucket groups when ``bucket_bytes`` (``rollout.bucket_mb``) bounds what the ring holds."""
+        return max(1, bucket_bytes // cls.num_buffers)
+
+    @classmethod
+    def receiving_stages(cls, pipeline_ranks: Sequence[int], hosts: Collection[int]) -> tuple[int, ...]:
+        """The stages of a pipeline group (``pipeline_ranks``: its ranks, stage by stage) that need every bucket
+        besides their own, given the actor ranks on the engines' GPUs (``hosts``): none by default."""
+        return ()
+
+    def export_args(self, bucket_bytes: int) -> dict[str, Any]:
+        """This rank's :meth:`~megarl.convert.export.WeightExporter.iter_buckets` arguments for a sync of
+        ``bucket_bytes`` (``rollout.bucket_mb``)."""
+        return {"bucket_bytes": self.bucket_budget(bucket_bytes), "num_buffers": self.num_buffers,
+                "to_pp_ranks": self.receivers, "tp_ranks": self.holding_tp_ranks, "shared_memory": self.shared_memory}
+
+    @classmethod
+    def plan_buffers(cls, units: Sequence[Unit], unit_bytes: Callable[[Unit], int], *, bucket_bytes: int,
+                     element_size: int, tp: int, ranks: Mapping[int, RankLayout],
+                     hosts: Collection[int] = ()) -> SyncBuffers:
+        """The buckets and buffers of one sync of ``units`` (the exporter's, in HF order; ``unit_bytes``: a unit's
+        bytes at ``element_size`` bytes per element) with ``bucket_bytes`` (``rollout.bucket_mb``), on the actor
+        ranks ``ranks`` of TP ``tp``; ``hosts``: the actor ranks on engines' GPUs. As :meth:`export_args` asks
+        and :func:`~megarl.convert.param_map.rank_buckets` (the exporter's own rule) allocates."""
+        budget = cls.bucket_budget(bucket_bytes)
+        groups = buckets(list(units), unit_bytes, budget)
+        sizes = tuple(sum(unit_bytes(u) for u in bucket) for bucket in groups)
+        numels = [size // element_size for size in sizes]
+        owners = tuple(bucket[0].pp_rank for bucket in groups)
+        experts = [bucket[0].ep_owner is not None for bucket in groups]
+        actor = {}
+        for rank, at in ranks.items():
+            mine = rank_buckets(numels, owners, experts, stage=at.stage, tp=tp, tp_rank=at.tp_rank,
+                                num_buffers=cls.num_buffers, to_pp_ranks=cls.receiving_stages(at.pipeline_ranks, hosts),
+                                tp_ranks=cls.holding_tp_ranks, ep_tp_ranks=at.ep_tp_ranks)
+            actor[rank] = mine.numel * element_size
+        padded = tuple(stripe_numel(n, tp) * element_size for n in numels)
+        engine = max(sizes, default=0) if cls.engines_receive else 0
+        return SyncBuffers(cls.name, budget, cls.num_buffers, sizes, owners, padded, actor, engine)
 
     def sync(self, exporter, *, bucket_bytes: int, version: str | None,
              verify_names: Sequence[str] = (), flush_cache: bool = True) -> dict[str, float] | None:

@@ -38,6 +38,8 @@ class DistributedTransport(WeightTransport):
     """See the module docstring. ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU)."""
 
     name = "distributed"
+    holding_tp_ranks = (0,)  # the senders' TP rank: the stage's other ranks only join the all-gathers
+    engines_receive = True
 
     def __init__(self, groups, engines: Sequence[EngineAddress], *, backend: str = "gloo") -> None:
         super().__init__(groups, engines)
@@ -96,7 +98,7 @@ class DistributedTransport(WeightTransport):
         sent = buckets = 0
         loading: list[concurrent.futures.Future] = []  # the engines' answers on the previous bucket
         try:
-            for bucket in exporter.iter_buckets(bucket_bytes, num_buffers=1, to_pp_ranks=(), tp_ranks=(0,)):
+            for bucket in exporter.iter_buckets(**self.export_args(bucket_bytes)):
                 if not active:
                     continue
                 _answers(loading)  # the engines loaded the previous bucket: they receive the next

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from megarl.rollout.client import EngineAddress, run_sync, submit
 from megarl.sync.base import WeightTransport, close_sessions, expected_copy, flattened_payload, verify_and_report
 
 NUM_BUFFERS = 2
+"""Bucket buffers per rank (double buffering: the engine loads one while the next is built)."""
 
 
 class TensorTransport(WeightTransport):
@@ -43,6 +44,8 @@ class TensorTransport(WeightTransport):
     with more than one host rank, all ranks in the same order)."""
 
     name = "tensor"
+    num_buffers = NUM_BUFFERS
+    shared_memory = True
 
     def __init__(self, groups, engines: Sequence[EngineAddress]) -> None:
         super().__init__(groups, engines)
@@ -63,8 +66,12 @@ class TensorTransport(WeightTransport):
         self.driver = self.engine is not None and self.engine.host_ranks[0] == rank
         hosts = {r for e in self.engines for r in e.host_ranks}
         members = dist.get_process_group_ranks(groups.pp) if groups.dims.pp > 1 else [rank]
-        self.receivers = [stage for stage, member in enumerate(members) if member in hosts]
-        """Stages of this rank's pipeline group that need every bucket (those hosting an engine rank)."""
+        self.receivers = self.receiving_stages(members, hosts)
+
+    @classmethod
+    def receiving_stages(cls, pipeline_ranks: Sequence[int], hosts: Collection[int]) -> tuple[int, ...]:
+        """The stages hosting an engine rank: each of them hands every bucket to its engine."""
+        return tuple(stage for stage, member in enumerate(pipeline_ranks) if member in hosts)
 
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
               verify_names: Sequence[str], flush_cache: bool = True) -> dict[str, float] | None:
@@ -77,12 +84,11 @@ class TensorTransport(WeightTransport):
         pending: collections.deque[concurrent.futures.Future] = collections.deque()  # requests, oldest first
         sent = buckets = 0
         try:
-            for bucket in exporter.iter_buckets(max(1, bucket_bytes // NUM_BUFFERS), num_buffers=NUM_BUFFERS,
-                                                to_pp_ranks=self.receivers, shared_memory=True):
+            for bucket in exporter.iter_buckets(**self.export_args(bucket_bytes)):
                 if engine is None:
                     continue  # this rank only built (or passed on) the bucket
                 payload = flattened_payload(bucket)
-                while len(pending) > NUM_BUFFERS - 2:
+                while len(pending) > self.num_buffers - 2:
                     pending.popleft().result()  # the engine is done with the buffer the next bucket fills
                 handles = [payload] if self.group is None else _all_gather(payload, self.group, engine.host_ranks)
                 if client is not None:

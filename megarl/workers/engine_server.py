@@ -3,7 +3,7 @@
 An :class:`EngineServerWorker` sits on the first bundle an engine serves (for an SGLang engine spanning
 nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.rollout.cpu_engine``) for
 ``rollout.name=hf``, ``python -m sglang.launch_server`` for ``sglang`` (with exactly the
-engine's GPUs, :mod:`megarl.controller.engine_gpus`). It starts the server, waits for it to
+engine's GPUs, :mod:`megarl.plan.engine_gpus`). It starts the server, waits for it to
 answer ``/health`` (an error names the engine, its URL and its log), reports its URL, and
 stops it. The server dies with the actor (``PR_SET_PDEATHSIG``) even when the actor is killed.
 
@@ -56,7 +56,7 @@ class EngineServerWorker(Worker):
 
         ``tp``: the engine's TP size (megarl's CPU server takes one weight payload, and joins one group member,
         per TP rank, as SGLang's ranks do). ``launch``/``url``: for ``rollout.name=sglang``, the
-        :class:`~megarl.controller.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
+        :class:`~megarl.plan.engine_gpus.LaunchCommand` of this node (argv and environment with its GPUs)
         and the URL it serves on (from :meth:`address`). ``extra_args``: appended to megarl's CPU server's
         command line (SGLang's are in ``launch``). ``admin_key``: the run's engine admin key: the server then
         serves its control routes only to requests carrying it (SGLang: ``--admin-api-key``; megarl's server

@@ -1,7 +1,7 @@
 """``WorkerGroup``: the ranks of one role as Ray actors on a resource pool, called with plain methods.
 
 The group spawns one Ray actor per rank of a :class:`~megarl.workers.base.Worker` subclass,
-rank r on bundle ``bundles[r]`` of a :class:`~megarl.controller.placement.ResourcePool`,
+rank r on bundle ``bundles[r]`` of a :class:`~megarl.plan.placement.ResourcePool`,
 each with ``num_gpus`` of its bundle's GPU (colocated roles share a bundle: give each
 ``1/k``). It then sets every rank's distributed environment: rank 0 reports its node IP and
 a free port, and the group passes them, with RANK / WORLD_SIZE / LOCAL_RANK, to all ranks

@@ -56,7 +56,7 @@ def test_every_recipe_composes_and_validates(recipe):
 def test_load_config_validates_once(monkeypatch):
     """``load_config`` runs the cross-component checks; nothing after it (the pre-flight) repeats them."""
     import megarl.config.loading as loading
-    from megarl.controller.preflight import plan_run
+    from megarl.plan.preflight import plan_run
 
     calls = []
     monkeypatch.setattr(loading, "validate", lambda cfg: calls.append(cfg))
@@ -365,7 +365,7 @@ def test_token_sum_is_accepted_for_actor_and_critic():
 
 def test_an_engine_on_whole_nodes_is_accepted():
     """TP=16 SGLang engines on the 70B recipe's 8-GPU nodes: each takes two whole nodes."""
-    from megarl.controller.placement import placement_for
+    from megarl.plan.placement import placement_for
 
     cfg = load_config(["recipe=llama3_1_70b_grpo", f"{ARR}.rollout.tensor_model_parallel_size=16"])
     assert [e.nodes for e in placement_for(cfg).engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]

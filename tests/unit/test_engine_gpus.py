@@ -1,4 +1,4 @@
-"""Engine servers' GPUs (megarl.controller.engine_gpus): the pure mapping, the sglang launch command, and the
+"""Engine servers' GPUs (megarl.plan.engine_gpus): the pure mapping, the sglang launch command, and the
 Ray probe on fake GPUs.
 
 Layouts (issue 13, item 5): 8 TP=1 engines per node, 2 TP=4, 1 TP=8, and a TP=16 engine over two nodes,
@@ -19,7 +19,7 @@ import pytest
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.controller.engine_gpus import (
+from megarl.plan.engine_gpus import (
     BundleGpu,
     EngineGpus,
     engine_gpus,
@@ -27,7 +27,7 @@ from megarl.controller.engine_gpus import (
     probe_bundle_gpus,
     sglang_launch_command,
 )
-from megarl.controller.placement import EnginePlacement, ResourcePool, make_placement
+from megarl.plan.placement import EnginePlacement, ResourcePool, make_placement
 from megarl.parallel import ParallelDims
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"

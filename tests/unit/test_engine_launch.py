@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.controller import engine_gpus as engine_gpus_module
+from megarl.plan import engine_gpus as engine_gpus_module
 from megarl.controller.build import engine_gpus_of, engine_server_slots, start_engine_servers, stop_engine_servers
-from megarl.controller.placement import create_pools, placement_for
+from megarl.plan.placement import create_pools, placement_for
 from megarl.rollout.client import EngineAddress
 from megarl.workers.base import Worker
 from megarl.workers.engine_server import EngineServerWorker

@@ -23,6 +23,7 @@ PACKAGE_ROOT = REPO / "megarl"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("controller",),
+    ("plan",),
     ("workers",),
     ("sync",),
     ("rollout", "convert"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megarl.controller import PoolSpec, make_placement, megatron_coordinates, plan_placement
+from megarl.plan.placement import PoolSpec, make_placement, megatron_coordinates, plan_placement
 from megarl.parallel import ParallelDims
 
 

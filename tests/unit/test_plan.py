@@ -1,4 +1,4 @@
-"""The pre-flight planner (megarl.controller.preflight, megarl-plan): numbers checked against hand arithmetic.
+"""The pre-flight planner (megarl.plan.preflight, megarl-plan): numbers checked against hand arithmetic.
 
 The 7B numbers below are worked out from the published Qwen2.5-7B sizes and the recipe's settings,
 independently of the planner's code path (no weight rules, no placement helpers).
@@ -13,20 +13,19 @@ import pytest
 
 from megarl.cli.plan import main as plan_main
 from megarl.config import load_config
-from megarl.controller.preflight import (
-    CUDA_CONTEXT_BYTES,
-    MicroBatch,
-    activation_bytes_per_layer,
-    all_to_all_bytes_per_token,
-    chunks_in_flight,
-    micro_batch,
-    moe_layer_activation_bytes,
-    plan_run,
-    preflight,
-)
 from megarl.models.known import KNOWN_ARCHITECTURES, known_config, known_name, resolve_hf_config
 from megarl.models.sizes import Architecture
 from megarl.parallel.packing import pack_alignment
+from megarl.plan.activations import (
+    MicroBatch,
+    activation_bytes_per_layer,
+    chunks_in_flight,
+    micro_batch,
+    moe_layer_activation_bytes,
+)
+from megarl.plan.all_to_all import all_to_all_bytes_per_token
+from megarl.plan.memory import CUDA_CONTEXT_BYTES
+from megarl.plan.preflight import plan_run, preflight
 
 GiB = 2**30
 
@@ -155,6 +154,10 @@ def test_7b_weight_sync_estimate_per_transport(plan_7b):
                                                rel=1e-12)
     assert split.sync.senders == (0, 2, 4, 6)  # the TP-0 rank of each DP replica
     assert _kinds(split)["rollout pool, engine"].rows["sync_buffers"] == V * H * 2
+    # The actor's TP-0 ranks (the senders) build the buckets in one buffer, as large as the largest (the
+    # embedding's); their TP-1 peers only join the all-gathers: the gather scratch alone.
+    actor = {g.gpus: g.rows["sync_buffers"] for g in split.gpus if g.pool == "global"}
+    assert actor == {(0, 2, 4, 6): V * H * 2 + 2 * F * H * 2, (1, 3, 5, 7): 2 * F * H * 2}
 
 
 # ------------------------------------------------------------------------------------- formulas
@@ -497,7 +500,7 @@ def test_megarl_plan_on_a_zero_width_config_exits_2_naming_the_field(tmp_path):
 
 
 def test_cli_prints_each_sglang_engine_servers_gpus(capsys):
-    """The Engines section (megarl.controller.engine_gpus): 70B, TP8 engines, one on every TP group of 8 nodes x 8."""
+    """The Engines section (megarl.plan.engine_gpus): 70B, TP8 engines, one on every TP group of 8 nodes x 8."""
     assert plan_main(["recipe=llama3_1_70b_grpo"]) == 0
     out = capsys.readouterr().out
     section = out[out.index("\nEngines"):out.index("\nMemory per GPU")]

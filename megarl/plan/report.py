@@ -1,8 +1,8 @@
-"""The printable pre-flight plan and its refusal messages (:mod:`megarl.controller.preflight`'s text side).
+"""The printable pre-flight plan and its refusal messages (:mod:`megarl.plan.preflight`'s text side).
 
 The report: the model, the placement (pools, roles and their TP/PP/DP groups, which layers each
 pipeline stage holds, each engine's GPUs and the rank that feeds it), the SGLang engine servers'
-GPUs as their launch arguments say them (:mod:`megarl.controller.engine_gpus`), then one memory column per
+GPUs as their launch arguments say them (:mod:`megarl.plan.engine_gpus`), then one memory column per
 kind of GPU (GiB: the rows, each phase's total, the peak against the GPU), the KV-cache room,
 the weight sync (volume per link and time estimate) and, for mixture-of-experts models, the experts'
 layout (EP / ETP / expert-DP groups) and the all-to-all volume per step.
@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from megarl.controller.engine_gpus import engine_gpus, planned_bundle_gpus
-from megarl.controller.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
+from megarl.plan.engine_gpus import engine_gpus, planned_bundle_gpus
+from megarl.plan.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
 
 if TYPE_CHECKING:
-    from megarl.controller.preflight import GpuPlan, RunPlan
+    from megarl.plan.memory import GpuPlan
+    from megarl.plan.preflight import RunPlan
 
 GiB = 1 << 30
 ARR = "actor_rollout_ref"
@@ -150,7 +151,7 @@ def _nodes(nodes: tuple[int, ...]) -> str:
 
 def _engine_gpu_lines(plan: RunPlan) -> list[str]:
     """Each SGLang engine server's node, GPUs in TP order, ``CUDA_VISIBLE_DEVICES`` and ``base_gpu_id``, from the
-    plan alone (:func:`~megarl.controller.engine_gpus.planned_bundle_gpus`: bundle b on GPU b mod n of node b div n)."""
+    plan alone (:func:`~megarl.plan.engine_gpus.planned_bundle_gpus`: bundle b on GPU b mod n of node b div n)."""
     if plan.cfg.actor_rollout_ref.rollout.name != "sglang":
         return []
     mapped = engine_gpus(plan.placement.engines, planned_bundle_gpus(plan.placement))

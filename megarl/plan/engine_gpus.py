@@ -3,10 +3,10 @@
 Three steps, each usable alone:
 
 1. :func:`probe_bundle_gpus` (Ray): for every bundle of the pools, the node (Ray node id and IP) and
-   the GPU id Ray gave that bundle. Call it right after :func:`~megarl.controller.placement.create_pools`,
+   the GPU id Ray gave that bundle. Call it right after :func:`~megarl.plan.placement.create_pools`,
    before any worker takes its share of the bundles.
 2. :func:`engine_gpus` (pure): from that probe and the plan's engines
-   (:attr:`~megarl.controller.placement.PlacementPlan.engines`), one :class:`EngineGpus` per engine:
+   (:attr:`~megarl.plan.placement.PlacementPlan.engines`), one :class:`EngineGpus` per engine:
    per node its GPU ids in TP order, the ``CUDA_VISIBLE_DEVICES`` of its server, ``base_gpu_id`` /
    ``gpu_id_step``, and for an engine spanning nodes ``nnodes``, each node's ``node_rank`` and
    ``dist_init_addr``. :func:`planned_bundle_gpus` gives the probe result the plan implies (no Ray),
@@ -41,7 +41,7 @@ which work the same way here).
 An engine spanning nodes takes the same number of consecutive TP ranks on every node (SGLang
 splits ``tp_size`` evenly: ``tp_per_node = tp_size / nnodes``), node_rank 0 first; each node's
 server gets its own GPUs as above and ``--nnodes/--node-rank/--dist-init-addr`` (node 0's IP). The
-plan (:func:`~megarl.controller.placement.plan_placement`) lets an engine span whole nodes of equal
+plan (:func:`~megarl.plan.placement.plan_placement`) lets an engine span whole nodes of equal
 size only; the run starts one server per node (:func:`megarl.controller.build.start_engine_servers`):
 node_rank 0 serves SGLang's API, the others their TP ranks and a ``/health`` of their own.
 """
@@ -54,7 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.controller.placement import GLOBAL_POOL, EnginePlacement, PlacementPlan, ResourcePool
+from megarl.plan.placement import GLOBAL_POOL, EnginePlacement, PlacementPlan, ResourcePool
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 NODES_KEYS = "trainer.n_gpus_per_node / actor_rollout_ref.rollout.pool_nodes"

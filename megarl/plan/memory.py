@@ -1,0 +1,431 @@
+"""The memory model: what each GPU of a run holds in each phase (bytes), from the config and the model's sizes.
+
+Pure arithmetic (no Ray, no GPU, no weights); :func:`megarl.plan.preflight.plan_run` runs it with the weight
+sync's buffers from :mod:`megarl.plan.weight_sync`. The formulas of its activations and micro-batches are in
+:mod:`megarl.plan.activations`.
+
+What one GPU holds (bytes; ``n`` = parameters of the role on that rank, counted from the family's
+weight rules: TP-split tensors divided by ``tp``, the vocabulary padded as megarl pads it, the
+embedding on the first pipeline stage, the final norm and LM head on the last; a tied embedding is
+copied onto the last stage when ``pp > 1``, as Megatron does):
+
+- **weights**: ``n × bytes(model.dtype)`` (Megatron DDP's parameter buffer).
+- **grads**: ``4 n`` (Megatron DDP's gradient buffer with ``grad_reduce_in_fp32``).
+- **optimizer** (Adam): fp32 main weights (16-bit models only) + ``m`` + ``v``: ``12 n`` (``8 n`` for
+  fp32 models), divided by ``dp × cp`` with the distributed optimizer; a mixture-of-experts model's expert
+  parameters by the expert-data-parallel size ``tp × cp × dp / (etp × ep)`` instead (Megatron shards each
+  kind over its own data-parallel group). The main weights are allocated when the optimizer is built, ``m``
+  and ``v`` at its first step.
+- **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on.
+- **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
+- **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
+  hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank: divided by ``cp``), per layer:
+  no recompute ``T h (10 + 24/t) + 5 a s T / t`` (``34 T h / t + 5 a s T / t`` with sequence
+  parallelism), selective ``T h (10 + 24/t)`` (``34 T h / t``), full ``2 T h`` (``2 T h / t``) per
+  block of ``recompute_num_layers`` layers, plus one block rematerialised at the selective size
+  during its backward. Times the model chunks in flight on the stage under 1F1B: ``pp − r``
+  micro-batches of ``L/pp`` layers on stage ``r``; interleaved, ``2(pp − r − 1) + (vpp − 1) pp + 1``
+  chunks of ``L/(pp vpp)`` layers (Megatron's warm-up count + 1), at most all micro-batches.
+  The scores term ``5 a s T / t`` is left out (:data:`FUSED_ATTENTION`): TransformerEngine's fused
+  attention stores none, so without recompute a layer keeps what selective recompute keeps.
+  A mixture-of-experts layer (:func:`moe_layer_activation_bytes`, an estimate for balanced routing) keeps
+  instead of the dense MLP's ``16 T h / t``: the router's fp32 scores (``8 E`` bytes per token) and, for each
+  of the ``k`` copies of a token routed to an expert, the expert's input, its gate/up output and down input
+  (``6 f_e / etp``) and output; the rank holding ``T_r`` tokens (``T / t`` with sequence parallelism) computes
+  ``T_r × k × etp`` copies (its expert-tensor group's tokens). Plus, once per stage, the all-to-all's send and
+  receive buffers of the permuted tokens (``2 × T_r k h × 2`` bytes) while a layer dispatches.
+- **micro-batch tokens** ``T`` (the worst case: every row ``S = P + R`` tokens; as
+  :func:`megarl.workers.micro.plan` groups rows and :mod:`megarl.parallel.pipeline` lays them out; ``(seg, total)``
+  = :func:`~megarl.parallel.packing.pack_alignment` of the role's cp, tp and sequence parallelism):
+  packed (``<role>.use_remove_padding``, THD) ``round_up(rows × round_up(S, seg), total)``, with a token budget
+  ``round_up(max(budget × cp, round_up(S, seg)), total)`` (the budget is per GPU, a pack spans ``cp`` GPUs; a
+  longer row goes alone), ``s = round_up(S, seg)``; padded ``rows × round_up(S, total)``, with a budget
+  ``max(budget × cp, rows × round_up(S, total))`` for ``rows = max(budget × cp // S, 1)``, ``s = round_up(S, total)``.
+  Under PP every micro-batch of a call takes the largest one's shape: this worst case.
+- **logits** (last stage): ``T × V_padded/t × 14`` bytes: the bf16 logits (2) and, inside
+  ``megarl.parallel.logprob``, the fp32 scaled logits (4), their exponentials (4) and ``exp·z`` (4).
+- **engine weights**: the model in ``rollout.dtype`` sharded over the engine's TP (vocabulary padded
+  as SGLang pads it; KV heads replicated when engine TP exceeds them). A mixture-of-experts model: every
+  engine GPU holds every expert, its FFN split over the engine's TP (SGLang without ``--ep-size``; megarl
+  starts its engines without expert parallelism).
+- **KV cache**: SGLang sizes its pool when it starts: ``gpu_memory_utilization × GPU − memory in
+  use on the GPU`` (its own weights and context, and whatever the colocated trainer already holds:
+  the trainer starts the engines after building the actor, reference and critic). One token takes
+  ``2 × layers × kv_heads/tp × head_dim × bytes`` per engine GPU. The hf engine reserves nothing:
+  its cache grows to its share of the batch, ``rows × (P + R)`` tokens.
+- **weight-sync buffers** (during the sync; :mod:`megarl.plan.weight_sync` says what they are): the bucket buffers
+  on every actor rank and the gather scratch, or the buffer a ``distributed`` engine receives each bucket into.
+- **CUDA contexts**: :data:`CUDA_CONTEXT_BYTES` per process on the GPU (actor, critic, engine rank).
+
+Phases (colocated; what the trainer holds on the GPU in each, steady state):
+
+- ``rollout``: the engine (weights + KV) + the training state that is not offloaded
+  (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; the reference's weights with
+  ``ref.param_offload``, as ``ActorWorker.offload`` does).
+- ``log-probs``: everything onloaded + the forward's logits and one layer's activations; the engine
+  too unless ``free_cache_engine``. ``values`` / ``update critic`` / ``update actor`` likewise.
+- ``weight sync``: everything onloaded (the actor is offloaded after the sync), the engines resumed
+  (weights and KV cache), plus the sync buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from megarl.config.parallel import ParallelDims
+from megarl.config.schema import RunConfig
+from megarl.models.sizes import Architecture
+from megarl.parallel.packing import pack_alignment
+from megarl.plan.activations import (
+    MicroBatch,
+    activation_bytes_per_layer,
+    chunks_in_flight,
+    micro_batch,
+    moe_layer_activation_bytes,
+)
+from megarl.plan.placement import PlacementPlan, megatron_coordinates
+from megarl.plan.report import ROWS
+
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = GiB // 2
+"""CUDA context, cuBLAS workspace and NCCL buffers of one process on a GPU (a round estimate)."""
+FUSED_ATTENTION = True
+"""Plan for fused (flash) attention, which stores no attention scores: on GPU megarl builds TransformerEngine
+layers (the ``gpu`` extra). False plans the local layer spec's unfused attention (Korthikanti's ``5 a s T / t``)."""
+LOGITS_BYTES_PER_ELEMENT = 14
+"""Peak bytes per logit element while log-probs are computed (bf16 logits + three fp32 temporaries)."""
+ARR = "actor_rollout_ref"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """What one kind of GPU holds: the rows (bytes) and each phase's total."""
+
+    label: str
+    pool: str
+    gpus: tuple[int, ...]
+    nodes: tuple[int, ...]
+    rows: dict[str, int]
+    parts: dict[str, dict[str, int]]
+    """Phase -> the rows it holds on this GPU (bytes each)."""
+    kv_tokens: int | None = None
+    """Tokens the engine's KV cache holds (SGLang: its pool; hf: its share of the batch); None: no engine."""
+    engine: str | None = None
+    """``sglang`` or ``hf`` when an engine runs here."""
+    in_use_at_engine_start: int = 0
+    """Bytes the trainer (and CUDA contexts) already hold here when the engines start."""
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Phase -> bytes held on this GPU."""
+        return {name: sum(parts.values()) for name, parts in self.parts.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p])
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.peak_phase]
+
+
+
+class MemoryModel:
+    """Computes each GPU's rows and phases for one config (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
+                 placement: PlacementPlan, memory: int):
+        self.cfg, self.model, self.critic_model = cfg, model, critic_model
+        self.placement, self.memory = placement, memory
+        arr = cfg.actor_rollout_ref
+        self.arr = arr
+        self.dtype_bytes = DTYPE_BYTES[arr.model.dtype]
+        self.engine_bytes = DTYPE_BYTES[arr.rollout.dtype]
+        prompt_length, response_length = cfg.rollout_widths()
+        self.seq = prompt_length + response_length
+        self.max_seq = min(arr.rollout.max_model_len or self.seq, self.seq)
+        self.actor_dims: ParallelDims = placement.role("actor").dims
+        self.critic_dims: ParallelDims | None = placement.role("critic").dims if critic_model else None
+        self.engine_tp = placement.engines[0].tp
+        self.colocated = placement.colocated
+
+    # ------------------------------------------------------------------------- training state
+    def _state(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, *, value_head: bool,
+               optim) -> dict[str, int]:
+        counts = sizes.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
+                                         etp=dims.expert_tp, value_head=value_head)
+        n = counts.total
+        sixteen_bit = self.dtype_bytes == 2
+        distributed = optim.use_distributed_optimizer
+        # The distributed optimizer shards dense parameters over DP x CP, experts over their own replicas.
+        shards, expert_shards = (dims.dp * dims.cp, dims.expert_dp) if distributed else (1, 1)
+
+        def sharded(per_param: int) -> int:
+            return math.ceil(counts.dense * per_param / shards) + math.ceil(counts.experts * per_param / expert_shards)
+
+        return {"weights": n * self.dtype_bytes, "grads": 4 * n,
+                "optimizer": sharded(12 if sixteen_bit else 8), "optimizer_at_start": sharded(4 if sixteen_bit else 0)}
+
+    def _actor_micro(self) -> tuple[MicroBatch, MicroBatch]:
+        """(update micro-batch, largest log-prob forward micro-batch) of the actor, per CP rank."""
+        arr, dims = self.arr, self.actor_dims
+        actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        packed = arr.model.use_remove_padding  # actor, reference and log-prob recompute alike
+        rows_per_rank = actor.ppo_mini_batch_size * rollout.n // dims.dp
+        update = self._micro(dims, packed, rows=actor.ppo_micro_batch_size_per_gpu, dynamic=actor.use_dynamic_bsz,
+                             budget=actor.ppo_max_token_len_per_gpu, rows_per_rank=rows_per_rank)
+        # The trainer's defaults: 16 rows when a micro-batch size is null.
+        forwards = [self._micro(dims, packed, rows=rollout.log_prob_micro_batch_size_per_gpu or 16,
+                                dynamic=rollout.log_prob_use_dynamic_bsz,
+                                budget=rollout.log_prob_max_token_len_per_gpu)]
+        if self.cfg.needs_ref:
+            forwards.append(self._micro(dims, packed, rows=ref.log_prob_micro_batch_size_per_gpu or 16,
+                                        dynamic=ref.log_prob_use_dynamic_bsz,
+                                        budget=ref.log_prob_max_token_len_per_gpu))
+        return update, max(forwards, key=lambda m: m.tokens)
+
+    def _micro(self, dims: ParallelDims, packed: bool, **kwargs) -> MicroBatch:
+        """:func:`micro_batch` of this run's sequences on a role's layout, per CP rank."""
+        align = pack_alignment(cp=dims.cp, tp=dims.tp, sequence_parallel=dims.sequence_parallel)
+        return _per_cp(micro_batch(seq=self.seq, packed=packed, cp=dims.cp, align=align, **kwargs), dims.cp)
+
+    def _layer_bytes(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, layer: int, *,
+                     sequence_parallel: bool, recompute: str | None) -> int:
+        """What layer ``layer`` keeps for its backward: dense, or a mixture of experts."""
+        kwargs = {"tokens": mb.tokens, "seq": mb.seq, "hidden": sizes.hidden, "heads": sizes.heads, "tp": dims.tp,
+                  "sequence_parallel": sequence_parallel, "recompute": recompute, "fused_attention": FUSED_ATTENTION}
+        if not (sizes.sparse and sizes.sparse[layer]):
+            return activation_bytes_per_layer(**kwargs)
+        return moe_layer_activation_bytes(**kwargs, experts=sizes.num_experts, topk=sizes.topk,
+                                          expert_ffn=sizes.moe_ffn, etp=dims.expert_tp)
+
+    def _dispatch_bytes(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, layers: list[int], *,
+                        sequence_parallel: bool) -> int:
+        """The all-to-all's send and receive buffers of one sparse layer's permuted tokens (bf16), when ``layers``
+        has a sparse one."""
+        if not any(sizes.sparse[layer] for layer in layers if sizes.sparse):
+            return 0
+        local = mb.tokens / dims.tp if sequence_parallel else mb.tokens
+        return math.ceil(2 * local * sizes.topk * sizes.hidden * 2)
+
+    def _forward_layer(self, sizes: Architecture, dims: ParallelDims, mb: MicroBatch, *,
+                       sequence_parallel: bool) -> int:
+        """A log-prob (or value) forward's working memory: its largest layer at the selective size."""
+        kwargs = {"sequence_parallel": sequence_parallel}
+        layers = list(range(sizes.num_layers))
+        return (max(self._layer_bytes(sizes, dims, mb, layer, recompute="selective", **kwargs) for layer in layers)
+                + self._dispatch_bytes(sizes, dims, mb, layers, **kwargs))
+
+    def _activations(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *,
+                     sequence_parallel: bool, recompute: str | None, block: int) -> int:
+        layers = sizes.stage_layers(dims.pp, pp_rank, dims.vpp)
+        per_chunk_layers = len(layers) // dims.num_virtual_stages
+        chunk_layers = [layers[i:i + per_chunk_layers] for i in range(0, len(layers), per_chunk_layers)]
+        chunks = chunks_in_flight(pp=dims.pp, vpp=dims.vpp, pp_rank=pp_rank, num_micro_batches=mb.count)
+        kwargs = {"sequence_parallel": sequence_parallel}
+        dispatch = self._dispatch_bytes(sizes, dims, mb, layers, **kwargs)
+        if recompute != "full":
+            per_chunk = max(sum(self._layer_bytes(sizes, dims, mb, layer, recompute=recompute, **kwargs)
+                                for layer in chunk) for chunk in chunk_layers)
+            return chunks * per_chunk + dispatch
+        block = min(block, per_chunk_layers)
+        stored = chunks * math.ceil(per_chunk_layers / block) * self._layer_bytes(sizes, dims, mb, layers[0],
+                                                                                  recompute="full", **kwargs)
+        rematerialised = max(self._layer_bytes(sizes, dims, mb, layer, recompute="selective", **kwargs)
+                             for layer in layers)
+        return stored + block * rematerialised + dispatch
+
+    def _logits(self, mb: MicroBatch, tp: int) -> int:
+        vocab = self.model.family.padded_vocab_size(self.model.hf_config, tp)
+        return mb.tokens * (vocab // tp) * LOGITS_BYTES_PER_ELEMENT
+
+    def _actor_rows(self, bundle: int) -> dict[str, int]:
+        m, dims, arr = self.model, self.actor_dims, self.arr
+        _, _, _, pp_rank = megatron_coordinates(bundle, dims)
+        last = pp_rank == dims.pp - 1
+        state = self._state(m, dims, pp_rank, value_head=False, optim=arr.actor.optim)
+        update, forward = self._actor_micro()
+        sp = arr.actor.parallel.sequence_parallel
+        rows = {"actor_weights": state["weights"], "actor_grads": state["grads"],
+                "actor_optimizer": state["optimizer"],
+                "ref_weights": state["weights"] if self.cfg.needs_ref else 0,
+                "activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
+                                                 recompute=arr.actor.recompute_granularity,
+                                                 block=arr.actor.recompute_num_layers),
+                "logits": self._logits(update, dims.tp) if last else 0,
+                "forward": self._forward_layer(m, dims, forward, sequence_parallel=sp)
+                + (self._logits(forward, dims.tp) if last else 0)}
+        at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
+        return rows | {"_at_start": at_start}
+
+    def _critic_rows(self, bundle: int) -> dict[str, int]:
+        m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
+        _, _, _, pp_rank = megatron_coordinates(bundle, dims)
+        state = self._state(m, dims, pp_rank, value_head=True, optim=critic.optim)
+        rows_per_rank = critic.ppo_mini_batch_size * self.arr.rollout.n // dims.dp
+        packed = critic.use_remove_padding
+        update = self._micro(dims, packed, rows=critic.ppo_micro_batch_size_per_gpu, dynamic=critic.use_dynamic_bsz,
+                             budget=critic.ppo_max_token_len_per_gpu, rows_per_rank=rows_per_rank)
+        forward = self._micro(dims, packed, rows=critic.forward_micro_batch_size_per_gpu or 1,
+                              dynamic=critic.use_dynamic_bsz, budget=critic.ppo_max_token_len_per_gpu)
+        sp = critic.parallel.sequence_parallel
+        off = {"weights": critic.param_offload, "grads": critic.grad_offload, "optimizer": critic.optimizer_offload}
+        return {"critic_state": state["weights"] + state["grads"] + state["optimizer"],
+                "_critic_resident": sum(state[k] for k, flag in off.items() if not flag),
+                "critic_activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
+                                                        recompute=None, block=1),
+                "critic_forward": self._forward_layer(m, dims, forward, sequence_parallel=sp),
+                "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"]}
+
+    # ------------------------------------------------------------------------------- engines
+    def _engine_weights(self) -> int:
+        """Bytes of the engine's weights on one of its GPUs."""
+        m = self.model
+        if self.arr.rollout.name == "hf":
+            return m.num_params * self.engine_bytes
+        from megarl.models.family import sglang_padded_vocab
+
+        n = m.rank_params(tp=self.engine_tp, padded_vocab=sglang_padded_vocab(m.vocab, self.engine_tp))
+        return n * self.engine_bytes
+
+    def _hf_engine_kv(self) -> int:
+        rows = math.ceil(self.cfg.data.train_batch_size * self.arr.rollout.n / len(self.placement.engines))
+        return rows * self.seq * self.model.kv_bytes_per_token(1, self.engine_bytes)
+
+    # ----------------------------------------------------------------------------------- GPUs
+    def gpus(self, sync_buffers: dict[int, int], engine_buffer: int) -> tuple[GpuPlan, ...]:
+        """Each kind of GPU's rows and phases. ``sync_buffers``: each actor rank's weight-sync buffers (bytes, by
+        training-pool bundle); ``engine_buffer``: what a rollout-pool GPU receives a bucket into."""
+        per_gpu = self._base_rows(sync_buffers, engine_buffer)
+        kv = self._kv({(p, b): rows for p, b, _, rows in per_gpu})
+        engine_weights = self._engine_weights()
+        kv_bytes_per_token = self.model.kv_bytes_per_token(self.engine_tp, self.engine_bytes)
+        training_pool = self.placement.role("actor").pool
+        engine_gpus = {(e.pool, b): e.index for e in self.placement.engines for b in e.bundles}
+        plans = []
+        for pool_name, bundle, node, rows in per_gpu:
+            index = engine_gpus.get((pool_name, bundle))
+            at_start = rows["_at_start"] + rows["cuda_context"]
+            tokens = None
+            if index is not None:
+                rows["engine_weights"] = engine_weights
+                rows["kv_cache"] = max(kv[index], 0)
+                rows["cuda_context"] += CUDA_CONTEXT_BYTES
+                per_token = kv_bytes_per_token if self.arr.rollout.name == "sglang" else \
+                    self.model.kv_bytes_per_token(1, self.engine_bytes)
+                tokens = rows["kv_cache"] // per_token
+            label = self._label(pool_name, bundle, index)
+            plans.append((pool_name, bundle, node, label, rows,
+                          self._phases(rows, pool_name == training_pool), tokens,
+                          self.arr.rollout.name if index is not None else None, at_start))
+        return _group(plans)
+
+    def _base_rows(self, sync_buffers: dict[int, int],
+                   engine_buffer: int) -> list[tuple[str, int, int, dict[str, int]]]:
+        """``(pool, bundle, node, rows)`` of every GPU before the engines: the training state on the training
+        pool, the sync buffers everywhere."""
+        per_gpu: list[tuple[str, int, int, dict[str, int]]] = []
+        training_pool = self.placement.role("actor").pool
+        pool = self.placement.pools[training_pool]
+        for bundle in range(pool.size):
+            rows = {key: 0 for key in ROWS} | self._actor_rows(bundle)
+            if self.critic_model is not None:
+                critic = self._critic_rows(bundle)
+                rows |= {k: v for k, v in critic.items() if k != "_at_start"}
+                rows["_at_start"] += critic["_at_start"]
+            rows["sync_buffers"] = sync_buffers[bundle]
+            processes = 1 + (self.critic_model is not None)
+            rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
+            per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
+        if not self.colocated:
+            rollout_pool = self.placement.pools[self.placement.role("rollout").pool]
+            for bundle in range(rollout_pool.size):
+                rows = {key: 0 for key in ROWS} | {"_at_start": 0, "sync_buffers": engine_buffer}
+                per_gpu.append((rollout_pool.name, bundle, rollout_pool.node_of(bundle), rows))
+        return per_gpu
+
+    def _kv(self, by_key: dict[tuple[str, int], dict[str, int]]) -> dict[int, int]:
+        """Each engine's KV cache (bytes per GPU; below 0 when nothing is left for it)."""
+        engine_weights = self._engine_weights()
+        kv = {}
+        for engine in self.placement.engines:
+            if self.arr.rollout.name == "hf":
+                kv[engine.index] = self._hf_engine_kv()
+                continue
+            used = max(by_key[(engine.pool, b)]["_at_start"] + by_key[(engine.pool, b)]["cuda_context"]
+                       for b in engine.bundles)
+            fraction = self.arr.rollout.gpu_memory_utilization
+            kv[engine.index] = int(fraction * self.memory) - used - CUDA_CONTEXT_BYTES - engine_weights
+        return kv
+
+    def _label(self, pool_name: str, bundle: int, engine: int | None) -> str:
+        parts = []
+        if pool_name == self.placement.role("actor").pool:
+            dims = self.actor_dims
+            if dims.pp > 1:
+                role = "actor " if self.critic_dims is not None else ""
+                parts.append(f"{role}stage {megatron_coordinates(bundle, dims)[3]}")
+            if self.critic_dims is not None and self.critic_dims.pp > 1:
+                parts.append(f"critic stage {megatron_coordinates(bundle, self.critic_dims)[3]}")
+            if not parts:
+                parts.append("actor")
+        else:
+            parts.append("rollout pool")
+        if engine is not None:
+            parts.append("engine")
+        return ", ".join(parts)
+
+    def _phases(self, rows: dict[str, int], training: bool) -> dict[str, dict[str, int]]:
+        """Phase -> the rows it holds (bytes each); a phase's total is their sum."""
+        engine = {"engine_weights": rows["engine_weights"], "kv_cache": rows["kv_cache"]}
+        base = {"cuda_context": rows["cuda_context"]}
+        # The hf engine's cache lives only while it generates; SGLang's pool comes back with the weights.
+        resumed = engine if self.arr.rollout.name == "sglang" else {"engine_weights": rows["engine_weights"]}
+        if not training:
+            return {"rollout": base | engine,
+                    "weight sync": base | resumed | {"sync_buffers": rows["sync_buffers"]}}
+        arr = self.arr
+        actor = arr.actor
+        actor_full = {k: rows[k] for k in ("actor_weights", "actor_grads", "actor_optimizer")}
+        # The trainer offloads the reference's weights with ref.param_offload (ActorWorker.offload).
+        actor_resident = {"actor_weights": 0 if actor.param_offload else rows["actor_weights"],
+                          "actor_grads": 0 if actor.grad_offload else rows["actor_grads"],
+                          "actor_optimizer": 0 if actor.optimizer_offload else rows["actor_optimizer"],
+                          "ref_weights": 0 if arr.ref.param_offload else rows["ref_weights"]}
+        critic_full = {"critic_state": rows["critic_state"]}
+        critic_resident = {"critic_state": rows.get("_critic_resident", 0)}
+        kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}
+        onloaded = base | actor_full | {"ref_weights": rows["ref_weights"]}
+        phases = {"rollout": base | actor_resident | critic_resident | engine,
+                  "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}
+        if self.critic_model is not None:
+            phases["values"] = onloaded | critic_full | kept | {"critic_forward": rows["critic_forward"]}
+            phases["update critic"] = onloaded | critic_full | kept | {"critic_activations": rows["critic_activations"]}
+        phases["update actor"] = onloaded | critic_resident | kept | {"activations": rows["activations"],
+                                                                       "logits": rows["logits"]}
+        phases["weight sync"] = onloaded | critic_resident | resumed | {"sync_buffers": rows["sync_buffers"]}
+        return {name: {k: v for k, v in parts.items() if v} for name, parts in phases.items()}
+
+
+def _per_cp(mb: MicroBatch, cp: int) -> MicroBatch:
+    """One CP rank's share: the aligned tokens and sequence divided by ``cp``."""
+    return MicroBatch(math.ceil(mb.tokens / cp), math.ceil(mb.seq / cp), mb.count)
+
+
+def _group(plans) -> tuple[GpuPlan, ...]:
+    """GPUs with the same label, rows and phases, as one :class:`GpuPlan` each (first GPU order)."""
+    groups: dict[Any, list] = {}
+    for pool_name, bundle, node, label, rows, phases, tokens, engine, at_start in plans:
+        public = {k: v for k, v in rows.items() if not k.startswith("_")}
+        key = (pool_name, label, tuple(sorted(public.items())), repr(phases), tokens, at_start)
+        groups.setdefault(key, []).append((bundle, node, public, phases, tokens, engine, at_start))
+    out = []
+    for (pool_name, label, *_), members in groups.items():
+        _, _, rows, phases, tokens, engine, at_start = members[0]
+        out.append(GpuPlan(label, pool_name, tuple(m[0] for m in members), tuple(sorted({m[1] for m in members})),
+                           rows, phases, tokens, engine, at_start))
+    return tuple(out)

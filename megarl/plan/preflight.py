@@ -1,0 +1,128 @@
+"""The pre-flight plan of a run: where every rank and engine runs, what each GPU holds in each phase, and the
+weight sync and all-to-all traffic per step.
+
+Pure arithmetic on the config and the model's sizes (no Ray, no GPU, no weights): ``megarl-plan`` prints it
+(:meth:`RunPlan.report`), and :func:`preflight` lets the trainer refuse a run before placing anything. Its
+parts: the placement (:mod:`megarl.plan.placement`), the memory model (:mod:`megarl.plan.memory`), the weight
+sync (:mod:`megarl.plan.weight_sync`), the all-to-all (:mod:`megarl.plan.all_to_all`); its text (the report,
+the refusal messages) is :mod:`megarl.plan.report`, which imports none of them.
+
+A plan that does not fit (a phase above ``trainer.gpu_memory_gb``, or an SGLang engine left with
+KV room for less than one sequence) raises ``ValueError`` naming the settings that would help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.config.schema import RunConfig
+from megarl.models.sizes import Architecture, architecture_for
+from megarl.plan.all_to_all import AllToAllPlan, plan_all_to_all
+from megarl.plan.memory import GiB, GpuPlan, MemoryModel
+from megarl.plan.placement import PlacementPlan, placement_for
+from megarl.plan.report import format_report, kv_problem, overflow_problem
+from megarl.plan.weight_sync import SyncPlan, plan_weight_sync
+
+ARR = "actor_rollout_ref"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The pre-flight plan of a run: placement, memory per kind of GPU, weight-sync volume."""
+
+    cfg: RunConfig
+    model: Architecture
+    critic_model: Architecture | None
+    placement: PlacementPlan
+    gpu_memory_bytes: int
+    gpus: tuple[GpuPlan, ...]
+    sync: SyncPlan
+    max_seq: int
+    all_to_all: AllToAllPlan | None = None
+    """The actor's expert-parallel all-to-all per step (None: a dense model)."""
+
+    @property
+    def worst(self) -> GpuPlan:
+        """The kind of GPU with the highest phase peak."""
+        return max(self.gpus, key=lambda g: g.peak)
+
+    def problems(self) -> list[str]:
+        """Why the run does not fit (empty when it does), each naming the settings that would help."""
+        out = []
+        worst = self.worst
+        if worst.peak > self.gpu_memory_bytes:
+            out.append(overflow_problem(self, worst))
+        for gpu in self.gpus:
+            if gpu.engine == "sglang" and (gpu.kv_tokens or 0) < self.max_seq:
+                out.append(kv_problem(self, gpu))
+                break
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the keys to change when the run does not fit."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+
+    def report(self) -> str:
+        """The printable plan (placement, memory table, phase peaks, weight-sync volume)."""
+        return format_report(self)
+
+
+def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool = True) -> RunPlan:
+    """The pre-flight plan of ``cfg``; with ``check``, raise ``ValueError`` (naming keys) when it does not fit.
+
+    ``cfg`` comes validated from :func:`megarl.config.load_config`. Refuses first what does not factor: the placement, and the
+    model's heads and layers against each layout. ``gpu_memory_gb``: GiB per GPU, default
+    ``trainer.gpu_memory_gb``.
+    """
+    arr = cfg.actor_rollout_ref
+    model = architecture_for(arr.model.path, key=f"{ARR}.model.path")
+    critic_model = None
+    if cfg.critic.enable:
+        critic_model = model if cfg.critic.model_path is None else architecture_for(cfg.critic.model_path,
+                                                                               key="critic.model_path")
+    placement = placement_for(cfg)
+    _check_model_layouts(cfg, model, critic_model, placement)
+    memory = int((gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb) * GiB)
+    sync = plan_weight_sync(cfg, model, placement)
+    memory_model = MemoryModel(cfg, model, critic_model, placement, memory)
+    plan = RunPlan(cfg, model, critic_model, placement, memory, memory_model.gpus(sync.actor, sync.engine),
+                   sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement))
+    if check:
+        plan.check()
+    return plan
+
+
+def preflight(cfg: RunConfig) -> RunPlan | None:
+    """The trainer's check before placing anything: the plan of a cuda run (raises when it does not fit);
+    None on cpu, where there is no device memory to plan."""
+    if cfg.trainer.device == "cpu":
+        return None
+    return plan_run(cfg)
+
+
+def _check_model_layouts(cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
+                         placement: PlacementPlan) -> None:
+    roles = [(f"{ARR}.actor.", placement.role("actor").dims, model)]
+    if critic_model is not None:
+        roles.append(("critic.", placement.role("critic").dims, critic_model))
+    for prefix, dims, sizes in roles:
+        try:
+            dims.check_model(num_layers=sizes.num_layers, num_attention_heads=sizes.heads,
+                             num_query_groups=sizes.kv_heads, num_experts=sizes.num_experts or None,
+                             expert_ffn=sizes.moe_ffn or None)
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from error
+    engine_tp = placement.engines[0].tp
+    if model.heads % engine_tp:
+        raise ValueError(f"{ARR}.rollout.tensor_model_parallel_size={engine_tp} does not divide the model's "
+                         f"{model.heads} attention heads: choose a divisor of {model.heads}")
+    if model.is_moe and model.moe_ffn % engine_tp:
+        raise ValueError(f"{ARR}.rollout.tensor_model_parallel_size={engine_tp} does not divide the experts' FFN size "
+                         f"{model.moe_ffn} (an engine splits every expert over its TP ranks): choose a divisor of "
+                         f"{model.moe_ffn}")
