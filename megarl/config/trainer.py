@@ -67,6 +67,9 @@ class TrainerConfig:
     """Memory of one GPU in GiB (2^30 bytes), with ``device=cuda``: what ``megarl-plan`` and the trainer's
     pre-flight check (``megarl.plan.preflight``) plan against. An "80 GB" A100/H100 has 80 GiB of HBM, of
     which CUDA reports about 79.2 as usable; set less to keep headroom."""
+    host_memory_gb: float | None = None
+    """Memory of the driver's machine in GiB, which holds every step's batch: what ``megarl-plan`` and the
+    pre-flight check plan a step's trajectories against. None: the physical memory of the machine that plans."""
     links: LinksConfig = dataclasses.field(default_factory=LinksConfig)
     """Bandwidths of the GPUs' links, with ``device=cuda``: what ``megarl-plan`` estimates the weight sync from."""
     seed: int = 1
@@ -122,6 +125,7 @@ class TrainerConfig:
         check_positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
         check_positive("trainer.n_cpu_ranks", self.n_cpu_ranks)
         check_positive("trainer.gpu_memory_gb", self.gpu_memory_gb)
+        check_positive("trainer.host_memory_gb", self.host_memory_gb, allow_none=True)
         check_choice("trainer.resume_mode", self.resume_mode, RESUME_MODES)
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

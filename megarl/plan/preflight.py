@@ -14,16 +14,19 @@ KV room for less than one sequence) raises ``ValueError`` naming the settings th
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.plan.all_to_all import AllToAllPlan, plan_all_to_all
 from megarl.plan.memory import GiB, GpuPlan, MemoryModel
 from megarl.plan.placement import PlacementPlan, placement_for
-from megarl.plan.report import format_report, kv_problem, overflow_problem
+from megarl.plan.report import format_report, host_problem, kv_problem, overflow_problem
 from megarl.plan.weight_sync import SyncPlan, plan_weight_sync
 
 ARR = "actor_rollout_ref"
+TOKEN_ID_BYTES = 8
+"""A token id on the driver (int64, as the rollout's batches hold them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,19 @@ class RunPlan:
     max_seq: int
     all_to_all: AllToAllPlan | None = None
     """The actor's expert-parallel all-to-all per step (None: a dense model)."""
+    host_memory_bytes: int = 0
+    """The driver machine's memory (``trainer.host_memory_gb``)."""
+
+    @property
+    def trajectories(self) -> int:
+        """Trajectories per step: ``data.train_batch_size`` prompts × ``rollout.n`` samples."""
+        return self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+
+    @property
+    def batch_bytes_at_least(self) -> int:
+        """A lower bound of a step's batch on the driver: its token ids alone (int64, up to ``max_seq`` each); the
+        masks, log-probs, advantages and the rest come on top."""
+        return self.trajectories * self.max_seq * TOKEN_ID_BYTES
 
     @property
     def worst(self) -> GpuPlan:
@@ -56,6 +72,8 @@ class RunPlan:
             if gpu.engine == "sglang" and (gpu.kv_tokens or 0) < self.max_seq:
                 out.append(kv_problem(self, gpu))
                 break
+        if self.batch_bytes_at_least > self.host_memory_bytes:
+            out.append(host_problem(self))
         return out
 
     @property
@@ -92,10 +110,17 @@ def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool 
     sync = plan_weight_sync(cfg, model, placement)
     memory_model = MemoryModel(cfg, model, critic_model, placement, memory)
     plan = RunPlan(cfg, model, critic_model, placement, memory, memory_model.gpus(sync.actor, sync.engine),
-                   sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement))
+                   sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement), host_memory_bytes(cfg))
     if check:
         plan.check()
     return plan
+
+
+def host_memory_bytes(cfg: RunConfig) -> int:
+    """``trainer.host_memory_gb`` in bytes; unset, this machine's physical memory."""
+    if cfg.trainer.host_memory_gb is not None:
+        return int(cfg.trainer.host_memory_gb * GiB)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def preflight(cfg: RunConfig) -> RunPlan | None:

@@ -312,6 +312,8 @@ def format_report(plan: RunPlan) -> str:
         lines += a2a + [""]
     problems = plan.problems()
     worst = plan.worst
+    lines.append(f"driver: a step's {plan.trajectories:,} trajectories of up to {plan.max_seq:,} tokens take at least "
+                 f"{_gib(plan.batch_bytes_at_least)} GiB (token ids alone) of its {_gib(plan.host_memory_bytes)} GiB")
     if problems:
         lines.append("DOES NOT FIT:")
         lines += [f"  {p}" for p in problems]
@@ -398,6 +400,15 @@ def overflow_problem(plan: RunPlan, gpu: GpuPlan) -> str:
     return (f"GPUs {ranges(gpu.gpus)} ({gpu.label}) need {_gib(gpu.peak)} GiB in the {phase} phase, "
             f"{_gib(over)} GiB more than trainer.gpu_memory_gb={plan.gpu_memory_bytes / GiB:g}. Largest parts: "
             + "; ".join(advice))
+
+
+def host_problem(plan: RunPlan) -> str:
+    """The message for a step's batch that cannot fit in the driver's memory."""
+    return (f"a step's {plan.trajectories:,} trajectories (data.train_batch_size={plan.cfg.data.train_batch_size} x "
+            f"{ARR}.rollout.n={plan.cfg.actor_rollout_ref.rollout.n}) of up to {plan.max_seq:,} tokens take at least "
+            f"{_gib(plan.batch_bytes_at_least)} GiB on the driver (their token ids alone), more than its "
+            f"{_gib(plan.host_memory_bytes)} GiB (trainer.host_memory_gb): lower data.train_batch_size, "
+            f"{ARR}.rollout.n or data.max_response_length")
 
 
 def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:

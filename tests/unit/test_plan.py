@@ -700,3 +700,21 @@ def test_30b_a3b_on_one_node_is_refused_naming_the_keys(capsys):
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.parallel\.tp=2 on a mixture-of-experts model "
                                          r"needs parallel\.sequence_parallel=true"):
         plan_run(load_config(["recipe=qwen3_30b_a3b_grpo", "actor_rollout_ref.actor.parallel.sequence_parallel=false"]))
+
+
+def test_a_step_larger_than_the_drivers_memory_does_not_fit(plan_7b):
+    """Issue 31: megarl-plan said "fits" for 10^16 trajectories per step. A step's batch lives on the driver; its
+    token ids alone (int64, prompt + response) bound it from below."""
+    rows = 512 * 4  # data.train_batch_size x rollout.n of the recipe
+    assert plan_7b.trajectories == rows and plan_7b.batch_bytes_at_least == rows * SEQ * 8
+    assert "driver: a step's 2,048 trajectories of up to 3,072 tokens take at least 0.05 GiB" in plan_7b.report()
+    huge = ["recipe=qwen2_5_7b_grpo", "data.train_batch_size=1000000000000000", "actor_rollout_ref.rollout.n=10",
+            "trainer.host_memory_gb=1024"]
+    with pytest.raises(ValueError, match=r"a step's 10,000,000,000,000,000 trajectories .* take at least "
+                                         r"228881835937.50 GiB on the driver .* more than its 1024.00 GiB "
+                                         r"\(trainer.host_memory_gb\): lower data.train_batch_size"):
+        plan_run(load_config(huge))
+    # Just above and just below the line: 2,048 rows x 3,072 tokens x 8 bytes = 0.046875 GiB.
+    with pytest.raises(ValueError, match="trainer.host_memory_gb"):
+        plan_run(load_config(["recipe=qwen2_5_7b_grpo", "trainer.host_memory_gb=0.046"]))
+    assert plan_run(load_config(["recipe=qwen2_5_7b_grpo", "trainer.host_memory_gb=0.047"])).fits
