@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.parallel import cpu_support
+from megarl.parallel.net import RENDEZVOUS_FILE_VARIABLE
 from megarl.seeds import stage_seed
 
 
@@ -78,7 +79,8 @@ def default_backend() -> str:
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_*).
+    """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_*, or
+    ``MEGARL_RENDEZVOUS_FILE`` for ranks on one machine: a file store instead of a TCP one).
 
     A no-op when it is already initialised. ``nccl`` becomes :data:`MIXED_BACKEND`. On GPU it also selects
     ``LOCAL_RANK``'s device.
@@ -88,7 +90,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) ->
     backend = backend or default_backend()
     if backend == "nccl":
         backend = MIXED_BACKEND
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    rendezvous_file = os.environ.get(RENDEZVOUS_FILE_VARIABLE)
+    for var in ("RANK", "WORLD_SIZE") if rendezvous_file else ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise ValueError(
                 f"environment variable {var} is not set: start the process with torchrun, Ray "
@@ -96,7 +99,12 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) ->
             )
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rendezvous_file:  # ranks on one machine: a file store, nothing listening
+        dist.init_process_group(backend=backend, init_method=f"file://{rendezvous_file}", timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_parallel(

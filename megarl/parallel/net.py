@@ -8,6 +8,11 @@ from __future__ import annotations
 import socket
 
 
+RENDEZVOUS_FILE_VARIABLE = "MEGARL_RENDEZVOUS_FILE"
+"""Set by a worker group whose ranks share one machine: the file its ranks meet through
+(:func:`megarl.parallel.groups.init_distributed`), so no TCP store listens for it."""
+
+
 def node_ip() -> str:
     """This node's IP as Ray reports it when Ray is up (what other nodes reach), else the hostname's address."""
     try:

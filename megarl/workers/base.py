@@ -14,7 +14,7 @@ import os
 import time
 
 from megarl.config.parallel import Coordinates
-from megarl.parallel.net import free_port, node_ip
+from megarl.parallel.net import RENDEZVOUS_FILE_VARIABLE, free_port, node_ip
 
 
 def busy(method):
@@ -63,18 +63,23 @@ class Worker:
         return ip, free_port()
 
     def setup_env(self, *, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
-                  local_world_size: int = 1, visible_devices: str | None = None) -> None:
+                  local_world_size: int = 1, visible_devices: str | None = None,
+                  rendezvous_file: str | None = None) -> None:
         """Set this rank's distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*) and pin threads.
 
         ``visible_devices``: the node's GPU ids of this group in local-rank order; it becomes
         ``CUDA_VISIBLE_DEVICES`` so that ``LOCAL_RANK`` selects this rank's own GPU and NCCL
         sees its node peers (Ray alone would show each process only its own GPU).
+        ``rendezvous_file``: a group on one machine meets through this file instead of a TCP store (which listens
+        on every interface whatever its address), and gloo binds to loopback (``GLOO_SOCKET_IFNAME=lo``).
         """
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
                            "LOCAL_WORLD_SIZE": str(local_world_size),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if rendezvous_file is not None:
+            os.environ.update({RENDEZVOUS_FILE_VARIABLE: rendezvous_file, "GLOO_SOCKET_IFNAME": "lo"})
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         import torch

@@ -42,16 +42,20 @@ may still be blocked in a collective; :meth:`shutdown` kills them.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
+import tempfile
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from megarl.config.parallel import Coordinates
 from megarl.data import Batch
+from megarl.parallel.net import node_ip
 from megarl.workers.base import Worker
 
 R = TypeVar("R")
@@ -152,6 +156,12 @@ class WorkerGroup:
         by_node: dict[str, list[int]] = defaultdict(list)
         for rank, info in enumerate(infos):
             by_node[info["ip"]].append(rank)
+        # Ranks all on this (the driver's) machine meet through a file, which shutdown removes: a TCP store would
+        # listen on every interface whatever its address.
+        rendezvous_file = None
+        if set(by_node) == {node_ip()}:
+            rendezvous_file = os.path.join(tempfile.gettempdir(), f"megarl_rendezvous_{uuid.uuid4().hex}")
+        self.rendezvous_file = rendezvous_file
         per_rank = []
         for rank, info in enumerate(infos):
             peers = by_node[info["ip"]]
@@ -163,7 +173,8 @@ class WorkerGroup:
                 visible = ",".join(ids + extra)
             per_rank.append(((), dict(
                 rank=rank, world_size=self.world_size, local_rank=peers.index(rank), local_world_size=len(peers),
-                master_addr=master_addr, master_port=master_port, visible_devices=visible)))
+                master_addr=master_addr, master_port=master_port, visible_devices=visible,
+                rendezvous_file=rendezvous_file)))
         self.call_ranks(per_rank, Worker.setup_env, timeout_s=timeout_s)
         self.node_infos = infos
         self.master_address = (master_addr, master_port)
@@ -385,6 +396,9 @@ class WorkerGroup:
             except Exception:  # already dead
                 pass
         self._actors = []
+        if getattr(self, "rendezvous_file", None):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.rendezvous_file)
 
     def __repr__(self) -> str:
         return f"WorkerGroup(role={self.role!r}, world_size={self.world_size}, pool={self.pool!r}, pid={os.getpid()})"

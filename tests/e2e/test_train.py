@@ -558,6 +558,13 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         listening = {(c.laddr.ip, c.laddr.port) for pid in pids for c in psutil.Process(pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN}
         assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+        # The training ranks meet through a file, not a TCP store (which listens on every interface): each rank
+        # listens beyond loopback only with Ray's own worker server.
+        for info in trainer.roles.actor.node_infos:
+            wide = [c.laddr for c in psutil.Process(info["pid"]).net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "::1")]
+            assert len(wide) == 1, (info, wide)
+        assert trainer.roles.actor.rendezvous_file and os.path.exists(trainer.roles.actor.rendezvous_file)
         assert all(engine.url.startswith("http://127.0.0.1:") for engine in trainer.roles.engines)
         generator, manager = trainer.rollout_manager.generator, trainer.rollout_manager
         original, generate, killed = generator.generate_batch, manager.generate, []
