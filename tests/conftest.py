@@ -1,4 +1,5 @@
-"""Test-wide settings: one torch thread per process, GPU tests skipped without a GPU."""
+"""Test-wide settings: one torch thread per process, GPU tests skipped without a GPU, the process's event loop held
+for the session (the engine clients' sessions and their synchronous callers run on it)."""
 
 import os
 
@@ -18,3 +19,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def event_loop_thread():
+    """The process's one event loop (megarl.rollout.event_loop), held for the whole session; a trainer built in a
+    test holds it too, and the last holder's release stops it."""
+    from megarl.rollout import event_loop
+
+    with event_loop.holding() as loop:
+        yield loop

@@ -90,17 +90,11 @@ def engine_servers(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, 
 
 
 def close_clients(clients: Sequence[EngineClient]) -> None:
-    """Close the HTTP sessions the clients opened, on whichever event loop each was opened (best effort:
-    a loop that is closed, or running on this thread, keeps its session to the garbage collector)."""
+    """Close the HTTP sessions the clients opened, on the event loop each was opened on (best effort: a session on
+    a closed loop, or on the loop running this thread, is left to the garbage collector)."""
     for client in clients:
-        for loop, session in list(client._sessions.items()):
-            if session.closed or loop.is_closed() or loop is asyncio._get_running_loop():
-                continue
-            with contextlib.suppress(Exception):
-                if loop.is_running():  # another thread's loop, e.g. run_sync's
-                    asyncio.run_coroutine_threadsafe(session.close(), loop).result(5)
-                else:
-                    loop.run_until_complete(session.close())
+        with contextlib.suppress(Exception):
+            client.close_sync(5)
 
 
 # ------------------------------------------------------------------------------------ waiting on an engine's state

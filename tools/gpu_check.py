@@ -273,7 +273,7 @@ class Context:
 
     def stop_engine(self) -> None:
         if self.client is not None:
-            self.client.close_all()
+            self.client.close_sync()
             self.client = None
         if self._server is not None:
             self._server.stop()
@@ -629,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
     import transformers
 
+    from megarl.rollout import event_loop
+
     start = time.perf_counter()
     init_process_group()
     recorder.record("env", True, 0.0, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -636,12 +638,14 @@ def main(argv: list[str] | None = None) -> int:
                     megatron_core=megatron.core.__version__, python=sys.version.split()[0], stages=args.stages,
                     shape=args.shape, mfu_shape=args.mfu_shape, dtype=str(DTYPE).removeprefix("torch."),
                     transformer_engine=importlib.util.find_spec("transformer_engine") is not None)
+    event_loop.hold()  # the engine client's calls run on it
     try:
         for name in args.stages:
             with recorder.stage(name) as out:
                 RUNNERS[name](ctx, out)
     finally:
         ctx.stop_engine()
+        event_loop.release()
     failed = [name for name in args.stages if not recorder.results.get(name)]
     recorder.record("summary", not failed, time.perf_counter() - start, passed=len(args.stages) - len(failed),
                     failed=failed)

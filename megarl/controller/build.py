@@ -28,6 +28,7 @@ from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, p
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
 from megarl.reward import RewardManager
 from megarl.parallel.shared_memory import remove_shared_memory
+from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
@@ -68,6 +69,9 @@ class Roles:
     """The weight sync's transport (``tensor`` or ``distributed``: :mod:`megarl.sync`)."""
     weight_names: list[str]
     """Every HF tensor name of the policy, in export order."""
+    loop: event_loop.EventLoopThread
+    """The driver's one event loop (held from :func:`build_roles` to :meth:`shutdown`): the clients' sessions, the
+    rollout manager's generation and the producer run on it."""
 
     @property
     def groups(self) -> list[WorkerGroup]:
@@ -75,9 +79,16 @@ class Roles:
         return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
-        """Stop the router and the engine servers, kill every worker and give the pools' resources back; the
+        """Close the clients' sessions and let go of the driver's event loop (the last holder stops it and joins its
+        thread), stop the router and the engine servers, kill every worker and give the pools' resources back; the
         shared-memory bucket buffers the killed workers held are unlinked on every node (this one here, the
         others by a task pinned to each)."""
+        for client in [self.generator, *self.engines]:
+            try:
+                client.close_sync()
+            except Exception as error:  # noqa: BLE001 - shutting down goes on
+                logging.getLogger(__name__).warning("closing %r: %s", client, error)
+        event_loop.release()
         self.router.stop()
         stop_engine_servers(self.rollout)
         by_node: dict[str, list[int]] = {}
@@ -119,6 +130,7 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
     built: list[WorkerGroup] = []
     router = None
+    loop = event_loop.hold()  # the driver's one event loop, until Roles.shutdown
     try:
         gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
@@ -149,11 +161,12 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
             group.shutdown()
         for pool in pools.values():
             pool.remove()
+        event_loop.release()
         raise
     return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
                  router=router, generator=EngineClient(router.url, name="sglang-router"), engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
-                                                    colocated=plan.colocated), weight_names=names)
+                                                    colocated=plan.colocated), weight_names=names, loop=loop)
 
 
 def engine_targets(plan: PlacementPlan, addresses: list[EngineAddress], dp: int) -> list[EngineAddress]:

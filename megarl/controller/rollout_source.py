@@ -30,7 +30,7 @@ from megarl.rollout.producer import RolloutProducer
 
 class Scorer:
     """``token_level_scores`` and the reward function's per-row extras (:data:`REWARD_EXTRA`) of a batch; one call
-    at a time (the asynchronous producer scores its groups from several threads)."""
+    at a time (the asynchronous producer scores its groups on a scoring thread of its own)."""
 
     def __init__(self, reward_fn: Callable[[Batch], tuple[Any, dict[str, list]]]) -> None:
         self.reward_fn = reward_fn

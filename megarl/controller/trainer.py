@@ -526,8 +526,6 @@ class Trainer:
         if self.rollout_manager is not None:
             self.rollout_manager.close()
         if self.roles is not None:  # the object stays for inspection (names, plan, transport)
-            for client in [self.roles.generator, *self.roles.engines]:
-                client.close_all()
             self.roles.shutdown()
         if self._ray is not None:
             self._ray.shutdown()

@@ -4,9 +4,10 @@
 the wire format of :mod:`megarl.rollout.http_api`; the same code drives ``sglang.launch_server``
 on GPUs and megarl's CPU engine server (:mod:`megarl.rollout.cpu_engine`) in CI.
 
-- Async methods reuse one ``aiohttp`` session (keep-alive connections) per event loop.
-- :func:`run_sync` runs a call from synchronous code (the trainer, the actor's weight sync) on
-  a background event loop of this process.
+- Async methods reuse one ``aiohttp`` session (keep-alive connections), opened on the event loop of the client's
+  first call (in megarl the process's one loop, :mod:`megarl.rollout.event_loop`) and closed there.
+- :func:`run_sync` / :func:`gather_sync` / :func:`submit` run calls from synchronous code (the trainer, the actor's
+  weight sync) on that loop (:mod:`megarl.rollout.event_loop`; re-exported here).
 - Failures raise :class:`EngineError` naming the engine, its URL, the route and what the
   server said (or that it cannot be reached).
 """
@@ -15,18 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import dataclasses
-import threading
-import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import numpy as np
 
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.rollout.event_loop import gather_sync, run_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, Route, request_body
+
+__all__ = ["CONTROL_TIMEOUT_S", "RETRY_DELAYS_S", "EngineAddress", "EngineClient", "EngineError", "gather_sync",
+           "generate_output", "run_sync", "sampling_params_dict", "submit"]
 
 RETRY_DELAYS_S = (0.25, 1.0)
 """Waits before the second and third try of an idempotent call whose connection failed (``Route.idempotent``)."""
@@ -149,8 +151,9 @@ class EngineClient:
         only to the trainer."""
         self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary())
+        self._http: aiohttp.ClientSession | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        """The loop the session was opened on (its connections belong to it)."""
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name} at {self.url})"
@@ -158,12 +161,18 @@ class EngineClient:
     # ------------------------------------------------------------------------ transport
 
     def _session(self) -> aiohttp.ClientSession:
+        """The client's one session, opened on the running loop at the first call (or after :meth:`close`); a call
+        on another loop while it is open is an error."""
         loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
+        if self._http is not None and not self._http.closed and self._http_loop is not loop:
+            if not self._http_loop.is_closed():
+                raise RuntimeError(f"{self!r} has its HTTP session open on another event loop; call it there "
+                                   f"(megarl.rollout.event_loop.run_sync), or close it first")
+            self._http = None  # its loop is gone, and its connections with it
+        if self._http is None or self._http.closed:
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
-            session = self._sessions[loop] = aiohttp.ClientSession(connector=connector)
-        return session
+            self._http, self._http_loop = aiohttp.ClientSession(connector=connector), loop
+        return self._http
 
     async def call(self, path: str, *, timeout_s: float | None = None, **fields: Any) -> Any:
         """The JSON answer of ``path`` (``None`` for an empty one); ``fields`` go through
@@ -218,21 +227,21 @@ class EngineClient:
         return str(answer.get("message", ""))
 
     async def close(self) -> None:
-        """Close this loop's session."""
-        session = self._sessions.pop(asyncio.get_running_loop(), None)
-        if session is not None:
+        """Close the session (on the loop it was opened on); the next call opens a new one."""
+        session, self._http = self._http, None
+        if session is not None and not session.closed:
             await session.close()
 
-    def close_all(self, timeout_s: float = 5.0) -> None:
-        """Close the sessions of every event loop this client used (from synchronous code, at shutdown)."""
-        for loop, session in list(self._sessions.items()):
-            self._sessions.pop(loop, None)
-            if session.closed or loop.is_closed():
-                continue
-            if loop.is_running():
-                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout_s)
-            else:
-                loop.run_until_complete(session.close())
+    def close_sync(self, timeout_s: float = 5.0) -> None:
+        """:meth:`close` from synchronous code on another thread than the session's loop (at shutdown)."""
+        session, loop = self._http, self._http_loop
+        if session is None or session.closed or loop is None or loop.is_closed():
+            self._http = None
+            return
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.close(), loop).result(timeout_s)
+        else:
+            loop.run_until_complete(self.close())
 
     # ------------------------------------------------------------------------ generation
 
@@ -361,42 +370,3 @@ def _message(text: str) -> str:
         if "message" in data:
             return str(data["message"])
     return text[:2000]
-
-
-# ---------------------------------------------------------------------------------- sync callers
-
-
-class _BackgroundLoop:
-    """An event loop on a daemon thread for synchronous callers of the async client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="megarl-http", daemon=True)
-        self.thread.start()
-
-
-_background: _BackgroundLoop | None = None
-_background_lock = threading.Lock()
-
-
-def submit(coroutine: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-    """Start ``coroutine`` (an :class:`EngineClient` call) on the background loop; its future, for synchronous
-    code that goes on meanwhile (``future.result()`` waits)."""
-    global _background
-    with _background_lock:
-        if _background is None:
-            _background = _BackgroundLoop()
-    return asyncio.run_coroutine_threadsafe(coroutine, _background.loop)
-
-
-def run_sync(coroutine: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-    """Run ``coroutine`` (an :class:`EngineClient` call) to completion from synchronous code."""
-    return submit(coroutine).result(timeout_s)
-
-
-def gather_sync(coroutines: Sequence[Coroutine[Any, Any, Any]], timeout_s: float | None = None) -> list[Any]:
-    """Run ``coroutines`` concurrently from synchronous code; their results in order (the first error raises)."""
-    async def together() -> list[Any]:
-        return list(await asyncio.gather(*coroutines))
-
-    return run_sync(together(), timeout_s)

@@ -23,6 +23,10 @@ non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n
   ``rollout_log_probs``: the sampling temperature, 1.0 when greedy), ``do_sample`` and
   ``validate``.
 
+Generation runs on the process's one event loop (:mod:`megarl.rollout.event_loop`): :meth:`RolloutManager.generate`
+hands it there and waits, :meth:`RolloutManager.agenerate` is the same as a coroutine on that loop (the
+producer's groups). Rows are assembled in prompt order whatever order the engines answer in.
+
 Engines are servers speaking SGLang's HTTP API; generation goes through ``generator`` (the
 client of sglang-router in front of them). Single-turn rollouts use the batch-level path: strip
 each prompt's left padding, cut the prompts into one contiguous share per engine (all ``n``
@@ -52,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -65,6 +68,7 @@ from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
 from megarl.seeds import derive_row_seed
 from megarl.rollout.client import EngineClient, EngineError
+from megarl.rollout.event_loop import run_sync
 from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_params_for
 from megarl.rollout.hooks import HookRunner
 
@@ -121,7 +125,10 @@ class RolloutManager:
             raise ValueError("routed experts are carried by single-turn rollouts only (rollout.multi_turn.enable)")
         self.routing_shape = routing_shape
         self._in_flight = [0] * len(self.engines)
-        self._in_flight_lock = threading.Lock()
+        """Rows in flight per engine (:meth:`_direct`; every call runs on the one event loop)."""
+        self._watchdog: asyncio.Task | None = None
+        """The one :meth:`_watch` of every rollout running (:meth:`_naming_failures`)."""
+        self._watched = 0
         self._num_calls = 0
         self._busy_s = 0.0
 
@@ -140,7 +147,8 @@ class RolloutManager:
     # ----------------------------------------------------------------------------- entry
 
     def generate(self, batch: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
-        """Trajectories for the prompts of ``batch``: ``B·n`` rows.
+        """Trajectories for the prompts of ``batch``: ``B·n`` rows, generated on the process's event loop (this
+        thread waits; not from inside a running loop: :meth:`agenerate` there).
 
         ``n`` is ``config.n``, or 1 when validating (sampling from ``config.val_kwargs``) or
         when not sampling (``do_sample`` False, from the config or the batch's meta: greedy).
@@ -148,6 +156,16 @@ class RolloutManager:
         number of earlier calls (the trainer passes one derived from the step, so a resumed
         run samples what the uninterrupted run sampled).
         """
+        self._check_prompts(batch)
+        return run_sync(self._generate(batch, validate=validate, seed=seed))
+
+    async def agenerate(self, batch: Batch, *, validate: bool = False, seed: int | None = None) -> Batch:
+        """:meth:`generate` as a coroutine of the event loop its clients use."""
+        self._check_prompts(batch)
+        return await self._generate(batch, validate=validate, seed=seed)
+
+    @staticmethod
+    def _check_prompts(batch: Batch) -> None:
         for key in ("input_ids", "attention_mask"):
             if key not in batch.tensors:
                 raise KeyError(f"RolloutManager.generate needs the left-padded prompt tensor {key!r} "
@@ -155,7 +173,9 @@ class RolloutManager:
         extra = sorted(set(batch.tensors) - set(_PROMPT_TENSORS))
         if extra:
             warnings.warn(f"RolloutManager.generate does not carry input tensors {extra} into its output; "
-                          f"pop only the prompt tensors for rollout", stacklevel=2)
+                          f"pop only the prompt tensors for rollout", stacklevel=3)
+
+    async def _generate(self, batch: Batch, *, validate: bool, seed: int | None) -> Batch:
         do_sample = bool(batch.meta.get("do_sample", self.config.val_kwargs.do_sample if validate
                                         else self.config.do_sample))
         params = sampling_params_for(self.config, max_new_tokens=self.response_length, validate=validate,
@@ -167,10 +187,10 @@ class RolloutManager:
         if self.config.name != "hf":
             call_seed = None  # SGLang would give every row of a request one seed (module docstring)
         if self.config.multi_turn.enable:
-            generated = self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
+            generated = await self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:
-            generated = self._generate_batch_level(batch, params, n=n, call_seed=call_seed,
-                                                   routing_shape=None if validate else self.routing_shape)
+            generated = await self._generate_batch_level(batch, params, n=n, call_seed=call_seed,
+                                                         routing_shape=None if validate else self.routing_shape)
         self._num_calls += 1
         repeated = Batch(non_tensors=dict(batch.non_tensors)).repeat(n, interleave=True)
         output = repeated.union(generated)
@@ -208,8 +228,8 @@ class RolloutManager:
             start = end
         return shares
 
-    def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None,
-                              routing_shape: tuple[int, int] | None = None) -> Batch:
+    async def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None,
+                                    routing_shape: tuple[int, int] | None = None) -> Batch:
         prompts = self._prompt_ids(batch)
         jobs = []
         for start, end in self._shares(len(prompts)):
@@ -229,7 +249,7 @@ class RolloutManager:
                                                for rows, seed in jobs)))
 
         outputs: list[GenerateOutput] = []
-        for (rows, _), share in zip(jobs, _run_coroutine(self._naming_failures(run_all())), strict=True):
+        for (rows, _), share in zip(jobs, await self._naming_failures(run_all()), strict=True):  # in share order
             if len(share) != len(rows):
                 raise RuntimeError(f"{self.generator.name} returned {len(share)} outputs for {len(rows)} inputs")
             outputs.extend(share)
@@ -238,24 +258,23 @@ class RolloutManager:
 
     async def _direct(self, rows: list[list[int]], params: SamplingParams, seed: int | None, logprob: bool,
                       routing_shape: tuple[int, int]) -> list[GenerateOutput]:
-        """``rows`` on the engine with the fewest rows in flight (calls from every thread count), bypassing the
-        router (see the class docstring)."""
-        with self._in_flight_lock:
-            index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
-            self._in_flight[index] += len(rows)
+        """``rows`` on the engine with the fewest rows in flight (every rollout of the manager counts), bypassing
+        the router (see the class docstring)."""
+        index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
+        self._in_flight[index] += len(rows)
         try:
             return await self.engines[index].generate_batch(rows, params, seed=seed, return_logprob=logprob,
                                                             routing_shape=routing_shape)
         finally:
-            with self._in_flight_lock:
-                self._in_flight[index] -= len(rows)
+            self._in_flight[index] -= len(rows)
 
     async def _naming_failures(self, work: Any) -> Any:
         """Await ``work`` (timed as the engines' busy time) while :meth:`_watch` checks that every engine still
-        answers; when generation fails, say which engines no longer answer ``/health``."""
+        answers (one watch for every rollout of the manager running at the time); when generation fails, say which
+        engines no longer answer ``/health``."""
         start = time.perf_counter()
         task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(self._watch())
+        watch = self._join_watch()
         try:
             await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
@@ -273,12 +292,31 @@ class RolloutManager:
                               engine=", ".join(e.name for e in down), url=", ".join(e.url for e in down),
                               route=error.route) from error
         finally:
-            for pending in (watch, task):
-                if not pending.done():
-                    pending.cancel()
-                    with contextlib.suppress(BaseException):
-                        await pending
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await self._leave_watch()
             self._busy_s += time.perf_counter() - start
+
+    def _join_watch(self) -> asyncio.Task:
+        """The running watch, started for the first rollout (or after the last one failed)."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watch())
+            self._watchdog.add_done_callback(lambda watch: watch.cancelled() or watch.exception())  # retrieved
+        self._watched += 1
+        return self._watchdog
+
+    async def _leave_watch(self) -> None:
+        """The last rollout to leave stops the watch."""
+        self._watched -= 1
+        watch = self._watchdog
+        if self._watched == 0 and watch is not None:
+            self._watchdog = None
+            if not watch.done():
+                watch.cancel()
+                with contextlib.suppress(BaseException):
+                    await watch
 
     async def _watch(self) -> None:
         """Ask every engine for its load every few seconds while a rollout runs; raise :class:`EngineError` naming
@@ -350,7 +388,7 @@ class RolloutManager:
 
     # ----------------------------------------------------------------------------- multi-turn
 
-    def _generate_multi_turn(self, batch: Batch, params: SamplingParams, *, n: int) -> Batch:
+    async def _generate_multi_turn(self, batch: Batch, params: SamplingParams, *, n: int) -> Batch:
         """Request-level rollouts: one agent loop over every request, concurrently, through the generator.
 
         The router spreads the requests over the engines; the agent loop derives every turn's
@@ -365,7 +403,7 @@ class RolloutManager:
         loop = agent_loop.AgentLoop(self.generator, self.tokenizer, self.config, prompt_length=self.prompt_length,
                                     response_length=self.response_length, tools=self.tools,
                                     interactions=self.interactions, hooks=self._hooks)
-        finished = sorted(_run_coroutine(self._naming_failures(loop.run(requests, sampling_params=params))),
+        finished = sorted(await self._naming_failures(loop.run(requests, sampling_params=params)),
                           key=lambda r: (r.batch_data_id, r.rollout_offset))
         expected = [(i, j) for i in range(len(batch)) for j in range(n)]
         got = [(r.batch_data_id, r.rollout_offset) for r in finished]
@@ -375,44 +413,6 @@ class RolloutManager:
         return agent_loop.batch_from_requests(finished, prompt_length=self.prompt_length,
                                               response_length=self.response_length,
                                               pad_token_id=self.pad_token_id)
-
-
-def _run_coroutine(coroutine: Any) -> Any:
-    """Run ``coroutine`` to completion on this thread's event loop (created if there is none).
-
-    The thread's own loop, not a fresh one per call: the clients keep one HTTP session (keep-alive
-    connections) per event loop, so every call of this thread reuses them.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        coroutine.close()
-        raise RuntimeError("RolloutManager.generate blocks until the rollout is done, so it cannot run inside a "
-                           "running event loop; call it from a worker thread (loop.run_in_executor)")
-    try:
-        loop = asyncio.get_event_loop_policy().get_event_loop()
-    except RuntimeError:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(coroutine)
-    except BaseException:
-        _cancel_pending(loop)
-        raise
-
-
-def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel the tasks an interrupted run left on ``loop`` and let them end. A Ctrl-C raised inside one task
-    leaves the tasks awaiting it pending; the next use of the loop (closing the HTTP sessions at shutdown)
-    would resume them and raise the interrupt a second time, outside the handler that already dealt with it."""
-    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-    for task in pending:
-        task.cancel()
-    if pending:
-        with contextlib.suppress(BaseException):
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
 def routed_experts_tensor(prompts: list[list[int]], outputs: list[GenerateOutput], *, prompt_width: int,

@@ -21,6 +21,7 @@ import torch
 
 from megarl.convert.param_map import Unit, buckets, rank_buckets, stripe_numel
 from megarl.parallel.cpu_support import plain_torch
+from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
@@ -87,6 +88,8 @@ class WeightTransport(abc.ABC):
         self.groups = groups
         self.engines = list(engines)
         self._clients: dict[str, EngineClient] = {}
+        self._loop: event_loop.EventLoopThread | None = event_loop.hold()
+        """The process's event loop, held until :meth:`close`: the clients' sessions live on it."""
 
     @classmethod
     def bucket_budget(cls, bucket_bytes: int) -> int:
@@ -146,10 +149,13 @@ class WeightTransport(abc.ABC):
         """:meth:`sync` (the transport's own part)."""
 
     def close(self) -> None:
-        """Give back what the transport holds (process groups, connections)."""
+        """Give back what the transport holds (process groups, connections, its hold on the event loop)."""
         for client in self._clients.values():
-            client.close_all()
+            client.close_sync()
         self._clients.clear()
+        if self._loop is not None:
+            self._loop = None
+            event_loop.release()
 
     def client(self, engine: EngineAddress) -> EngineClient:
         """One client per engine for the transport's life: its keep-alive connections serve every sync."""

@@ -26,6 +26,13 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     """For each ``(transport, engines)`` case (engines as :class:`EngineAddress` fields): perturb the weights, sync
     them with every tensor verified, and read them back from every engine to compare with an independent full
     export. Returns per case this rank's statistics and (on rank 0) the read-back result."""
+    from megarl.rollout import event_loop
+
+    with event_loop.holding():  # the rank's event loop, for the transports and the read-back alike
+        return _transports(hf_dir, cases)
+
+
+def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig
 

@@ -537,7 +537,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
     """Issue 13: SIGKILL one engine server while its share of the step's generation is inside it (paused in place
     just before the requests leave, so the share waits there, on a machine of any speed; 384 tokens a row): the
     step fails within 30 s with an error naming the engine and its URL; after shutdown no engine server or
-    router process is left (checked by PID)."""
+    router process is left (checked by PID), and the run no longer holds the driver's event loop."""
     import asyncio
     import os
     import signal
@@ -594,6 +594,9 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         assert error.value.engine == "engine 1" and error.value.url == url
     finally:
         trainer.shutdown()
+    from megarl.rollout import event_loop
+
+    assert event_loop._holders == 1  # the run let go of the driver's event loop: only the test session holds it
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:

@@ -139,3 +139,30 @@ def test_a_partial_rollout_keeps_its_tokens_across_an_update_each_with_its_versi
         assert (tokens[:hold] == 10).all() and (tokens[hold:] == 11).all()
     # A row that stopped before the gate has only version 10; every other row spans the update.
     assert all(row in spanning or int(mask[row].sum()) <= hold for row in range(N))
+
+
+def test_a_groups_error_comes_back_from_take_and_stop_leaves_no_thread(servers, tokenizer):
+    """The groups are tasks of the process's event loop: a scoring error reaches the trainer's take, and stop cancels
+    what runs and joins the scoring thread (no thread of the producer outlives it)."""
+    import threading
+
+    running, model = servers
+    engine = running.engines[0]
+    manager = RolloutManager(engine, [engine], tokenizer, RolloutConfig(n=N), prompt_length=P, response_length=R)
+    set_version(engine, model, 0)
+
+    def failing(group):
+        if group["uid"][0] == "g1":
+            raise ValueError("no score for g1")
+        return score(group)
+
+    producer = RolloutProducer(manager, RolloutBuffer(groups_per_step=2, max_staleness=1),
+                               prompts_of=prompts_of(tokenizer), score=failing, base_seed=BASE_SEED, max_inflight=2)
+    producer.start(0)
+    try:
+        with pytest.raises(RuntimeError, match="asynchronous rollout failed: no score for g1"):
+            producer.take(1, timeout_s=120)
+    finally:
+        producer.stop()
+    producer.stop()  # idempotent
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("megarl-score", "megarl-rollout"))]

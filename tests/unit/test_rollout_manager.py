@@ -307,27 +307,14 @@ def test_multi_turn_runs_one_agent_loop_through_the_router(servers, local, token
         assert generated[:len(output.output_ids)] == output.output_ids, row
 
 
-def test_an_interrupt_inside_a_task_does_not_come_back_on_the_next_use_of_the_loop():
-    """Ctrl-C inside one request's task: the manager's loop must not raise it again when the trainer next uses the
-    loop (closing the HTTP sessions at shutdown), which turned megarl-train's exit 130 into a traceback."""
-    from megarl.rollout.manager import _run_coroutine
-
-    async def request():
-        raise KeyboardInterrupt
-
-    async def rollout():
-        await asyncio.gather(request(), asyncio.sleep(30))
-
-    with pytest.raises(KeyboardInterrupt):
-        _run_coroutine(rollout())
-    assert _run_coroutine(asyncio.sleep(0, result=7)) == 7
-
-
-def test_generate_refuses_a_running_event_loop():
-    from megarl.rollout import manager as manager_module
+def test_generate_refuses_a_running_event_loop(tokenizer, batch):
+    """generate blocks until the rollout is done: inside a running event loop it would block that loop (agenerate
+    is the coroutine to await there)."""
+    client = EngineClient("http://127.0.0.1:9", name="engine 0")  # never contacted
+    manager = RolloutManager(client, [client], tokenizer, RolloutConfig(), prompt_length=P, response_length=R)
 
     async def call():
-        return manager_module._run_coroutine(asyncio.sleep(0))
+        return manager.generate(batch)
 
     with pytest.raises(RuntimeError, match="cannot run inside a running event loop"):
         asyncio.run(call())
