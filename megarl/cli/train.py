@@ -4,8 +4,9 @@
     megarl-train recipe=qwen2_5_7b_grpo trainer.total_steps=10
     megarl-train --print-config recipe=llama3_1_70b_grpo
 
-Arguments are Hydra overrides (``key=value``, ``recipe=<name>``). The run ends by printing
-where the TensorBoard logs and the checkpoints are.
+Arguments are Hydra overrides (``key=value``, ``recipe=<name>``). The run prints each start-up phase with its
+duration and ends with a summary: steps, time per step, reward at the start and the end, validation, where the
+logs and the last checkpoint are and how to export it.
 """
 
 from __future__ import annotations
@@ -59,11 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         trainer.shutdown()
-    print(f"TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.log_dir})")
-    if getattr(trainer, "last_checkpoint", None):
-        print(f"Checkpoints: {trainer.run_dir} (latest: {trainer.last_checkpoint})")
-    else:
-        print(f"Checkpoints: none written (trainer.save_freq={cfg.trainer.save_freq}); root {trainer.run_dir}")
+    print("\n".join(["run finished:", *(f"  {line}" for line in trainer.summary())]))
+    if trainer.last_checkpoint is None:
+        print(f"  no checkpoint written (trainer.save_freq={cfg.trainer.save_freq}); root {trainer.run_dir}")
     return 0
 
 

@@ -23,6 +23,7 @@ import ray
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.data.dataset import PromptDataset
+from megarl.controller.progress import no_phases
 from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
@@ -122,9 +123,10 @@ def remove_shared_memory_on_nodes(pids_by_node: dict[str, list[int]], timeout_s:
     return removed
 
 
-def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
+def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases) -> Roles:
     """Place and start every role of ``cfg`` (Ray must be running): the training workers, one engine server per
-    engine (its log in ``log_dir``) and sglang-router in front of them; on failure nothing is left running."""
+    engine (its log in ``log_dir``) and sglang-router in front of them; on failure nothing is left running.
+    ``phase`` (a :class:`~megarl.controller.progress.Phases`) announces each part as it starts and ends."""
     plan = placement_for(cfg)
     trainer = cfg.trainer
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
@@ -135,21 +137,26 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike) -> Roles:
         gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
         colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
-        actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
+        with phase(f"placing the actor{' and its reference' if cfg.needs_ref else ''} on "
+                   f"{plan.role('actor').world_size} rank(s) and building the model"):
+            actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
         built.append(actor)
         critic = None
         if cfg.critic.enable:
-            critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
+            with phase("placing the critic and building its model"):
+                critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
         rollout_pool = pools["rollout"] if separate else pools["global"]
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
-        rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
-                                                  gpus, log_dir, admin_key=admin_key)
+        with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
+            rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
+                                                      gpus, log_dir, admin_key=admin_key)
         built.append(rollout)
         engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key, control_timeout_s=a.timeout_s)
                    for a in addresses]
-        router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
-                              log_dir=log_dir)
+        with phase("starting sglang-router"):
+            router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
+                                  log_dir=log_dir)
         targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
         names = actor.call_rank(0, ActorWorker.weight_names)
     except BaseException:

@@ -41,6 +41,7 @@ from megarl.controller.build import (
 )
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 from megarl.controller.interrupts import interrupts_deferred
+from megarl.controller.progress import Phases, run_summary
 from megarl.controller.metrics import (
     check_failed_rollouts,
     data_metrics,
@@ -90,7 +91,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, console=print):
         self.cfg = cfg
-        self.console = console
+        self._console, self._bar = console, None
+        self.phases = Phases(self.console)
+        """Start-up phases and checkpoint saves, printed as they start and end; their durations."""
         trainer = cfg.trainer
         self.run_dir = Path(trainer.default_local_dir).expanduser() / trainer.project_name / trainer.experiment_name
         self.log_dir = Path(trainer.log_dir).expanduser() / trainer.project_name / trainer.experiment_name
@@ -107,8 +110,20 @@ class Trainer:
         """Where each step's scored trajectories come from (:mod:`megarl.controller.rollout_source`)."""
         self.engine_memory: EngineMemory | None = None
         self._ray: RayConnection | None = None
+        self.setup_s = 0.0
+        """Seconds from the start of :meth:`fit` to the first step."""
+        self.last_checkpoint: Path | None = None
+        """The checkpoint this run saved last."""
         self._shut_down = False
         self._run_lock: RunLock | None = None
+
+    def console(self, text: str) -> None:
+        """A line for the person running the training: above the progress bar while it shows (``tqdm.write``, so
+        the two never tear), else to the ``console`` the trainer was given."""
+        if self._bar is not None and not self._bar.disable and self._console is print:
+            tqdm.write(text)
+        else:
+            self._console(text)
 
     # ================================================================================ set-up
     def setup(self) -> None:
@@ -122,12 +137,15 @@ class Trainer:
                                 f"(trainer.default_local_dir): {error}") from error
         # Everything the config names outside itself is checked before a model is built or a worker placed.
         try:
-            check_run_inputs(cfg)
-            self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
-            check_resume_layout(cfg, self._resume_from)
-            prepare_policy(cfg)
-            self.routing_shape = routing_shape(cfg)
-            self.plugins = load_agent_plugins(cfg)
+            with self.phases("checking the run's inputs" + (" and the tiny warm start" if
+                                                            cfg.actor_rollout_ref.model.init == "tiny_sft" else "")):
+                check_run_inputs(cfg)
+                self._resume_from = resolve_resume(self.run_dir, cfg.trainer.resume_mode,
+                                                   cfg.trainer.resume_from_path)
+                check_resume_layout(cfg, self._resume_from)
+                prepare_policy(cfg)
+                self.routing_shape = routing_shape(cfg)
+                self.plugins = load_agent_plugins(cfg)
         except ValueError as error:
             raise RunInputError(str(error)) from error
         # GPU runs: the same memory/placement pre-flight as megarl-plan, before anything is placed.
@@ -148,9 +166,9 @@ class Trainer:
         if removed:
             self.console(f"removed {removed} shared-memory files in {SHARED_MEMORY_DIR} left by processes that no "
                          f"longer run (a killed run's weight-sync buffers)")
-        with interrupts_deferred("Ray has started"):  # then shutdown() stops it
+        with interrupts_deferred("Ray has started"), self.phases("starting Ray"):  # then shutdown() stops it
             self._ray = init_ray(cfg, console=self.console)
-        self.roles = build_roles(cfg, self.log_dir / "servers")
+        self.roles = build_roles(cfg, self.log_dir / "servers", phase=self.phases)
         arr = cfg.actor_rollout_ref
         self.engine_memory = EngineMemory(self.roles.engines,
                                           enabled=arr.hybrid_engine and arr.rollout.free_cache_engine)
@@ -164,7 +182,8 @@ class Trainer:
         buffer_state = self._maybe_resume()
         self.tracker = Tracking(cfg.trainer.logger, self.log_dir, console=self.console)
         # The engines start from the trainer's (possibly resumed) weights; nothing generates yet: caches may flush.
-        self._sync_weights(self.global_step, contextlib.nullcontext(True))
+        with self.phases("first weight sync"):
+            self._sync_weights(self.global_step, contextlib.nullcontext(True))
         scorer = Scorer(self.reward_fn)
         if cfg.trainer.mode == "sync":
             self.rollout = SyncRollout(cfg, self.loader, self.rollout_manager, scorer)
@@ -472,7 +491,9 @@ class Trainer:
     # ================================================================================ the loop
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``; returns the last step's metrics (with the final validation)."""
+        start = time.perf_counter()
         self.setup()
+        self.setup_s = time.perf_counter() - start
         trainer = self.cfg.trainer
         last: dict[str, float] = {}
         try:
@@ -482,13 +503,14 @@ class Trainer:
                 self.tracker.log({**val, "timing_s/testing": timing["testing"]}, step=self.global_step)
                 if trainer.val_only:
                     return val
-            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
-                       dynamic_ncols=True, disable=None)
+            self._bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
+                             dynamic_ncols=True, disable=None)
             while self.global_step < self.total_steps:
                 last = self._step_and_bookkeeping()
-                bar.update(1)
-                bar.set_postfix(score=f"{last.get('critic/score/mean', float('nan')):.3f}")
-            bar.close()
+                self._bar.update(1)
+                self._bar.set_postfix(score=f"{last.get('critic/score/mean', float('nan')):.3f}")
+            self._bar.close()
+            self._bar = None
         finally:
             self.tracker.close()
         return last
@@ -505,7 +527,8 @@ class Trainer:
         if trainer.save_freq > 0 and (is_last or step % trainer.save_freq == 0):
             start = time.perf_counter()
             metrics["checkpoint/path_step"] = float(step)
-            self.last_checkpoint = self.save_checkpoint()
+            with self.phases(f"saving the checkpoint of step {step}"):
+                self.last_checkpoint = self.save_checkpoint()
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
         bad = sorted(k for k, v in metrics.items() if not math.isfinite(v) and "grad_norm" not in k)
         if bad:
@@ -515,6 +538,14 @@ class Trainer:
         self.rollout.histograms.clear()
         self.history.append((step, metrics))
         return metrics
+
+    def summary(self) -> list[str]:
+        """The lines ``megarl-train`` prints when the run ends (:func:`megarl.controller.progress.run_summary`)."""
+        export = None
+        if self.last_checkpoint is not None:
+            export = f"megarl-convert mcore-to-hf --mcore {self.last_checkpoint} --out {self.last_checkpoint}/hf"
+        return run_summary(self.history, setup_s=self.setup_s, log_dir=self.log_dir,
+                           checkpoint=self.last_checkpoint, export_command=export)
 
     def shutdown(self) -> None:
         """Kill the workers and give the resources back (and stop Ray if this trainer started it)."""

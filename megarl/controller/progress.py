@@ -1,0 +1,78 @@
+"""What a person watching a run sees: each long phase as it starts and ends, with its duration, and the run's
+summary at its end.
+
+Start-up is the longest silent stretch of a run (Ray, placing the workers, building the models, starting the
+engine servers, the first weight sync: about 45 s on 2 CPU cores, minutes on GPUs), and so is a checkpoint save.
+:class:`Phases` prints a line when each begins and one when it ends, and keeps the durations
+(``Trainer.phases.seconds``). :func:`run_summary` turns a finished run's history into the lines printed at its
+end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+
+class Phases:
+    """Announce phases on ``console`` as they start and end; ``seconds[name]`` their durations."""
+
+    def __init__(self, console: Callable[[str], None] = print) -> None:
+        self.console = console
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """``with phases("starting the engine servers"):`` prints ``starting the engine servers ...`` then, when
+        the block ends, ``starting the engine servers: 12.3 s`` (or that it failed after that long)."""
+        self.console(f"{name} ...")
+        start = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.console(f"{name}: failed after {time.perf_counter() - start:.1f} s")
+            raise
+        self.seconds[name] = time.perf_counter() - start
+        self.console(f"{name}: {self.seconds[name]:.1f} s")
+
+
+def no_phases(name: str) -> contextlib.AbstractContextManager:
+    """A :class:`Phases` stand-in that prints nothing."""
+    return contextlib.nullcontext()
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def run_summary(history: Sequence[tuple[int, dict[str, float]]], *, setup_s: float, log_dir, checkpoint,
+                export_command: str | None) -> list[str]:
+    """The lines printed when a run ends: steps, time per step, the sampled reward at the start and the end
+    (mean of the first and last five steps), each validation score first → last, where the logs and the last
+    checkpoint are, and how to export it for serving."""
+    lines = []
+    if history:
+        steps = [step for step, _ in history]
+        step_s = [m["timing_s/step"] for _, m in history if "timing_s/step" in m]
+        lines.append(f"steps {steps[0]}-{steps[-1]} ({len(steps)} run), {_mean(step_s):.2f} s per step, "
+                     f"start-up {setup_s:.1f} s")
+        scores = [m["critic/score/mean"] for _, m in history if "critic/score/mean" in m]
+        if scores:
+            head = max(1, min(5, len(scores) // 2))
+            lines.append(f"sampled reward (critic/score/mean): {_mean(scores[:head]):.3f} over the first {head} step(s) "
+                         f"-> {_mean(scores[-head:]):.3f} over the last {head}")
+        validation: dict[str, list[float]] = {}
+        for _, metrics in history:
+            for key, value in metrics.items():
+                if key.startswith("val-core/") or (key.startswith("val/") and key.endswith("/reward/mean")):
+                    validation.setdefault(key, []).append(value)
+        for key, values in sorted(validation.items()):
+            lines.append(f"{key}: {values[0]:.3f} -> {values[-1]:.3f}" if len(values) > 1 else f"{key}: {values[0]:.3f}")
+    lines.append(f"logs: {log_dir}  (tensorboard --logdir {log_dir})")
+    if checkpoint is not None:
+        lines.append(f"last checkpoint: {checkpoint}")
+        if export_command:
+            lines.append(f"export it for serving (HF safetensors): {export_command}")
+    return lines
