@@ -16,6 +16,8 @@ mini-batch order            :func:`mini_batch_order_seed` ``(step, epoch)``     
 training step's rollout     ``derive_seed(rollout seed, SEED_STREAM_ROLLOUT, step)``    ``controller``
 validation round            ``derive_seed(rollout seed, SEED_STREAM_VALIDATION, step,   ``controller``
                             round)``
+validation bootstrap        ``derive_seed(rollout seed,                                 ``controller``
+                            SEED_STREAM_VALIDATION_BOOTSTRAP, step)``
 async prompt group          ``derive_seed(derive_seed(rollout seed,                     ``rollout.producer``
                             SEED_STREAM_ASYNC_ROLLOUT), group, attempt)``
 engine ``i``'s generator    ``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)``        ``controller.build``
@@ -44,6 +46,9 @@ SEED_STREAM_VALIDATION = 2
 SEED_STREAM_ASYNC_ROLLOUT = 3
 """``derive_seed(derive_seed(rollout seed, SEED_STREAM_ASYNC_ROLLOUT), group, attempt)`` seeds a prompt group of
 asynchronous training (:mod:`megarl.rollout.producer`)."""
+SEED_STREAM_VALIDATION_BOOTSTRAP = 4
+"""``derive_seed(rollout seed, SEED_STREAM_VALIDATION_BOOTSTRAP, step)`` seeds the resampling behind a validation's
+``best@k`` / ``worst@k`` / ``maj@k`` metrics."""
 SEED_STREAM_ENGINE = 7
 """``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)`` seeds engine ``i``'s own generator."""
 

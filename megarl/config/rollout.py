@@ -69,7 +69,11 @@ def resolve_transport(name: str, *, colocated: bool) -> str:
 
 @dataclasses.dataclass(kw_only=True)
 class ValKwargs:
-    """Validation sampling (``actor_rollout_ref.rollout.val_kwargs.*``); always one sample per prompt."""
+    """Validation sampling (``actor_rollout_ref.rollout.val_kwargs.*``)."""
+
+    n: int = 1
+    """Samples per validation prompt (verl's ``val_kwargs.n``): with more than one, validation reports verl's
+    ``mean@N``, ``best@k``, ``worst@k`` and ``maj@k`` per data source. Needs ``do_sample``."""
 
     temperature: float = 0.0
     """0 means greedy."""
@@ -82,6 +86,11 @@ class ValKwargs:
 
     def __post_init__(self) -> None:
         check_sampling("actor_rollout_ref.rollout.val_kwargs", self.temperature, self.top_p, self.top_k)
+        check_positive("actor_rollout_ref.rollout.val_kwargs.n", self.n)
+        if self.n > 1 and (not self.do_sample or self.temperature == 0):
+            raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.n={self.n} with greedy validation gives {self.n} "
+                             f"copies of one response: set val_kwargs.do_sample=true and val_kwargs.temperature > 0, "
+                             f"or val_kwargs.n=1")
 
 
 TRUNCATE_SIDES = ("left", "right", "middle")

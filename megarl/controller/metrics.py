@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from megarl.algo.losses import explained_variance
@@ -175,4 +176,76 @@ def staleness_metrics(batch, step: int, producer) -> dict[str, float]:
     out.update({"async/groups_generating": float(pending["generating"]), "async/groups_ready": float(pending["ready"]),
                 "async/weight_version": float(producer.version)})
     out.update({f"async/groups_{key}": float(value) for key, value in producer.buffer.counts.items()})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ validation
+BOOTSTRAP_ROUNDS = 1000
+"""Resamples behind each ``best@k`` / ``worst@k`` / ``maj@k`` estimate (verl's number)."""
+
+
+def _sizes(n: int) -> list[int]:
+    """The ``k`` of ``best@k`` for ``n`` samples: 2, 4, 8, ... below ``n``, then ``n`` (verl's)."""
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def _majority(values: np.ndarray, preds: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """For each row of ``picks`` (sample indices): the value of the first sample whose prediction is the most
+    common in the row, ties going to the prediction that appears first (verl's majority vote)."""
+    codes = np.unique(preds, return_inverse=True)[1].reshape(-1)[picks]  # [rounds, k]
+    kinds = int(codes.max()) + 1
+    counts = (codes[..., None] == np.arange(kinds)).sum(1)  # [rounds, kinds]
+    position = np.arange(codes.shape[1])
+    first = np.where(codes[..., None] == np.arange(kinds), position[None, :, None], codes.shape[1]).min(1)
+    first = np.where(counts == counts.max(1, keepdims=True), first, codes.shape[1])  # only the most common
+    winner_at = first.min(1)
+    return values[picks[np.arange(len(picks)), winner_at]]
+
+
+def _group_stats(values: np.ndarray, preds: np.ndarray | None, rng: np.random.Generator) -> dict[str, float]:
+    n = len(values)
+    stats = {f"mean@{n}": float(values.mean())}
+    if n == 1:
+        return stats
+    stats[f"std@{n}"] = float(values.std())
+    for k in _sizes(n):
+        picks = rng.integers(0, n, size=(BOOTSTRAP_ROUNDS, k))
+        for name, reduced in (("best", values[picks].max(1)), ("worst", values[picks].min(1))) + (
+                (("maj", _majority(values, preds, picks)),) if preds is not None else ()):
+            stats[f"{name}@{k}/mean"], stats[f"{name}@{k}/std"] = float(reduced.mean()), float(reduced.std())
+    return stats
+
+
+def validation_metrics(sources: Sequence[str], groups: Sequence[int], infos: dict[str, Sequence],
+                       *, seed: int) -> dict[str, float]:
+    """verl's validation metrics: for every data source and every numeric variable of ``infos`` (``reward``, and
+    the reward function's extras such as ``acc``), the mean over prompts of each prompt's ``mean@N``, ``std@N``
+    and bootstrap ``best@k`` / ``worst@k`` / ``maj@k`` (``mean`` and ``std``; the vote over ``infos["pred"]``)
+    of its ``N`` samples (rows of one prompt share a ``groups`` id). Named ``val-core/<source>/<var>/<metric>``
+    for the core variable (``acc`` when the reward reports it, else ``reward``) at ``@N`` of ``mean``/``best``/
+    ``maj``, ``val-aux/...`` for the rest. ``seed`` seeds the bootstrap."""
+    rng = np.random.default_rng(seed)
+    preds = infos.get("pred")
+    numeric = {name: np.asarray(column, dtype=np.float64) for name, column in infos.items()
+               if len(column) and not isinstance(column[0], str) and name != "pred"}
+    core = "acc" if "acc" in numeric else "reward"
+    rows_of: dict[tuple[str, int], list[int]] = {}
+    for row, (source, group) in enumerate(zip(sources, groups, strict=True)):
+        rows_of.setdefault((str(source), int(group)), []).append(row)
+    per_source: dict[tuple[str, str, str], list[float]] = {}
+    for (source, _), rows in rows_of.items():
+        picked = None if preds is None else np.asarray([str(preds[r]) for r in rows])
+        for name, column in numeric.items():
+            for metric, value in _group_stats(column[rows], picked, rng).items():
+                per_source.setdefault((source, name, metric), []).append(value)
+    n_max = max((len(rows) for rows in rows_of.values()), default=1)
+    out = {}
+    for (source, name, metric), values in per_source.items():
+        section = "val-core" if (name == core and metric.split("@")[0] in ("mean", "best", "maj")
+                                 and f"@{n_max}" in metric) else "val-aux"
+        out[f"{section}/{source}/{name}/{metric}"] = float(np.mean(values))
     return out

@@ -18,7 +18,7 @@ from typing import Any
 
 logger = logging.getLogger("megarl.train")
 
-CONSOLE_KEYS = ("critic/score/mean", "val/reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
                 "actor/grad_norm", "critic/vf_loss", "mismatch/abs_logp_diff_mean", "response_length/mean",
                 "weight_sync/seconds", "timing_s/step")
 
@@ -53,6 +53,7 @@ class Tracking:
         if "console" in self.loggers:
             shown = [f"{k.split('/', 1)[-1] if k.startswith('critic/score') else k}={scalars[k]:.4g}"
                      for k in CONSOLE_KEYS if k in scalars]
+            shown += [f"{k}={scalars[k]:.4g}" for k in sorted(scalars) if k.startswith("val-core/") and "/mean@" in k]
             self.console(f"step {step}: " + "  ".join(shown))
 
     def log_histograms(self, values: dict[str, Any], step: int) -> None:

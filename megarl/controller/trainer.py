@@ -51,6 +51,7 @@ from megarl.controller.metrics import (
     throughput_metrics,
     timer,
     timing_metrics,
+    validation_metrics,
 )
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
@@ -64,7 +65,7 @@ from megarl.plan.preflight import preflight
 from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
-from megarl.seeds import SEED_STREAM_VALIDATION, derive_seed
+from megarl.seeds import SEED_STREAM_VALIDATION, SEED_STREAM_VALIDATION_BOOTSTRAP, derive_seed
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.base import Worker
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker
@@ -452,13 +453,17 @@ class Trainer:
                          extra=columns)
 
     def validate(self) -> dict[str, float]:
-        """Generate for the validation prompts (``val_kwargs`` sampling) and score them; the first
+        """Generate ``val_kwargs.n`` samples for each validation prompt (``val_kwargs`` sampling), score them and
+        report verl's validation metrics (:func:`~megarl.controller.metrics.validation_metrics`); the first
         ``trainer.log_val_generations`` samples are logged."""
         if self.val_set is None:
             return {}
         size = self.cfg.data.val_batch_size or len(self.val_set)
+        n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         wanted = self.cfg.trainer.log_val_generations
-        scores: dict[str, list[float]] = {}
+        sources: list[str] = []
+        groups: list[int] = []
+        infos: dict[str, list] = {}
         samples: list[dict[str, Any]] = []
         num_errors = 0
         for round_, start in enumerate(range(0, len(self.val_set), size)):
@@ -470,22 +475,29 @@ class Trainer:
                                   f"validation at step {self.global_step}, round {round_}")
             token_scores, extra = self.val_reward_fn(out)
             errors = extra.get("reward_error", [None] * len(out))
-            for source, score, error in zip(out["data_source"], token_scores.sum(-1).tolist(), errors, strict=True):
-                if error:  # reward_model.on_error=skip: counted, left out of the means
+            for row, (source, score, error) in enumerate(zip(out["data_source"], token_scores.sum(-1).tolist(), errors,
+                                                             strict=True)):
+                if error:  # reward_model.on_error=skip: counted, left out of the metrics
                     num_errors += 1
-                else:
-                    scores.setdefault(str(source), []).append(score)
+                    continue
+                sources.append(str(source))
+                groups.append(start + row // n)  # the manager repeats each prompt n times, interleaved
+                infos.setdefault("reward", []).append(score)
+                for key, column in extra.items():
+                    if key != "reward_error" and isinstance(column[row], (int, float, str, bool)):
+                        infos.setdefault(key, []).append(column[row])
             if len(samples) < wanted:
                 out["token_level_scores"] = token_scores
                 texts = zip(*self._decode(out.reorder(list(range(min(wanted - len(samples), len(out)))))))
                 samples += [{"input": p, "output": r, "score": s} for p, r, s in texts]
         if samples:
             self.tracker.log_generations(samples, self.global_step)
-        metrics = {f"val/{source}/reward/mean": sum(v) / len(v) for source, v in scores.items()}
-        every = [s for v in scores.values() for s in v]
-        metrics["val/reward/mean"] = sum(every) / len(every) if every else float("nan")
+        complete = {key: column for key, column in infos.items() if len(column) == len(sources)}
+        metrics = validation_metrics(sources, groups, complete,
+                                     seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP,
+                                                      self.global_step))
         if self.cfg.reward_model.on_error == "skip":
-            metrics["val/reward/num_errors"] = float(num_errors)
+            metrics["val-aux/reward/num_errors"] = float(num_errors)
         return metrics
 
     # ================================================================================ the loop

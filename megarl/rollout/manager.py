@@ -180,7 +180,7 @@ class RolloutManager:
                                         else self.config.do_sample))
         params = sampling_params_for(self.config, max_new_tokens=self.response_length, validate=validate,
                                      do_sample=do_sample)
-        n = 1 if validate or not do_sample else self.config.n
+        n = 1 if not do_sample else self.config.val_kwargs.n if validate else self.config.n
         call_seed = seed
         if call_seed is None and self.config.seed is not None:
             call_seed = derive_row_seed(self.config.seed, self._num_calls)

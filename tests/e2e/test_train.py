@@ -111,7 +111,8 @@ def test_grpo_steps_resume_and_crashed_save(assets):
         # 16 trajectories per step, mini-batches of 2 prompts x n=4 -> 2 optimizer steps per step.
         assert metrics["perf/total_num_tokens"] > 0
     last = full.history[-1][1]
-    assert "val/reward/mean" in last and 0 <= last["val/reward/mean"] <= 1
+    core = [key for key in last if key.startswith("val-core/")]  # verl's names: val-core/<source>/<var>/mean@1
+    assert core and all(0 <= last[key] <= 1 and key.endswith("/reward/mean@1") for key in core), core
     assert (root / "grpo" / "dumps" / "3.jsonl").read_text().count("\n") == 16
     assert any((root / "grpo" / "runs" / "megarl" / "grpo").glob("events.out.tfevents.*"))
     # trainer.log_val_generations=3: the first three validation samples of the step-3 validation.
@@ -151,9 +152,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     assert not list(resume_dir.glob(".tmp*")), "the crashed save's debris is cleaned at start-up"
     for (step, expected), (_, got) in zip(full.history[1:], resumed.history, strict=True):
         want, have = _untimed(expected), _untimed(got)
-        want.pop("val/reward/mean", None)
-        for key in [k for k in want if k.startswith("val/")]:
-            want.pop(key)
+        want = {k: v for k, v in want.items() if not k.startswith(("val-core/", "val-aux/"))}
         assert want.keys() <= have.keys()
         diffs = {k: (want[k], have[k]) for k in want if want[k] != have[k]}
         assert not diffs, f"step {step} differs after resume: {diffs}"
@@ -191,6 +190,24 @@ def test_ppo_with_critic(assets):
     assert both["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert set(trainer.roles.plan.pools) == {"global", "rollout"}
+
+
+def test_validation_with_several_samples_reports_verls_metrics(assets):
+    """``val_kwargs.n=4`` (sampled): each of the 8 validation prompts gets 4 responses, and the run reports verl's
+    ``mean@4`` / ``best@k`` / ``worst@k`` per data source; best@4 >= mean@4 >= worst@4."""
+    trainer = Trainer(_config(assets, "val_n", "trainer.val_only=true", "trainer.val_before_train=true",
+                              "actor_rollout_ref.rollout.val_kwargs.n=4",
+                              "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                              "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"), console=lambda *_: None)
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
+    core = {key.split("/", 2)[2]: value for key, value in metrics.items() if key.startswith("val-core/")}
+    assert {"reward/mean@4", "reward/best@4/mean", "reward/best@4/std"} <= set(core), metrics
+    aux = {key.split("/", 2)[2]: value for key, value in metrics.items() if key.startswith("val-aux/")}
+    assert core["reward/best@4/mean"] >= core["reward/mean@4"] >= aux["reward/worst@4/mean"]
+    assert {"reward/std@4", "reward/best@2/mean", "reward/worst@2/mean"} <= set(aux)
 
 
 def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
