@@ -3,6 +3,11 @@
   megarl-convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16|fp32]
   megarl-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
 
+``--mcore`` is an hf-to-mcore output, or a training checkpoint: a run's ``global_step_<k>/actor``, its
+``global_step_<k>`` directory, or the run's checkpoint root (its latest committed checkpoint); the
+layout and dtype it was saved at come from its metadata, the HF config and tokenizer from the
+checkpoint itself (``--hf-config`` for checkpoints saved before checkpoints kept them).
+
 On CPU it spawns its own gloo ranks (tp × pp of them); on GPU it uses NCCL, one GPU per rank.
 Before any rank starts, it refuses (exit code 2, one line naming the flag and the file) an
 --out that is a file, not writable or not empty without --force; a truncated or corrupt input
@@ -27,6 +32,27 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def mcore_source(path: str) -> jobs.McoreSource:
+    """What ``--mcore`` names: an hf-to-mcore output, a training checkpoint's role directory (``actor/``), its
+    step directory (its ``actor/``) or a run's checkpoint root (its latest committed checkpoint's ``actor/``)."""
+    from megarl.controller.run_checkpoints import role_checkpoint
+    from megarl.workers.model_checkpoint import DIST_DIR, METADATA_FILE, export_source
+
+    try:
+        directory = role_checkpoint(path, "actor")
+        if (directory / "megarl.json").exists():
+            return jobs.read_mcore_source(directory)
+        if (directory / METADATA_FILE).exists() or (directory / DIST_DIR).is_dir():
+            return export_source(directory)
+    except ValueError as error:
+        raise ValueError(f"--mcore {error}") from None
+    raise ValueError(
+        f"--mcore {path} is not a megarl Megatron checkpoint: pass an hf-to-mcore output (megarl.json and model/), "
+        f"a training checkpoint's actor/ ({METADATA_FILE} and {DIST_DIR}/), its global_step_<k>/ directory or the "
+        "run's checkpoint root (latest_checkpointed_iteration.txt)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="megarl-convert", description=__doc__.split("\n\n")[0])
@@ -43,9 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--dtype", choices=sorted(jobs.DTYPES), default="fp32", help="parameter dtype")
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
-    to_hf.add_argument("--mcore", required=True, help="Megatron checkpoint written by megarl")
+    to_hf.add_argument("--mcore", required=True,
+                       help="Megatron checkpoint written by megarl: an hf-to-mcore output, or a training checkpoint "
+                            "(global_step_<k>/actor, global_step_<k>, or the run's checkpoint root for its latest)")
     to_hf.add_argument("--out", required=True, help="output directory for the HF checkpoint")
-    to_hf.add_argument("--hf-config", default=None, help="HF config/tokenizer directory (default: the checkpoint's own)")
+    to_hf.add_argument("--hf-config", default=None,
+                       help="HF config/tokenizer directory (default: the checkpoint's own; needed for training "
+                            "checkpoints saved before they kept one)")
     to_hf.add_argument("--tp", type=int, default=None, help="layout to load with (default: as saved)")
     to_hf.add_argument("--pp", type=int, default=None, help="layout to load with (default: as saved)")
     to_hf.add_argument("--ep", type=int, default=None, help="expert layout to load with (default: as saved)")
@@ -71,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                       etp=args.etp, dtype=args.dtype, force=args.force, timeout_s=args.timeout)
         else:
-            report = jobs.mcore_to_hf(args.mcore, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
-                                      ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_size, force=args.force,
-                                      timeout_s=args.timeout)
+            source = mcore_source(args.mcore)
+            if str(source.directory) != args.mcore:
+                print(f"megarl-convert: --mcore {args.mcore} is the checkpoint {source.directory}", flush=True)
+            report = jobs.mcore_to_hf(source, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
+                                      ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                                      force=args.force, timeout_s=args.timeout)
     except ValueError as error:
         parser.exit(2, f"megarl-convert: error: {error}\n")
     except RankFailure as error:

@@ -42,6 +42,9 @@ A run owns its root: :class:`RunLock` holds an exclusive ``flock`` on ``<root>/.
 the run's life (the kernel drops it when the process ends, however it ends), and the trainer
 takes it before anything else touches the directory. A second run into the same root refuses
 at once, naming the holder's PID and host, so ``clean_stale`` never removes a live run's save.
+
+:func:`role_checkpoint` turns what a user names (a run root, a step, a role directory) into a role's
+directory (``megarl-convert mcore-to-hf --mcore``).
 """
 
 from __future__ import annotations
@@ -499,3 +502,30 @@ def resolve_resume(root: str | os.PathLike, mode: str, path: str | os.PathLike |
         raise ValueError(f"trainer.resume_from_path={path} is damaged: {problem}; pick another checkpoint under "
                          f"{path.parent} (or resume_mode=auto, which takes the newest that verifies)")
     return path
+
+
+def role_checkpoint(path: str | os.PathLike, role: str = "actor") -> Path:
+    """The ``role`` checkpoint directory ``path`` names (``megarl-convert mcore-to-hf --mcore``).
+
+    A step directory (``global_step_<k>``, or any directory with a ``trainer_state.json``): its ``<role>/``, once the
+    step verifies (:func:`verify_checkpoint`). A run's checkpoint root (``latest_checkpointed_iteration.txt`` or
+    ``global_step_<k>`` directories in it): the latest committed checkpoint's ``<role>/``, as
+    :meth:`CheckpointManager.latest` picks it (a damaged one is skipped with a warning naming it). Any other path is
+    returned as it is. A ``ValueError`` starts with ``path`` and says what is wrong.
+    """
+    path = Path(path)
+    if _STEP_DIR.match(path.name) or (path / TRAINER_STATE_NAME).is_file():
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"{path} is not a whole checkpoint: {problem}; pick another {STEP_PREFIX}<k>, or "
+                             "the run's checkpoint root for its latest")
+        step = path
+    elif (path / POINTER_NAME).exists() or (path.is_dir() and any(_STEP_DIR.match(p.name) for p in path.iterdir())):
+        step = CheckpointManager(path).latest()
+        if step is None:
+            raise ValueError(f"{path} holds no committed checkpoint that verifies")
+    else:
+        return path
+    if not (step / role).is_dir():
+        raise ValueError(f"{path} has no {role} checkpoint ({step / role} is missing)")
+    return step / role

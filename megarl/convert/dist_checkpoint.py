@@ -79,6 +79,21 @@ def read_dist_metadata(directory: str | os.PathLike):
     return FileSystemReader(str(directory)).read_metadata()
 
 
+OPTIMIZER_PREFIX = "optimizer."
+"""Keys of a training checkpoint's optimizer state (``megarl.workers.model_checkpoint``); the model's are the rest."""
+
+
+def model_tensor_dtype(directory: str | os.PathLike):
+    """The torch dtype of the model's tensors in the torch_dist checkpoint ``directory`` (metadata only; the
+    optimizer's state, which a training checkpoint holds beside them, is skipped); None when it holds none."""
+    import torch
+
+    for name, entry in read_dist_metadata(directory).state_dict_metadata.items():
+        if not name.startswith(OPTIMIZER_PREFIX) and isinstance(getattr(entry, "size", None), torch.Size):
+            return entry.properties.dtype
+    return None
+
+
 def save_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     """Save this rank's chunks into ``directory`` (collective: every rank of the model calls it)."""
     from megatron.core import dist_checkpointing

@@ -8,6 +8,9 @@ a crash never leaves a half-written directory under the output's name.
 A Megatron checkpoint written here is a directory holding ``megarl.json`` (family,
 architecture, layout, dtype), ``hf_config/`` (the HF config and tokenizer files, so it can be
 turned back into HF without the original) and ``model/`` (the torch_dist checkpoint).
+``mcore_to_hf`` also reads a training checkpoint's role directory (its :class:`McoreSource`:
+``megarl.workers.model_checkpoint.export_source``), whose torch_dist directory holds the optimizer
+state beside the model.
 """
 
 from __future__ import annotations
@@ -157,8 +160,28 @@ def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: st
 
 
 # ------------------------------------------------------------------------------ mcore -> HF
+@dataclasses.dataclass(frozen=True)
+class McoreSource:
+    """A Megatron checkpoint to turn into HF: a :func:`hf_to_mcore` output (:func:`read_mcore_source`) or a
+    training checkpoint's role directory (``megarl.workers.model_checkpoint.export_source``)."""
+
+    directory: Path
+    """The checkpoint (what ``--mcore`` resolved to)."""
+    model_dir: Path
+    """Its torch_dist directory (a training checkpoint's also holds the optimizer state, which is not read)."""
+    family: str
+    tp: int
+    pp: int
+    ep: int
+    etp: int | None
+    dtype: str
+    """Of its model tensors: a key of :data:`DTYPES`."""
+    config_dir: Path | None
+    """Its own HF config and tokenizer files; None when it holds none (``--hf-config`` must name them)."""
+
+
 def read_mcore_metadata(mcore_dir: Path) -> dict:
-    """The ``megarl.json`` of a checkpoint written by :func:`hf_to_mcore` (or the trainer)."""
+    """The ``megarl.json`` of a checkpoint written by :func:`hf_to_mcore`."""
     path = mcore_dir / "megarl.json"
     if not path.exists() or not (mcore_dir / "model" / "metadata.json").exists():
         raise ValueError(
@@ -170,39 +193,69 @@ def read_mcore_metadata(mcore_dir: Path) -> dict:
     return meta
 
 
-def mcore_to_hf(mcore_dir, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
+def read_mcore_source(mcore_dir) -> McoreSource:
+    """The :class:`McoreSource` of a checkpoint written by :func:`hf_to_mcore` (its ``megarl.json``)."""
+    mcore_dir = Path(mcore_dir)
+    meta = read_mcore_metadata(mcore_dir)
+    return McoreSource(mcore_dir, mcore_dir / "model", meta["family"], int(meta["tp"]), int(meta["pp"]),
+                       int(meta.get("ep") or 1), meta.get("etp"), meta["dtype"], mcore_dir / "hf_config")
+
+
+def dtype_name(dtype: torch.dtype, where) -> str:
+    """The :data:`DTYPES` key of ``dtype`` (a ``ValueError`` naming ``where`` for another dtype)."""
+    names = {v: k for k, v in DTYPES.items()}
+    if dtype not in names:
+        raise ValueError(f"{where} holds {dtype} tensors; megarl-convert reads {', '.join(DTYPES)}")
+    return names[dtype]
+
+
+def _source_config(source: McoreSource, hf_config_dir) -> tuple[Path, str]:
+    """The HF config directory of ``source`` (``--hf-config`` first) and how messages name it."""
+    if hf_config_dir:
+        return Path(hf_config_dir), f"--hf-config {hf_config_dir}"
+    if source.config_dir is None or not (source.config_dir / "config.json").exists():
+        raise ValueError(f"--mcore {source.directory} holds no HF config (a checkpoint saved before checkpoints "
+                         "kept theirs): pass --hf-config DIR, the HF model directory the run started from "
+                         "(actor_rollout_ref.model.path)")
+    return source.config_dir, f"the checkpoint's own config {source.config_dir}"
+
+
+def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
                 ep: int | None = None, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
                 force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
-    """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files."""
+    """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files.
+
+    ``mcore``: a directory written by :func:`hf_to_mcore`, or a :class:`McoreSource` (a training checkpoint:
+    ``megarl-convert`` resolves those). It loads at the layout it was saved at unless ``tp``/``pp``/``ep``/``etp``
+    say otherwise (the model's tensors are layout-independent; virtual pipeline chunks do not matter).
+    """
     from megarl.models import family_for
     from megarl.parallel.launch import run_ranks
 
-    mcore_dir, out = Path(mcore_dir), Path(out)
-    check_output(out, force, {"--mcore": mcore_dir, "--hf-config": hf_config_dir})
-    meta = read_mcore_metadata(mcore_dir)
-    config_dir = Path(hf_config_dir) if hf_config_dir else mcore_dir / "hf_config"
-    config_flag = f"--hf-config {config_dir}" if hf_config_dir else f"the checkpoint's own config {config_dir}"
+    source = mcore if isinstance(mcore, McoreSource) else read_mcore_source(mcore)
+    out = Path(out)
+    check_output(out, force, {"--mcore": source.directory, "--hf-config": hf_config_dir})
+    config_dir, config_flag = _source_config(source, hf_config_dir)
     hf_config = _load_hf_config(config_dir, "--hf-config" if hf_config_dir else "the checkpoint's own config")
     family = family_for(hf_config)
-    if family.name != meta["family"]:
+    if family.name != source.family:
         raise ValueError(
-            f"--hf-config {config_dir} is a {family.name} model but {mcore_dir} holds a {meta['family']} model"
+            f"--hf-config {config_dir} is a {family.name} model but {source.directory} holds a {source.family} model"
         )
-    dtype = dtype or meta["dtype"]
+    dtype = dtype or source.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    tp = tp or meta["tp"]
-    ep = ep or meta.get("ep", 1)
-    etp = etp or (meta.get("etp") if tp == meta["tp"] else None)
-    dims = _dims(family, tp=tp, pp=pp or meta["pp"], ep=ep, etp=etp)
+    tp = tp or source.tp
+    etp = etp or (source.etp if tp == source.tp else None)
+    dims = _dims(family, tp=tp, pp=pp or source.pp, ep=ep or source.ep, etp=etp)
     _check_config(family, hf_config, dims)
-    check_mcore_files(mcore_dir / "model")  # metadata only: a truncated shard is named before any rank loads it
-    check_mcore_shapes(mcore_dir / "model", family, hf_config, int(meta["tp"]), config_flag)
+    check_mcore_files(source.model_dir)  # metadata only: a truncated shard is named before any rank loads it
+    check_mcore_shapes(source.model_dir, family, hf_config, source.tp, config_flag)
     started = time.monotonic()
     with _atomic_output(out, force) as tmp:
         results = run_ranks(
-            _mcore_to_hf_rank, _world(dims), str(mcore_dir / "model"), str(config_dir), str(tmp), dims,
-            meta["dtype"], dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s,
+            _mcore_to_hf_rank, _world(dims), str(source.model_dir), str(config_dir), str(tmp), dims,
+            source.dtype, dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s,
         )
         copy_side_files(config_dir, tmp)
         hf_config.dtype = DTYPES[dtype]

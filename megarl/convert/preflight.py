@@ -116,15 +116,15 @@ def check_mcore_shapes(model_dir: str | os.PathLike, family, hf_config, tp: int,
 
     Compares the shapes ``hf_config`` implies (:func:`expected_mcore_shapes`) with the global
     shapes in the checkpoint's metadata. The ``ValueError`` names ``config_flag``, the tensor,
-    both shapes and the HF tensors it becomes.
+    both shapes and the HF tensors it becomes. A training checkpoint's optimizer state is not compared.
     """
     import torch
 
-    from megarl.convert.dist_checkpoint import read_dist_metadata
+    from megarl.convert.dist_checkpoint import OPTIMIZER_PREFIX, read_dist_metadata
 
     metadata = read_dist_metadata(model_dir)
     saved = {name: tuple(entry.size) for name, entry in metadata.state_dict_metadata.items()
-             if isinstance(getattr(entry, "size", None), torch.Size)}
+             if isinstance(getattr(entry, "size", None), torch.Size) and not name.startswith(OPTIMIZER_PREFIX)}
     expected = expected_mcore_shapes(family, hf_config, tp)
     problems = []
     for name, shape in saved.items():

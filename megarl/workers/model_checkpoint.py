@@ -7,8 +7,11 @@ checkpoint directory holds
   ``with_optimizer=False``, the optimizer state;
 - ``rng/rank_<r>.pt``: rank r's generators (Python, NumPy, torch, CUDA when present, and
   Megatron's model-parallel tracker);
+- ``hf_config/``: the HF ``config.json``, generation config and tokenizer files of the model it
+  was built from, so ``megarl-convert mcore-to-hf`` turns the checkpoint into an HF directory on
+  its own (:func:`export_source`);
 - ``model.json``: the layout it was saved at, the optimizer's sharding type, the LR
-  schedule's state. Rank 0 writes it last, after every rank finished, so a directory with
+  schedule's state, the HF directory the model was built from. Rank 0 writes it last, after every rank finished, so a directory with
   ``model.json`` is complete (the controller's temporary-directory rename adds atomicity).
 
 Damaged files. ``load_model`` checks, before any collective load, that every data file of
@@ -55,6 +58,7 @@ SHARDING_TYPE = "dp_reshardable"
 METADATA_FILE = "model.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
+HF_CONFIG_DIR = "hf_config"
 
 
 def layout_of(dims) -> dict:
@@ -164,16 +168,29 @@ def save_model(model, directory: str | os.PathLike, *, with_optimizer: bool = Tr
     _save_rng(directory, rank)
     dist.barrier()  # every rank's files are written before model.json marks the directory complete
     if rank == 0:
+        _save_hf_config(model, directory / HF_CONFIG_DIR)
         meta = {
             "format": FORMAT, "version": VERSION, "family": model.family.name,
             "world_size": dist.get_world_size(), "layout": _layout(model),
             "with_optimizer": with_optimizer,
             "optimizer_sharding_type": SHARDING_TYPE if with_optimizer else None,
             "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
+            "hf_dir": model.hf_dir, "value_head": bool(model.value_head),
         }
         _write_durably(directory / METADATA_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     dist.barrier()
     return time.monotonic() - started
+
+
+def _save_hf_config(model, directory: Path) -> None:
+    """Copy the model's HF config, generation config and tokenizer files (small) into ``directory``, durably."""
+    from megarl.convert.hf_io import SIDE_FILES
+
+    directory.mkdir(exist_ok=True)
+    for name in SIDE_FILES:
+        source = Path(model.hf_dir) / name
+        if source.is_file():
+            _write_durably(directory / name, source.read_bytes())
 
 
 def read_model_metadata(directory: str | os.PathLike) -> dict:
@@ -372,3 +389,28 @@ def export_hf(model, directory: str | os.PathLike, *, max_shard_bytes: int = 5 *
         hf_config.save_pretrained(directory)
     dist.barrier()
     return time.monotonic() - started
+
+
+def export_source(directory: str | os.PathLike):
+    """What ``megarl-convert mcore-to-hf`` reads of the role checkpoint ``directory`` (a ``McoreSource``).
+
+    The saved layout (TP, PP, EP, ETP) comes from ``model.json``, the dtype of the weights from the distributed
+    checkpoint's metadata, the HF config from ``hf_config/`` (None in checkpoints saved before it was kept:
+    the converter then needs ``--hf-config``). A critic's checkpoint (a value head, no LM head) is refused.
+    """
+    from megarl.convert.dist_checkpoint import model_tensor_dtype
+    from megarl.convert.jobs import McoreSource, dtype_name
+
+    directory = Path(directory)
+    meta = read_model_metadata(directory)
+    if meta.get("value_head"):
+        raise ValueError(f"{directory} is a critic's checkpoint (a value head, not a language model): "
+                         "export the actor's, its sibling actor/")
+    dtype = model_tensor_dtype(directory / DIST_DIR)
+    if dtype is None:
+        raise ValueError(f"{directory / DIST_DIR} holds no model tensors")
+    layout = meta["layout"]
+    config_dir = directory / HF_CONFIG_DIR
+    return McoreSource(directory, directory / DIST_DIR, meta["family"], int(layout["tp"]), int(layout["pp"]),
+                       int(layout.get("ep") or 1), layout.get("etp"), dtype_name(dtype, directory / DIST_DIR),
+                       config_dir if (config_dir / "config.json").exists() else None)

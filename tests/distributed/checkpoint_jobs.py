@@ -5,6 +5,7 @@ step 2 through the CheckpointManager; a save of step 5 crashes after its model p
 written; a fresh sharded model (weights from the original HF directory) loads the latest
 checkpoint and retakes steps 3..5. Then TP=1×PP=2×DP=2 loads the weights alone, takes a
 step, saves, and a fresh sharded model at that layout resumes from it (DP-sharded optimizer state).
+Before the save, the actor's log-probs of a fixed batch (for megarl-convert's export of the checkpoint).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
     for step in range(1, LAST_STEP + 1):
         run[step] = _step(sharded, step, vocab)
         if step == SAVE_AFTER:
+            # The saved actor's own log-probs (last stage), for the HF model megarl-convert makes of its checkpoint.
+            batch = make_batch(vocab, seed=100)
+            logp = sharded.forward_logprobs([_rows(batch, slice(0, NUM_ROWS))])
+            if logp is not None:
+                out["actor_logp"] = {"batch": batch, "logp": logp[0]["logp"]}
             tmp = _broadcast_object(str(manager.begin(step)) if rank == 0 else None)
             out["save_s"] = ckpt.save_model(sharded, f"{tmp}/actor")
             out["export_s"] = ckpt.export_hf(sharded, f"{tmp}/actor_hf")

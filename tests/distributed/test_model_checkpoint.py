@@ -1,8 +1,10 @@
 """Engine checkpoints: a resumed run equals the uninterrupted one bit for bit; crashes leave the last one.
 
-One 4-rank job (tests/distributed/checkpoint_jobs.py) produces every number asserted here.
+One 4-rank job (tests/distributed/checkpoint_jobs.py) produces every number asserted here; megarl-convert
+turns its checkpoint into HF (issue 32).
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,73 @@ def test_a_truncated_file_is_named_on_every_rank(job):
             assert error is not None, (r["rank"], name)
             assert f"/{name} " in error and "truncated" in error and "resume from another checkpoint" in error
             assert "cannot be loaded" in error and ".tmp_global_step_3" in error  # the checkpoint directory
+
+
+# ------------------------------------------- issue 32: megarl-convert mcore-to-hf reads a training checkpoint
+def test_a_checkpoint_keeps_the_hf_config_it_was_built_from(job):
+    ranks, root, hf_dir = job
+    actor = Path(root) / f"global_step_{SAVE_AFTER}" / "actor"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (actor / "hf_config" / name).read_bytes() == (Path(hf_dir) / name).read_bytes(), name
+    manifest = json.loads((actor.parent / "manifest.json").read_text())
+    assert "actor/hf_config/config.json" in manifest["files"]  # verified like the shards
+
+
+def test_convert_accepts_the_actor_its_step_and_the_run_root(job):
+    from megarl.cli.convert import mcore_source
+
+    _, root, _ = job
+    actor = Path(root) / f"global_step_{SAVE_AFTER}" / "actor"
+    for named in (root, actor.parent, actor):
+        source = mcore_source(str(named))
+        assert source.directory == actor and source.model_dir == actor / "dist"
+        assert (source.family, source.tp, source.pp, source.ep, source.etp, source.dtype) == ("qwen2", 2, 2, 1, 2,
+                                                                                                "fp32")
+        assert source.config_dir == actor / "hf_config"
+
+
+def test_convert_exports_the_trained_actor_at_its_tp2_pp2_layout(job, tmp_path):
+    """The CLI on the run root: the HF directory holds the actor's exported tensors bit for bit, transformers loads
+    it, and its log-probs equal the actor's own (Megatron at TP=2×PP=2, fp32) within 1e-5."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.cli.convert import main
+    from tests.distributed.sharded_model_jobs import hf_logprobs
+
+    ranks, root, _ = job
+    out = tmp_path / "hf"
+    assert main(["mcore-to-hf", "--mcore", str(root), "--out", str(out)]) == 0
+    exported = load_file(Path(root) / f"global_step_{SAVE_AFTER}" / "actor_hf" / "model.safetensors")
+    converted = load_file(out / "model.safetensors")
+    assert converted.keys() == exported.keys()
+    assert all(torch.equal(converted[name], tensor) for name, tensor in exported.items())
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (out / name).exists(), name
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    actor = next(r["actor_logp"] for r in ranks if "actor_logp" in r)
+    batch = actor["batch"]
+    valid = batch["attention_mask"].bool().clone()
+    valid[:, :-1] &= batch["attention_mask"][:, 1:].bool()
+    valid[:, -1] = False
+    diff = (hf_logprobs(model, batch) - actor["logp"])[valid].abs().max().item()
+    print(f"max |log p(HF export of the checkpoint) - log p(actor)| = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_convert_needs_hf_config_for_a_checkpoint_without_one(job, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from megarl.cli.convert import main
+    from megarl.parallel import launch
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("ranks spawned before the refusal"))
+    _, root, _ = job
+    old = tmp_path / "actor"
+    shutil.copytree(Path(root) / f"global_step_{SAVE_AFTER}" / "actor", old)
+    shutil.rmtree(old / "hf_config")  # as saved before checkpoints kept their HF config
+    with pytest.raises(SystemExit) as exit_info:
+        main(["mcore-to-hf", "--mcore", str(old), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert f"--mcore {old} holds no HF config" in err and "pass --hf-config DIR" in err

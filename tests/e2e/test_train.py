@@ -129,6 +129,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     initial = AutoModelForCausalLM.from_pretrained(assets["model"]).state_dict()
     assert exported.keys() == initial.keys()
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)
+    _convert_run_root_equals_the_export(full.run_dir, saved, root / "grpo" / "converted")
 
     # The run stopped after step 1: its checkpoint (the uninterrupted run's, committed into its own directory);
     # then a save of step 2 crashes; resume to step 3.
@@ -156,6 +157,29 @@ def test_grpo_steps_resume_and_crashed_save(assets):
         assert want.keys() <= have.keys()
         diffs = {k: (want[k], have[k]) for k in want if want[k] != have[k]}
         assert not diffs, f"step {step} differs after resume: {diffs}"
+
+
+def _convert_run_root_equals_the_export(run_dir: Path, saved: Path, out: Path) -> None:
+    """Issue 32: ``megarl-convert mcore-to-hf --mcore <run root>`` turns the run's last checkpoint (the actor at
+    TP=2, saved with its optimizer) into an HF directory that transformers loads, holding the tensors the trainer's
+    own export wrote bit for bit, so its logits equal the trained actor's exactly (fp32, same weights, same kernels)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "megarl.cli.convert", "mcore-to-hf", "--mcore", str(run_dir),
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"is the checkpoint {saved / 'actor'}" in run.stdout, run.stdout
+    want, got = load_file(saved / "actor_hf" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(d).eval()(input_ids=ids).logits for d in (out, saved / "actor_hf")]
+    assert torch.equal(*logits), (logits[0] - logits[1]).abs().max()
 
 
 def test_ppo_with_critic(assets):

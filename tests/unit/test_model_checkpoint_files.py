@@ -44,3 +44,14 @@ def test_a_truncated_dist_file_is_named_from_the_metadata(tmp_path):
     (tmp_path / "metadata.json").write_text("{}")
     (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95")  # a pickle cut short
     assert "file " + str(tmp_path / ".metadata") + " is unreadable" in dist_checkpoint_problem(tmp_path)
+
+
+def test_a_critic_checkpoint_is_not_exported(tmp_path):
+    """megarl-convert mcore-to-hf on a critic's checkpoint: a value head is no language model."""
+    from megarl.workers.model_checkpoint import export_source
+
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "metadata.json").write_text("{}")
+    (tmp_path / "model.json").write_text(json.dumps({"format": "megarl-model", "family": "qwen2", "value_head": True}))
+    with pytest.raises(ValueError, match="is a critic's checkpoint .*export the actor's"):
+        export_source(tmp_path)

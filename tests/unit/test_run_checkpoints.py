@@ -375,3 +375,27 @@ def test_a_failed_save_is_removed_and_says_whether_the_disk_is_full(tmp_path):
     assert "checkpoint of step 2 not saved: no space left on the device of" in str(error)
     assert "the checkpoint of step 1" in str(error) and "is intact" in str(error)
     assert not tmp.exists()
+
+
+def test_role_checkpoint_resolves_a_step_and_a_run_root(tmp_path):
+    """megarl-convert's --mcore: a step directory means its actor/, a run root its latest committed checkpoint's."""
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    _save(manager, 2)
+    manager.begin(3)  # a save in progress (or crashed) is not the latest
+    actor = tmp_path / "global_step_2" / "actor"
+    assert cm.role_checkpoint(tmp_path) == actor
+    assert cm.role_checkpoint(tmp_path / "global_step_1") == tmp_path / "global_step_1" / "actor"
+    assert cm.role_checkpoint(actor) == actor  # a role directory as it is
+    with pytest.raises(ValueError, match=r"global_step_2 has no critic checkpoint"):
+        cm.role_checkpoint(tmp_path / "global_step_2", "critic")
+    (actor / "weights.bin").write_bytes(b"")  # damaged after the commit
+    with pytest.raises(ValueError, match=r"global_step_2 is not a whole checkpoint: file actor/weights.bin"):
+        cm.role_checkpoint(tmp_path / "global_step_2")
+    with pytest.warns(UserWarning, match="global_step_2.*using .*global_step_1"):
+        assert cm.role_checkpoint(tmp_path) == tmp_path / "global_step_1" / "actor"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"empty holds no committed checkpoint"):
+        cm.role_checkpoint(empty)
