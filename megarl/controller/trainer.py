@@ -555,7 +555,8 @@ class Trainer:
         """The lines ``megarl-train`` prints when the run ends (:func:`megarl.controller.progress.run_summary`)."""
         export = None
         if self.last_checkpoint is not None:
-            export = f"megarl-convert mcore-to-hf --mcore {self.last_checkpoint} --out {self.last_checkpoint}/hf"
+            export = (f"megarl-convert mcore-to-hf --mcore {self.last_checkpoint} "
+                      f"--out {self.run_dir}_hf/{self.last_checkpoint.name}")
         return run_summary(self.history, setup_s=self.setup_s, log_dir=self.log_dir,
                            checkpoint=self.last_checkpoint, export_command=export)
 
