@@ -5,7 +5,7 @@ reference in the actor's processes, HF engines) for ``--steps`` steps through th
 trainer and reports, averaged over the steps after the first (warm-up):
 
 - per stage, the driver's wall time (``timing_s/<stage>``: gen, reward, old_log_prob, ref,
-  adv, update_actor, sync_weights);
+  adv, update_actor, update_weights);
 - worker compute (``perf/busy_s/<role>``: the busiest rank of each role, time inside the
   worker methods) and the **controller overhead**: the step's wall time minus worker
   compute, i.e. serialisation, Ray dispatch, the batch bookkeeping, rewards and advantages
@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 
-STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "sync_weights")
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

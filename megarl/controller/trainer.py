@@ -286,7 +286,7 @@ class Trainer:
             metrics |= self._update_critic(batch, step, timing)
             if syncs:
                 metrics |= self._update_actor(batch, step, timing)
-                with timer("sync_weights", timing):
+                with timer("update_weights", timing):  # verl's name
                     metrics |= self._sync_weights(step, self.rollout.weight_update(step))
             else:  # critic warm-up: the engines kept their weights (nothing to sync)
                 self.engine_memory.resume(TRAINING_TAGS)
