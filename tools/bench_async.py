@@ -47,7 +47,8 @@ def run_mode(mode: str, steps: int, overrides: list[str], out: str) -> list[dict
     from megarl.controller.trainer import Trainer
 
     name = f"bench_async_{next(_RUNS)}_{mode}"
-    cfg = load_config([f"trainer.total_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+    cfg = load_config(["recipe=tiny_cpu_grpo", f"trainer.total_steps={steps}", "trainer.save_freq=-1",
+                       "trainer.test_freq=-1",
                        "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.experiment_name={name}",
                        f"trainer.default_local_dir={out}/ckpt", f"trainer.log_dir={out}/runs", *PLACEMENT,
                        f"trainer.mode={mode}", *MODE_SETTINGS[mode], *overrides])

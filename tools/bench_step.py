@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from megarl.controller.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="megarl_bench_step_")
-    overrides = [f"trainer.total_steps={args.steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+    overrides = ["recipe=tiny_cpu_grpo", f"trainer.total_steps={args.steps}", "trainer.save_freq=-1",
+                 "trainer.test_freq=-1",
                  "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}/ckpt",
                  f"trainer.log_dir={out}/runs", *args.overrides]
     cfg = load_config(overrides)

@@ -1,10 +1,12 @@
 """``megarl-train``: compose the config (Hydra) and run the trainer.
 
-    megarl-train                                   # the tiny CPU recipe (configs/recipe/tiny_cpu_grpo.yaml)
+    megarl-train                                   # no arguments: the tiny CPU recipe (recipe=tiny_cpu_grpo)
     megarl-train recipe=qwen2_5_7b_grpo trainer.total_steps=10
     megarl-train --print-config recipe=llama3_1_70b_grpo
+    megarl-train actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct ...   # verl's overrides (docs/verl_migration.md)
 
-Arguments are Hydra overrides (``key=value``, ``recipe=<name>``). The run prints each start-up phase with its
+Arguments are Hydra overrides (``key=value``, ``recipe=<name>``), in megarl's names or verl's. Without a
+recipe the base config is a GPU run like verl's (configs/config.yaml). The run prints each start-up phase with its
 duration and ends with a summary: steps, time per step, reward at the start and the end, validation, where the
 logs and the last checkpoint are and how to export it.
 """
@@ -15,6 +17,9 @@ import argparse
 import logging
 import sys
 
+DEFAULT_RUN = ("recipe=tiny_cpu_grpo",)
+"""What ``megarl-train`` runs without arguments: the tiny CPU recipe (the README's first command)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megarl-train", description=__doc__.split("\n\n")[0],
@@ -22,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=qwen2_5_7b_grpo trainer.total_steps=10")
     parser.add_argument("--print-config", action="store_true", help="print the composed config and exit")
     args = parser.parse_args(argv)
+    if not args.overrides:
+        print(f"megarl-train: no overrides: the tiny CPU job ({DEFAULT_RUN[0]})", file=sys.stderr)
+        args.overrides = list(DEFAULT_RUN)
     use_ray_tokens()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("ray", "megatron", "torch", "urllib3", "filelock", "httpx"):

@@ -37,11 +37,35 @@ class CustomRewardFunction:
 
 
 @dataclasses.dataclass(kw_only=True)
+class OverlongBufferConfig:
+    """``reward_model.overlong_buffer.*``: DAPO's soft overlong punishment (verl's dapo reward manager's
+    ``overlong_buffer_cfg``). A response longer than ``data.max_response_length - len`` tokens (tool outputs
+    included) has ``(length - (max - len)) / len * penalty_factor`` taken off its score (training and
+    validation): ``-penalty_factor`` at the full length (:func:`megarl.algo.dapo.overlong_penalty`)."""
+
+    enable: bool = False
+    len: int = 0
+    """Tokens before ``data.max_response_length`` where the penalty starts."""
+    penalty_factor: float = 1.0
+    """The penalty at ``data.max_response_length``."""
+    log: bool = False
+    """Add each row's penalty (``overlong_reward``) and whether it had one (``overlong``) to the reward's extras."""
+
+    def __post_init__(self) -> None:
+        if self.enable:
+            check_positive("reward_model.overlong_buffer.len", self.len)
+        if self.penalty_factor < 0:
+            raise ValueError(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {self.penalty_factor}")
+
+
+@dataclasses.dataclass(kw_only=True)
 class RewardConfig:
     """Rule-based rewards (``reward_model.*``): the ``data_source`` registry or a custom function."""
 
     custom_reward_function: CustomRewardFunction = dataclasses.field(default_factory=CustomRewardFunction)
     """A custom scoring function replacing the registry."""
+    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
+    """DAPO's soft overlong punishment."""
     scorer_kwargs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Per ``data_source`` settings of registered scorers, e.g. ``{"openai/gsm8k": {"method": "flexible"}}``."""
     num_examine: int = 0

@@ -2,7 +2,10 @@
 
 ``configs/config.yaml`` lists the schema (:data:`megarl.config.schema.SCHEMA_NAME`) first, so
 every YAML value and override is merged into the typed dataclasses: an unknown key or a value
-of the wrong type fails at composition, and the error names the key.
+of the wrong type fails at composition, and the error names the key (and the nearest declared ones).
+
+Overrides may use verl's names: :func:`megarl.config.verl_keys.translate` rewrites them into megarl's
+before Hydra composes (docs/verl_migration.md).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megarl.config.keys import did_you_mean, is_declared
 from megarl.config.schema import RunConfig, register_schema
 from megarl.config.validate import validate
+from megarl.config.verl_keys import VerlKeyError, check_equal, translate
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The repository's ``configs/`` directory (Hydra YAML: ``config.yaml`` and its groups)."""
@@ -27,16 +32,34 @@ class ConfigError(ValueError):
 
 def compose_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,
                    config_name: str = "config") -> DictConfig:
-    """The composed, typed (schema-backed) OmegaConf tree of ``config_name`` with ``overrides`` applied."""
+    """The composed, typed (schema-backed) OmegaConf tree of ``config_name`` with ``overrides`` (in megarl's or
+    verl's names) applied."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     register_schema()
     try:
+        translation = translate(overrides)
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-            return compose(config_name=config_name, overrides=list(overrides))
+            cfg = compose(config_name=config_name, overrides=pretrained_when_path_given(translation.overrides))
+        check_equal(cfg, translation.equal)
     except (HydraException, OmegaConfBaseException) as error:
-        raise ConfigError(_describe(error)) from error
+        raise ConfigError(_describe(error) + _nearest(error)) from error
+    except VerlKeyError as error:
+        raise ConfigError(str(error)) from error
+    return cfg
+
+
+MODEL = "actor_rollout_ref.model"
+
+
+def pretrained_when_path_given(overrides: Sequence[str]) -> list[str]:
+    """An override of ``model.path`` names a model to load: without an override of ``model.init`` it adds
+    ``model.init=pretrained``, so a recipe's tiny warm start (``init: tiny_sft``) never writes over that path."""
+    keys = {override.lstrip("+~").split("=", 1)[0].strip() for override in overrides}
+    if f"{MODEL}.path" in keys and f"{MODEL}.init" not in keys:
+        return [*overrides, f"{MODEL}.init=pretrained"]
+    return list(overrides)
 
 
 def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,
@@ -59,6 +82,11 @@ def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFI
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build the dataclasses of a composed tree; a section's ``ValueError`` is re-raised with its full key."""
     _check_known_keys(cfg, "")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} must be set (the base config names no model or data): set "
+                          f"{'them' if len(missing) > 1 else 'it'}, or choose a recipe that does (recipe=<name> of "
+                          f"configs/recipe/; recipe=tiny_cpu_grpo is the tiny CPU job)")
     try:
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as error:
@@ -81,8 +109,11 @@ def _check_known_keys(node: DictConfig, key: str) -> None:
     for child_key in node:
         full_key = f"{key}.{child_key}" if key else str(child_key)
         if declared is not None and child_key not in declared:
-            raise ConfigError(f"{full_key} is not a setting of {object_type.__name__}; its settings are "
+            near = did_you_mean(str(child_key), declared)
+            raise ConfigError(f"{full_key} is not a setting of {object_type.__name__}{near}; its settings are "
                               f"{sorted(declared)} (check the spelling in the recipe or the override)")
+        if OmegaConf.is_missing(node, child_key):
+            continue  # building the dataclasses names it (to_run_config)
         child = node[child_key]
         if isinstance(child, DictConfig):
             _check_known_keys(child, full_key)
@@ -102,6 +133,17 @@ def _failing_section(node: DictConfig, key: str) -> str:
             OmegaConf.to_object(node)
         except ValueError:
             return key
+    return ""
+
+
+def _nearest(error: Exception) -> str:
+    """``"\n(did you mean ...?)"`` for an unknown key in a recipe (OmegaConf's error carries its full key)."""
+    while error is not None:
+        key = getattr(error, "full_key", None)
+        if key and not is_declared(key):
+            near = did_you_mean(key)
+            return f"\n{near.strip()}" if near else ""
+        error = error.__cause__ or error.__context__
     return ""
 
 

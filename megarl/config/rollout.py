@@ -16,6 +16,13 @@ from pathlib import Path
 from megarl.config.common import DTYPES, check_choice, check_micro_batches, check_positive, check_sampling
 
 ROLLOUT_NAMES = ("hf", "sglang")
+_USE_SGLANG = ("set actor_rollout_ref.rollout.name=sglang (verl's engine settings carry over: tensor_model_parallel_size, "
+               "gpu_memory_utilization, n, sampling); hf is the CPU engine of the tests and the tiny recipe")
+FOREIGN_ENGINES = {
+    "vllm": f"megarl generates with SGLang, not vLLM: {_USE_SGLANG}",
+    "trtllm": f"megarl generates with SGLang, not TensorRT-LLM: {_USE_SGLANG}",
+}
+"""Other frameworks' engines (verl's ``rollout.name`` values) and what megarl runs instead."""
 ENGINE_LAYOUTS = ("per_replica", "per_tp_group")
 ROUTER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random")
 """sglang-router's ``--policy`` choices megarl offers (``rollout.router_policy``)."""
@@ -235,6 +242,8 @@ class RolloutConfig:
         check_positive(f"{p}.engine_timeout_s", self.engine_timeout_s)
         if not 0 <= self.max_failed_frac <= 1:
             raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
+        if self.name in FOREIGN_ENGINES:
+            raise ValueError(f"{p}.name={self.name}: {FOREIGN_ENGINES[self.name]}")
         check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)
         check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.n", self.n)

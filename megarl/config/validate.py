@@ -257,6 +257,11 @@ def _check_algorithm(cfg: RunConfig) -> None:
     if cfg.trainer.critic_warmup > 0 and not cfg.critic.enable:
         raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (critic.enable=True); "
                          f"set trainer.critic_warmup=0")
+    overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable and overlong.len > cfg.data.max_response_length:
+        raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} exceeds data.max_response_length="
+                         f"{cfg.data.max_response_length}: the buffer is the last len tokens of a response; "
+                         f"choose at most {cfg.data.max_response_length}")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable and not cfg.data.return_raw_chat:
         raise ValueError(f"{ARR}.rollout.multi_turn.enable=True needs the raw chat messages: set "
                          f"data.return_raw_chat=True")

@@ -28,6 +28,7 @@ from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
 from megarl.reward import RewardManager
+from megarl.reward.manager import OverlongPenalty
 from megarl.parallel.shared_memory import remove_shared_memory
 from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient
@@ -379,11 +380,14 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
     must have a registered scorer. Errors name the setting (before anything is placed)."""
     reward = cfg.reward_model
     custom = reward.custom_reward_function
+    buffer = reward.overlong_buffer
+    overlong = OverlongPenalty(cfg.data.max_response_length, buffer.len, buffer.penalty_factor,
+                               buffer.log) if buffer.enable else None
 
     def manager(num_examine: int) -> RewardManager:
         return RewardManager(tokenizer, compute_score=custom.spec(), reward_kwargs=custom.reward_kwargs or None,
                              scorer_kwargs=reward.scorer_kwargs, num_examine=num_examine, on_error=reward.on_error,
-                             timeout_s=reward.timeout_s)
+                             timeout_s=reward.timeout_s, overlong=overlong)
 
     train, val = manager(reward.num_examine), manager(1)  # verl logs one decoded sample per source in validation
     train.check_data_sources(train_set.data_sources(), "data.train_files")

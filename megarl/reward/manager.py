@@ -38,6 +38,7 @@ Shape legend: ``B`` rows (trajectories), ``T`` response tokens (``responses.shap
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl.algo.dapo import overlong_penalty
 from megarl.data.batch import Batch
 from megarl.reward.registry import ComputeScore, ScorerRegistry, check_compute_score, load_function
 
@@ -75,6 +77,18 @@ def last_valid_positions(mask_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_BT.bool(), positions_BT, torch.full_like(positions_BT, -1)).max(dim=1).values
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (``reward_model.overlong_buffer``): a response longer than
+    ``max_response_length - buffer_len`` tokens loses up to ``penalty_factor`` (:func:`megarl.algo.dapo.
+    overlong_penalty`); ``log`` adds each row's ``overlong_reward`` and ``overlong`` to the extras."""
+
+    max_response_length: int
+    buffer_len: int
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
 class RewardManager:
     """Scores a rollout batch: ``manager(batch) -> (token_level_scores [B, T], extra_info)``.
 
@@ -95,17 +109,21 @@ class RewardManager:
         on_error: ``raise`` or ``skip`` (see the module docstring).
         timeout_s: the longest one row's scoring may take (``None``: no limit, and the function runs on the
             caller's thread); see the module docstring.
+        overlong: DAPO's overlong penalty, added to each scored row's score on its last token (the ``score``
+            extra stays the function's own); None: off.
     """
 
     def __init__(self, tokenizer: Any, *, compute_score: ComputeScore | str | None = None,
                  reward_kwargs: Mapping[str, Any] | None = None, scorers: ScorerRegistry | None = None,
                  scorer_kwargs: Mapping[str, Mapping[str, Any]] | None = None, num_examine: int = 0,
-                 on_error: str = "raise", timeout_s: float | None = None) -> None:
+                 on_error: str = "raise", timeout_s: float | None = None,
+                 overlong: OverlongPenalty | None = None) -> None:
         if num_examine < 0:
             raise ValueError(f"num_examine must be >= 0, got {num_examine}")
         if on_error not in ON_ERROR_MODES:
             raise ValueError(f"reward_model.on_error={on_error!r}; use one of {ON_ERROR_MODES}")
         self.on_error = on_error
+        self.overlong = overlong
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward_model.timeout_s must be > 0 (or null for no limit), got {timeout_s}")
         self._bounded = _BoundedCaller(timeout_s) if timeout_s is not None else None
@@ -176,11 +194,25 @@ class RewardManager:
             if examined.get(data_sources[i], 0) < self.num_examine:
                 examined[data_sources[i]] = examined.get(data_sources[i], 0) + 1
                 self._log_sample(batch, i, solution_str, ground_truth, info)
+        if self.overlong is not None:
+            self._penalise_overlong(scores_BT, last_B, rows_info)
         empty_rows = [i for i in range(num_rows) if int(last_B[i]) < 0]
         if empty_rows:
             logger.warning("RewardManager: %d of %d rows have no valid response token (rows %s); their scores "
                            "were put at response position 0", len(empty_rows), num_rows, empty_rows[:20])
         return scores_BT, reward_columns(rows_info)
+
+    def _penalise_overlong(self, scores_BT: torch.Tensor, last_B: torch.Tensor, rows_info: list[dict]) -> None:
+        """Add the overlong penalty of each row's length (every response token) to its score; rows whose scoring
+        failed keep their 0."""
+        o = self.overlong
+        penalty_B = overlong_penalty(last_B + 1, o.max_response_length, o.buffer_len, o.penalty_factor)
+        for i, info in enumerate(rows_info):
+            if "reward_error" in info:
+                continue
+            scores_BT[i, max(int(last_B[i]), 0)] += float(penalty_B[i])
+            if o.log:
+                info["overlong_reward"], info["overlong"] = float(penalty_B[i]), bool(penalty_B[i] < 0)
 
     @staticmethod
     def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:

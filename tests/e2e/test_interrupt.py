@@ -64,7 +64,8 @@ def _start(tmp_path, tag: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TAG: tag}
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "megarl.cli.train", "actor_rollout_ref.model.init=pretrained",
+    command = [sys.executable, "-m", "megarl.cli.train", "recipe=tiny_cpu_grpo",
+               "actor_rollout_ref.model.init=pretrained",
                f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
                f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}", *extra]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -54,6 +54,7 @@ def _config(assets, name: str, *extra: str):
 def _overrides(assets, name: str, *extra: str) -> list[str]:
     root = assets["root"]
     return [
+        "recipe=tiny_cpu_grpo",
         "actor_rollout_ref.model.init=pretrained", f"actor_rollout_ref.model.path={assets['model']}",
         f"data.train_files=[{assets['train']}]", f"data.val_files=[{assets['test']}]",
         "data.train_batch_size=4", "data.val_batch_size=8", "data.max_response_length=8",

@@ -6,10 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
+from megarl.config import load_config as _load_config
 from megarl.controller.run_inputs import prepare_policy
 
 ARR = "actor_rollout_ref"
+TINY = "recipe=tiny_cpu_grpo"
+"""The config these tests vary (megarl-train's default; the base config, a GPU run, names no model or data)."""
+
+
+def load_config(overrides=()):
+    return _load_config([TINY, *overrides])
+
 REPO = Path(__file__).resolve().parents[2]
 
 

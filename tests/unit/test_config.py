@@ -21,12 +21,25 @@ from megarl.config import (
     RolloutConfig,
     RunConfig,
     TrainerConfig,
-    compose_config,
     data_parallel_size,
-    load_config,
     to_run_config,
     validate,
 )
+
+from megarl.config import compose_config as _compose_config, load_config as _load_config
+
+TINY = "recipe=tiny_cpu_grpo"
+"""The config these tests vary (megarl-train's default; the base config, a GPU run, names no model or data); a
+``recipe=`` override after it wins."""
+
+
+def load_config(overrides=()):
+    return _load_config([TINY, *overrides])
+
+
+def compose_config(overrides=()):
+    return _compose_config([TINY, *overrides])
+
 
 RECIPES = sorted(path.stem for path in (CONFIG_DIR / "recipe").glob("*.yaml"))
 ARR = "actor_rollout_ref"
@@ -68,7 +81,7 @@ def test_load_config_validates_once(monkeypatch):
 
 def test_recipe_layouts():
     tiny = load_config()
-    assert tiny.recipe == "tiny_cpu_grpo"  # the default
+    assert tiny.recipe == "tiny_cpu_grpo"  # megarl-train's default
     assert (tiny.trainer.device, tiny.trainer.world_size, tiny.actor_rollout_ref.actor.parallel.tp) == ("cpu", 2, 2)
     assert tiny.actor_rollout_ref.rollout.name == "hf" and tiny.needs_ref
     assert tiny.actor_rollout_ref.model.init == "tiny_sft"

@@ -60,7 +60,7 @@ def two_nodes(tmp_path_factory):
 
 
 def config(engine_tp: int, actor_tp: int):
-    return load_config(["trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+    return load_config(["recipe=tiny_cpu_grpo", "trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
                         f"{ROLLOUT}.name=sglang", f"{ROLLOUT}.tensor_model_parallel_size={engine_tp}",
                         f"actor_rollout_ref.actor.parallel.tp={actor_tp}", f"{ROLLOUT}.engine_startup_timeout_s=60",
                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",

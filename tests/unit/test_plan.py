@@ -445,7 +445,7 @@ def test_engines_on_every_tp_group_are_fed_by_the_replica_they_sit_on():
     assert {e.bundles[0]: e.dp_rank for e in engines} == {0: 0, 16: 0, 32: 0, 48: 0, 8: 1, 24: 1, 40: 1, 56: 1}
     assert plan.sync.senders == tuple(sorted(e.bundles[0] for e in engines))
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.engine_layout"):
-        load_config(["actor_rollout_ref.rollout.engine_layout=per_gpu"])
+        load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.rollout.engine_layout=per_gpu"])
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -13,7 +13,7 @@ import torch
 
 from megarl.data import Batch
 from megarl.reward import RewardManager, ScorerRegistry, addition, default_compute_score, gsm8k, load_function
-from megarl.reward.manager import RewardError, last_valid_positions
+from megarl.reward.manager import OverlongPenalty, RewardError, last_valid_positions
 from tests.unit.test_dataset import IM_END_ID, PAD_ID, build_tokenizer
 
 # ------------------------------------------------------------------------------------------ GSM8K
@@ -181,6 +181,22 @@ def test_manager_puts_each_score_on_the_last_valid_token(tokenizer):
     expected[0, 2], expected[2, 7] = 1.0, 1.0
     assert scores.dtype == torch.float32 and torch.equal(scores, expected)
     assert info == {"score": [1.0, 0.0, 1.0, 0.0], "acc": [1.0, 0.0, 1.0, 0.0], "pred": ["82", "82", "72", "7"]}
+
+
+def test_dapo_overlong_penalty_lowers_long_responses_scores(tokenizer):
+    """verl's dapo reward manager's overlong buffer (reward_model.overlong_buffer): lengths 3, 5, 8, 7 of 8 with a
+    buffer of 4 tokens lose 0, 1/4, 1 and 3/4 of penalty_factor=2 on their last token; the score extra stays the
+    function's own, and ``log`` adds the penalty and whether there was one."""
+    batch = response_batch(tokenizer, ["82", "= 82", "#### 72", "#### 7"], num_tokens=8,
+                           data_sources=["addition", "addition", "openai/gsm8k", "openai/gsm8k"],
+                           ground_truths=["82", "81", "72", "72"])
+    overlong = OverlongPenalty(max_response_length=8, buffer_len=4, penalty_factor=2.0, log=True)
+    scores, info = RewardManager(tokenizer, overlong=overlong)(batch)
+    expected = torch.zeros(4, 8)
+    expected[0, 2], expected[1, 4], expected[2, 7], expected[3, 6] = 1.0, -0.5, 1.0 - 2.0, -1.5
+    assert torch.allclose(scores, expected)
+    assert info["score"] == [1.0, 0.0, 1.0, 0.0] and info["overlong_reward"] == [-0.0, -0.5, -2.0, -1.5]
+    assert info["overlong"] == [False, True, True, True]
 
 
 def test_last_valid_positions_and_empty_responses(tokenizer, caplog):

@@ -293,11 +293,11 @@ def test_warm_start_samples_what_the_hf_engine_samples(data, tokenizer, temperat
 def test_the_tiny_recipe_stops_its_warm_start_at_a_third_of_the_reward():
     from megarl.config import ConfigError, load_config
 
-    model = load_config().actor_rollout_ref.model  # the default recipe: tiny_cpu_grpo
+    model = load_config(["recipe=tiny_cpu_grpo"]).actor_rollout_ref.model  # megarl-train's default
     assert (model.init, model.sft_steps, model.sft_lr, model.sft_stop_reward) == ("tiny_sft", 800, 2e-3, 0.3)
-    assert load_config(["actor_rollout_ref.model.sft_stop_reward=null"]).actor_rollout_ref.model.sft_stop_reward is None
+    assert load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.sft_stop_reward=null"]).actor_rollout_ref.model.sft_stop_reward is None
     with pytest.raises((ConfigError, ValueError), match=r"actor_rollout_ref.model.sft_stop_reward=1.5 must be in"):
-        load_config(["actor_rollout_ref.model.sft_stop_reward=1.5"])
+        load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.sft_stop_reward=1.5"])
 
 
 def test_training_files_without_the_warm_start_columns_are_named(tmp_path):

@@ -269,7 +269,7 @@ def test_every_format_builds_a_parser(parsers):
 def test_unknown_format_is_refused_by_the_config():
     """megarl-train builds the config first (load_config), before Ray starts: a typo stops the run there."""
     with pytest.raises(ConfigError, match=r"multi_turn.format='llama-3' is unknown; use one of \[.*'llama3'"):
-        load_config(["actor_rollout_ref.rollout.multi_turn.format=llama-3"])
+        load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.rollout.multi_turn.format=llama-3"])
     with pytest.raises(ValueError, match=r"multi_turn.format='llama-3' is unknown; use one of \[.*'llama3'"):
         MultiTurnConfig(format="llama-3")
     assert MultiTurnConfig(format="kimi_k2").format == "kimi_k2"
