@@ -37,9 +37,11 @@ Shape legend: ``B`` rows (trajectories), ``T`` response tokens (``responses.shap
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import numbers
@@ -180,7 +182,7 @@ class RewardManager:
             extra_info = self._extra_info(batch, extra_infos[i], i)
             scorer = self._scorer(data_sources[i])
             try:
-                call = functools.partial(scorer, solution_str, ground_truth, extra_info)
+                call = functools.partial(_score_row, scorer, solution_str, ground_truth, extra_info)
                 score, info = self._split_result(call() if self._bounded is None else self._bounded(call))
             except Exception as error:  # the reward function is user code: name the row, then raise or skip
                 message = (f"row {i} ({self._where(batch, i, extra_info, data_sources[i])}): {self.function_name} "
@@ -296,6 +298,19 @@ def _call_compute_score(compute_score: ComputeScore, data_source: str, solution_
     """A compute-score function called as verl calls it (keywords)."""
     return compute_score(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                          extra_info=extra_info)
+
+
+def _score_row(scorer: Callable[[str, Any, dict], Any], solution_str: str, ground_truth: Any, extra_info: dict) -> Any:
+    """``scorer``'s result for one row; an ``async def`` scorer's is awaited, on an event loop of its own in the
+    calling thread (the time limit's thread when ``reward_model.timeout_s`` is set)."""
+    result = scorer(solution_str, ground_truth, extra_info)
+    if inspect.isawaitable(result):
+        return asyncio.run(_awaited(result))
+    return result
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 class BadReturn(ValueError):

@@ -27,3 +27,11 @@ def flat_on_even_prompts(data_source, solution_str, ground_truth, extra_info=Non
     index = extra_info["index"]
     score = 0.5 if index % 2 == 0 else digit_share(data_source, solution_str, ground_truth, extra_info)
     return {"score": score, "acc": score, "prompt_index": index}
+
+
+async def digit_share_async(data_source, solution_str, ground_truth, extra_info=None):
+    """``digit_share`` as an ``async def`` (an LLM judge or a sandbox would await I/O here)."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    return digit_share(data_source, solution_str, ground_truth, extra_info)

@@ -217,17 +217,18 @@ def test_ppo_with_critic(assets):
     assert set(trainer.roles.plan.pools) == {"global", "rollout"}
 
 
-def test_validation_with_several_samples_reports_verls_metrics(assets):
-    """``val_kwargs.n=4`` (sampled): each of the 8 validation prompts gets 4 responses, and the run reports verl's
-    ``mean@4`` / ``best@k`` / ``worst@k`` per data source; best@4 >= mean@4 >= worst@4."""
-    trainer = Trainer(_config(assets, "val_n", "trainer.val_only=true", "trainer.val_before_train=true",
-                              "actor_rollout_ref.rollout.val_kwargs.n=4",
-                              "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                              "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"), console=lambda *_: None)
-    try:
-        metrics = trainer.fit()
-    finally:
-        trainer.shutdown()
+def test_an_async_reward_function_and_validation_with_several_samples(assets):
+    """A step scored by an ``async def`` reward function (verl accepts one; it used to fail at the first scored
+    step), then validation with ``val_kwargs.n=4`` (sampled): each of the 8 validation prompts gets 4 responses,
+    and the run reports verl's ``mean@4`` / ``best@k`` / ``worst@k`` per data source; best@4 >= mean@4 >=
+    worst@4."""
+    trainer = _run(_config(assets, "val_n", "trainer.total_steps=1", "trainer.test_freq=1",
+                           "reward_model.custom_reward_function.name=digit_share_async",
+                           "actor_rollout_ref.rollout.val_kwargs.n=4",
+                           "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                           "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"))
+    (_, metrics), = trainer.history
+    assert 0 < metrics["critic/score/mean"] <= 1  # the digit share of the responses, awaited row by row
     core = {key.split("/", 2)[2]: value for key, value in metrics.items() if key.startswith("val-core/")}
     assert {"reward/mean@4", "reward/best@4/mean", "reward/best@4/std"} <= set(core), metrics
     aux = {key.split("/", 2)[2]: value for key, value in metrics.items() if key.startswith("val-aux/")}

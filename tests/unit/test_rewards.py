@@ -183,6 +183,21 @@ def test_manager_puts_each_score_on_the_last_valid_token(tokenizer):
     assert info == {"score": [1.0, 0.0, 1.0, 0.0], "acc": [1.0, 0.0, 1.0, 0.0], "pred": ["82", "82", "72", "7"]}
 
 
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_an_async_reward_function_is_awaited(tokenizer, timeout_s):
+    """verl accepts ``async def compute_score`` (a judge or a sandbox awaiting I/O); it used to load and then fail
+    at the first scored step ("returned coroutine"). With and without the time limit's thread."""
+    import asyncio
+
+    async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        await asyncio.sleep(0)
+        return {"score": float(solution_str == ground_truth), "judge": "async"}
+
+    batch = response_batch(tokenizer, ["82", "81"], ground_truths=["82", "82"])
+    scores, info = RewardManager(tokenizer, compute_score=compute_score, timeout_s=timeout_s)(batch)
+    assert scores.sum(-1).tolist() == [1.0, 0.0] and info["judge"] == ["async", "async"]
+
+
 def test_dapo_overlong_penalty_lowers_long_responses_scores(tokenizer):
     """verl's dapo reward manager's overlong buffer (reward_model.overlong_buffer): lengths 3, 5, 8, 7 of 8 with a
     buffer of 4 tokens lose 0, 1/4, 1 and 3/4 of penalty_factor=2 on their last token; the score extra stays the
