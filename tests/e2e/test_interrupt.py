@@ -72,6 +72,16 @@ def _start(tmp_path, tag: str, *extra: str) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+def _read_until(run: subprocess.Popen, output: list[str], wanted, timeout_s: float) -> None:
+    """Read the run's output lines into ``output`` until one satisfies ``wanted`` (fails on its end or after
+    ``timeout_s``, showing the output's tail)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(wanted(line) for line in output):
+        line = run.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(output)[-3000:]
+        output.append(line)
+
+
 def _left_behind(tag: str, timeout_s: float = 15.0) -> str:
     """``ps`` lines of the processes the run tagged ``tag`` started that are still alive after ``timeout_s`` ('' when
     none)."""
@@ -110,11 +120,7 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
     run = _start(tmp_path, tag, "trainer.total_steps=20")
     output = []
     try:
-        deadline = time.monotonic() + 180
-        while not any(line.startswith("step 1:") for line in output):
-            line = run.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
-            output.append(line)
+        _read_until(run, output, lambda line: line.startswith("step 1:"), timeout_s=180)
         started = _run_pids(tag) - {run.pid}
         assert len(started) > 3  # the run's engine servers, router and Ray processes are up (tagged)
         # Issue 31: the run's own Ray cluster authenticates with a token of its own (only its processes hold it).
@@ -160,11 +166,7 @@ def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
     run = _start(tmp_path, tag)
     output = []
     try:
-        deadline = time.monotonic() + 120
-        while not any("starting a local Ray cluster" in line for line in output):
-            line = run.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
-            output.append(line)
+        _read_until(run, output, lambda line: "starting a local Ray cluster" in line, timeout_s=120)
         # The line is printed inside the block that holds interrupts until ray.init is done (where an interrupt
         # used to orphan Ray's agents): Ctrl-C now lands there on a machine of any speed, as the message below
         # ("stopping once Ray has started is done") confirms.
@@ -196,11 +198,7 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
     run = _start(tmp_path, tag, "trainer.total_steps=20")
     output = []
     try:
-        deadline = time.monotonic() + 180
-        while not any(line.startswith("step 1:") for line in output):
-            line = run.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(output)[-3000:]
-            output.append(line)
+        _read_until(run, output, lambda line: line.startswith("step 1:"), timeout_s=180)
         started = _run_pids(tag) - {run.pid}
 
         def shared_memory() -> list[Path]:

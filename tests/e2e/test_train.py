@@ -77,6 +77,17 @@ def _run(cfg) -> Trainer:
     return trainer
 
 
+def _train_cli(overrides: list[str]):
+    """``megarl-train`` with ``overrides`` in a process of its own (its own local Ray cluster), finished."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
 def _untimed(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith(TIMED)}
 
@@ -487,15 +498,10 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     """Issue 31: a run that fails after Ray started (here the reward function raises on some rows, with
     ``on_error=raise``) prints the error's own message, naming the row, and where the traceback went, instead of
     60-100 lines of traceback first; exit code 1, nothing left running."""
-    import subprocess
-    import sys
 
     overrides = _overrides(assets, "fails", "trainer.total_steps=1",
                            "reward_model.custom_reward_function.name=even_prompts_raise")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = _train_cli(overrides)
     assert run.returncode == 1, run.stderr[-3000:]
     report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
     assert "RewardError: row " in report and "ConnectionError: judge unavailable for prompt" in report
@@ -532,7 +538,6 @@ def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):
     ``CheckpointException ranks:dict_keys([])``; now the run names the device, its free space and what to do, the
     partial save is removed, exit code 1."""
     import subprocess
-    import sys
 
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -543,10 +548,7 @@ def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):
     try:
         overrides = _overrides(assets, "full", "trainer.total_steps=1", "trainer.save_freq=1",
                                f"trainer.default_local_dir={disk}")
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-        env.pop("RAY_ADDRESS", None)
-        run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
-                             text=True, timeout=300)
+        run = _train_cli(overrides)
         assert run.returncode == 1, run.stderr[-3000:]
         report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
         assert "CheckpointSaveError: checkpoint of step 1 not saved: no space left on the device of" in report, report
