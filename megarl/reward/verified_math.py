@@ -9,7 +9,9 @@ imported on the first check, and a missing package is named with the extra that 
   check past its time limit ``timeout_score``. verl offers it for MATH in place of the string rules: a custom
   reward function ``megarl.reward.verified_math:compute_score`` (any ``data_source``) does that here.
 - :func:`grade_answer` grades an extracted answer the way verl's ``prime_math`` and geometry scorers do (PRM800K's
-  grader): equal after :func:`mathd_normalize`, or else equivalent. verl decides equivalence with its own
+  grader): equal after :func:`mathd_normalize`, or else equivalent (but an integer or a
+  fraction of integers only as itself).
+  verl decides equivalence with its own
   sympy rules; here math-verify decides it (both read LaTeX into sympy), so rare answers may grade differently.
 
 Math-verify bounds its parsing and checking with ``SIGALRM`` (5 s), which only the main thread may set; on
@@ -19,6 +21,7 @@ manager's own time limit bounds them.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from typing import Any
@@ -32,6 +35,7 @@ TIME_LIMIT_S = 5
 """Math-verify's own limit per parse and per check, on the main thread."""
 
 _ENCLOSING_TEXT_RE = re.compile(r"^\\text\{(?P<text>.+?)\}$")
+_FRACTION_RE = re.compile(r"-?\\frac\{-?[0-9]+\}\{[0-9]+\}")
 
 
 def _math_verify() -> Any:
@@ -85,13 +89,33 @@ def mathd_normalize(answer: str) -> str:
         return answer
 
 
+def _integer_value(text: str) -> float | None:
+    """The value of a number that is an integer (``12``, ``1,000``, ``12.0``, ``12.``), else ``None``."""
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and abs(value - round(value)) <= 1e-7 else None
+
+
 def grade_answer(answer: str | None, reference: Any) -> bool:
-    """An extracted answer against the reference: equal mathd forms, or math-verify equivalence."""
+    """An extracted answer against the reference (PRM800K's rules, math-verify for equivalence).
+
+    Correct when the mathd forms are equal; otherwise an integer reference takes only an integer answer of the
+    same value (no ``\\frac{60}{2}`` for ``30``), a fraction of integers only the same fraction (no
+    ``\\frac{2}{4}`` for ``\\frac{1}{2}``), and any other reference an answer math-verify finds equivalent.
+    """
     if answer is None:
         return False
     reference = str(reference)
-    if mathd_normalize(answer) == mathd_normalize(reference):
+    given, expected = mathd_normalize(answer), mathd_normalize(reference)
+    if given == expected:
         return True
+    given_integer, expected_integer = _integer_value(given), _integer_value(expected)
+    if given_integer is not None or expected_integer is not None:
+        return given_integer is not None and given_integer == expected_integer
+    if _FRACTION_RE.fullmatch(given) and _FRACTION_RE.fullmatch(expected):
+        return False
     return bool(answer.strip()) and equivalent(answer, reference)
 
 
