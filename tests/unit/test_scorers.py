@@ -193,3 +193,8 @@ def test_math_verify_runs_off_the_main_thread():
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(verified_math.verify_answer, "$\\frac{4}{8}$", "0.5").result() == 1.0
+
+
+def test_verls_math_verify_option_loads_as_a_custom_reward_function():
+    manager = RewardManager(tokenizer=None, compute_score="megarl.reward.verified_math:compute_score")
+    assert manager.compute_score("lighteval/MATH", "so $\\frac{3}{6}$", "\\frac{1}{2}")["score"] == 1.0
