@@ -155,7 +155,7 @@ class RewardManager:
         """Refuse data sources no scorer is registered for (without a custom function), naming ``key``."""
         if self.compute_score is not None:
             return
-        unknown = sorted(set(data_sources) - set(self.scorers.names()))
+        unknown = sorted(source for source in set(data_sources) if source not in self.scorers)
         if unknown:
             raise ValueError(f"{key}: rows of data_source {unknown} have no reward scorer (registered: "
                              f"{self.scorers.names()}); set reward_model.custom_reward_function.path/name to a "

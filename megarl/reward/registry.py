@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megarl.reward import addition, gsm8k
+from megarl.reward import addition, geometry, gsm8k, hendrycks_math, math_dapo, prime_math, search_qa
 
 Scorer = Callable[..., float | dict]
 """``scorer(solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``."""
@@ -39,15 +39,28 @@ Scorer = Callable[..., float | dict]
 ComputeScore = Callable[..., float | dict]
 """``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``."""
 
+PREFIX = "*"
+"""A registered name ending in ``*`` scores every ``data_source`` that starts with what comes before it."""
+
 BUILTIN_SCORERS: Mapping[str, Scorer] = MappingProxyType({
     gsm8k.DATA_SOURCE: gsm8k.score_response,
     addition.DATA_SOURCE: addition.score_response,
+    **dict.fromkeys(hendrycks_math.DATA_SOURCES, hendrycks_math.score_response),
+    **dict.fromkeys(math_dapo.DATA_SOURCES, math_dapo.score_response),
+    **{prefix + PREFIX: math_dapo.score_response for prefix in math_dapo.DATA_SOURCE_PREFIXES},
+    **dict.fromkeys(prime_math.DATA_SOURCES, prime_math.score_response),
+    **dict.fromkeys(geometry.DATA_SOURCES, geometry.score_response),
+    **dict.fromkeys(search_qa.DATA_SOURCES, search_qa.score_response),
 })
-"""The scorers every :class:`ScorerRegistry` starts with, by ``data_source``."""
+"""The scorers every :class:`ScorerRegistry` starts with, by ``data_source`` (verl's ``default_compute_score``
+table, docs/training.md "Rewards"); ``"aime*"`` stands for every ``data_source`` starting with ``aime``."""
 
 
 class ScorerRegistry:
     """``data_source`` -> scorer, starting from :data:`BUILTIN_SCORERS`.
+
+    A name ending in ``*`` (``"aime*"``) is a prefix: it scores every ``data_source`` starting with the rest
+    that has no scorer of its own (the longest prefix wins).
 
     Each registry is its own object (no module-level state): register extra tasks on the
     registry you hand to the reward manager.
@@ -75,20 +88,31 @@ class ScorerRegistry:
         self._scorers[data_source] = functools.partial(self.get(data_source), **scorer_kwargs)
 
     def get(self, data_source: str) -> Scorer:
-        """The scorer of ``data_source``; ``ValueError`` naming the registered ones if none."""
-        try:
-            return self._scorers[data_source]
-        except KeyError:
+        """The scorer of ``data_source`` (its own, else its longest registered prefix's); ``ValueError`` naming
+        the registered ones if none."""
+        scorer = self._find(data_source)
+        if scorer is None:
             raise ValueError(f"no reward scorer is registered for data_source {data_source!r}; registered: "
                              f"{sorted(self._scorers)}. Register one on the ScorerRegistry, or set a custom "
-                             f"reward function 'module_or_path:function'") from None
+                             f"reward function 'module_or_path:function'")
+        return scorer
+
+    def _find(self, data_source: object) -> Scorer | None:
+        if not isinstance(data_source, str):
+            return None
+        if data_source in self._scorers:
+            return self._scorers[data_source]
+        prefixes = [name for name in self._scorers
+                    if name.endswith(PREFIX) and data_source.startswith(name[:-len(PREFIX)])]
+        return self._scorers[max(prefixes, key=len)] if prefixes else None
 
     def names(self) -> list[str]:
         """Registered ``data_source`` names, sorted."""
         return sorted(self._scorers)
 
     def __contains__(self, data_source: object) -> bool:
-        return data_source in self._scorers
+        """Whether ``data_source`` has a scorer (its own or a prefix's)."""
+        return self._find(data_source) is not None
 
     def compute_score(self, data_source: str, solution_str: str, ground_truth: Any,
                       extra_info: dict | None = None) -> float | dict:
