@@ -16,7 +16,10 @@ def test_closing_the_reaper_ends_the_runs_processes_and_spares_the_driver_and_ot
     reaper = start_reaper()
     run_id = reaper.run_id
     try:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # inherits the tag
+        child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+                                 stdout=subprocess.PIPE, text=True)  # inherits the tag
+        # /proc/<pid>/environ shows the forking parent's initial environment until the child has exec'd.
+        assert child.stdout.readline().strip() == "ready"
         assert child.pid in tagged_processes(run_id)
         assert other.pid not in tagged_processes(run_id)
         reaper.close()
@@ -36,7 +39,9 @@ def test_the_reaper_ends_the_runs_processes_when_the_driver_dies():
         "import subprocess, sys, time\n"
         "from megarl.parallel.reaper import start_reaper\n"
         "reaper = start_reaper()\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); time.sleep(600)'],\n"
+        "                         stdout=subprocess.PIPE)\n"
+        "child.stdout.readline()\n"  # exec'd: its /proc environ is its own
         "print(reaper.run_id, reaper.process.pid, child.pid, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
     try:
