@@ -160,3 +160,11 @@ def test_the_settings_reach_the_dataset():
     defaults = _cfg().data.dataset_kwargs()
     assert (defaults["label_key"], defaults["data_source"], defaults["metadata_key"], defaults["data_source_key"]) \
         == (None, None, None, "data_source")
+
+
+def test_the_tiny_warm_start_reads_json_rows_as_parquet_ones(tmp_path):
+    from megarl.warmstart.sft import read_sft_rows
+
+    rows = verl_rows()
+    assert read_sft_rows([write_jsonl(tmp_path / "d.jsonl", rows)]) == read_sft_rows(
+        [write_parquet(tmp_path / "d.parquet", rows)])
