@@ -16,9 +16,9 @@ class DataConfig:
     """Prompt data (``data.*``); the data-set keys are :class:`megarl.data.PromptDataset`'s keyword arguments."""
 
     train_files: list[str] = MISSING
-    """Training parquet files (megarl's row schema: megarl.data.dataset)."""
+    """Training data files: ``.parquet``, ``.json`` or ``.jsonl`` (verl's row schema: megarl.data.dataset)."""
     val_files: list[str] = dataclasses.field(default_factory=list)
-    """Validation parquet files; empty: no validation."""
+    """Validation data files (as ``train_files``); empty: no validation."""
     train_batch_size: int = 1024
     """Prompts per PPO iteration (each is sampled ``rollout.n`` times)."""
     val_batch_size: int | None = None
@@ -32,7 +32,15 @@ class DataConfig:
     filter_overlong_prompts: bool = default_of(PromptDataset, "filter_overlong_prompts")
     """Drop prompts longer than ``max_prompt_length`` when the data set is built."""
     prompt_key: str = default_of(PromptDataset, "prompt_key")
-    """Parquet column holding the chat messages."""
+    """Column holding the prompt: chat messages, or a string (one user message); slime's ``--input-key``."""
+    label_key: str | None = default_of(PromptDataset, "label_key")
+    """Column holding the ground truth (slime's ``--label-key``); None: verl's ``reward_model.ground_truth``."""
+    data_source_key: str = default_of(PromptDataset, "data_source_key")
+    """Column whose value picks each row's reward scorer (``reward_model.*``, custom reward function)."""
+    data_source: str | None = default_of(PromptDataset, "data_source")
+    """Data source of every row of a file without the ``data_source_key`` column (slime's JSONL has none)."""
+    metadata_key: str | None = default_of(PromptDataset, "metadata_key")
+    """Column that becomes ``extra_info`` (slime's ``--metadata-key``); None: verl's ``extra_info``."""
     return_raw_chat: bool = default_of(PromptDataset, "return_raw_chat")
     """Keep the raw messages in the batch; multi-turn rollouts need them."""
     return_full_prompt: bool = default_of(PromptDataset, "return_full_prompt")
@@ -51,7 +59,8 @@ class DataConfig:
         check_positive("data.max_response_length", self.max_response_length)
         check_choice("data.truncation", self.truncation, TRUNCATION_MODES)
         if not self.train_files:
-            raise ValueError("data.train_files is empty: give at least one training parquet file")
+            raise ValueError("data.train_files is empty: give at least one training data file (.parquet, .json, "
+                             ".jsonl)")
 
     def dataset_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`megarl.data.PromptDataset` (besides the files and the tokenizer)."""
@@ -59,6 +68,8 @@ class DataConfig:
             "max_prompt_length": self.max_prompt_length, "truncation": self.truncation,
             "filter_overlong_prompts": self.filter_overlong_prompts, "prompt_key": self.prompt_key,
             "return_raw_chat": self.return_raw_chat, "return_full_prompt": self.return_full_prompt,
-            "need_tools_kwargs": self.need_tools_kwargs,
+            "need_tools_kwargs": self.need_tools_kwargs, "label_key": self.label_key,
+            "data_source_key": self.data_source_key, "data_source": self.data_source,
+            "metadata_key": self.metadata_key,
             "apply_chat_template_kwargs": dict(self.apply_chat_template_kwargs),
         }

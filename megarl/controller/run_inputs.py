@@ -18,11 +18,12 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
+from megarl.data.dataset import missing_scoring_columns
+from megarl.data.files import data_format, read_columns
 from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
 from megarl.warmstart.sft import ensure_tiny_sft
 
@@ -70,23 +71,40 @@ def _check_data(cfg: RunConfig) -> list[Path]:
         ensure_addition_data(ADDITION_DATA_DIR)
     elif missing:
         key, path = missing[0]
-        raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing parquet "
-                         f"files (tools/ converts GSM8K; the tiny recipe writes its own only at "
-                         f"{ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
+        raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing data "
+                         f"files: .parquet, .json or .jsonl (tools/ converts GSM8K; the tiny recipe writes its own only "
+                         f"at {ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
     for key, files in (("data.train_files", train), ("data.val_files", val)):
         for path in files:
-            try:
-                columns = pq.read_schema(path).names
-            except (OSError, pa.ArrowException) as error:
-                raise ValueError(f"{key}: {path} is not a readable parquet file ({error})") from error
-            if data.prompt_key not in columns:
-                raise ValueError(f"{key}: {path} has no column {data.prompt_key!r} (data.prompt_key) holding the "
-                                 f"chat messages; its columns are {columns}")
-            missing_columns = [c for c in ("data_source", "reward_model") if c not in columns]
-            if missing_columns:
-                raise ValueError(f"{key}: {path} has no column(s) {missing_columns}, which pick each row's reward "
-                                 f"scorer and hold its ground truth; its columns are {columns}")
+            _check_data_columns(cfg, key, path)
     return train
+
+
+def _check_data_columns(cfg: RunConfig, key: str, path: Path) -> None:
+    """Refuse a data file of another suffix, one that cannot be read, or one without the columns the data
+    settings name (the prompt, the data source, the ground truth, the metadata), naming ``key`` and the file."""
+    data = cfg.data
+    try:
+        file_format = data_format(path)
+    except ValueError as error:
+        raise ValueError(f"{key}: {error}") from error
+    try:
+        columns = read_columns(path)
+    except (OSError, ValueError, pa.ArrowException) as error:
+        raise ValueError(f"{key}: {path} is not a readable {file_format} file ({error})") from error
+    if data.prompt_key not in columns:
+        raise ValueError(f"{key}: {path} has no column {data.prompt_key!r} (data.prompt_key) holding the chat "
+                         f"messages; its columns are {columns}")
+    missing_columns = missing_scoring_columns(columns, label_key=data.label_key,
+                                              data_source_key=data.data_source_key, data_source=data.data_source)
+    if missing_columns:
+        raise ValueError(f"{key}: {path} has no column(s) {missing_columns}, which pick each row's reward scorer "
+                         f"and hold its ground truth; its columns are {columns} (name other columns with "
+                         f"data.data_source_key / data.label_key, or give every row one data source with "
+                         f"data.data_source)")
+    if data.metadata_key is not None and data.metadata_key not in columns:
+        raise ValueError(f"{key}: {path} has no column {data.metadata_key!r} (data.metadata_key); its columns "
+                         f"are {columns}")
 
 
 MODEL_FILES = {

@@ -1,5 +1,5 @@
-"""Data that flows through a training step: the :class:`Batch` container, parquet prompt
-datasets (:class:`PromptDataset`, :func:`collate`) and chat-template helpers."""
+"""Data that flows through a training step: the :class:`Batch` container, prompt
+datasets from parquet, JSON or JSONL (:class:`PromptDataset`, :func:`collate`) and chat-template helpers."""
 
 from megarl.data.batch import Batch
 from megarl.data.chat import check_messages, encode_prompt, render_prompt

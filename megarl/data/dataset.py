@@ -1,15 +1,22 @@
-"""Parquet prompt datasets: rows of chat prompts, templated, tokenised, filtered; and collate.
+"""Prompt datasets: rows of chat prompts, templated, tokenised, filtered; and collate.
 
-Row schema (written by ``tools/prepare_gsm8k.py`` and
-``tools/make_addition_data.py``):
+Files are ``.parquet``, ``.json`` or ``.jsonl`` (:mod:`megarl.data.files`). Row schema (verl's;
+written by ``tools/prepare_gsm8k.py`` and ``tools/make_addition_data.py``):
 
 - ``data_source`` (str): picks the reward scorer;
-- ``prompt`` (the column named by ``prompt_key``): a list of chat messages ``{role, content}``;
+- ``prompt`` (the column named by ``prompt_key``): a list of chat messages ``{role, content}``, or
+  a plain string, which becomes one user message;
 - ``ability`` (str), e.g. ``"math"``;
 - ``reward_model``: ``{"style": "rule", "ground_truth": str}``;
 - ``extra_info``: ``{"split", "index", ...}``, optionally ``need_tools_kwargs``,
   ``tools_kwargs`` (``{tool_name: {"create_kwargs", "execute_kwargs", "calc_reward_kwargs",
   "release_kwargs"}}``, each optional) and ``interaction_kwargs``.
+
+Other layouts (slime's JSONL: ``{"prompt": "What is 2+3?", "label": "5"}``) are mapped onto it when
+the table is read: ``label_key`` names the ground-truth column (it becomes
+``reward_model = {"ground_truth", "style": "rule"}``), ``data_source_key`` the data-source column and
+``data_source`` a fixed value for files without one, ``metadata_key`` the column that becomes
+``extra_info``.
 
 :class:`PromptDataset` returns one dict per row (see :meth:`PromptDataset.__getitem__`) and
 :func:`collate` turns a list of them into a :class:`~megarl.data.batch.Batch` of left-padded
@@ -39,7 +46,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 PRODUCED_KEYS = ("input_ids", "raw_prompt_ids", "raw_prompt", "full_prompts", "index", "tools_kwargs",
                  "interaction_kwargs")
-"""Row keys the dataset computes; a parquet column with one of these names is refused."""
+"""Row keys the dataset computes; a data column with one of these names is refused."""
 
 _ENCODE_CHUNK = 1024  # prompts per batched tokenizer call while measuring lengths
 
@@ -49,7 +56,7 @@ class OverlongPrompt:
     """A row dropped by ``filter_overlong_prompts``: where it was and how long its prompt is."""
 
     file: str
-    """The parquet file."""
+    """The data file."""
     row: int
     """0-based row number in that file."""
     num_tokens: int
@@ -90,6 +97,22 @@ def _extra_info(extra_info: Any, where: str) -> Mapping[str, Any]:
     return extra_info
 
 
+def prompt_messages(prompt: Any, where: str) -> list[dict[str, Any]]:
+    """A row's prompt as chat messages: a plain string becomes one user message (slime's text prompts),
+    anything else is checked by :func:`~megarl.data.chat.check_messages`."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return check_messages(prompt, where)
+
+
+def missing_scoring_columns(columns: Sequence[str], *, label_key: str | None = None,
+                            data_source_key: str = "data_source", data_source: str | None = None) -> list[str]:
+    """The columns a file lacks to pick each row's reward scorer and give its ground truth: the data-source
+    column (unless ``data_source`` fills it in) and ``label_key`` (default: verl's ``reward_model``)."""
+    wanted = ([] if data_source is not None else [data_source_key]) + [label_key or "reward_model"]
+    return [column for column in wanted if column not in columns]
+
+
 def _clean_tools_kwargs(tools_kwargs: Any, where: str) -> dict[str, dict[str, Any]]:
     """``{tool: {kind: kwargs}}`` without the nulls parquet adds for keys other rows have."""
     if tools_kwargs is None:
@@ -109,24 +132,24 @@ def _clean_tools_kwargs(tools_kwargs: Any, where: str) -> dict[str, dict[str, An
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Chat prompts from parquet files, templated with the tokenizer's generation prompt.
+    """Chat prompts from parquet, JSON or JSONL files, templated with the tokenizer's generation prompt.
 
     Settings are the ``data.*`` config keys.
 
-    On construction every prompt is checked (a list of ``{role, content}`` messages, else
+    On construction every prompt is checked (a list of ``{role, content}`` messages or a string, else
     ``ValueError`` naming file and row). With ``filter_overlong_prompts`` each prompt is
     templated and tokenised, and rows longer than ``max_prompt_length`` tokens are dropped;
     they are counted (:attr:`num_filtered_overlong`), listed (:attr:`filtered_overlong`) and
     reported in a warning. Without it, overlong prompts meet ``truncation`` when read.
 
     Args:
-        data_files: one parquet path or a list of them (``data.train_files`` / ``val_files``).
+        data_files: one ``.parquet``, ``.json`` or ``.jsonl`` path or a list of them (``data.train_files`` / ``val_files``).
         tokenizer: a Hugging Face tokenizer with a chat template.
         max_prompt_length: token budget of a templated prompt (``P``).
         truncation: what to do with a longer prompt that was not filtered out: ``error``,
             ``left``, ``right`` or ``middle`` (:func:`truncate_ids`).
         filter_overlong_prompts: drop rows whose templated prompt exceeds ``max_prompt_length``.
-        prompt_key: the column holding the chat messages.
+        prompt_key: the column holding the prompt: chat messages, or a string (one user message).
         return_raw_chat: also return the messages as ``raw_prompt`` (needed by multi-turn rollout).
         return_full_prompt: also return the templated text as ``full_prompts``.
         need_tools_kwargs: the default of the per-row ``extra_info.need_tools_kwargs`` flag; rows
@@ -135,26 +158,39 @@ class PromptDataset(torch.utils.data.Dataset):
         tool_schemas: ``{function_name: OpenAI schema}`` of the multi-turn tools: the length filter
             renders each prompt with the schemas of the tools its row is given
             (:func:`megarl.data.chat.row_tool_names`), as the agent loop will.
+        label_key: the column holding the ground truth (slime's ``--label-key``); it becomes
+            ``reward_model = {"ground_truth": value, "style": "rule"}`` (an integer or float as text), in
+            place of a ``reward_model`` column. None: verl's ``reward_model`` column.
+        data_source_key: the column whose value picks each row's reward scorer (it becomes ``data_source``).
+        data_source: the data source of every row of a file without the ``data_source_key`` column.
+        metadata_key: the column that becomes ``extra_info`` (slime's ``--metadata-key``), in place of an
+            ``extra_info`` column. None: verl's ``extra_info``.
     """
 
     def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, *,
                  max_prompt_length: int = 1024, truncation: str = "error", filter_overlong_prompts: bool = True,
                  prompt_key: str = "prompt", return_raw_chat: bool = False, return_full_prompt: bool = False,
                  need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None,
-                 tool_schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 tool_schemas: Mapping[str, Mapping[str, Any]] | None = None, label_key: str | None = None,
+                 data_source_key: str = "data_source", data_source: str | None = None,
+                 metadata_key: str | None = None) -> None:
         if max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is unknown; use one of {TRUNCATION_MODES}")
         files = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
         if not files:
-            raise ValueError("PromptDataset needs at least one parquet file (data.train_files / data.val_files)")
+            raise ValueError("PromptDataset needs at least one data file (data.train_files / data.val_files)")
         self.data_files = [str(Path(f).expanduser()) for f in files]
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
         self.prompt_key = prompt_key
+        self.label_key = label_key
+        self.data_source_key = data_source_key
+        self.data_source = data_source
+        self.metadata_key = metadata_key
         self.return_raw_chat = return_raw_chat
         self.return_full_prompt = return_full_prompt
         self.need_tools_kwargs = need_tools_kwargs
@@ -199,11 +235,9 @@ class PromptDataset(torch.utils.data.Dataset):
         if not Path(path).is_file():
             raise FileNotFoundError(f"prompt data file {path!r} does not exist; check data.train_files / "
                                     f"data.val_files (prepare GSM8K with tools/prepare_gsm8k.py)")
-        # Imported here: megarl.config imports this module, and a GPU check without parquet data runs where
-        # pyarrow is not installed (tools/gpu_check.py, docs/gpu.md).
-        import pyarrow.parquet as pq
+        from megarl.data.files import read_table
 
-        table = pq.read_table(path)
+        table = self._map_columns(read_table(path), path)
         if self.prompt_key not in table.column_names:
             raise ValueError(f"{path}: no column {self.prompt_key!r} (data.prompt_key); its columns are "
                              f"{table.column_names}")
@@ -211,6 +245,30 @@ class PromptDataset(torch.utils.data.Dataset):
         if clashes:
             raise ValueError(f"{path}: columns {clashes} clash with fields the dataset computes; rename them "
                              f"(put per-row extras under extra_info)")
+        return table
+
+    def _map_columns(self, table: Any, path: str) -> Any:
+        """``table`` with verl's ``data_source``, ``reward_model`` and ``extra_info`` columns made from the
+        columns ``data_source_key``, ``label_key`` and ``metadata_key`` name (unchanged with the defaults)."""
+        import pyarrow as pa
+
+        columns = table.column_names
+        for setting, column in (("data.label_key", self.label_key), ("data.metadata_key", self.metadata_key)):
+            if column is not None and column not in columns:
+                raise ValueError(f"{path}: no column {column!r} ({setting}); its columns are {columns}")
+        if self.data_source_key != "data_source" and self.data_source_key in columns:
+            table = _set_column(table, "data_source", table.column(self.data_source_key))
+        elif self.data_source is not None and self.data_source_key not in columns:
+            table = _set_column(table, "data_source", pa.array([self.data_source] * table.num_rows, pa.string()))
+        if self.label_key is not None:
+            truth = table.column(self.label_key).combine_chunks()
+            if pa.types.is_integer(truth.type) or pa.types.is_floating(truth.type):
+                truth = truth.cast(pa.string())
+            style = pa.array(["rule"] * table.num_rows, pa.string())
+            table = _set_column(table, "reward_model",
+                                pa.StructArray.from_arrays([truth, style], names=["ground_truth", "style"]))
+        if self.metadata_key is not None and self.metadata_key != "extra_info":
+            table = _set_column(table, "extra_info", table.column(self.metadata_key))
         return table
 
     def _templated(self, messages: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None = None) -> str:
@@ -232,7 +290,7 @@ class PromptDataset(torch.utils.data.Dataset):
         global_row = 0
         for file_number, (path, table) in enumerate(zip(self.data_files, self._tables, strict=True)):
             prompts = table.column(self.prompt_key).to_pylist()
-            checked = [check_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
+            checked = [prompt_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
             if self.filter_overlong_prompts:
                 infos = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
                 lengths = []
@@ -260,8 +318,9 @@ class PromptDataset(torch.utils.data.Dataset):
         sources: set[str] = set()
         for path, table in zip(self.data_files, self._tables, strict=True):
             if "data_source" not in table.column_names:
-                raise ValueError(f"{path}: no column 'data_source' (it picks each row's reward scorer); its "
-                                 f"columns are {table.column_names}")
+                raise ValueError(f"{path}: no column {self.data_source_key!r} (data.data_source_key; it picks each "
+                                 f"row's reward scorer); its columns are {table.column_names}; set "
+                                 f"data.data_source to give every row of such files one")
             sources.update(str(value) for value in table.column("data_source").unique().to_pylist())
         return sorted(sources)
 
@@ -290,7 +349,7 @@ class PromptDataset(torch.utils.data.Dataset):
         return len(self._rows)
 
     def __getitem__(self, item: int) -> dict[str, Any]:
-        """One row: the parquet columns (except the prompt column) plus computed fields.
+        """One row: the file's columns (except the prompt column, after the column mapping) plus computed fields.
 
         Computed: ``input_ids`` (1-D long tensor, templated and truncated, not padded),
         ``raw_prompt_ids`` (the same ids as a list, for the rollout engine), ``index``
@@ -301,7 +360,7 @@ class PromptDataset(torch.utils.data.Dataset):
         file_number, row, global_row = self._rows[item]
         where = f"{self.data_files[file_number]} row {row}"
         record = self._tables[file_number].slice(row, 1).to_pylist()[0]
-        messages = check_messages(record.pop(self.prompt_key), where)
+        messages = prompt_messages(record.pop(self.prompt_key), where)
         text = self._templated(messages, self._row_tools([record.get("extra_info")], 0, where))
         ids = truncate_ids(encode_prompt(self.tokenizer, text), self.max_prompt_length, self.truncation, where)
         extra_info = _extra_info(record.get("extra_info"), where)
@@ -323,6 +382,13 @@ class PromptDataset(torch.utils.data.Dataset):
     def collate(self, rows: Sequence[dict[str, Any]]) -> Batch:
         """:func:`collate` with this dataset's pad id, left-padding to ``max_prompt_length``."""
         return collate(rows, pad_token_id=self.pad_token_id, pad_to=self.max_prompt_length)
+
+
+def _set_column(table: Any, name: str, values: Any) -> Any:
+    """``table`` with column ``name`` replaced by ``values`` (appended when absent)."""
+    if name in table.column_names:
+        return table.set_column(table.column_names.index(name), name, values)
+    return table.append_column(name, values)
 
 
 def collate(rows: Sequence[dict[str, Any]], *, pad_token_id: int, pad_to: int | None = None) -> Batch:

@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
+from megarl.data.files import read_columns, read_table
 from megarl.models.sampling import eos_token_ids, generate
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.reward.registry import default_compute_score
@@ -113,7 +113,7 @@ SFT_COLUMNS = ("data_source", "prompt", "reward_model")
 
 
 def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> list[SFTRow]:
-    """Every row of the parquet ``files`` (megarl's row schema), in file order."""
+    """Every row of the ``files`` (.parquet, .json or .jsonl; megarl's row schema), in file order."""
     if isinstance(files, (str, os.PathLike)):
         files = [files]
     if not files:
@@ -121,12 +121,12 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
     rows = []
     for file in files:
         path = Path(file).expanduser()
-        missing = [c for c in SFT_COLUMNS if c not in pq.read_schema(path).names]
+        missing = [c for c in SFT_COLUMNS if c not in read_columns(path)]
         if missing:
             raise ValueError(f"{path}: no column(s) {missing}; the tiny_sft warm start reads {list(SFT_COLUMNS)} "
                              f"of megarl's row schema (data.train_files; build the file with "
                              f"tools/make_addition_data.py)")
-        table = pq.read_table(path, columns=list(SFT_COLUMNS))
+        table = read_table(path).select(list(SFT_COLUMNS))
         for index, row in enumerate(table.to_pylist()):
             ground_truth = (row["reward_model"] or {}).get("ground_truth")
             if not row["prompt"] or ground_truth is None:

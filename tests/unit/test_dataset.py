@@ -209,9 +209,9 @@ def test_errors_name_the_setting_file_and_row(tokenizer, tmp_path, three_rows):
         PromptDataset(three_rows, tokenizer, prompt_key="messages")
     with pytest.raises(ValueError, match=r"data.truncation='cut' is unknown"):
         PromptDataset(three_rows, tokenizer, truncation="cut")
-    plain = write_parquet(tmp_path / "plain.parquet", [{"prompt": "What?"}])
-    with pytest.raises(ValueError, match=r"plain.parquet row 0: the prompt must be a list of chat messages"):
-        PromptDataset(plain, tokenizer)
+    number = write_parquet(tmp_path / "number.parquet", [{"prompt": 5}])  # a string is one user message
+    with pytest.raises(ValueError, match=r"number.parquet row 0: the prompt must be a list of chat messages"):
+        PromptDataset(number, tokenizer)
     clash = write_parquet(tmp_path / "clash.parquet", [{"prompt": user("hi"), "index": 3}])
     with pytest.raises(ValueError, match=r"columns \['index'\] clash"):
         PromptDataset(clash, tokenizer)
