@@ -5,9 +5,12 @@ starts, so every process it starts inherits the tag: Ray's GCS, raylet and agent
 servers and sglang-router. :func:`start_reaper` then starts a small process (``python -m
 megarl.parallel.reaper``, no torch) that holds the read end of a pipe whose write end only the driver holds. The
 pipe reaches end of file when the driver closes it (:meth:`Reaper.close`, at the run's shutdown) or when the
-driver dies, ``kill -9`` included: the reaper then sends SIGTERM to every process still carrying the run's tag,
+driver dies, ``kill -9`` included: the reaper then sends SIGTERM to every process of the run still alive,
 SIGKILL to those left after :data:`GRACE_S`, removes the shared-memory buffers they left in ``/dev/shm``
-(``torch_<pid>_*``) and exits.
+(``torch_<pid>_*``) and exits. The run's processes are those carrying the tag and their descendants (Ray's
+agents write their titles over their environments); while the driver lives the reaper refreshes that set every
+:data:`TRACK_EVERY_S`, because a killed driver takes Ray's raylet with it and orphans the agents, whose link
+to the run is then gone.
 
 Without it, Ray's dashboard and runtime-env agents outlive a killed driver by about a minute, still
 listening (measured with Ray 2.60), and the weight sync's shared memory stays until the next run's start. A
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -72,20 +76,68 @@ def start_reaper() -> Reaper:
     return Reaper(process, write_fd, run_id, previous)
 
 
-def tagged_processes(run_id: str, *, exclude: set[int] = frozenset()) -> list[int]:
-    """The pids of this user's processes whose environment carries ``MEGARL_RUN_ID=run_id``."""
-    entry = f"{RUN_ID_VARIABLE}={run_id}".encode()
-    found = []
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of ``pid`` from ``/proc/<pid>/stat``; None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), int(fields[19])
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every process."""
+    out = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) in exclude:
+        if proc.name.isdigit() and (stat := _stat(int(proc.name))) is not None:
+            out[int(proc.name)] = stat
+    return out
+
+
+def tagged_processes(run_id: str, *, exclude: set[int] = frozenset()) -> list[int]:
+    """The pids of this user's processes whose environment carries ``MEGARL_RUN_ID=run_id``, and their
+    descendants: a process that writes its title over its environment (Ray's agents, through setproctitle)
+    no longer shows the tag, but its parent does while it lives."""
+    return sorted(_tagged(run_id, exclude, _processes()))
+
+
+def _tagged(run_id: str, exclude: set[int], processes: dict[int, tuple[int, int]]) -> set[int]:
+    entry = f"{RUN_ID_VARIABLE}={run_id}".encode()
+    found = set()
+    for pid in processes:
+        if pid in exclude:
             continue
         try:
-            environ = (proc / "environ").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:  # gone, or another user's
             continue
         if entry in environ.split(b"\0"):
-            found.append(int(proc.name))
+            found.add(pid)
+    while children := {pid for pid, (parent, _) in processes.items()
+                       if parent in found and pid not in found and pid not in exclude}:
+        found |= children
     return found
+
+
+class _Tracker:
+    """The run's processes as (pid, start time), refreshed while the driver lives: when the driver is killed,
+    Ray's raylet dies too and its agents are orphaned (their parent link and, with setproctitle, their tag are
+    gone), so the reaper ends what it saw last as well as what it sees then. A pid counts only while its start
+    time is the one seen, so a pid reused by another process is never signalled."""
+
+    def __init__(self, run_id: str, exclude: set[int]) -> None:
+        self.run_id, self.exclude = run_id, exclude
+        self.known: dict[int, int] = {}
+
+    def refresh(self) -> list[int]:
+        """Forget what ended, add what is tagged now; the pids of the run's live processes."""
+        processes = _processes()
+        self.known = {pid: start for pid, start in self.known.items()
+                      if pid in processes and processes[pid][1] == start}
+        for pid in _tagged(self.run_id, self.exclude, processes):
+            self.known[pid] = processes[pid][1]
+        return sorted(self.known)
 
 
 def _signal_all(pids: list[int], signum: int) -> None:
@@ -96,29 +148,37 @@ def _signal_all(pids: list[int], signum: int) -> None:
             pass
 
 
-def reap(run_id: str, driver: int) -> list[int]:
-    """End every process of run ``run_id`` but ``driver`` (SIGTERM, then SIGKILL after :data:`GRACE_S`) and remove
-    their shared memory; the pids it found."""
-    me = {os.getpid(), driver}
-    pids = tagged_processes(run_id, exclude=me)
+def reap(tracker: _Tracker) -> list[int]:
+    """End every process of the run (SIGTERM, then SIGKILL after :data:`GRACE_S`) and remove their shared memory;
+    the pids it found."""
+    pids = tracker.refresh()
     if not pids:
         return []
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and tagged_processes(run_id, exclude=me):
+    while time.monotonic() < deadline and tracker.refresh():
         time.sleep(0.1)
-    _signal_all(tagged_processes(run_id, exclude=me), signal.SIGKILL)
+    _signal_all(tracker.refresh(), signal.SIGKILL)
     remove_shared_memory(pids)
     return pids
+
+
+TRACK_EVERY_S = 1.0
+"""How often the reaper refreshes its view of the run's processes while the driver lives."""
 
 
 def main(argv: list[str]) -> int:
     read_fd, run_id, driver = int(argv[0]), argv[1], int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the driver; the reaper waits for its end
-    with os.fdopen(read_fd, "rb") as pipe:
-        while pipe.read(4096):
-            pass
-    pids = reap(run_id, driver)
+    tracker = _Tracker(run_id, {os.getpid(), driver})
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while True:
+            readable, _, _ = select.select([pipe], [], [], TRACK_EVERY_S)
+            if readable and not pipe.read(4096):
+                break  # end of file: the driver closed the pipe or ended
+            if not readable:
+                tracker.refresh()
+    pids = reap(tracker)
     if pids:
         print(f"megarl reaper: ended {len(pids)} process(es) the run left behind", file=sys.stderr)
     return 0

@@ -22,7 +22,10 @@ else runs on the machine (another test's Ray cluster, a CI job beside it)."""
 
 
 def _run_pids(tag: str) -> set[int]:
-    """Live processes started by the run tagged ``tag`` (``/proc/<pid>/environ``; zombies have none)."""
+    """Live processes started by the run tagged ``tag`` (``/proc/<pid>/environ``; zombies have none), and their
+    descendants (Ray's agents write their process titles over their environments)."""
+    import psutil
+
     mark = f"{TAG}={tag}".encode()
     pids = set()
     for proc in os.listdir("/proc"):
@@ -33,6 +36,12 @@ def _run_pids(tag: str) -> set[int]:
                         pids.add(int(proc))
             except OSError:  # gone, or not ours
                 continue
+    for pid in list(pids):
+        try:
+            pids |= {child.pid for child in psutil.Process(pid).children(recursive=True)
+                     if child.status() != psutil.STATUS_ZOMBIE}
+        except psutil.NoSuchProcess:
+            continue
     return pids
 
 
@@ -212,4 +221,8 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
         run.kill()
         run.wait()
     assert not (left := _left_behind(tag, timeout_s=30)), left
+    import psutil
+
+    alive = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(psutil.Process(pid).cmdline()) for pid in alive]
     assert shared_memory() == [], f"left in /dev/shm by the run's processes: {shared_memory()}"
