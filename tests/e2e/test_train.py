@@ -443,14 +443,20 @@ def test_two_runs_into_one_directory(assets):
 def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     """Issue 31: a run that fails after Ray started (here the reward function raises on some rows, with
     ``on_error=raise``) prints the error's own message, naming the row, and where the traceback went, instead of
-    60-100 lines of traceback first; exit code 1, nothing left running."""
+    60-100 lines of traceback first; exit code 1, nothing left running. Its wandb run (offline) ends as failed."""
     import subprocess
     import sys
 
+    from tests.tracker_files import wandb_records
+
     overrides = _overrides(assets, "fails", "trainer.total_steps=1",
-                           "reward_model.custom_reward_function.name=even_prompts_raise")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+                           "reward_model.custom_reward_function.name=even_prompts_raise",
+                           "trainer.logger=[jsonl,wandb]")
+    wandb_home = assets["root"] / "fails" / "wandb_home"  # wandb's settings and caches
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           **{key: str(wandb_home / key) for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}}
     env.pop("RAY_ADDRESS", None)
+    env.pop("WANDB_DIR", None)
     run = subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-3000:]
@@ -459,6 +465,8 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     assert "Traceback" not in run.stderr
     log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
+    (run_file,) = (log.parent / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [record.exit.exit_code for kind, record in wandb_records(run_file) if kind == "exit"] == [1]
 
 
 def test_shared_memory_of_another_nodes_workers_is_removed_there(assets):
