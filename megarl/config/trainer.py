@@ -9,7 +9,7 @@ from megarl.config.common import check_choice, check_positive
 
 DEVICES = ("cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
-LOGGERS = ("console", "tensorboard", "jsonl")
+LOGGERS = ("console", "tensorboard", "jsonl", "wandb", "mlflow", "swanlab")
 INTRA_NODE_LINKS = ("nvlink", "pcie")
 
 
@@ -97,9 +97,13 @@ class TrainerConfig:
     export_hf: bool = False
     """Also write HF-format weights with each checkpoint."""
     logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "tensorboard"])
-    """Metric sinks: ``console``, ``tensorboard``, ``jsonl``."""
+    """Metric sinks: ``console``, ``tensorboard``, ``jsonl``, and the hosted trackers ``wandb``, ``mlflow``,
+    ``swanlab`` (verl's names; each needs its extra: ``pip install 'megarl[wandb]'``). The trackers get
+    ``project_name`` as the project, ``experiment_name`` as the run's name, the whole config, each step's metrics;
+    where they write and which environment variables they read: :mod:`megarl.controller.tracking_backends`."""
     log_dir: str = "runs"
-    """Root of TensorBoard and jsonl logs: ``<log_dir>/<project_name>/<experiment_name>``."""
+    """Root of the logs: ``<log_dir>/<project_name>/<experiment_name>`` (TensorBoard, jsonl, wandb, swanlab);
+    MLflow's default store ``<log_dir>/mlflow.db``."""
     project_name: str = "megarl"
     """Project name (log and checkpoint folders)."""
     experiment_name: str = "default"

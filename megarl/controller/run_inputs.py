@@ -22,6 +22,7 @@ import torch
 
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
+from megarl.controller.tracking_backends import missing_logger_packages
 from megarl.data.dataset import missing_scoring_columns
 from megarl.data.files import data_format, read_columns
 from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
@@ -131,7 +132,11 @@ def check_model_directory(path: str, key: str, *, parts=("config", "weights", "t
 def check_run_inputs(cfg: RunConfig) -> None:
     """What the config names outside itself, checked before anything is placed: the machine has the
     ``trainer.device`` it asks for (a local cluster only; with ``RAY_ADDRESS`` the cluster decides), and
-    the multi-turn tool and interaction files exist. Each error names the key."""
+    the multi-turn tool and interaction files exist, the packages of the chosen ``trainer.logger`` are installed.
+    Each error names the key."""
+    missing = missing_logger_packages(cfg.trainer.logger)
+    if missing:
+        raise ValueError(missing)
     if cfg.trainer.device == "cuda" and not os.environ.get("RAY_ADDRESS") and not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but this machine has no usable CUDA GPU and RAY_ADDRESS names no "
                          "cluster: set trainer.device=cpu (with trainer.n_cpu_ranks), or run on GPU machines")

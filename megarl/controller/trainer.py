@@ -56,7 +56,7 @@ from megarl.controller.metrics import (
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import check_resume_layout, check_run_inputs, prepare_policy, routing_shape
-from megarl.controller.tracking import Tracking, dump_generations
+from megarl.controller.tracking import Tracking, dump_generations, run_log_dir
 from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
@@ -97,7 +97,7 @@ class Trainer:
         """Start-up phases and checkpoint saves, printed as they start and end; their durations."""
         trainer = cfg.trainer
         self.run_dir = Path(trainer.default_local_dir).expanduser() / trainer.project_name / trainer.experiment_name
-        self.log_dir = Path(trainer.log_dir).expanduser() / trainer.project_name / trainer.experiment_name
+        self.log_dir = run_log_dir(trainer)
         self.global_step = 0
         self.history: list[tuple[int, dict[str, float]]] = []
         """(step, metrics) of every step this trainer ran."""
@@ -110,6 +110,7 @@ class Trainer:
         self.rollout: RolloutSource | None = None
         """Where each step's scored trajectories come from (:mod:`megarl.controller.rollout_source`)."""
         self.engine_memory: EngineMemory | None = None
+        self.tracker: Tracking | None = None
         self._ray: RayConnection | None = None
         self.setup_s = 0.0
         """Seconds from the start of :meth:`fit` to the first step."""
@@ -167,6 +168,9 @@ class Trainer:
         if removed:
             self.console(f"removed {removed} shared-memory files in {SHARED_MEMORY_DIR} left by processes that no "
                          f"longer run (a killed run's weight-sync buffers)")
+        # Before Ray and its reaper: a tracker's own process (wandb's service) is the driver's, ended at its exit,
+        # not one of the run's processes the reaper ends at shutdown (before wandb's exit hook has spoken to it).
+        self.tracker = Tracking.for_run(cfg, console=self.console)
         with interrupts_deferred("Ray has started"), self.phases("starting Ray"):  # then shutdown() stops it
             self._ray = init_ray(cfg, console=self.console)
         self.roles = build_roles(cfg, self.log_dir / "servers", phase=self.phases)
@@ -181,7 +185,6 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
         self.checkpoints.clean_stale()
         buffer_state = self._maybe_resume()
-        self.tracker = Tracking(cfg.trainer.logger, self.log_dir, console=self.console)
         # The engines start from the trainer's (possibly resumed) weights; nothing generates yet: caches may flush.
         with self.phases("first weight sync"):
             self._sync_weights(self.global_step, contextlib.nullcontext(True))
@@ -503,17 +506,19 @@ class Trainer:
     # ================================================================================ the loop
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``; returns the last step's metrics (with the final validation)."""
-        start = time.perf_counter()
-        self.setup()
-        self.setup_s = time.perf_counter() - start
         trainer = self.cfg.trainer
         last: dict[str, float] = {}
+        failed = True  # until the loop ends: the hosted trackers' runs then end as failed
         try:
+            start = time.perf_counter()
+            self.setup()
+            self.setup_s = time.perf_counter() - start
             if self.val_set is not None and (trainer.val_before_train or trainer.val_only):
                 with timer("testing", timing := {}):
                     val = self.validate()
                 self.tracker.log({**val, "timing_s/testing": timing["testing"]}, step=self.global_step)
                 if trainer.val_only:
+                    failed = False
                     return val
             self._bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
                              dynamic_ncols=True, disable=None)
@@ -523,8 +528,10 @@ class Trainer:
                 self._bar.set_postfix(score=f"{last.get('critic/score/mean', float('nan')):.3f}")
             self._bar.close()
             self._bar = None
+            failed = False
         finally:
-            self.tracker.close()
+            if self.tracker is not None:
+                self.tracker.close(failed=failed)
         return last
 
     def _step_and_bookkeeping(self) -> dict[str, float]:
@@ -565,6 +572,8 @@ class Trainer:
         if self._shut_down:
             return
         self._shut_down = True
+        if self.tracker is not None:  # closed by fit; open here when setup() was called on its own
+            self.tracker.close()
         if self.rollout is not None:
             self.rollout.close()
         if self.rollout_manager is not None:

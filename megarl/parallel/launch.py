@@ -88,7 +88,8 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "MEGARL_WORKER_PROCESS": "1"}  # no wandb in ranks (megarl/__init__.py)
     rank_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="megarl-ranks-") as tmp:
         stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]

@@ -221,3 +221,20 @@ def test_killed_worker_ends_a_blocked_call_with_role_and_rank(tp_group):
     with pytest.raises(WorkerError, match="actor rank 1 died during ping"):
         tp_group.call_rank(1, Worker.ping, timeout_s=30)
     assert time.monotonic() - start < 5
+
+
+def _wandb_as_megatron_sees_it() -> str:
+    import sys
+
+    import megatron.core.timers as timers
+
+    return f"{sys.modules.get('wandb', 'never imported')!r} {timers.wandb!r}"
+
+
+def test_ray_workers_and_spawned_ranks_never_import_wandb(cluster):
+    """Megatron imports wandb when it is installed; wandb's import leaves two temporary directories in /tmp in a
+    process that is killed, as every worker is at a run's end. Workers see wandb as absent (megarl/__init__.py)."""
+    from megarl.parallel.launch import run_ranks
+
+    assert ray.get(ray.remote(num_cpus=0)(_wandb_as_megatron_sees_it).remote(), timeout=120) == "None None"
+    assert run_ranks(_wandb_as_megatron_sees_it, 1, timeout_s=120) == ["None None"]

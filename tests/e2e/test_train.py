@@ -77,13 +77,15 @@ def _run(cfg) -> Trainer:
     return trainer
 
 
-def _train_cli(overrides: list[str]):
-    """``megarl-train`` with ``overrides`` in a process of its own (its own local Ray cluster), finished."""
+def _train_cli(overrides: list[str], **environ: str | None):
+    """``megarl-train`` with ``overrides`` in a process of its own (its own local Ray cluster), finished;
+    ``environ`` sets (or, with None, removes) environment variables."""
     import subprocess
     import sys
 
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **environ}
+    for name in ["RAY_ADDRESS", *(name for name, value in environ.items() if value is None)]:
+        env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -497,17 +499,24 @@ def test_two_runs_into_one_directory(assets):
 def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     """Issue 31: a run that fails after Ray started (here the reward function raises on some rows, with
     ``on_error=raise``) prints the error's own message, naming the row, and where the traceback went, instead of
-    60-100 lines of traceback first; exit code 1, nothing left running."""
+    60-100 lines of traceback first; exit code 1, nothing left running. Its wandb run (offline) ends as failed."""
+
+    from tests.tracker_files import wandb_records
 
     overrides = _overrides(assets, "fails", "trainer.total_steps=1",
-                           "reward_model.custom_reward_function.name=even_prompts_raise")
-    run = _train_cli(overrides)
+                           "reward_model.custom_reward_function.name=even_prompts_raise",
+                           "trainer.logger=[jsonl,wandb]")
+    wandb_home = assets["root"] / "fails" / "wandb_home"  # wandb's settings and caches
+    run = _train_cli(overrides, WANDB_MODE="offline", WANDB_DIR=None,
+                     **{key: str(wandb_home / key) for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
     assert run.returncode == 1, run.stderr[-3000:]
     report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
     assert "RewardError: row " in report and "ConnectionError: judge unavailable for prompt" in report
     assert "Traceback" not in run.stderr
     log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
+    (run_file,) = (log.parent / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [record.exit.exit_code for kind, record in wandb_records(run_file) if kind == "exit"] == [1]
 
 
 def test_shared_memory_of_another_nodes_workers_is_removed_there(assets):
