@@ -47,7 +47,7 @@ SAMPLES = [{"input": "What is 2 + 3?", "output": "5", "score": 1.0}]
 def run_config(tmp_path, logger: str):
     from megarl.config import load_config
 
-    return load_config([f"trainer.logger=[console,{logger}]", "trainer.project_name=proj",
+    return load_config(["recipe=tiny_cpu_grpo", f"trainer.logger=[console,{logger}]", "trainer.project_name=proj",
                         "trainer.experiment_name=exp", f"trainer.log_dir={tmp_path}"])
 
 
@@ -69,10 +69,10 @@ def expected_history(name: str) -> list[tuple[int, float]]:
 def test_trainer_logger_takes_verls_names_and_refuses_others():
     from megarl.config import ConfigError, load_config
 
-    cfg = load_config(["trainer.logger=[console,tensorboard,jsonl,wandb,mlflow,swanlab]"])
+    cfg = load_config(["recipe=tiny_cpu_grpo", "trainer.logger=[console,tensorboard,jsonl,wandb,mlflow,swanlab]"])
     assert cfg.trainer.logger == ["console", "tensorboard", "jsonl", "wandb", "mlflow", "swanlab"]
     with pytest.raises(ConfigError, match="trainer.logger"):
-        load_config(["trainer.logger=[console,neptune]"])
+        load_config(["recipe=tiny_cpu_grpo", "trainer.logger=[console,neptune]"])
 
 
 def test_a_missing_tracker_package_names_its_extra(tmp_path, monkeypatch):
@@ -85,7 +85,7 @@ def test_a_missing_tracker_package_names_its_extra(tmp_path, monkeypatch):
     assert missing_logger_packages(["console", "jsonl"]) is None
     with pytest.raises(ValueError, match=re.escape("wandb needs wandb; swanlab needs swanlab, not installed here: "
                                                    "pip install 'megarl[wandb,swanlab]'")):
-        check_run_inputs(load_config(["trainer.logger=[console,wandb,swanlab]"]))  # before Ray starts
+        check_run_inputs(load_config(["recipe=tiny_cpu_grpo", "trainer.logger=[console,wandb,swanlab]"]))  # before Ray starts
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store, in SQLite: SQLAlchemy's
     assert "mlflow needs sqlalchemy, not installed here" in missing_logger_packages(["mlflow"])
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking-server:5000")  # mlflow-skinny alone will do
