@@ -47,11 +47,11 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def run_summary(history: Sequence[tuple[int, dict[str, float]]], *, setup_s: float, log_dir, checkpoint,
-                export_command: str | None) -> list[str]:
+def run_summary(history: Sequence[tuple[int, dict[str, float]]], validations: Sequence[tuple[int, dict[str, float]]],
+                *, setup_s: float, log_dir, checkpoint, export_command: str | None) -> list[str]:
     """The lines printed when a run ends: steps, time per step, the sampled reward at the start and the end
-    (mean of the first and last five steps), each validation score first → last, where the logs and the last
-    checkpoint are, and how to export it for serving."""
+    (mean of the first and last five steps), each validation's ``mean@N`` first → last (the validation before
+    training included), where the logs and the last checkpoint are, and how to export it for serving."""
     lines = []
     if history:
         steps = [step for step, _ in history]
@@ -63,13 +63,15 @@ def run_summary(history: Sequence[tuple[int, dict[str, float]]], *, setup_s: flo
             head = max(1, min(5, len(scores) // 2))
             lines.append(f"sampled reward (critic/score/mean): {_mean(scores[:head]):.3f} over the first {head} step(s) "
                          f"-> {_mean(scores[-head:]):.3f} over the last {head}")
-        validation: dict[str, list[float]] = {}
-        for _, metrics in history:
-            for key, value in metrics.items():
-                if key.startswith("val-core/") or (key.startswith("val/") and key.endswith("/reward/mean")):
-                    validation.setdefault(key, []).append(value)
-        for key, values in sorted(validation.items()):
-            lines.append(f"{key}: {values[0]:.3f} -> {values[-1]:.3f}" if len(values) > 1 else f"{key}: {values[0]:.3f}")
+    validation: dict[str, list[tuple[int, float]]] = {}
+    for step, metrics in validations:
+        for key, value in metrics.items():
+            if key.startswith("val-core/") and "/mean@" in key:  # mean@N; best@k and maj@k stay in the logs
+                validation.setdefault(key, []).append((step, value))
+    for key, values in sorted(validation.items()):
+        (first_step, first), (last_step, last) = values[0], values[-1]
+        lines.append(f"{key}: {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}"
+                     if len(values) > 1 else f"{key}: {first:.3f} at step {first_step}")
     lines.append(f"logs: {log_dir}  (tensorboard --logdir {log_dir})")
     if checkpoint is not None:
         lines.append(f"last checkpoint: {checkpoint}")

@@ -100,6 +100,8 @@ class Trainer:
         self.log_dir = run_log_dir(trainer)
         self.global_step = 0
         self.history: list[tuple[int, dict[str, float]]] = []
+        self.validations: list[tuple[int, dict[str, float]]] = []
+        """(step, metrics) of every validation this trainer ran, the one before training included."""
         """(step, metrics) of every step this trainer ran."""
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
@@ -517,6 +519,7 @@ class Trainer:
                 with timer("testing", timing := {}):
                     val = self.validate()
                 self.tracker.log({**val, "timing_s/testing": timing["testing"]}, step=self.global_step)
+                self.validations.append((self.global_step, val))
                 if trainer.val_only:
                     failed = False
                     return val
@@ -541,7 +544,9 @@ class Trainer:
         step, is_last = self.global_step, self.global_step >= self.total_steps
         if self.val_set is not None and trainer.test_freq > 0 and (is_last or step % trainer.test_freq == 0):
             with timer("testing", timing := {}):
-                metrics.update(self.validate())
+                val = self.validate()
+            self.validations.append((step, val))
+            metrics.update(val)
             metrics["timing_s/testing"] = timing["testing"]
         if trainer.save_freq > 0 and (is_last or step % trainer.save_freq == 0):
             start = time.perf_counter()
@@ -564,7 +569,7 @@ class Trainer:
         if self.last_checkpoint is not None:
             export = (f"megarl-convert mcore-to-hf --mcore {self.last_checkpoint} "
                       f"--out {self.run_dir}_hf/{self.last_checkpoint.name}")
-        return run_summary(self.history, setup_s=self.setup_s, log_dir=self.log_dir,
+        return run_summary(self.history, self.validations, setup_s=self.setup_s, log_dir=self.log_dir,
                            checkpoint=self.last_checkpoint, export_command=export)
 
     def shutdown(self) -> None:
