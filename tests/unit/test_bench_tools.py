@@ -92,3 +92,27 @@ def test_bench_async_summaries(tools, capsys):
     assert bench.overlap_bound(summaries["sync"]) == pytest.approx(2.0 / 1.5)
     assert summaries["fully_async"]["engine_idle_frac"] == 0.5 and summaries["fully_async"]["staleness_max"] == 1
     assert "fully_async  0.12 min: 0.400  0.25 min: 0.900" in capsys.readouterr().out
+
+
+def test_bench_async_result_keys(tools):
+    """bench_async's RESULT numbers from hand-made summaries: speedups, overlap bounds and generation shares."""
+    bench = tools("bench_async")
+
+    def modes(sync_step, gen, async_step, one_step):
+        base = {"reward_rise": 0.1, "gen_s": gen}
+        return {"sync": {**base, "step_s": sync_step, "steps_per_min": 60 / sync_step},
+                "one_step_off": {**base, "step_s": one_step, "steps_per_min": 60 / one_step},
+                "fully_async": {**base, "step_s": async_step, "steps_per_min": 60 / async_step}}
+
+    tiny_only = bench.results(modes(2.0, 0.2, 1.85, 1.9), None)
+    assert "gen_share" not in tiny_only and tiny_only["tiny_gen_share"] == pytest.approx(0.1)
+    values = bench.results(modes(2.0, 0.2, 1.85, 1.9), modes(2.0, 0.95, 1.1, 1.2))
+    assert values.keys() == {"async_speedup", "one_step_speedup", "async_reward_rise", "one_step_reward_rise",
+                             "sync_reward_rise", "overlap_bound", "tiny_gen_share", "async_of_bound",
+                             "gen_bound_async_speedup", "gen_bound_one_step_speedup", "gen_bound_overlap_bound",
+                             "gen_share", "gen_bound_async_of_bound"}
+    assert values["gen_share"] == pytest.approx(0.475)
+    assert values["gen_bound_overlap_bound"] == pytest.approx(2.0 / 1.05)
+    assert values["gen_bound_async_speedup"] == pytest.approx(2.0 / 1.1)
+    assert values["gen_bound_async_of_bound"] == pytest.approx(1.05 / 1.1)
+    assert "the ceiling is 1.67x" in bench.describe_bound({"gen_s": 1.2, "step_s": 2.0}, 2.5)
