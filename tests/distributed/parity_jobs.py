@@ -8,8 +8,10 @@ processes, which also exercises ``destroy_parallel``.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -277,5 +279,16 @@ def parity_job(family_names: list[str]) -> dict:
         for layout in LAYOUTS:
             result = _layout_check(family, cfg, layout, ref_weights, ref_grads, ref_fwd, ref_stepped)
             out["layouts"].append({"family": family_name, **result})
+    out["gloo"] = _gloo_threads()
     out["seconds"] = time.monotonic() - started
     return out
+
+
+def _gloo_threads() -> dict:
+    """This rank's gloo groups (Megatron's, made by the last layout) and its gloo event-loop threads."""
+    from torch.distributed import distributed_c10d
+
+    groups = [group for group in distributed_c10d._world.pg_map
+              if distributed_c10d.get_backend(group) == "gloo"]
+    names = [Path(comm).read_text().strip() for comm in Path(f"/proc/{os.getpid()}/task").glob("*/comm")]
+    return {"groups": len(groups), "loop_threads": names.count("gloo_tcp_loop")}

@@ -61,3 +61,11 @@ def test_distributed_optimizer_step_matches_reference_adamw(parity, family, layo
 def test_logprobs_ignore_surrounding_padding(parity, family):
     for rank in parity:
         assert rank["padding"][family] <= 1e-6
+
+
+def test_a_rank_runs_one_gloo_event_loop_for_all_its_groups(parity):
+    """Megatron's ~20 gloo groups share one TCP device per process (cpu_support point 12): one loop thread,
+    not one per group (each wakes 100 times a second and listens on a port of its own)."""
+    for rank in parity:
+        assert rank["gloo"]["groups"] >= 10, rank["gloo"]
+        assert rank["gloo"]["loop_threads"] == 1, rank["gloo"]
