@@ -252,6 +252,51 @@ def test_pause_modes(client, server, mode):
         assert out.finish_reason is FinishReason.LENGTH and len(out.output_ids) == 400
 
 
+def test_requests_sent_together_share_one_batch(model_dir):
+    """An idle engine starts a batch once no request has arrived for a quiet interval (``ARRIVAL_QUIET_S``; here
+    1 s, so that the machine's speed does not matter): two requests 0.1 s apart, as the asynchronous producer sends
+    its groups, run as one batch; a request sent while a batch runs waits for the next one."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from megarl.rollout.cpu_engine.server import EngineServer
+
+    engine = HFEngine(model_dir, seed=3)
+    batches: list[int] = []
+    generate_rows = engine.generate_rows
+
+    def counted(prompts, *args, **kwargs):
+        batches.append(len(prompts))
+        return generate_rows(prompts, *args, **kwargs)
+
+    engine.generate_rows = counted
+    server = EngineServer(engine, model_path=str(model_dir), enable_step_gate=True, arrival_wait_s=(1.0, 30.0))
+    params = SamplingParams(max_new_tokens=HOLD + 3, temperature=1.0, ignore_eos=True)
+
+    async def exchange():
+        http = TestClient(TestServer(server.app()))
+        await http.start_server()
+        url = str(http.make_url("")).rstrip("/")
+        client = EngineClient(url, name="engine")
+        try:
+            await set_step_gate(url, HOLD)
+            first = asyncio.ensure_future(client.generate_batch([[1, 2, 3], [4, 5]], params, seed=1))
+            await asyncio.sleep(0.1)
+            second = asyncio.ensure_future(client.generate([6, 7], params, seed=2))
+            await wait_held_at_gate(url)
+            late = asyncio.ensure_future(client.generate([8, 9], params, seed=3))
+            await wait_for(url, "/v1/loads", lambda answer: load(answer)["num_waiting_reqs"] == 1, "the late row queued")
+            await set_step_gate(url, None)
+            return await asyncio.gather(first, second, late)
+        finally:
+            await set_step_gate(url, None)
+            await client.close()
+            await http.close()
+
+    (pair, single, late) = asyncio.run(exchange())
+    assert batches == [3, 1]
+    assert [len(o.output_ids) for o in [*pair, single, late]] == [HOLD + 3] * 4
+
+
 def _push(client, named, version: str, flush_cache: bool = True):
     """All of ``named`` into the server in one session, as ``version``."""
     async def sync():

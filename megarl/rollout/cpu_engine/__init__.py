@@ -8,7 +8,10 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
 
 - **Requests** are queued rows; a scheduler task runs them in batches on the engine thread
   (rows that differ only in seed and ``max_new_tokens`` share a batch; a batched ``/generate``
-  arrives at once, so its rows form one batch). Row ``i`` of a request samples from
+  arrives at once, so its rows form one batch). A batch takes no rows once started, so an idle
+  engine starts one once no request has arrived for 10 ms (at most 100 ms after the first:
+  ``server.ARRIVAL_QUIET_S``): requests sent together from several threads share it, as SGLang's
+  continuous batching would run them together. Row ``i`` of a request samples from
   ``derive_row_seed(sampling_seed, i)`` (its own ``sampling_params``' seed, or the one shared by
   the batch: sglang-router forwards a batch with one ``sampling_params``), so a batch sharing
   one seed still gives every row its own stream; without a seed, rows draw from the server's
