@@ -6,8 +6,9 @@ machine each side has a core. Three runs of ``--steps`` steps each, every settin
 
 - ``sync``: each step generates, then trains (the engine idles while the actor trains, and the other way round);
 - ``one_step_off``: step k+1's prompts generate while step k trains (samples one weight version old);
-- ``fully_async``: the engine generates ahead into the buffer (``async_training.max_staleness``, partial
-  rollouts: a weight sync pauses the requests in flight and continues them with the new weights).
+- ``fully_async``: the engine generates ahead into the buffer (up to two weight versions ahead,
+  ``async_training.max_staleness=2``; partial rollouts: a weight sync pauses the requests in flight and continues
+  them with the new weights).
 
 Reported per mode: steps per minute (steps after the first, whose time includes the first generation), the
 sampled reward against wall-clock minutes, the reward's rise (mean of the last five steps minus the first five),
@@ -35,12 +36,15 @@ MODES = ("sync", "one_step_off", "fully_async")
 PLACEMENT = ["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[1]",
              "actor_rollout_ref.actor.parallel.tp=1", "trainer.n_cpu_ranks=1"]
 MODE_SETTINGS = {"sync": [], "one_step_off": [],
-                 "fully_async": ["async_training.max_staleness=1", "async_training.partial_rollout=true",
+                 "fully_async": ["async_training.max_staleness=2", "async_training.partial_rollout=true",
                                  "async_training.pause_mode=in_place"]}
-"""fully_async holds its requests in place across a weight sync (their KV cache kept): ``retract`` would recompute
-the cache of every held row, a prefill that on the CPU engine costs 10-20 % of a generation-bound step's decoding
-(the sync lands near the end of the running batch) and left the trainer waiting; on GPUs a prefill is a few
-decoding steps."""
+"""fully_async generates up to two weight versions ahead (``max_staleness=2``): with one, a step's groups may start
+only once the previous step's sync has landed, so the engine has exactly one training step to generate the next
+batch and every batch that runs a little long (the engine shares the machine with the trainer) made the trainer wait
+(4-9 % of its time on the generation-bound workload); with two it never waited. It holds its requests in place
+across a weight sync (their KV cache kept): ``retract`` would recompute the cache of every held row, a prefill that
+on the CPU engine costs 10-20 % of a generation-bound step's decoding (the sync lands near the end of the running
+batch) and left the trainer waiting; on GPUs a prefill is a few decoding steps."""
 
 
 _RUNS = itertools.count()
