@@ -12,6 +12,7 @@ from megarl.algo.kl import KL_KINDS
 from megarl.algo.losses import AGG_MODES, POLICY_LOSS_MODES, policy_loss
 from megarl.algo.mismatch import TIS_LEVELS, tis_weights
 from megarl.config.common import check_choice, check_micro_batches, check_positive, default_of
+from megarl.config.megatron import MegatronConfig
 from megarl.config.model import OptimConfig
 from megarl.config.parallel import ParallelDims
 
@@ -104,6 +105,8 @@ class ActorConfig:
     """Move gradient buffers to host memory outside the update (GPU only)."""
     optimizer_offload: bool = False
     """Move optimizer states to host memory outside the update (GPU only)."""
+    megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
+    """Megatron's ``TransformerConfig`` fields passed through (``megatron.override_transformer_config.*``)."""
     router_replay: RouterReplayConfig = dataclasses.field(default_factory=RouterReplayConfig)
     """Mixture-of-experts policies: replay (or compare with) the rollout engines' routing."""
     moe_aux_loss_coeff: float = 0.0

@@ -6,6 +6,7 @@ import dataclasses
 
 from megarl.algo.losses import AGG_MODES, value_loss
 from megarl.config.common import check_choice, check_micro_batches, check_positive, default_of
+from megarl.config.megatron import MegatronConfig
 from megarl.config.model import OptimConfig
 from megarl.config.parallel import ParallelDims
 
@@ -48,6 +49,8 @@ class CriticConfig:
     """Move gradient buffers to host memory outside the update (GPU only)."""
     optimizer_offload: bool = False
     """Move optimizer states to host memory outside the update (GPU only)."""
+    megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
+    """Megatron's ``TransformerConfig`` fields passed through (``megatron.override_transformer_config.*``)."""
 
     def __post_init__(self) -> None:
         check_positive("critic.ppo_mini_batch_size", self.ppo_mini_batch_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -91,6 +92,12 @@ class OptimConfig:
     """``constant``, ``linear`` or ``cosine``."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+    override_optimizer_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Fields of Megatron's ``OptimizerConfig`` set as given (verl's passthrough, megatron-core's names), e.g. its
+    hybrid CPU optimizer: ``optimizer_cpu_offload: true`` with ``optimizer_offload_fraction`` (the share of the
+    optimizer states kept and stepped on the host; Megatron's default 0), ``overlap_cpu_optimizer_d2h_h2d``,
+    ``pin_cpu_grads``; ``use_precision_aware_optimizer`` (TransformerEngine). The fields above are set from this
+    section and refused here (:mod:`megarl.config.megatron`)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -9,10 +9,10 @@ Layout (verl's key names), each section defined in the module named after it::
         hybrid_engine             actor and rollout engines share GPUs
         model                     ModelConfig                    (config/model.py)
         actor                     ActorConfig (optim: OptimConfig, parallel: ParallelDims,   (config/actor.py)
-                                  router_replay: RouterReplayConfig)
+                                  router_replay: RouterReplayConfig, megatron: MegatronConfig (config/megatron.py))
         ref                       RefConfig                      (config/actor.py)
         rollout                   RolloutConfig (val_kwargs, multi_turn)                     (config/rollout.py)
-      critic                      CriticConfig                   (config/critic.py)
+      critic                      CriticConfig (optim, parallel, megatron)                   (config/critic.py)
       reward_model                RewardConfig                   (config/algorithm.py)
       algorithm                   AlgorithmConfig (kl_ctrl)      (config/algorithm.py)
       trainer                     TrainerConfig (links: LinksConfig)                         (config/trainer.py)

@@ -25,6 +25,9 @@ Every error names the full key to change and what to change it to. The rules:
 6. Asynchronous training (``trainer.mode`` other than ``sync``): engines on their own resources
    (``hybrid_engine=false``), single-turn rollouts, no critic warm-up; ``one_step_off`` fixes staleness 1 without
    partial rollouts.
+7. Megatron passthrough (:mod:`megarl.config.megatron`): each ``<role>.megatron.override_transformer_config`` and
+   ``<role>.optim.override_optimizer_config`` key is a field of Megatron's dataclass that megarl does not set
+   itself; GPU-only fusions and the hybrid CPU optimizer need cuda.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import logging
 from megarl.algo.advantages import GROUP_ESTIMATORS, uses_critic
 from megarl.config.actor import ActorConfig
 from megarl.config.critic import CriticConfig
+from megarl.config.megatron import check_optimizer_overrides, check_transformer_overrides
 from megarl.config.parallel import ParallelDims
 from megarl.config.rollout import resolve_transport
 from megarl.config.schema import RunConfig
@@ -52,6 +56,14 @@ def validate(cfg: RunConfig) -> None:
     _check_memory_flags(cfg)
     _check_async(cfg)
     _check_group_samples(cfg)
+    _check_megatron(cfg)
+
+
+def _check_megatron(cfg: RunConfig) -> None:
+    roles = [(f"{ARR}.actor", cfg.actor_rollout_ref.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else [])
+    for prefix, role in roles:
+        check_transformer_overrides(prefix, role.megatron.override_transformer_config, device=cfg.trainer.device)
+        check_optimizer_overrides(prefix, role.optim.override_optimizer_config, device=cfg.trainer.device)
 
 
 def _world_keys(cfg: RunConfig) -> str:

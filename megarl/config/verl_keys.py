@@ -107,12 +107,8 @@ _DIST_CKPT = Fixed((False,), "megarl loads the Hugging Face weights of model.pat
                              "reads its slices); a Megatron checkpoint loads through trainer.resume_from_path, or "
                              "convert one to HF first with megarl-convert mcore-to-hf")
 _BRIDGE = Ignored("megarl converts HF <-> Megatron weights with its own bridge (megarl.convert)")
-_FUSIONS = Ignored("Megatron performance settings (kernel fusions, the MoE dispatcher and grouped GEMM, pipeline "
-                   "output deallocation): megarl chooses them itself (megarl.models.family: fused where the kernels "
-                   "exist)")
-_ROUTER_DTYPE = Ignored("the MoE router's precision: megarl keeps Megatron's default (the model's dtype)")
-_CPU_OPTIMIZER = Ignored("Megatron's host-side optimizer step is not used: megarl moves optimizer states to the host "
-                         "between updates instead (<role>.optimizer_offload)")
+_REF_TRANSFORMER = Ignored("the reference model is built with the actor's Megatron settings "
+                           f"({ACTOR}.megatron.override_transformer_config)")
 _CRITIC_RECOMPUTE = Ignored("megarl's critic keeps its activations (no recomputation setting)")
 _VLLM_SCHEDULER = Ignored("an engine scheduler knob (vLLM's); SGLang schedules and chunks prefills itself")
 
@@ -143,7 +139,6 @@ def _role_entries(verl: str, megarl: str) -> dict[str, Entry]:
 
 
 VERL_KEYS: dict[str, Entry] = {
-    f"{ACTOR}.megatron.override_transformer_config.moe_router_dtype": _ROUTER_DTYPE,
     **_role_entries(ACTOR, ACTOR),
     **_role_entries("critic", "critic"),
     **{f"{REF}.megatron.{k}": Equal(f"{ACTOR}.parallel.{v}", "megarl's reference model lives on the actor's ranks "
@@ -193,11 +188,7 @@ VERL_KEYS: dict[str, Entry] = {
 """verl's key (as its ``ppo_megatron_trainer.yaml`` names it) → what it is in megarl."""
 
 VERL_PREFIXES: dict[str, Entry] = {
-    f"{ACTOR}.megatron.override_transformer_config.": _FUSIONS,
-    f"{REF}.megatron.override_transformer_config.": _FUSIONS,
-    "critic.megatron.override_transformer_config.": _FUSIONS,
-    f"{ACTOR}.optim.override_optimizer_config.": _CPU_OPTIMIZER,
-    "critic.optim.override_optimizer_config.": _CPU_OPTIMIZER,
+    f"{REF}.megatron.override_transformer_config.": _REF_TRANSFORMER,
     f"{MODEL}.override_config.": Ignored("megarl builds the model from its own config.json (a RoPE model's "
                                          "max_position_embeddings only caps its context, which megarl sets from "
                                          "rollout.max_model_len)"),

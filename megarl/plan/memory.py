@@ -15,7 +15,10 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   fp32 models), divided by ``dp × cp`` with the distributed optimizer; a mixture-of-experts model's expert
   parameters by the expert-data-parallel size ``tp × cp × dp / (etp × ep)`` instead (Megatron shards each
   kind over its own data-parallel group). The main weights are allocated when the optimizer is built, ``m``
-  and ``v`` at its first step.
+  and ``v`` at its first step. With Megatron's hybrid CPU optimizer (``<role>.optim.override_optimizer_config``:
+  ``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` ``f``) the share ``f`` of ``m`` and ``v`` lives on
+  the host instead, which also holds those parameters' fp32 copy and a copy of their grads: ``16 f n`` (sharded as
+  above) per rank in its node's memory (:meth:`MemoryModel.host_optimizer_bytes`).
 - **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on.
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
@@ -75,6 +78,7 @@ import dataclasses
 import math
 from typing import Any
 
+from megarl.config.megatron import offloaded_fraction
 from megarl.config.parallel import ParallelDims
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture
@@ -167,8 +171,13 @@ class MemoryModel:
         def sharded(per_param: int) -> int:
             return math.ceil(counts.dense * per_param / shards) + math.ceil(counts.experts * per_param / expert_shards)
 
+        # Megatron's hybrid optimizer (optimizer_cpu_offload) keeps and steps a share of the states on the host:
+        # the moments leave the GPU; the host holds their params' fp32 copy, the moments and a copy of the grads.
+        host = offloaded_fraction(optim.override_optimizer_config)
+        moments = sharded(8)
         return {"weights": n * self.dtype_bytes, "grads": 4 * n,
-                "optimizer": sharded(12 if sixteen_bit else 8), "optimizer_at_start": sharded(4 if sixteen_bit else 0)}
+                "optimizer": sharded(4 if sixteen_bit else 0) + moments - int(moments * host),
+                "optimizer_at_start": sharded(4 if sixteen_bit else 0), "optimizer_host": int(sharded(16) * host)}
 
     def _actor_micro(self) -> tuple[MicroBatch, MicroBatch]:
         """(update micro-batch, largest log-prob forward micro-batch) of the actor, per CP rank."""
@@ -260,7 +269,7 @@ class MemoryModel:
                 "forward": self._forward_layer(m, dims, forward, sequence_parallel=sp)
                 + (self._logits(forward, dims.tp) if last else 0)}
         at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
-        return rows | {"_at_start": at_start}
+        return rows | {"_at_start": at_start, "_optimizer_host": state["optimizer_host"]}
 
     def _critic_rows(self, bundle: int) -> dict[str, int]:
         m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
@@ -279,7 +288,21 @@ class MemoryModel:
                 "critic_activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
                                                         recompute=None, block=1),
                 "critic_forward": self._forward_layer(m, dims, forward, sequence_parallel=sp),
-                "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"]}
+                "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"],
+                "_optimizer_host": state["optimizer_host"]}
+
+    def host_optimizer_bytes(self) -> dict[int, int]:
+        """Node -> bytes of optimizer state Megatron's hybrid optimizer keeps in that node's host memory (the
+        training pool's actor and critic ranks; empty without ``optimizer_cpu_offload``)."""
+        pool = self.placement.pools[self.placement.role("actor").pool]
+        out: dict[int, int] = {}
+        for bundle in range(pool.size):
+            held = self._actor_rows(bundle)["_optimizer_host"]
+            if self.critic_model is not None:
+                held += self._critic_rows(bundle)["_optimizer_host"]
+            if held:
+                out[pool.node_of(bundle)] = out.get(pool.node_of(bundle), 0) + held
+        return out
 
     # ------------------------------------------------------------------------------- engines
     def _engine_weights(self) -> int:

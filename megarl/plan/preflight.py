@@ -21,7 +21,7 @@ from megarl.models.sizes import Architecture, architecture_for
 from megarl.plan.all_to_all import AllToAllPlan, plan_all_to_all
 from megarl.plan.memory import GiB, GpuPlan, MemoryModel
 from megarl.plan.placement import PlacementPlan, placement_for
-from megarl.plan.report import format_report, host_problem, kv_problem, overflow_problem
+from megarl.plan.report import format_report, host_optimizer_problem, host_problem, kv_problem, overflow_problem
 from megarl.plan.weight_sync import SyncPlan, plan_weight_sync
 
 ARR = "actor_rollout_ref"
@@ -45,6 +45,8 @@ class RunPlan:
     """The actor's expert-parallel all-to-all per step (None: a dense model)."""
     host_memory_bytes: int = 0
     """The driver machine's memory (``trainer.host_memory_gb``)."""
+    host_optimizer_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Node -> optimizer state Megatron's hybrid optimizer keeps in its host memory (``optimizer_cpu_offload``)."""
 
     @property
     def trajectories(self) -> int:
@@ -74,6 +76,8 @@ class RunPlan:
                 break
         if self.batch_bytes_at_least > self.host_memory_bytes:
             out.append(host_problem(self))
+        if self.host_optimizer_bytes and max(self.host_optimizer_bytes.values()) > self.host_memory_bytes:
+            out.append(host_optimizer_problem(self))
         return out
 
     @property
@@ -110,7 +114,8 @@ def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool 
     sync = plan_weight_sync(cfg, model, placement)
     memory_model = MemoryModel(cfg, model, critic_model, placement, memory)
     plan = RunPlan(cfg, model, critic_model, placement, memory, memory_model.gpus(sync.actor, sync.engine),
-                   sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement), host_memory_bytes(cfg))
+                   sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement), host_memory_bytes(cfg),
+                   memory_model.host_optimizer_bytes())
     if check:
         plan.check()
     return plan

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from megarl.config.megatron import offloaded_fraction
 from megarl.plan.engine_gpus import engine_gpus, planned_bundle_gpus
 from megarl.plan.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
 
@@ -172,6 +173,8 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
     shards = dims.dp * dims.cp if actor.optim.use_distributed_optimizer else 1
     expert_shards = dims.expert_dp if actor.optim.use_distributed_optimizer else 1
     over = f"/{shards} ranks" + (f", experts /{expert_shards}" if plan.model.is_moe else "")
+    host = offloaded_fraction(actor.optim.override_optimizer_config)
+    over += f", {host:.0%} of m, v on the host" if host else ""
     recompute = actor.recompute_granularity or "no"
     layout = {True: "packed", False: "padded"}  # micro-batch tokens as the planner counts them
     return {
@@ -314,6 +317,8 @@ def format_report(plan: RunPlan) -> str:
     worst = plan.worst
     lines.append(f"driver: a step's {plan.trajectories:,} trajectories of up to {plan.max_seq:,} tokens take at least "
                  f"{_gib(plan.batch_bytes_at_least)} GiB (token ids alone) of its {_gib(plan.host_memory_bytes)} GiB")
+    if plan.host_optimizer_bytes:
+        lines.append(_host_optimizer_line(plan))
     if problems:
         lines.append("DOES NOT FIT:")
         lines += [f"  {p}" for p in problems]
@@ -409,6 +414,21 @@ def host_problem(plan: RunPlan) -> str:
             f"{_gib(plan.batch_bytes_at_least)} GiB on the driver (their token ids alone), more than its "
             f"{_gib(plan.host_memory_bytes)} GiB (trainer.host_memory_gb): lower data.train_batch_size, "
             f"{ARR}.rollout.n or data.max_response_length")
+
+
+def _host_optimizer_line(plan: RunPlan) -> str:
+    per_node = plan.host_optimizer_bytes
+    return (f"host memory: Megatron's hybrid optimizer (optim.override_optimizer_config.optimizer_cpu_offload) keeps "
+            f"{_gib(max(per_node.values()))} GiB of optimizer state on the fullest node (nodes "
+            f"{', '.join(str(n) for n in sorted(per_node))}; fp32 params, m, v and grads of its share)")
+
+
+def host_optimizer_problem(plan: RunPlan) -> str:
+    """The message for offloaded optimizer states that do not fit in a node's host memory."""
+    return (f"Megatron's hybrid optimizer would keep {_gib(max(plan.host_optimizer_bytes.values()))} GiB of optimizer "
+            f"state in a node's host memory, more than its {_gib(plan.host_memory_bytes)} GiB (trainer.host_memory_gb): "
+            f"lower <role>.optim.override_optimizer_config.optimizer_offload_fraction or spread the role over more "
+            f"data-parallel ranks (trainer.nnodes)")
 
 
 def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:

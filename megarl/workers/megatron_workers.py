@@ -128,7 +128,8 @@ class ActorWorker(_MegatronWorker):
                                recompute_num_layers=actor.recompute_num_layers,
                                router_replay=actor.router_replay.replay, moe_aux_loss_coeff=actor.moe_aux_loss_coeff,
                                moe_z_loss_coeff=actor.moe_z_loss_coeff,
-                               moe_load_balancing_type=actor.moe_load_balancing_type)
+                               moe_load_balancing_type=actor.moe_load_balancing_type,
+                               megatron_overrides=actor.megatron.override_transformer_config)
         coords = self._init(sharded)
         self.actor = ActorRole(sharded, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords
@@ -141,7 +142,8 @@ class ActorWorker(_MegatronWorker):
         """
         replay = self.actor.config.router_replay.replay
         sharded = _build_sharded(model, self.sharded.groups.dims, seed=seed, groups=self.sharded.groups,
-                                 router_replay=replay)
+                                 router_replay=replay,
+                                 megatron_overrides=self.actor.config.megatron.override_transformer_config)
         self.ref = LogProbRole(sharded, **_log_prob_batches(ref))
 
     @busy
@@ -220,7 +222,8 @@ class CriticWorker(_MegatronWorker):
         """Build the value model: ``critic.model_path`` (else the policy's directory) with a value head."""
         path = str(Path(critic.model_path).expanduser()) if critic.model_path else None
         sharded = _build_sharded(model, critic.parallel, path=path, optim=critic.optim, seed=seed, value_head=True,
-                                 packed=critic.use_remove_padding)
+                                 packed=critic.use_remove_padding,
+                                 megatron_overrides=critic.megatron.override_transformer_config)
         coords = self._init(sharded)
         self.critic = CriticRole(sharded, critic, rollout_n=rollout_n)
         return coords

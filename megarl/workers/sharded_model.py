@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,8 @@ class ShardedModel:
                  groups=None, value_head: bool = False, recompute_granularity: str | None = None,
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
                  router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                 moe_load_balancing_type: str = "aux_loss", **transformer_overrides):
+                 moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
+                 **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -110,6 +112,9 @@ class ShardedModel:
             transformer_overrides.update(
                 moe_router_load_balancing_type=moe_load_balancing_type if moe_aux_loss_coeff else "none",
                 moe_aux_loss_coeff=float(moe_aux_loss_coeff), moe_z_loss_coeff=float(moe_z_loss_coeff) or None)
+        self.megatron_overrides = dict(megatron_overrides or {})
+        """The role's ``megatron.override_transformer_config`` (checked by the config), set last."""
+        transformer_overrides |= self.megatron_overrides
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
@@ -170,7 +175,7 @@ class ShardedModel:
             adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
             clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
             params_dtype=self.config.params_dtype, bf16=self.config.bf16, fp16=self.config.fp16,
-            **FP16_LOSS_SCALING,
+            **(FP16_LOSS_SCALING | optim.override_optimizer_config),  # the passthrough (checked by the config)
         )
         optimizer = get_megatron_optimizer(config, self.chunks)
         # The schedules multiply each micro-batch's loss by the optimizer's loss scale before its backward

@@ -75,6 +75,27 @@ def test_7b_weights_grads_optimizer_engine_bytes(plan_7b):
     assert gpu.rows["cuda_context"] == 2 * CUDA_CONTEXT_BYTES  # actor + engine rank
 
 
+def test_megatrons_hybrid_cpu_optimizer_moves_its_share_of_m_and_v_to_the_host(plan_7b):
+    """optimizer_cpu_offload with optimizer_offload_fraction f: the GPU keeps the fp32 main weights and (1 - f) of
+    Adam's m and v; each rank's node holds the share's fp32 params, m, v and grads (16 bytes a parameter)."""
+    offload = "+actor_rollout_ref.actor.optim.override_optimizer_config"
+    plan = plan_run(load_config(["recipe=qwen2_5_7b_grpo", f"{offload}.optimizer_cpu_offload=true",
+                                 f"{offload}.optimizer_offload_fraction=0.75", "trainer.host_memory_gb=1024"]))
+    gpu, before = _kinds(plan)["actor, engine"], _kinds(plan_7b)["actor, engine"]
+    sharded = N_RANK // DP
+    assert gpu.rows["actor_optimizer"] == 4 * sharded + 8 * sharded - int(8 * sharded * 0.75)
+    assert before.peak - gpu.peak == int(8 * sharded * 0.75)  # every phase holding the optimizer gains that much
+    assert plan.host_optimizer_bytes == {0: 8 * int(16 * sharded * 0.75)}  # 8 actor ranks on node 0
+    report = plan.report()
+    assert "actor optimizer (Adam, /4 ranks, 75% of m, v on the host)" in report
+    assert f"keeps {plan.host_optimizer_bytes[0] / GiB:.2f} GiB of optimizer state on the fullest node" in report
+    small = plan_run(load_config(["recipe=qwen2_5_7b_grpo", f"{offload}.optimizer_cpu_offload=true",
+                                  f"{offload}.optimizer_offload_fraction=0.75", "trainer.host_memory_gb=64"]),
+                     check=False)
+    assert any("optimizer_offload_fraction" in problem and "trainer.host_memory_gb" in problem
+               for problem in small.problems())
+
+
 def test_7b_activation_logits_and_kv_estimates(plan_7b):
     gpu = _kinds(plan_7b)["actor, engine"]
     tokens = 16384

@@ -15,7 +15,7 @@ import pytest
 
 from megarl.cli.train import main as train_main
 from megarl.config import ConfigError, load_config
-from megarl.config.keys import declared_keys
+from megarl.config.keys import declared_keys, is_declared
 from megarl.config.trainer import LOGGERS
 from megarl.config.verl_keys import VERL_KEYS, VERL_PREFIXES, Equal, Fixed, Ignored, Rename, lookup, translate
 
@@ -130,8 +130,7 @@ def as_megarl_runs(overrides: list[str]) -> list[str]:
 def test_the_five_scripts_use_108_distinct_keys_and_each_has_a_decision():
     keys = {o.lstrip("+").split("=", 1)[0] for overrides in SCRIPTS.values() for o in overrides}
     assert len(keys) == 108
-    declared = declared_keys()[0]
-    undecided = sorted(k for k in keys if k not in declared and lookup(k) is None)
+    undecided = sorted(k for k in keys if not is_declared(k) and lookup(k) is None)
     assert not undecided
 
 
@@ -186,9 +185,18 @@ def test_the_moe_script_keeps_its_layout_optimizer_and_overlong_buffer(caplog):
     assert cfg.actor_rollout_ref.rollout.val_kwargs.top_p == 0.7 and cfg.trainer.log_val_generations == 10
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings  # one line, every ignored key named with its reason
-    for key in ("use_mbridge", "moe_enable_deepep", "optimizer_cpu_offload", "max_position_embeddings",
-                "enable_chunked_prefill", "max_num_batched_tokens", "use_fused_kernels"):
+    for key in ("use_mbridge", "max_position_embeddings", "enable_chunked_prefill", "max_num_batched_tokens",
+                "use_fused_kernels"):
         assert key in warnings[0]
+    # Megatron's own settings pass through to its TransformerConfig and OptimizerConfig
+    assert "override_transformer_config" not in warnings[0] and "override_optimizer_config" not in warnings[0]
+    transformer = actor.megatron.override_transformer_config
+    assert transformer["moe_token_dispatcher_type"] == "flex" and transformer["moe_router_dtype"] == "fp32"
+    assert transformer["moe_enable_deepep"] is True and transformer["gradient_accumulation_fusion"] is True
+    assert actor.optim.override_optimizer_config == {"optimizer_offload_fraction": 1.0,
+                                                     "overlap_cpu_optimizer_d2h_h2d": True,
+                                                     "use_precision_aware_optimizer": True,
+                                                     "optimizer_cpu_offload": True}
 
 
 def test_the_ppo_script_trains_a_critic_from_its_path():
