@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from megarl.rollout.http_api import MEMORY_TAGS
+from megarl.rollout.http_api import MEMORY_TAGS, ROUTES
 
 logger = logging.getLogger("megarl.engine_server")
 
@@ -56,3 +56,20 @@ def memory_tags(tags: Any, route: str) -> set[str]:
     if unknown:
         raise RequestError(f"{route}: unknown tags {unknown}; use {list(MEMORY_TAGS)}")
     return set(tags)
+
+def add_weight_versions(meta: dict[str, Any], events: list, version: str, num_tokens: int) -> None:
+    """``weight_versions`` (spans of tokens per version) and ``weight_version`` (the last) as SGLang writes them;
+    its own functions when the version changed during the request."""
+    if not events:
+        meta["weight_versions"] = [{"version": version, "start": 0, "end": num_tokens}]
+        meta["weight_version"] = version
+        return
+    from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info, compute_weight_version_spans
+
+    add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, version, num_tokens), num_tokens)
+
+
+def is_control(path: str) -> bool:
+    """A route only the trainer may call: SGLang's admin routes megarl uses, and the step gate."""
+    route = ROUTES.get(path)
+    return path == "/step_gate" or (route is not None and route.admin)

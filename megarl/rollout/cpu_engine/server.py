@@ -33,9 +33,10 @@ from megarl.models.sampling import ABORT, REBUILD
 from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.requests import RequestError, errors, json_body, memory_tags, per_row, result
+from megarl.rollout.cpu_engine.requests import (RequestError, add_weight_versions, errors, is_control, json_body,
+                                               memory_tags, per_row, result)
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
-from megarl.rollout.http_api import PAUSE_MODES, ROUTES
+from megarl.rollout.http_api import PAUSE_MODES
 from megarl.rollout.weight_group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
@@ -48,12 +49,10 @@ NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 
                     "logit_bias": None, "custom_params": None}
 """SGLang sampling keys accepted only at their neutral value (this engine does not implement them)."""
 ARRIVAL_QUIET_S, ARRIVAL_WAIT_MAX_S = 0.010, 0.100
-"""An idle engine starts a batch once no request has arrived for ``ARRIVAL_QUIET_S``, at most ``ARRIVAL_WAIT_MAX_S``
-after the first: requests sent together by several callers (the asynchronous producer's groups, one request each,
-from as many threads) share the batch, as SGLang's continuous batching runs them together; this engine's batches
-take no rows once started. Without the wait the producer's first group of a step ran alone and the others in a
-second batch: on the generation-bound workload of ``tools/bench_async.py`` (8 rows a step, where a decoding step
-costs about the same for 4 rows as for 8) that nearly doubled the engine's time per step."""
+"""An idle engine starts a batch once no request has arrived for ``ARRIVAL_QUIET_S`` (at most ``ARRIVAL_WAIT_MAX_S``
+after the first): requests sent together by several callers (the asynchronous producer's groups) share the batch, as
+SGLang's continuous batching runs them; this engine's batches take no rows once started (without the wait a step's
+first group ran alone: nearly twice the engine time a step on ``tools/bench_async.py``'s generation-bound workload)."""
 
 
 @dataclasses.dataclass
@@ -149,7 +148,7 @@ class EngineServer:
     async def _authorize(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         """Control routes need the admin key when the server has one (SGLang's ``ADMIN_OPTIONAL`` decision:
         ``Authorization: Bearer <key>``, compared in constant time); the rest are open."""
-        if self._admin_key is not None and _is_control(request.path):
+        if self._admin_key is not None and is_control(request.path):
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), self._admin_key.encode()):
@@ -279,7 +278,7 @@ class EngineServer:
             finish["message"] = "aborted"
         meta: dict[str, Any] = {"id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt),
                                 "completion_tokens": len(output.output_ids), "cached_tokens": 0}
-        _add_weight_versions(meta, row.version_events, self.weight_version, len(output.output_ids))
+        add_weight_versions(meta, row.version_events, self.weight_version, len(output.output_ids))
         if row.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
                                              zip(output.output_logprobs, output.output_ids, strict=True)]
@@ -598,24 +597,3 @@ class EngineServer:
                                                  f"wait for them)\n")
         self.engine.flush_cache()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. ")
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def _add_weight_versions(meta: dict[str, Any], events: list, version: str, num_tokens: int) -> None:
-    """``weight_versions`` (spans of tokens per version) and ``weight_version`` (the last) as SGLang writes them;
-    its own functions when the version changed during the request."""
-    if not events:
-        meta["weight_versions"] = [{"version": version, "start": 0, "end": num_tokens}]
-        meta["weight_version"] = version
-        return
-    from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info, compute_weight_version_spans
-
-    add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, version, num_tokens), num_tokens)
-
-
-def _is_control(path: str) -> bool:
-    """A route only the trainer may call: SGLang's admin routes megarl uses, and the step gate."""
-    route = ROUTES.get(path)
-    return path == "/step_gate" or (route is not None and route.admin)
