@@ -20,6 +20,7 @@ validation bootstrap        ``derive_seed(rollout seed,                         
                             SEED_STREAM_VALIDATION_BOOTSTRAP, step)``
 async prompt group          ``derive_seed(derive_seed(rollout seed,                     ``rollout.producer``
                             SEED_STREAM_ASYNC_ROLLOUT), group, attempt)``
+generation-only round       ``derive_seed(rollout seed, SEED_STREAM_GENERATION, round)`` ``controller.generate``
 engine ``i``'s generator    ``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)``        ``controller.build``
 row ``i`` of a request      :func:`derive_row_seed` ``(request seed, i)``               rollout manager, CPU
                                                                                         engine
@@ -49,6 +50,8 @@ asynchronous training (:mod:`megarl.rollout.producer`)."""
 SEED_STREAM_VALIDATION_BOOTSTRAP = 4
 """``derive_seed(rollout seed, SEED_STREAM_VALIDATION_BOOTSTRAP, step)`` seeds the resampling behind a validation's
 ``best@k`` / ``worst@k`` / ``maj@k`` metrics."""
+SEED_STREAM_GENERATION = 5
+"""``derive_seed(rollout seed, SEED_STREAM_GENERATION, round)`` seeds a round of ``megarl-generate``."""
 SEED_STREAM_ENGINE = 7
 """``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)`` seeds engine ``i``'s own generator."""
 

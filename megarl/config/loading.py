@@ -63,17 +63,19 @@ def pretrained_when_path_given(overrides: Sequence[str]) -> list[str]:
 
 
 def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,
-                config_name: str = "config") -> RunConfig:
+                config_name: str = "config", generation_only: bool = False) -> RunConfig:
     """Compose ``configs/<config_name>.yaml`` with ``overrides`` (e.g. ``["recipe=qwen2_5_7b_grpo",
     "trainer.total_steps=10"]``) and return the typed :class:`RunConfig`.
 
     Each section's own checks run while the dataclasses are built, then the cross-component checks
     (:func:`megarl.config.validate.validate`), once: the returned config is ready to run.
+    ``generation_only`` (``megarl-generate``): only the checks of what generation uses (the machines and the
+    engines), not those of training (batches, algorithm, roles).
     Raises :class:`ConfigError` (a ``ValueError``) naming the offending key.
     """
     cfg = to_run_config(compose_config(overrides, config_dir=config_dir, config_name=config_name))
     try:
-        validate(cfg)
+        validate(cfg, generation_only=generation_only)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     return cfg

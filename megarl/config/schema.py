@@ -17,6 +17,7 @@ Layout (verl's key names), each section defined in the module named after it::
       algorithm                   AlgorithmConfig (kl_ctrl)      (config/algorithm.py)
       trainer                     TrainerConfig (links: LinksConfig)                         (config/trainer.py)
       async_training              AsyncTrainingConfig                                        (config/async_training.py)
+      generation                  GenerationConfig (megarl-generate)                         (config/generation.py)
 
 Defaults live in these dataclasses only (or, where a lower component owns a default, are read from it
 with :func:`megarl.config.common.default_of`). The code that uses a section receives the section
@@ -35,6 +36,7 @@ from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.algorithm import AlgorithmConfig, RewardConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
+from megarl.config.generation import GenerationConfig
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.config.trainer import TrainerConfig
@@ -79,6 +81,8 @@ class RunConfig:
     """Length, machines, checkpoints, logging."""
     async_training: AsyncTrainingConfig = dataclasses.field(default_factory=AsyncTrainingConfig)
     """Bounds of asynchronous training (``trainer.mode``)."""
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    """``megarl-generate``'s output (generation only; training ignores it)."""
 
     @property
     def needs_ref(self) -> bool:

@@ -47,8 +47,14 @@ logger = logging.getLogger(__name__)
 ARR = "actor_rollout_ref"
 
 
-def validate(cfg: RunConfig) -> None:
-    """Raise ``ValueError`` naming the key to change when the sections of ``cfg`` do not fit together."""
+def validate(cfg: RunConfig, *, generation_only: bool = False) -> None:
+    """Raise ``ValueError`` naming the key to change when the sections of ``cfg`` do not fit together
+    (``generation_only``: the rules of what generation uses, 1, 3 and 4)."""
+    if generation_only:
+        _check_world(cfg)
+        _check_engines(cfg)
+        _check_memory_flags(cfg)
+        return
     _check_algorithm(cfg)  # first: it decides which roles exist
     _check_world(cfg)
     _check_batches(cfg)

@@ -166,6 +166,11 @@ VERL_KEYS: dict[str, Entry] = {
     f"{ROLLOUT}.multi_turn.tokenization_sanity_check_mode":
         Rename(f"{ROLLOUT}.multi_turn.tokenization_sanity_check", _sanity_check_mode),
     "data.train_files": Rename("data.train_files", _as_list),
+    # verl's main_generation (megarl-generate)
+    "data.path": Rename("data.train_files", _as_list),
+    "data.n_samples": Rename("generation.n_samples"),
+    "data.output_path": Rename("generation.output_path"),
+    "data.batch_size": Rename("generation.batch_size"),
     "data.val_files": Rename("data.val_files", _as_list),
     "data.reward_fn_key": Fixed(("data_source",), "megarl picks a row's scorer by its data_source column"),
     "data.dataloader_num_workers": Ignored("megarl reads the prompts in the driver"),

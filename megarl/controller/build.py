@@ -53,8 +53,8 @@ class Roles:
     """Where every role sits (``megarl.plan.placement``)."""
     pools: dict
     """Ray placement groups by pool name (``global``, and ``rollout`` when disaggregated)."""
-    actor: WorkerGroup
-    """The policy's ranks (the reference lives in the same processes)."""
+    actor: WorkerGroup | None
+    """The policy's ranks (the reference lives in the same processes); None when generating only."""
     critic: WorkerGroup | None
     """The value model's ranks (PPO with GAE), else None."""
     rollout: WorkerGroup
@@ -124,10 +124,11 @@ def remove_shared_memory_on_nodes(pids_by_node: dict[str, list[int]], timeout_s:
     return removed
 
 
-def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases) -> Roles:
+def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, training: bool = True) -> Roles:
     """Place and start every role of ``cfg`` (Ray must be running): the training workers, one engine server per
     engine (its log in ``log_dir``) and sglang-router in front of them; on failure nothing is left running.
-    ``phase`` (a :class:`~megarl.controller.progress.Phases`) announces each part as it starts and ends."""
+    ``phase`` (a :class:`~megarl.controller.progress.Phases`) announces each part as it starts and ends;
+    ``training`` False: the engines and the router only, each engine with its GPUs to itself (generation only)."""
     plan = placement_for(cfg)
     trainer = cfg.trainer
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
@@ -138,12 +139,15 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases) 
         gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
         colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
-        with phase(f"placing the actor{' and its reference' if cfg.needs_ref else ''} on "
-                   f"{plan.role('actor').world_size} rank(s) and building the model"):
-            actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
-        built.append(actor)
-        critic = None
-        if cfg.critic.enable:
+        actor = critic = None
+        if not training:
+            colocated = 1
+        else:
+            with phase(f"placing the actor{' and its reference' if cfg.needs_ref else ''} on "
+                       f"{plan.role('actor').world_size} rank(s) and building the model"):
+                actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
+            built.append(actor)
+        if training and cfg.critic.enable:
             with phase("placing the critic and building its model"):
                 critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
@@ -158,8 +162,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases) 
         with phase("starting sglang-router"):
             router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                                   log_dir=log_dir)
-        targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
-        names = actor.call_rank(0, ActorWorker.weight_names)
+        targets, names = [], []
+        if training:
+            targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
+            names = actor.call_rank(0, ActorWorker.weight_names)
     except BaseException:
         if router is not None:
             router.stop()

@@ -29,14 +29,15 @@ from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILE
 from megarl.warmstart.sft import ensure_tiny_sft
 
 
-def prepare_policy(cfg: RunConfig) -> None:
+def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
     model's directories (and the critic's), refuse missing data files naming the key, and for
-    ``model.init=tiny_sft`` write the addition data at its default paths and build the cached SFT warm start."""
+    ``model.init=tiny_sft`` write the addition data at its default paths and build the cached SFT warm start.
+    ``scoring`` False (generation only): the data need no columns for the reward scorers."""
     model = cfg.actor_rollout_ref.model
     if model.init != "tiny_sft":
         _check_model_directories(cfg)
-    train = _check_data(cfg)
+    train = _check_data(cfg, scoring)
     if model.init == "tiny_sft":
         ensure_tiny_sft(model.local_path, [str(p) for p in train], steps=model.sft_steps, lr=model.sft_lr,
                         seed=cfg.trainer.seed, stop_reward=model.sft_stop_reward, arch=model.tiny_arch)
@@ -58,7 +59,7 @@ def _check_model_directories(cfg: RunConfig) -> None:
                               parts=("config", "weights"))
 
 
-def _check_data(cfg: RunConfig) -> list[Path]:
+def _check_data(cfg: RunConfig, scoring: bool = True) -> list[Path]:
     """The training files; a missing data file is an error naming its key, except the tiny recipe's own
     default files, which are written (never anywhere else: a typo must not fill with addition problems)."""
     data = cfg.data
@@ -77,11 +78,11 @@ def _check_data(cfg: RunConfig) -> list[Path]:
                          f"at {ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
     for key, files in (("data.train_files", train), ("data.val_files", val)):
         for path in files:
-            _check_data_columns(cfg, key, path)
+            _check_data_columns(cfg, key, path, scoring)
     return train
 
 
-def _check_data_columns(cfg: RunConfig, key: str, path: Path) -> None:
+def _check_data_columns(cfg: RunConfig, key: str, path: Path, scoring: bool) -> None:
     """Refuse a data file of another suffix, one that cannot be read, or one without the columns the data
     settings name (the prompt, the data source, the ground truth, the metadata), naming ``key`` and the file."""
     data = cfg.data
@@ -98,7 +99,7 @@ def _check_data_columns(cfg: RunConfig, key: str, path: Path) -> None:
                          f"messages; its columns are {columns}")
     missing_columns = missing_scoring_columns(columns, label_key=data.label_key,
                                               data_source_key=data.data_source_key, data_source=data.data_source)
-    if missing_columns:
+    if missing_columns and scoring:
         raise ValueError(f"{key}: {path} has no column(s) {missing_columns}, which pick each row's reward scorer "
                          f"and hold its ground truth; its columns are {columns} (name other columns with "
                          f"data.data_source_key / data.label_key, or give every row one data source with "

@@ -40,6 +40,7 @@ from megarl.controller.build import (
     load_agent_plugins,
 )
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
+from megarl.controller.generate import decode_responses
 from megarl.controller.interrupts import interrupts_deferred
 from megarl.controller.progress import Phases, run_summary
 from megarl.controller.metrics import (
@@ -441,12 +442,8 @@ class Trainer:
 
     def _decode(self, batch: Batch) -> tuple[list[str], list[str], list[float]]:
         """Prompts, responses (their every token, tool outputs included) and sequence scores of ``batch``, decoded."""
-        decode = self.tokenizer.batch_decode
-        prompts = decode(batch["prompts"].tolist(), skip_special_tokens=True)
-        valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]
-        responses = decode([r[: int(m.sum())] for r, m in zip(batch["responses"].tolist(), valid)],
-                           skip_special_tokens=True)
-        return prompts, responses, batch["token_level_scores"].sum(-1).tolist()
+        prompts = self.tokenizer.batch_decode(batch["prompts"].tolist(), skip_special_tokens=True)
+        return prompts, decode_responses(batch, self.tokenizer), batch["token_level_scores"].sum(-1).tolist()
 
     def _dump(self, batch: Batch, extra: dict[str, list], step: int) -> None:
         prompts, responses, scores = self._decode(batch)

@@ -379,6 +379,11 @@ class PromptDataset(torch.utils.data.Dataset):
             record["full_prompts"] = text
         return record
 
+    def source_row(self, item: int) -> dict[str, Any]:
+        """Row ``item`` as its file holds it (after the column mapping), prompt column included."""
+        file_number, row, _ = self._rows[item]
+        return self._tables[file_number].slice(row, 1).to_pylist()[0]
+
     def collate(self, rows: Sequence[dict[str, Any]]) -> Batch:
         """:func:`collate` with this dataset's pad id, left-padding to ``max_prompt_length``."""
         return collate(rows, pad_token_id=self.pad_token_id, pad_to=self.max_prompt_length)

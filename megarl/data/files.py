@@ -88,3 +88,20 @@ def _json_table(path: str | os.PathLike) -> Any:
             raise ValueError(f"{path}: column {name!r} has values of different types across rows "
                              f"({error})") from error
     return pa.table(columns) if columns else pa.table({})
+
+
+def write_rows(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Write ``rows`` (one dict of columns each) as the file's suffix says: parquet, a JSON list (``.json``) or one
+    JSON object a line (``.jsonl``); written next to the file and then renamed into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if data_format(path) == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+    elif path.suffix.lower() == ".json":
+        tmp.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    else:
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    tmp.replace(path)
