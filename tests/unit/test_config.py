@@ -72,7 +72,7 @@ def test_load_config_validates_once(monkeypatch):
     from megarl.plan.preflight import plan_run
 
     calls = []
-    monkeypatch.setattr(loading, "validate", lambda cfg: calls.append(cfg))
+    monkeypatch.setattr(loading, "validate", lambda cfg, **kwargs: calls.append(cfg))
     cfg = load_config(["recipe=qwen2_5_7b_grpo"])
     assert len(calls) == 1
     plan_run(cfg, check=False)
