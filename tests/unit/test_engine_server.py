@@ -254,8 +254,8 @@ def test_pause_modes(client, server, mode):
 
 def test_requests_sent_together_share_one_batch(model_dir):
     """An idle engine starts a batch once no request has arrived for a quiet interval (``ARRIVAL_QUIET_S``; here
-    1 s, so that the machine's speed does not matter): two requests 0.1 s apart, as the asynchronous producer sends
-    its groups, run as one batch; a request sent while a batch runs waits for the next one."""
+    5 s, far longer than anything between two sends here): a request sent once another is queued, as the asynchronous
+    producer sends its groups, runs in the same batch; a request sent while a batch runs waits for the next one."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from megarl.rollout.cpu_engine.server import EngineServer
@@ -269,7 +269,7 @@ def test_requests_sent_together_share_one_batch(model_dir):
         return generate_rows(prompts, *args, **kwargs)
 
     engine.generate_rows = counted
-    server = EngineServer(engine, model_path=str(model_dir), enable_step_gate=True, arrival_wait_s=(1.0, 30.0))
+    server = EngineServer(engine, model_path=str(model_dir), enable_step_gate=True, arrival_wait_s=(5.0, 60.0))
     params = SamplingParams(max_new_tokens=HOLD + 3, temperature=1.0, ignore_eos=True)
 
     async def exchange():
@@ -280,7 +280,8 @@ def test_requests_sent_together_share_one_batch(model_dir):
         try:
             await set_step_gate(url, HOLD)
             first = asyncio.ensure_future(client.generate_batch([[1, 2, 3], [4, 5]], params, seed=1))
-            await asyncio.sleep(0.1)
+            await wait_for(url, "/v1/loads", lambda answer: load(answer)["num_waiting_reqs"] == 2,
+                           "the first request's rows queued")
             second = asyncio.ensure_future(client.generate([6, 7], params, seed=2))
             await wait_held_at_gate(url)
             late = asyncio.ensure_future(client.generate([8, 9], params, seed=3))
