@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["parity", "engine", "ppo", "sync", "mfu"]
-BLOCKED = ("ray", "hydra", "sglang_router", "datasets", "pyarrow")
+BLOCKED = ("ray", "hydra", "sglang_router", "pyarrow")
 """Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
                  "sglang.srt.utils.weight_versions", "sglang.srt.utils.msgspec_utils", "sglang.srt.weight_sync",
