@@ -47,6 +47,9 @@ class DataConfig:
     """Keep the templated prompt text in the batch (for logging)."""
     need_tools_kwargs: bool = default_of(PromptDataset, "need_tools_kwargs")
     """Every row must carry ``extra_info.tools_kwargs`` (tool-using tasks)."""
+    apply_chat_template: bool = default_of(PromptDataset, "apply_chat_template")
+    """Render prompts with the tokenizer's chat template; False: prompts are plain text used as they are,
+    with the tokenizer's special tokens (slime without ``--apply-chat-template``; base models)."""
     apply_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keyword arguments of ``tokenizer.apply_chat_template``."""
     shuffle: bool = True
@@ -72,4 +75,5 @@ class DataConfig:
             "data_source_key": self.data_source_key, "data_source": self.data_source,
             "metadata_key": self.metadata_key,
             "apply_chat_template_kwargs": dict(self.apply_chat_template_kwargs),
+            "apply_chat_template": self.apply_chat_template,
         }

@@ -280,6 +280,9 @@ def _check_algorithm(cfg: RunConfig) -> None:
         raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} exceeds data.max_response_length="
                          f"{cfg.data.max_response_length}: the buffer is the last len tokens of a response; "
                          f"choose at most {cfg.data.max_response_length}")
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable and not cfg.data.apply_chat_template:
+        raise ValueError(f"{ARR}.rollout.multi_turn.enable=True renders each turn with the chat template: set "
+                         f"data.apply_chat_template=True (plain-text prompts are single-turn)")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable and not cfg.data.return_raw_chat:
         raise ValueError(f"{ARR}.rollout.multi_turn.enable=True needs the raw chat messages: set "
                          f"data.return_raw_chat=True")

@@ -62,13 +62,15 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], *, add_generat
                                          **template_kwargs)
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of rendered prompt text, without adding special tokens a second time."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def encode_prompt(tokenizer: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of rendered prompt text, without adding special tokens a second time (``add_special_tokens``:
+    with the tokenizer's own, e.g. a BOS, for text no chat template rendered)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def encode_prompts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of many rendered prompts in one (fast, batched) tokenizer call."""
+def encode_prompts(tokenizer: Any, texts: list[str], *, add_special_tokens: bool = False) -> list[list[int]]:
+    """Token ids of many prompts in one (fast, batched) tokenizer call (``add_special_tokens``: as
+    :func:`encode_prompt`)."""
     if not texts:
         return []
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]

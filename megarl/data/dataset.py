@@ -18,6 +18,9 @@ the table is read: ``label_key`` names the ground-truth column (it becomes
 ``data_source`` a fixed value for files without one, ``metadata_key`` the column that becomes
 ``extra_info``.
 
+With ``apply_chat_template=False`` (slime's default, for base models) a prompt is a string used as it
+is: no chat template, tokenised with the tokenizer's own special tokens (a BOS where it has one).
+
 :class:`PromptDataset` returns one dict per row (see :meth:`PromptDataset.__getitem__`) and
 :func:`collate` turns a list of them into a :class:`~megarl.data.batch.Batch` of left-padded
 prompts plus per-row non-tensor fields.
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 
 from megarl.data.batch import Batch
-from megarl.data.chat import check_messages, encode_prompt, encode_prompts, render_prompt, row_tool_names
+from megarl.data.chat import check_messages, encode_prompts, render_prompt, row_tool_names
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +158,9 @@ class PromptDataset(torch.utils.data.Dataset):
         need_tools_kwargs: the default of the per-row ``extra_info.need_tools_kwargs`` flag; rows
             that need tools kwargs but have none are counted and reported.
         apply_chat_template_kwargs: extra arguments of ``apply_chat_template`` (e.g. ``tools``).
+        apply_chat_template: render each prompt with the tokenizer's chat template; False: every prompt
+            is a string, used as it is and tokenised with the tokenizer's special tokens (slime's raw text
+            prompts, for base models; no tools then).
         tool_schemas: ``{function_name: OpenAI schema}`` of the multi-turn tools: the length filter
             renders each prompt with the schemas of the tools its row is given
             (:func:`megarl.data.chat.row_tool_names`), as the agent loop will.
@@ -173,7 +179,7 @@ class PromptDataset(torch.utils.data.Dataset):
                  need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None,
                  tool_schemas: Mapping[str, Mapping[str, Any]] | None = None, label_key: str | None = None,
                  data_source_key: str = "data_source", data_source: str | None = None,
-                 metadata_key: str | None = None) -> None:
+                 metadata_key: str | None = None, apply_chat_template: bool = True) -> None:
         if max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if truncation not in TRUNCATION_MODES:
@@ -196,6 +202,11 @@ class PromptDataset(torch.utils.data.Dataset):
         self.need_tools_kwargs = need_tools_kwargs
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.tool_schemas = dict(tool_schemas or {})
+        self.apply_chat_template = apply_chat_template
+        if not apply_chat_template and (self.tool_schemas or self.apply_chat_template_kwargs):
+            setting = "multi-turn tools" if self.tool_schemas else "data.apply_chat_template_kwargs"
+            raise ValueError(f"data.apply_chat_template=False uses each prompt as plain text, but {setting} "
+                             f"need the chat template: set data.apply_chat_template=True or drop {setting}")
         if self.tool_schemas and "tools" in self.apply_chat_template_kwargs:
             raise ValueError("data.apply_chat_template_kwargs.tools and multi-turn tools are both set; the agent "
                              "loop shows the tool config's schemas: drop apply_chat_template_kwargs.tools")
@@ -271,7 +282,23 @@ class PromptDataset(torch.utils.data.Dataset):
             table = _set_column(table, "extra_info", table.column(self.metadata_key))
         return table
 
-    def _templated(self, messages: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None = None) -> str:
+    def _checked_prompt(self, prompt: Any, where: str) -> list[dict[str, Any]] | str:
+        """The row's prompt as chat messages, or as text when the chat template is off."""
+        if self.apply_chat_template:
+            return prompt_messages(prompt, where)
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: the prompt is a {type(prompt).__name__}, but data.apply_chat_template=False "
+                             f"takes plain-text prompts only; set data.apply_chat_template=True for chat messages")
+        return prompt
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of prompt texts: templated ones carry their special tokens already, plain ones get the
+        tokenizer's."""
+        return encode_prompts(self.tokenizer, texts, add_special_tokens=not self.apply_chat_template)
+
+    def _templated(self, messages: list[dict[str, Any]] | str, tools: list[Mapping[str, Any]] | None = None) -> str:
+        if isinstance(messages, str):
+            return messages
         kwargs = dict(self.apply_chat_template_kwargs)
         if tools:
             kwargs["tools"] = tools
@@ -290,14 +317,14 @@ class PromptDataset(torch.utils.data.Dataset):
         global_row = 0
         for file_number, (path, table) in enumerate(zip(self.data_files, self._tables, strict=True)):
             prompts = table.column(self.prompt_key).to_pylist()
-            checked = [prompt_messages(m, f"{path} row {r}") for r, m in enumerate(prompts)]
+            checked = [self._checked_prompt(m, f"{path} row {r}") for r, m in enumerate(prompts)]
             if self.filter_overlong_prompts:
                 infos = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
                 lengths = []
                 for start in range(0, len(checked), _ENCODE_CHUNK):
                     rows = range(start, min(start + _ENCODE_CHUNK, len(checked)))
                     texts = [self._templated(checked[r], self._row_tools(infos, r, f"{path} row {r}")) for r in rows]
-                    lengths.extend(len(ids) for ids in encode_prompts(self.tokenizer, texts))
+                    lengths.extend(len(ids) for ids in self._encode(texts))
             else:
                 lengths = [0] * len(checked)
             for row, num_tokens in enumerate(lengths):
@@ -355,14 +382,15 @@ class PromptDataset(torch.utils.data.Dataset):
         ``raw_prompt_ids`` (the same ids as a list, for the rollout engine), ``index``
         (``extra_info.index``, else the row's number over all files), ``tools_kwargs`` and
         ``interaction_kwargs`` (from ``extra_info``, ``{}`` when absent), and, when enabled,
-        ``raw_prompt`` (the messages) and ``full_prompts`` (the templated text).
+        ``raw_prompt`` (the messages; the text when the chat template is off) and ``full_prompts`` (the
+        templated text).
         """
         file_number, row, global_row = self._rows[item]
         where = f"{self.data_files[file_number]} row {row}"
         record = self._tables[file_number].slice(row, 1).to_pylist()[0]
-        messages = prompt_messages(record.pop(self.prompt_key), where)
+        messages = self._checked_prompt(record.pop(self.prompt_key), where)
         text = self._templated(messages, self._row_tools([record.get("extra_info")], 0, where))
-        ids = truncate_ids(encode_prompt(self.tokenizer, text), self.max_prompt_length, self.truncation, where)
+        ids = truncate_ids(self._encode([text])[0], self.max_prompt_length, self.truncation, where)
         extra_info = _extra_info(record.get("extra_info"), where)
         index = extra_info.get("index")
         record.update(

@@ -168,3 +168,41 @@ def test_the_tiny_warm_start_reads_json_rows_as_parquet_ones(tmp_path):
     rows = verl_rows()
     assert read_sft_rows([write_jsonl(tmp_path / "d.jsonl", rows)]) == read_sft_rows(
         [write_parquet(tmp_path / "d.parquet", rows)])
+
+
+def test_plain_text_prompts_skip_the_chat_template_and_get_the_tokenizers_special_tokens(tmp_path):
+    """slime without --apply-chat-template (a base model): the prompt string as it is, a BOS where the tokenizer
+    adds one; the tokenizer needs no chat template."""
+    from tokenizers import processors
+
+    base = build_tokenizer(chat_template=None)
+    base.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 256)])  # a BOS, as a base Llama's tokenizer
+    path = write_jsonl(tmp_path / "raw.jsonl", [{"prompt": "Q: 2+3=? A:", "label": 5},
+                                                {"prompt": "Q: 12+3=? A:", "label": 15}])
+    dataset = PromptDataset(path, base, label_key="label", data_source="addition", apply_chat_template=False,
+                            return_full_prompt=True, return_raw_chat=True, max_prompt_length=12)
+    row = dataset[0]
+    assert row["full_prompts"] == row["raw_prompt"] == "Q: 2+3=? A:"
+    ids = row["input_ids"].tolist()
+    assert ids == row["raw_prompt_ids"] and len(ids) == 12 and ids[0] == 256  # the BOS, then a byte a token
+    assert base.decode(ids[1:]) == "Q: 2+3=? A:" and 256 not in ids[1:]
+    # The length filter counts the same ids: 1 + 11 tokens fit 12, the second prompt's 1 + 12 do not.
+    assert len(dataset) == 1 and [(p.row, p.num_tokens) for p in dataset.filtered_overlong] == [(1, 13)]
+    with pytest.raises(ValueError, match=r"has no chat template"):  # the default still templates
+        PromptDataset(path, base, label_key="label", data_source="addition")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": user("Q?"), "label": 1}])
+    with pytest.raises(ValueError, match=r"chat.jsonl row 0: the prompt is a list, but data.apply_chat_template="
+                                         r"False takes plain-text prompts only; set data.apply_chat_template=True"):
+        PromptDataset(chat, base, label_key="label", apply_chat_template=False)
+    with pytest.raises(ValueError, match=r"data.apply_chat_template=False .* data.apply_chat_template_kwargs need"):
+        PromptDataset(path, base, apply_chat_template=False, apply_chat_template_kwargs={"enable_thinking": False})
+
+
+def test_plain_text_prompts_are_set_from_the_config_and_refused_with_multi_turn():
+    assert _cfg().data.dataset_kwargs()["apply_chat_template"] is True
+    assert _cfg("data.apply_chat_template=false").data.dataset_kwargs()["apply_chat_template"] is False
+    with pytest.raises(ValueError, match=r"multi_turn.enable=True renders each turn with the chat template: set "
+                                         r"data.apply_chat_template=True"):
+        _cfg("data.apply_chat_template=false", "actor_rollout_ref.rollout.multi_turn.enable=true",
+             "data.return_raw_chat=true")
