@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from megarl.cli.train import use_ray_tokens
+from megarl.cli.train import local_ray_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="+", help="Hydra overrides, e.g. recipe=tiny_cpu_grpo "
                                                      "generation.output_path=out.parquet")
     args = parser.parse_args(argv)
-    use_ray_tokens()
+    local_ray_settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("ray", "megatron", "torch", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

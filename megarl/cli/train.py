@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.overrides:
         print(f"megarl-train: no overrides: the tiny CPU job ({DEFAULT_RUN[0]})", file=sys.stderr)
         args.overrides = list(DEFAULT_RUN)
-    use_ray_tokens()
+    local_ray_settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("ray", "megatron", "torch", "urllib3", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -74,17 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def use_ray_tokens() -> None:
-    """A run that starts its own Ray cluster (no ``RAY_ADDRESS``) uses Ray's token authentication with a fresh
-    token, unless ``RAY_AUTH_MODE`` says otherwise: Ray's ports listen on every interface, and without a token
-    anyone who reaches them can run code in the cluster. The token lives only in this process's environment and
-    those of the processes Ray starts (written nowhere). Ray reads the mode when it is imported: call this
-    first."""
+def local_ray_settings() -> None:
+    """A run that starts its own Ray cluster (no ``RAY_ADDRESS``): Ray's token authentication with a fresh token,
+    unless ``RAY_AUTH_MODE`` says otherwise (the token lives only in this process's environment and those of the
+    processes Ray starts, written nowhere), and Ray on loopback (:data:`megarl.parallel.net.RAY_LOOPBACK`:
+    a one-machine cluster's GCS, raylet, workers and agents listen on 127.0.0.1 only). Ray reads both when it is
+    imported: call this first."""
     import os
     import secrets
 
-    if "RAY_ADDRESS" not in os.environ and "RAY_AUTH_MODE" not in os.environ:
+    from megarl.parallel.net import RAY_LOOPBACK
+
+    if "RAY_ADDRESS" in os.environ:
+        return
+    if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
+    for name, value in RAY_LOOPBACK.items():
+        os.environ.setdefault(name, value)
 
 
 def run_failures() -> tuple[type[BaseException], ...]:

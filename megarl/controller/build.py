@@ -24,6 +24,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.data.dataset import PromptDataset
 from megarl.controller.progress import no_phases
+from megarl.parallel.net import RAY_LOOPBACK
 from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
@@ -416,15 +417,27 @@ class RayConnection:
             self.reaper.close()
 
 
+def ray_on_loopback() -> None:
+    """Put the local cluster about to start on loopback (:data:`megarl.parallel.net.RAY_LOOPBACK`, where not set
+    otherwise): in the environment its processes inherit, and in this process's Ray, which read it when imported
+    (``megarl-train`` sets it before; a program that imported Ray first gets it here)."""
+    from ray._private import ray_constants
+
+    for name, value in RAY_LOOPBACK.items():
+        os.environ.setdefault(name, value)
+    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR,
+                                                              not ray_constants.IS_WINDOWS_OR_OSX)
+
+
 def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
     """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
     a no-op (None) when Ray is up. The caller shuts the returned connection down at the end of the run. A local
     cluster's processes are the run's: a reaper ends them when the driver ends, ``kill -9`` included.
 
-    Ray's ports listen on every interface: a local cluster without token authentication (``RAY_AUTH_MODE`` other
-    than ``token``, which Ray reads when it is imported: ``megarl-train`` sets it with a fresh ``RAY_AUTH_TOKEN``
-    first) lets anyone who reaches them run code in the run's cluster, and is warned about. A cluster joined at
-    ``RAY_ADDRESS`` uses its own settings."""
+    A local cluster listens on loopback only (:data:`megarl.parallel.net.RAY_LOOPBACK`, unless set otherwise);
+    without token authentication (``RAY_AUTH_MODE`` other than ``token``, which Ray reads when it is imported:
+    ``megarl-train`` sets it with a fresh ``RAY_AUTH_TOKEN`` first) any process of this machine can run code in
+    the run's cluster, which is warned about. A cluster joined at ``RAY_ADDRESS`` uses its own settings."""
     if ray.is_initialized():
         return None
     trainer = cfg.trainer
@@ -438,6 +451,7 @@ def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
                                             "any process that reaches this machine's Ray ports can run code in the "
                                             "run's cluster; megarl-train turns it on unless RAY_AUTH_MODE is set",
                                             os.environ.get("RAY_AUTH_MODE", "unset"))
+    ray_on_loopback()
     connection = RayConnection(start_reaper())  # before Ray starts: its processes inherit the run's tag
     try:
         if trainer.device == "cpu":

@@ -8,6 +8,11 @@ from __future__ import annotations
 import socket
 
 
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""The environment that puts a local Ray cluster on loopback: Ray then takes 127.0.0.1 as the node's address,
+as it does on macOS and Windows, and its servers (GCS, raylet, workers, agents) listen there only (otherwise
+on every interface). Ray reads it when imported; a one-machine cluster needs no other address."""
+
 RENDEZVOUS_FILE_VARIABLE = "MEGARL_RENDEZVOUS_FILE"
 """Set by a worker group whose ranks share one machine: the file its ranks meet through
 (:func:`megarl.parallel.groups.init_distributed`), so no TCP store listens for it."""

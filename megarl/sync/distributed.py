@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.net import free_port, node_ip
+from megarl.parallel.net import node_ip
 from megarl.rollout.client import EngineAddress, gather_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET
-from megarl.rollout.weight_group import join_group
+from megarl.rollout.weight_group import join_group, listening_socket
 from megarl.sync.base import WeightTransport, close_sessions, expected_copy, verify_and_report
 
 
@@ -54,13 +54,14 @@ class DistributedTransport(WeightTransport):
         """Form this stage's group with its engines: they join (HTTP, in the background) while this rank hosts
         the rendezvous as rank 0."""
         host = node_ip()
-        port = free_port(host)
+        listen_fd, port = listening_socket(host)  # the store listens on this node's address only
         offsets = list(itertools.accumulate([1] + [e.tp for e in self.targets]))
         world_size = offsets[-1]
         joins = [submit(self.client(e).init_weights_update_group(
             master_address=host, master_port=port, rank_offset=offset, world_size=world_size,
             group_name=self.group_name, backend=self.backend)) for e, offset in zip(self.targets, offsets)]
-        self.group = join_group(host, port, 0, world_size, self.group_name, backend=self.backend)
+        self.group = join_group(host, port, 0, world_size, self.group_name, backend=self.backend,
+                                listen_fd=listen_fd)
         for future in concurrent.futures.as_completed(joins, timeout=660):
             future.result()  # an engine that failed to join names itself
 

@@ -117,9 +117,10 @@ def _engine_urls(log_root) -> list[str]:
 
 def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
     """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID).
-    The Ctrl-C lands while step 2's rollout is inside the engines: after step 1 the test pauses every engine in
+    The Ctrl-C lands while a step's rollout is inside the engines: after step 1 the test pauses every engine in
     place and waits until a request waits or is held there (so the run is in its generation phase, on a
-    machine of any speed)."""
+    machine of any speed). That is step 2's rollout, or on a fast machine a later one's (step 2 may have
+    generated before the pause arrived): the message names the last step the run printed."""
     import asyncio
 
     from megarl.rollout.client import EngineClient
@@ -140,6 +141,22 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
         assert all(len(environ.get("RAY_AUTH_TOKEN", "")) == 64 for environ in environs)
         urls = _engine_urls(tmp_path / "runs")
         assert urls, list((tmp_path / "runs").rglob("*"))
+        # Issue 31: on one machine nothing of the run listens beyond loopback: Ray's servers, workers and agents,
+        # the training ranks, the engine servers and the router.
+        import psutil
+
+        listening = {}
+        for pid in started | {run.pid}:
+            try:
+                for connection in psutil.Process(pid).net_connections("tcp"):
+                    if connection.status == psutil.CONN_LISTEN:
+                        listening[(connection.laddr.ip, connection.laddr.port)] = _cmdline(pid)[:80]
+            except psutil.NoSuchProcess:
+                continue
+        assert len(listening) > 5, listening
+        wide = {address: name for address, name in listening.items()
+                if address[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+        assert not wide, wide
 
         def busy(answer):
             entry = load(answer)
@@ -167,7 +184,11 @@ def test_ctrl_c_during_training_stops_engine_servers_router_and_ray(tmp_path):
     text = "".join(output)
     assert not (left := _left_behind(tag)), left
     assert returncode == 130, text[text.find("Traceback") - 300:][:7000]
-    assert "megarl-train: interrupted at step 1" in text
+    import re
+
+    lines = sorted({int(k) for k in re.findall(r"^step (\d+):", text, flags=re.MULTILINE)})  # step 0: validation
+    assert lines == list(range(lines[-1] + 1)) and lines[-1] >= 1, text[-3000:]
+    assert f"megarl-train: interrupted at step {lines[-1]};" in text, text[-3000:]
 
 
 def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):

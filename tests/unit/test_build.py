@@ -177,3 +177,30 @@ def test_a_checkpoint_saved_at_another_layout_is_refused_before_ray(tmp_path):
     ppo = load_config(["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=8"])
     with pytest.raises(ValueError, match=r"has no critic/ directory, and this run trains a critic"):
         check_resume_layout(ppo, checkpoint)
+
+
+def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
+    """Issue 31: megarl-train's own Ray cluster listens on loopback (the variable is the pinned Ray's own, read by
+    its node-address choice) and authenticates with a fresh token; a joined cluster and the user's settings are
+    left as they are. (The e2e Ctrl-C test lists the run's listening sockets: loopback only.)"""
+    import os
+
+    from ray._private import ray_constants
+
+    from megarl.cli.train import local_ray_settings
+    from megarl.parallel.net import RAY_LOOPBACK
+
+    assert RAY_LOOPBACK == {ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0"}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK):
+        monkeypatch.delenv(name, raising=False)
+    local_ray_settings()
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "token"
+    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # the user's choice wins
+    local_ray_settings()
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # joining a cluster: its own settings
+    local_ray_settings()
+    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK} & set(os.environ)

@@ -1,6 +1,7 @@
 """The weight-update group's wire layout against the pinned SGLang: megarl's ``join_group`` (two members in this
 process, as the CPU engine server's emulated TP ranks join) and SGLang's own ``init_custom_process_group`` (in a
-process of its own, as an SGLang TP rank joins) meet in one group and receive rank 0's broadcast."""
+process of its own, as an SGLang TP rank joins) meet in one group and receive rank 0's broadcast; rank 0's store
+listens on the group's address only."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import threading
 import pytest
 import torch
 
-from megarl.rollout.server_process import free_port
-from megarl.rollout.weight_group import join_group
+from megarl.rollout.weight_group import join_group, listening_socket
 
 
 def _sglang_member(port: int, rank: int, world_size: int, queue) -> None:
@@ -27,7 +27,9 @@ def _sglang_member(port: int, rank: int, world_size: int, queue) -> None:
 
 def test_join_group_meets_sglangs_init_custom_process_group():
     pytest.importorskip("sglang.srt.utils.common")
-    port = free_port()
+    import psutil
+
+    listen_fd, port = listening_socket("127.0.0.1")
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     sglang_rank = context.Process(target=_sglang_member, args=(port, 2, 3, queue), daemon=True)
@@ -35,7 +37,11 @@ def test_join_group_meets_sglangs_init_custom_process_group():
     got: dict[int, list[float]] = {}
 
     def ours(rank: int) -> None:
-        group = join_group("127.0.0.1", port, rank, 3, "megarl_weights", timeout=datetime.timedelta(seconds=60))
+        group = join_group("127.0.0.1", port, rank, 3, "megarl_weights", timeout=datetime.timedelta(seconds=60),
+                           listen_fd=listen_fd if rank == 0 else None)
+        if rank == 0:  # the store serves on loopback only (torch's own binds every interface)
+            got["listening"] = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                                       if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
         tensor = torch.arange(6.0) if rank == 0 else torch.zeros(6)
         group.broadcast(tensor, 0).wait()
         got[rank] = tensor.tolist()
@@ -51,12 +57,14 @@ def test_join_group_meets_sglangs_init_custom_process_group():
         sglang_rank.join(30)
         if sglang_rank.is_alive():
             sglang_rank.kill()
-    assert got == {0: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 1: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}
+    assert got == {0: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 1: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "listening": ["127.0.0.1"]}
 
 
 def test_join_group_refuses_an_unknown_backend():
     with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\), got 'mpi'"):
         join_group("127.0.0.1", 1, 0, 1, "g", backend="mpi")
+    with pytest.raises(ValueError, match=r"only rank 0 hosts the store \(listen_fd\), not rank 1"):
+        join_group("127.0.0.1", 1, 1, 2, "g", listen_fd=99)
 
 
 class _TpSlicingEngine:
