@@ -230,6 +230,14 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
     try:
         _read_until(run, output, lambda line: line.startswith("step 1:"), timeout_s=180)
         started = _run_pids(tag) - {run.pid}
+        import psutil
+
+        born = {}  # pid -> start time of the run's processes
+        for pid in started:
+            try:
+                born[pid] = psutil.Process(pid).create_time()
+            except psutil.NoSuchProcess:
+                continue
 
         def shared_memory() -> list[Path]:
             return [path for pid in started for path in Path("/dev/shm").glob(f"torch_{pid}_*")]
@@ -242,8 +250,14 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
         run.kill()
         run.wait()
     assert not (left := _left_behind(tag, timeout_s=30)), left
-    import psutil
 
-    alive = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    def still_alive(pid: int) -> bool:  # the same process (a PID is reused once its process is gone)
+        try:
+            process = psutil.Process(pid)
+            return process.create_time() == born[pid] and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    alive = [pid for pid in born if still_alive(pid)]
     assert not alive, [" ".join(psutil.Process(pid).cmdline()) for pid in alive]
     assert shared_memory() == [], f"left in /dev/shm by the run's processes: {shared_memory()}"
