@@ -73,7 +73,8 @@ class ShardedModel:
     layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
     (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
     role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
-    (:func:`megarl.parallel.forward_backward`). ``transformer_overrides`` set other ``TransformerConfig``
+    (:func:`megarl.parallel.forward_backward`). ``lora`` (a :class:`~megarl.models.lora.LoraSpec`): adapters on
+    the targeted linear layers, everything else frozen. ``transformer_overrides`` set other ``TransformerConfig``
     fields directly (tests).
     """
 
@@ -83,7 +84,7 @@ class ShardedModel:
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
                  router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                  moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
-                 **transformer_overrides):
+                 lora=None, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -140,6 +141,12 @@ class ShardedModel:
         (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
         if load_weights:
             load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
+        self.lora = lora
+        """The adapters' :class:`~megarl.models.lora.LoraSpec` (None: every weight trains)."""
+        if lora is not None:  # after loading: the base weights keep their names; before DDP: only adapters train
+            from megarl.models.lora import attach_lora
+
+            attach_lora(chunks, lora, self.family, self.hf_config, seed=seed)
         self.module_chunks = chunks
         self.optim = optim
         self.optimizer = self.scheduler = None

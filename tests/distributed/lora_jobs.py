@@ -1,0 +1,71 @@
+"""Rank-side job of the LoRA parity test (imported by spawned ranks): one 4-rank job builds the same adapted model
+(random ``B``, so the adapters change the logits) at TP=1, TP=2, TP=2 with sequence parallelism, PP=2 and TP2×PP2,
+and returns each layout's log-probs, adapter gradients (whole, in PEFT's layout) and what trained."""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = {"tp1": dict(tp=1), "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
+           "tp2_pp2": dict(tp=2, pp=2)}
+NUM_MICRO_BATCHES = 4  # global, split over data-parallel ranks
+ROWS, SEQ = 2, 16
+
+
+def _micro_batches(vocab: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(NUM_MICRO_BATCHES):
+        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0  # some padding
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _loss(logp_BS, entropy_BS, micro_batch):
+    mask = micro_batch["attention_mask"][:, 1:].to(logp_BS.dtype)
+    return -(logp_BS[:, :-1] * mask).sum() / (NUM_MICRO_BATCHES * ROWS * SEQ), {}
+
+
+def lora_parity_job(path: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megarl.config import OptimConfig
+    from megarl.models.lora import LoraSpec, adapter_tensors
+    from megarl.parallel import ParallelDims, destroy_parallel
+    from megarl.workers.sharded_model import ShardedModel
+
+    spec = LoraSpec(rank=4, alpha=8.0, init_b="random")
+    out = {}
+    for name, layout in LAYOUTS.items():
+        dims = ParallelDims(**layout)
+        model = ShardedModel(path, dims, optim=OptimConfig(lr=1e-2, use_distributed_optimizer=False, clip_grad=1e9),
+                             seed=3, lora=spec, packed=False)
+        micro = _micro_batches(model.hf_config.vocab_size)
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        mine = list(range(dp_rank, NUM_MICRO_BATCHES, dp))
+        logps = model.forward_logprobs([micro[i] for i in mine])
+        base = {n: p.detach().clone() for n, p in model.module_chunks[0].named_parameters() if not p.requires_grad}
+        result = model.train_step([micro[i] for i in mine], _loss)
+        trainable = [n for c in model.module_chunks for n, p in c.named_parameters() if p.requires_grad]
+        optimized = sum(p.numel() for group in model.optimizer.param_groups for p in group["params"])
+        out[name] = {
+            "logp": {i: lp["logp"].float() for i, lp in zip(mine, logps)} if logps is not None else {},
+            "grads": adapter_tensors(model.chunks, model.family, model.hf_config, grads=True),
+            "adapters": adapter_tensors(model.chunks, model.family, model.hf_config),
+            "trainable": trainable,
+            "optimized_numel": optimized,
+            "adapter_numel": sum(p.numel() for c in model.module_chunks for n, p in c.named_parameters()
+                                 if p.requires_grad),
+            "base_unchanged": all(torch.equal(p, base[n]) for n, p in model.module_chunks[0].named_parameters()
+                                  if n in base),
+            "base_grads": [n for c in model.module_chunks for n, p in c.named_parameters()
+                           if not p.requires_grad and (p.grad is not None or getattr(p, "main_grad", None) is not None)],
+            "loss": result.loss,
+        }
+        del model
+        dist.barrier()
+        destroy_parallel()
+    return out
