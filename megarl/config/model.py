@@ -45,6 +45,14 @@ class ModelConfig:
     use_remove_padding: bool = True
     """Pack each micro-batch's sequences end to end (THD, no compute on padding) in the actor's and reference's
     forward and backward passes; false: pad them to a rectangle (megarl.parallel.packing)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on the actor's linear layers (``target_modules``), the base frozen; 0: off
+    (verl's name). The reference policy is then the actor with its adapters off (no second model)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: an adapter adds ``lora_alpha / lora_rank · B A x``."""
+    target_modules: Any = "all-linear"
+    """The layers adapted: ``all-linear``, or a list of Megatron's (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+    ``linear_fc2``) or PEFT's names (``q_proj`` ... ``down_proj``; a fused layer's parts together)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.model"
@@ -53,9 +61,27 @@ class ModelConfig:
         check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.sft_steps", self.sft_steps)
         check_positive(f"{p}.sft_lr", self.sft_lr)
+        if self.lora_rank < 0:
+            raise ValueError(f"{p}.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
+        if self.lora_rank:
+            check_positive(f"{p}.lora_alpha", self.lora_alpha)
+            self.lora_spec  # the targets, checked
         if self.sft_stop_reward is not None and not 0.0 < self.sft_stop_reward <= 1.0:
             raise ValueError(f"{p}.sft_stop_reward={self.sft_stop_reward!r} must be in (0, 1]; "
                              f"set it to null to run all sft_steps")
+
+    @property
+    def lora_spec(self):
+        """The adapters' :class:`~megarl.config.lora.LoraSpec`; None without LoRA (``lora_rank=0``)."""
+        if not self.lora_rank:
+            return None
+        from megarl.config.lora import LoraSpec, lora_targets
+
+        targets = self.target_modules
+        if not isinstance(targets, str):
+            targets = list(targets)
+        return LoraSpec(rank=int(self.lora_rank), alpha=float(self.lora_alpha),
+                        targets=lora_targets(targets, setting="actor_rollout_ref.model.target_modules"))
 
     @property
     def local_path(self) -> str:

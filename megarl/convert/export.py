@@ -39,6 +39,7 @@ from megarl.convert.param_map import (
     ring_lengths,
     stripe_numel,
 )
+from megarl.models.lora import adapted_weights, merged_weight
 from megarl.models.weights import Fuse
 from megarl.parallel.cpu_support import all_gather_into_tensor as _all_gather
 from megarl.parallel.cpu_support import plain_torch
@@ -62,11 +63,21 @@ class WeightExporter:
         self.sizes = ModelSizes.from_config(family, hf_config, self.dims.tp)
         self.units = build_plan(family, hf_config, self.dims, config, expected_shapes(hf_config))
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
+        self.adapted = adapted_weights(model_chunks)
+        """This rank's LoRA-adapted layers by their weight's global name: exported merged (:meth:`_shard`)."""
         # The TP rank of each member of this rank's expert-parallel group (who needs an expert bucket).
         self._ep_tp_ranks = list(self.groups.ep_tp_ranks) if self.dims.ep > 1 else [self.groups.tp_rank]
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
         self._gather_buffer: torch.Tensor | None = None
         self._kept_ring: list[torch.Tensor] | None = None
+
+    def _shard(self, name: str) -> torch.Tensor:
+        """This rank's shard of Megatron parameter ``name`` as exported: a LoRA-adapted weight merged with its
+        adapter (``W + alpha / rank · B A``, :func:`megarl.models.lora.merged_weight`)."""
+        layer = self.adapted.get(name)
+        if layer is None:
+            return self.params[name].detach()
+        return merged_weight(layer)
 
     @property
     def total_bytes(self) -> int:
@@ -223,9 +234,9 @@ class WeightExporter:
             group, tp, rank = self._split(units[0])
             if kind == "copy":
                 if out is not None:
-                    unfuse_into(units[0].rule, self.params[units[0].megatron_name].detach(), self.sizes, rank, tp, out)
+                    unfuse_into(units[0].rule, self._shard(units[0].megatron_name), self.sizes, rank, tp, out)
             elif kind == "in_place":
-                shard = self.params[units[0].megatron_name].detach()
+                shard = self._shard(units[0].megatron_name)
                 target = out[0] if out is not None else self._scratch(tp * shard.numel(), shard).view(tp, -1)
                 _all_gather(target, shard.contiguous(), group=group)
             else:
@@ -241,7 +252,7 @@ class WeightExporter:
         """One all-gather of several units' shards (each rank's shards end to end in its block of the scratch),
         then each rank's shard of each unit unfused into the HF tensors."""
         group, tp, my_rank = self._split(units[0][0])  # (a run never mixes experts and other tensors)
-        shards = [self.params[unit.megatron_name].detach() for unit, _ in units]
+        shards = [self._shard(unit.megatron_name) for unit, _ in units]
         width = sum(shard.numel() for shard in shards)
         blocks = self._scratch(tp * width, shards[0]).view(tp, width)
         offset = 0
@@ -285,7 +296,7 @@ class WeightExporter:
             if bucket[0].pp_rank == self.groups.pp_rank:
                 start = 0
                 for u in bucket:
-                    unfuse_into(u.rule, self.params[u.megatron_name].detach(), self.sizes, tp_rank, tp,
+                    unfuse_into(u.rule, self._shard(u.megatron_name), self.sizes, tp_rank, tp,
                                 views[start : start + len(u.hf_names)])
                     start += len(u.hf_names)
             self._broadcast(buffer, bucket[0].pp_rank)

@@ -172,8 +172,10 @@ def rank_buckets(numels: Sequence[int], owners: Sequence[int], experts: Sequence
 
 
 def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by global Megatron name (local-spec names; TE norm names mapped)."""
+    """This rank's parameters by global Megatron name (local-spec names; TE norm names mapped), LoRA adapters
+    left out."""
     from megarl.models.build import layer_offset
+    from megarl.models.lora import is_lora_parameter
 
     te_to_local = {rule.te_megatron: rule.megatron for rule in rules if rule.te_megatron}
     out = {}
@@ -181,6 +183,8 @@ def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
         module = chunk.module if hasattr(chunk, "module") else chunk  # unwrap Megatron DDP
         offset, expert_offset = layer_offset(module), _expert_offset(module)
         for name, param in module.named_parameters():
+            if is_lora_parameter(name):  # adapters are not HF weights (exported merged or as PEFT's)
+                continue
             match = _LAYER.match(name)
             if match is None:
                 out[name] = param

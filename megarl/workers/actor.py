@@ -10,6 +10,8 @@ Legend: N rows, P prompt width, R response width, S = P+R.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,7 @@ from megarl.algo.losses import agg_norm, policy_loss
 from megarl.algo.mismatch import tis_weights
 from megarl.config.actor import ActorConfig
 from megarl.data.batch import Batch
+from megarl.models.lora import adapters_disabled
 from megarl.parallel.routing import ROUTED_EXPERTS
 from megarl.workers.micro import micro_batches, mini_batches, pad_responses
 from megarl.workers.sharded_model import ShardedModel, StepResult
@@ -30,8 +33,11 @@ def response_slice(logp_NS: torch.Tensor, response_length: int) -> torch.Tensor:
 class LogProbRole:
     """Frozen or trainable model that computes response log-probs (the reference uses only this)."""
 
-    def __init__(self, model: ShardedModel, *, micro_batch_size: int = 1, max_token_len: int | None = None):
+    def __init__(self, model: ShardedModel, *, micro_batch_size: int = 1, max_token_len: int | None = None,
+                 adapters_off: bool = False):
         self.model = model
+        self.adapters_off = adapters_off
+        """Compute with the model's LoRA adapters off (the reference policy of a LoRA actor)."""
         self.micro_batch_size = micro_batch_size
         self.max_token_len = max_token_len
         """Token budget of a forward micro-batch (dynamic batch size); None: ``micro_batch_size`` rows."""
@@ -59,8 +65,9 @@ class LogProbRole:
         micro, widths = micro_batches(batch, keys,
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
                                       max_tokens=budget, multiple_of=self.micro_multiple, **self.model.token_layout)
-        out = self.model.forward_logprobs(micro, temperature=temperature, replay_routing=replay_routing,
-                                          measure_routing=measure_routing)
+        with adapters_disabled(self.model.module_chunks) if self.adapters_off else contextlib.nullcontext():
+            out = self.model.forward_logprobs(micro, temperature=temperature, replay_routing=replay_routing,
+                                              measure_routing=measure_routing)
         if out is None or not self.model.groups.is_collect_rank:
             return None
         # Back on the host: the result travels through Ray to a driver that may have no GPU.

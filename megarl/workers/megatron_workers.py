@@ -101,14 +101,14 @@ class _MegatronWorker(Worker):
         """Free GPU memory between phases (see :meth:`ShardedModel.offload`); ``ref_params``: the reference's too."""
         self.sharded.offload(params=params, grads=grads, optimizer=optimizer)
         ref = getattr(self, "ref", None)
-        if ref is not None and ref_params:
+        if ref is not None and ref_params and ref.model is not self.sharded:
             ref.model.offload(params=True)
 
     @busy
     def onload(self) -> None:
         self.sharded.onload()
         ref = getattr(self, "ref", None)
-        if ref is not None:
+        if ref is not None and ref.model is not self.sharded:
             ref.model.onload()
 
     @busy
@@ -129,7 +129,8 @@ class ActorWorker(_MegatronWorker):
                                router_replay=actor.router_replay.replay, moe_aux_loss_coeff=actor.moe_aux_loss_coeff,
                                moe_z_loss_coeff=actor.moe_z_loss_coeff,
                                moe_load_balancing_type=actor.moe_load_balancing_type,
-                               megatron_overrides=actor.megatron.override_transformer_config)
+                               megatron_overrides=actor.megatron.override_transformer_config,
+                               lora=model.lora_spec)
         coords = self._init(sharded)
         self.actor = ActorRole(sharded, actor, rollout_n=rollout.n, **_log_prob_batches(rollout))
         return coords
@@ -138,8 +139,12 @@ class ActorWorker(_MegatronWorker):
         """Build the frozen reference policy in this process, on the actor's layout and groups.
 
         Like verl's hybrid worker, the reference shares the actor's ranks (colocated, same
-        shards): a second Megatron model on the same process groups, never trained.
+        shards): a second Megatron model on the same process groups, never trained. With LoRA it is the actor's
+        own model with its adapters off.
         """
+        if self.sharded.lora is not None:  # the actor with its adapters off: no second model
+            self.ref = LogProbRole(self.sharded, adapters_off=True, **_log_prob_batches(ref))
+            return
         replay = self.actor.config.router_replay.replay
         sharded = _build_sharded(model, self.sharded.groups.dims, seed=seed, groups=self.sharded.groups,
                                  router_replay=replay,

@@ -73,7 +73,7 @@ class ShardedModel:
     layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
     (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
     role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
-    (:func:`megarl.parallel.forward_backward`). ``lora`` (a :class:`~megarl.models.lora.LoraSpec`): adapters on
+    (:func:`megarl.parallel.forward_backward`). ``lora`` (a :class:`~megarl.config.lora.LoraSpec`): adapters on
     the targeted linear layers, everything else frozen. ``transformer_overrides`` set other ``TransformerConfig``
     fields directly (tests).
     """
@@ -122,8 +122,10 @@ class ShardedModel:
             **transformer_overrides,
         )
         self.value_head = value_head
+        # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1).
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
-                                    value_head=value_head, value_head_seed=seed)
+                                    value_head=value_head, value_head_seed=seed,
+                                    use_te=False if lora is not None else None)
         if router_replay:  # megarl drives each router's own RouterReplay; Megatron's global list only leaks them
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -142,9 +144,9 @@ class ShardedModel:
         if load_weights:
             load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
         self.lora = lora
-        """The adapters' :class:`~megarl.models.lora.LoraSpec` (None: every weight trains)."""
+        """The adapters' :class:`~megarl.config.lora.LoraSpec` (None: every weight trains)."""
         if lora is not None:  # after loading: the base weights keep their names; before DDP: only adapters train
-            from megarl.models.lora import attach_lora
+            from megarl.convert.lora import attach_lora
 
             attach_lora(chunks, lora, self.family, self.hf_config, seed=seed)
         self.module_chunks = chunks

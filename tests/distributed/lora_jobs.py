@@ -1,6 +1,7 @@
 """Rank-side job of the LoRA parity test (imported by spawned ranks): one 4-rank job builds the same adapted model
 (random ``B``, so the adapters change the logits) at TP=1, TP=2, TP=2 with sequence parallelism, PP=2 and TP2×PP2,
-and returns each layout's log-probs, adapter gradients (whole, in PEFT's layout) and what trained."""
+and returns each layout's log-probs (adapters on and off), adapter gradients (whole, in PEFT's layout), the merged
+HF export and what trained; at TP=1 also a fresh adapter's (B = 0) log-probs with the adapters on and off."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def lora_parity_job(path: str) -> dict:
     from megatron.core import parallel_state
 
     from megarl.config import OptimConfig
-    from megarl.models.lora import LoraSpec, adapter_tensors
+    from megarl.config.lora import LoraSpec
+    from megarl.convert.export import iter_hf_weights
+    from megarl.convert.lora import adapter_tensors
+    from megarl.models.lora import adapters_disabled
     from megarl.parallel import ParallelDims, destroy_parallel
     from megarl.workers.sharded_model import ShardedModel
 
@@ -47,12 +51,20 @@ def lora_parity_job(path: str) -> dict:
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         mine = list(range(dp_rank, NUM_MICRO_BATCHES, dp))
         logps = model.forward_logprobs([micro[i] for i in mine])
+        with adapters_disabled(model.module_chunks):
+            off = model.forward_logprobs([micro[i] for i in mine])
+        merged = {n: t.clone() for bucket in iter_hf_weights(model.chunks, model.family, model.hf_config,
+                                                              model.groups, 1 << 20) for n, t in bucket}
+        before = adapter_tensors(model.chunks, model.family, model.hf_config)
         base = {n: p.detach().clone() for n, p in model.module_chunks[0].named_parameters() if not p.requires_grad}
         result = model.train_step([micro[i] for i in mine], _loss)
         trainable = [n for c in model.module_chunks for n, p in c.named_parameters() if p.requires_grad]
         optimized = sum(p.numel() for group in model.optimizer.param_groups for p in group["params"])
         out[name] = {
             "logp": {i: lp["logp"].float() for i, lp in zip(mine, logps)} if logps is not None else {},
+            "logp_off": {i: lp["logp"].float() for i, lp in zip(mine, off)} if off is not None else {},
+            "merged": merged if parallel_state.get_data_parallel_rank() == 0 else {},
+            "adapters_before": before,
             "grads": adapter_tensors(model.chunks, model.family, model.hf_config, grads=True),
             "adapters": adapter_tensors(model.chunks, model.family, model.hf_config),
             "trainable": trainable,
@@ -67,5 +79,16 @@ def lora_parity_job(path: str) -> dict:
         }
         del model
         dist.barrier()
+        destroy_parallel()
+    # A fresh adapter (B = 0) and the same model without LoRA, at TP=1: the reference (adapters off) is the base.
+    out["fresh"] = {}
+    for name, lora in (("zero_b", LoraSpec(rank=4, alpha=8.0)), ("none", None)):
+        model = ShardedModel(path, ParallelDims(tp=1), seed=3, lora=lora, packed=False)
+        micro = _micro_batches(model.hf_config.vocab_size)
+        on = model.forward_logprobs(micro)
+        with adapters_disabled(model.module_chunks):
+            off = model.forward_logprobs(micro)
+        out["fresh"][name] = ([lp["logp"] for lp in on], [lp["logp"] for lp in off])
+        del model
         destroy_parallel()
     return out

@@ -1,6 +1,7 @@
 """LoRA adapters on Megatron's linear layers (issue 33): the same adapted model at TP=2 (with and without sequence
 parallelism), PP=2 and TP2×PP2 gives TP=1's log-probs and adapter gradients (whole, in PEFT's layout) within 1e-5;
-only the adapters train (no gradient and no optimizer state for the base, whose weights stay bit for bit)."""
+only the adapters train (no gradient and no optimizer state for the base, whose weights stay bit for bit); the
+weight export merges ``W + alpha / rank · B A``; with the adapters off the model is the base (the reference)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,41 @@ def test_only_the_adapters_train(parity, layout):
         assert result["optimized_numel"] == result["adapter_numel"] > 0  # no optimizer state for the base
         assert result["base_grads"] == []
         assert result["base_unchanged"]
+
+
+def test_the_export_merges_the_adapters_into_the_weights(parity, tmp_path):
+    """Every layout exports W + alpha / rank · B A, B and A in PEFT's layout (the same across layouts)."""
+    from safetensors.torch import load_file
+
+    from megarl.models.tiny import save_tiny
+
+    base = load_file(str(save_tiny(tmp_path / "model", num_layers=2) / "model.safetensors"))  # the same weights
+    adapters = _merged(parity, "tp1", "adapters_before")
+    merged = _merged(parity, "tp1", "merged")
+    scale = 8.0 / 4
+    for i in range(2):
+        for module in ADAPTED:
+            prefix = f"base_model.model.model.layers.{i}.{module}"
+            b, a = adapters[f"{prefix}.lora_B.weight"], adapters[f"{prefix}.lora_A.weight"]
+            name = f"model.layers.{i}.{module}.weight"
+            assert torch.allclose(merged[name], base[name] + scale * b @ a, atol=1e-6, rtol=0), name
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])
+    for layout in ("tp2", "tp2_sp", "pp2", "tp2_pp2"):
+        other = _merged(parity, layout, "merged")
+        assert sorted(other) == sorted(merged)
+        for name, tensor in other.items():
+            assert torch.allclose(tensor, merged[name], atol=1e-6, rtol=0), (layout, name)
+
+
+def test_with_the_adapters_off_the_model_is_the_base(parity):
+    """The reference of a LoRA run: a fresh adapter (B = 0) gives the base's log-probs bit for bit, and with the
+    adapters off any adapted model gives the log-probs of the same model built without LoRA, bit for bit."""
+    fresh = parity[0]["fresh"]
+    zero_on, zero_off = fresh["zero_b"]
+    none_on, _ = fresh["none"]
+    for a, b, c in zip(zero_on, zero_off, none_on):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    reference = _merged(parity, "tp1", "logp")
+    off = _merged(parity, "tp1", "logp_off")
+    assert all(torch.equal(off[i], none_on[i]) for i in off)  # random adapters off: the base exactly
+    assert all((reference[i] - off[i]).abs().max() > 1e-3 for i in off)  # and on, they change the model
