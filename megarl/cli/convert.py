@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--etp", type=int, default=None, help="expert-tensor layout to load with (default: as saved)")
     to_hf.add_argument("--dtype", choices=sorted(jobs.DTYPES), default=None, help="dtype of the HF tensors (default: as saved)")
     to_hf.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard (e.g. 500MB)")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA run's checkpoint: write its adapters alone in PEFT's format (adapter_config.json, "
+                            "adapter_model.safetensors) instead of the merged model")
 
     for sub in (to_mcore, to_hf):
         sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"megarl-convert: --mcore {args.mcore} is the checkpoint {source.directory}", flush=True)
             report = jobs.mcore_to_hf(source, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
                                       ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                                      force=args.force, timeout_s=args.timeout)
+                                      force=args.force, timeout_s=args.timeout, peft=args.peft)
     except ValueError as error:
         parser.exit(2, f"megarl-convert: error: {error}\n")
     except RankFailure as error:

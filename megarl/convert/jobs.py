@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,6 +179,9 @@ class McoreSource:
     """Of its model tensors: a key of :data:`DTYPES`."""
     config_dir: Path | None
     """Its own HF config and tokenizer files; None when it holds none (``--hf-config`` must name them)."""
+    lora: Any = None
+    """The LoRA adapters it holds (a :class:`~megarl.config.lora.LoraSpec`; None: none): exported merged into the
+    weights, or alone in PEFT's format (``peft=True``)."""
 
 
 def read_mcore_metadata(mcore_dir: Path) -> dict:
@@ -222,8 +226,12 @@ def _source_config(source: McoreSource, hf_config_dir) -> tuple[Path, str]:
 
 def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
                 ep: int | None = None, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
-                force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
+                force: bool = False, timeout_s: float = 3600.0, peft: bool = False) -> ConversionReport:
     """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files.
+
+    A checkpoint with LoRA adapters (:attr:`McoreSource.lora`) is exported with the adapters merged into the
+    weights, or with ``peft`` as the adapters alone in PEFT's format (``adapter_config.json`` and
+    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained`` on the HF base model).
 
     ``mcore``: a directory written by :func:`hf_to_mcore`, or a :class:`McoreSource` (a training checkpoint:
     ``megarl-convert`` resolves those). It loads at the layout it was saved at unless ``tp``/``pp``/``ep``/``etp``
@@ -242,6 +250,9 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
         raise ValueError(
             f"--hf-config {config_dir} is a {family.name} model but {source.directory} holds a {source.family} model"
         )
+    if peft and source.lora is None:
+        raise ValueError(f"--peft: {source.directory} holds no LoRA adapters (its run had "
+                         f"actor_rollout_ref.model.lora_rank=0); export it without --peft")
     dtype = dtype or source.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -250,21 +261,47 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
     dims = _dims(family, tp=tp, pp=pp or source.pp, ep=ep or source.ep, etp=etp)
     _check_config(family, hf_config, dims)
     check_mcore_files(source.model_dir)  # metadata only: a truncated shard is named before any rank loads it
-    check_mcore_shapes(source.model_dir, family, hf_config, source.tp, config_flag)
+    check_mcore_shapes(source.model_dir, family, hf_config, source.tp, config_flag, lora=source.lora is not None)
     started = time.monotonic()
     with _atomic_output(out, force) as tmp:
         results = run_ranks(
             _mcore_to_hf_rank, _world(dims), str(source.model_dir), str(config_dir), str(tmp), dims,
-            source.dtype, dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s,
+            source.dtype, dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s, lora=source.lora, peft=peft,
         )
-        copy_side_files(config_dir, tmp)
-        hf_config.dtype = DTYPES[dtype]
-        hf_config.save_pretrained(tmp)
-    num_tensors, num_bytes = results[0]
+        if peft:
+            num_tensors, num_bytes = _write_peft(tmp, results, source.lora, hf_config, dtype)
+        else:
+            copy_side_files(config_dir, tmp)
+            hf_config.dtype = DTYPES[dtype]
+            hf_config.save_pretrained(tmp)
+            num_tensors, num_bytes = results[0]
     return ConversionReport(str(out), time.monotonic() - started, _world(dims), num_tensors, num_bytes)
 
 
-def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes):
+def _write_peft(out: Path, results: list, lora, hf_config, dtype: str) -> tuple[int, int]:
+    """PEFT's adapter directory from the ranks' adapters (each stage's TP rank 0 returns its layers)."""
+    from safetensors.torch import save_file
+
+    from megarl.config.lora import HF_TARGETS
+
+    tensors: dict[str, torch.Tensor] = {}
+    for result in results:
+        tensors.update(result)
+    tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in sorted(tensors.items())}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "target_modules": sorted(m for m, layer in HF_TARGETS.items() if layer in lora.targets),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "base_model_name_or_path": getattr(hf_config, "_name_or_path", None) or None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes,
+                      lora=None, peft=False):
     from tqdm import tqdm
     from transformers import AutoConfig
 
@@ -277,8 +314,17 @@ def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, 
     family = family_for(hf_config)
     groups = init_parallel(dims)
     config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[saved_dtype])
-    chunks = build_model_chunks(family, hf_config, dims, config=config)
+    chunks = build_model_chunks(family, hf_config, dims, config=config, use_te=False if lora is not None else None)
+    if lora is not None:  # the adapters as the run had them (their values come from the checkpoint)
+        from megarl.convert.lora import adapter_tensors, attach_lora
+
+        attach_lora(chunks, lora, family, hf_config)
     load_dist_checkpoint(chunks, model_dir)
+    if peft:
+        adapters = adapter_tensors(chunks, family, hf_config)
+        keep = groups.tp_rank == 0 and groups.dp_rank == 0
+        destroy_parallel()
+        return adapters if keep else {}
     exporter = WeightExporter(chunks, family, hf_config, groups, dtype=DTYPES[dtype])
     writer = ShardedWriter(out_dir, max_shard_bytes) if groups.rank == 0 else None
     num_tensors = 0

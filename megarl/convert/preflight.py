@@ -111,12 +111,14 @@ def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[i
     return out
 
 
-def check_mcore_shapes(model_dir: str | os.PathLike, family, hf_config, tp: int, config_flag: str) -> None:
+def check_mcore_shapes(model_dir: str | os.PathLike, family, hf_config, tp: int, config_flag: str, *,
+                       lora: bool = False) -> None:
     """Refuse an HF config whose tensor shapes differ from those of the Megatron checkpoint in ``model_dir``.
 
     Compares the shapes ``hf_config`` implies (:func:`expected_mcore_shapes`) with the global
     shapes in the checkpoint's metadata. The ``ValueError`` names ``config_flag``, the tensor,
-    both shapes and the HF tensors it becomes. A training checkpoint's optimizer state is not compared.
+    both shapes and the HF tensors it becomes. A training checkpoint's optimizer state is not compared, nor
+    with ``lora`` its LoRA adapters.
     """
     import torch
 
@@ -124,7 +126,8 @@ def check_mcore_shapes(model_dir: str | os.PathLike, family, hf_config, tp: int,
 
     metadata = read_dist_metadata(model_dir)
     saved = {name: tuple(entry.size) for name, entry in metadata.state_dict_metadata.items()
-             if isinstance(getattr(entry, "size", None), torch.Size) and not name.startswith(OPTIMIZER_PREFIX)}
+             if isinstance(getattr(entry, "size", None), torch.Size) and not name.startswith(OPTIMIZER_PREFIX)
+             and not (lora and name.endswith((".lora_A", ".lora_B")))}  # a LoRA run's adapters (model.json)
     expected = expected_mcore_shapes(family, hf_config, tp)
     problems = []
     for name, shape in saved.items():

@@ -176,6 +176,8 @@ def save_model(model, directory: str | os.PathLike, *, with_optimizer: bool = Tr
             "optimizer_sharding_type": SHARDING_TYPE if with_optimizer else None,
             "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
             "hf_dir": model.hf_dir, "value_head": bool(model.value_head),
+            "lora": (None if model.lora is None else
+                     {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets)}),
         }
         _write_durably(directory / METADATA_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     dist.barrier()
@@ -413,4 +415,13 @@ def export_source(directory: str | os.PathLike):
     config_dir = directory / HF_CONFIG_DIR
     return McoreSource(directory, directory / DIST_DIR, meta["family"], int(layout["tp"]), int(layout["pp"]),
                        int(layout.get("ep") or 1), layout.get("etp"), dtype_name(dtype, directory / DIST_DIR),
-                       config_dir if (config_dir / "config.json").exists() else None)
+                       config_dir if (config_dir / "config.json").exists() else None, lora=_lora_spec(meta.get("lora")))
+
+
+def _lora_spec(saved: dict | None):
+    """The :class:`~megarl.config.lora.LoraSpec` a checkpoint's ``model.json`` records (None: no adapters)."""
+    if not saved:
+        return None
+    from megarl.config.lora import LoraSpec
+
+    return LoraSpec(rank=int(saved["rank"]), alpha=float(saved["alpha"]), targets=tuple(saved["targets"]))

@@ -92,3 +92,21 @@ def lora_parity_job(path: str) -> dict:
         del model
         destroy_parallel()
     return out
+
+
+def lora_checkpoint_job(path: str, directory: str) -> dict:
+    """A TP=2 LoRA actor takes one step, then saves its checkpoint as a run does; returns its log-probs."""
+    from megarl.config import OptimConfig
+    from megarl.config.lora import LoraSpec
+    from megarl.parallel import ParallelDims
+    from megarl.workers.model_checkpoint import save_model
+    from megarl.workers.sharded_model import ShardedModel
+
+    model = ShardedModel(path, ParallelDims(tp=2), optim=OptimConfig(lr=1e-2), seed=3,
+                         lora=LoraSpec(rank=4, alpha=8.0, init_b="random", targets=("linear_qkv", "linear_fc2")),
+                         packed=False)
+    micro = _micro_batches(model.hf_config.vocab_size)
+    model.train_step(micro, _loss)
+    logps = model.forward_logprobs(micro)
+    save_model(model, directory)
+    return {"logp": [lp["logp"].float() for lp in logps] if logps is not None else None}

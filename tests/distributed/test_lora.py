@@ -109,3 +109,38 @@ def test_with_the_adapters_off_the_model_is_the_base(parity):
     off = _merged(parity, "tp1", "logp_off")
     assert all(torch.equal(off[i], none_on[i]) for i in off)  # random adapters off: the base exactly
     assert all((reference[i] - off[i]).abs().max() > 1e-3 for i in off)  # and on, they change the model
+
+
+def test_a_lora_checkpoint_exports_merged_and_as_pefts_adapters(tmp_path):
+    """megarl-convert mcore-to-hf on a LoRA actor's checkpoint (TP=2, adapters on q/k/v and down_proj): the merged
+    HF model, and PEFT's adapters loaded by ``peft`` onto the HF base, give the trained actor's log-probs."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from megarl.convert import jobs
+    from megarl.models.tiny import save_tiny
+    from megarl.workers.model_checkpoint import export_source
+
+    path = save_tiny(tmp_path / "model", num_layers=2)
+    results = run_ranks(lora_jobs.lora_checkpoint_job, 2, str(path), str(tmp_path / "actor"), timeout_s=300)
+    actor = results[0]["logp"]
+    source = export_source(tmp_path / "actor")
+    assert source.lora is not None and source.lora.targets == ("linear_qkv", "linear_fc2")
+    jobs.mcore_to_hf(source, tmp_path / "merged")
+    jobs.mcore_to_hf(source, tmp_path / "adapter", peft=True)
+    config = __import__("json").loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (
+        4, 8.0, ["down_proj", "k_proj", "q_proj", "v_proj"])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                             tmp_path / "adapter").eval()
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for micro, logp in zip(lora_jobs._micro_batches(plain.config.vocab_size), actor):
+        ids, mask = micro["input_ids"], micro["attention_mask"]
+        with torch.no_grad():
+            outputs = [m(input_ids=ids, attention_mask=mask).logits for m in (merged, adapted, plain)]
+        logps = [torch.log_softmax(o.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0] for o in outputs]
+        real = mask[:, 1:].bool()
+        for got in logps[:2]:
+            assert (got - logp[:, :-1])[real].abs().max() < 1e-5
+        assert (logps[2] - logp[:, :-1])[real].abs().max() > 1e-3  # the adapters changed the model
