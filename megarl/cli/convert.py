@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--peft", action="store_true",
                        help="a LoRA run's checkpoint: write its adapters alone in PEFT's format (adapter_config.json, "
                             "adapter_model.safetensors) instead of the merged model")
+    to_hf.add_argument("--base", default=None,
+                       help="a LoRA run's checkpoint: the HF directory of its base model (default: the one its run "
+                            "loaded, recorded in the checkpoint)")
 
     for sub in (to_mcore, to_hf):
         sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"megarl-convert: --mcore {args.mcore} is the checkpoint {source.directory}", flush=True)
             report = jobs.mcore_to_hf(source, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp,
                                       ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                                      force=args.force, timeout_s=args.timeout, peft=args.peft)
+                                      force=args.force, timeout_s=args.timeout, peft=args.peft, base_dir=args.base)
     except ValueError as error:
         parser.exit(2, f"megarl-convert: error: {error}\n")
     except RankFailure as error:

@@ -12,12 +12,20 @@ import warnings
 from pathlib import Path
 
 
-def model_sharded_state_dict(model_chunks) -> dict:
-    """Megatron's sharded state dict of the chunks (DDP-wrapped or not): ``model`` or ``model<i>`` keys."""
+def model_sharded_state_dict(model_chunks, *, adapters_only: bool = False) -> dict:
+    """Megatron's sharded state dict of the chunks (DDP-wrapped or not): ``model`` or ``model<i>`` keys.
+    ``adapters_only``: the LoRA adapters' entries alone (a LoRA run's checkpoint: its base is the HF model)."""
     modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
+
+    def state(module) -> dict:
+        entries = module.sharded_state_dict()
+        if adapters_only:
+            entries = {key: value for key, value in entries.items() if key.endswith((".lora_A", ".lora_B"))}
+        return entries
+
     if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+        return {"model": state(modules[0])}
+    return {f"model{i}": state(m) for i, m in enumerate(modules)}
 
 
 def use_in_process_results_queue() -> None:
@@ -103,8 +111,9 @@ def save_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(directory))
 
 
-def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
-    """Load ``directory`` into this rank's chunks, whatever layout it was saved with (collective)."""
+def load_dist_checkpoint(model_chunks, directory: str | os.PathLike, *, adapters_only: bool = False) -> None:
+    """Load ``directory`` into this rank's chunks, whatever layout it was saved with (collective);
+    ``adapters_only``: a LoRA run's checkpoint (its adapters; the chunks hold the base already)."""
     from megatron.core import dist_checkpointing
 
     if not (Path(directory) / "metadata.json").exists():
@@ -112,7 +121,7 @@ def load_dist_checkpoint(model_chunks, directory: str | os.PathLike) -> None:
     problem = dist_checkpoint_problem(directory)  # the same answer on every rank: none is left waiting
     if problem is not None:
         raise ValueError(f"checkpoint {directory} cannot be loaded: {problem}")
-    sharded = model_sharded_state_dict(model_chunks)
+    sharded = model_sharded_state_dict(model_chunks, adapters_only=adapters_only)
     with warnings.catch_warnings():
         # Megatron 0.16's torch_dist loader calls torch APIs that now announce their successors.
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*(load_state_dict|DTensor).*")

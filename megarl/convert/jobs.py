@@ -182,6 +182,8 @@ class McoreSource:
     lora: Any = None
     """The LoRA adapters it holds (a :class:`~megarl.config.lora.LoraSpec`; None: none): exported merged into the
     weights, or alone in PEFT's format (``peft=True``)."""
+    base_dir: Path | None = None
+    """A LoRA checkpoint's base model: the HF directory its run loaded (the checkpoint holds the adapters alone)."""
 
 
 def read_mcore_metadata(mcore_dir: Path) -> dict:
@@ -226,12 +228,14 @@ def _source_config(source: McoreSource, hf_config_dir) -> tuple[Path, str]:
 
 def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: int | None = None,
                 ep: int | None = None, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, bucket_bytes: int = 256 * 2**20,
-                force: bool = False, timeout_s: float = 3600.0, peft: bool = False) -> ConversionReport:
+                force: bool = False, timeout_s: float = 3600.0, peft: bool = False,
+                base_dir=None) -> ConversionReport:
     """Convert a Megatron checkpoint into HF safetensors shards, index, config and tokenizer files.
 
     A checkpoint with LoRA adapters (:attr:`McoreSource.lora`) is exported with the adapters merged into the
     weights, or with ``peft`` as the adapters alone in PEFT's format (``adapter_config.json`` and
-    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained`` on the HF base model).
+    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained`` on the HF base model). Its base
+    weights come from the HF model its run loaded (``base_dir`` overrides :attr:`McoreSource.base_dir`).
 
     ``mcore``: a directory written by :func:`hf_to_mcore`, or a :class:`McoreSource` (a training checkpoint:
     ``megarl-convert`` resolves those). It loads at the layout it was saved at unless ``tp``/``pp``/``ep``/``etp``
@@ -261,12 +265,21 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
     dims = _dims(family, tp=tp, pp=pp or source.pp, ep=ep or source.ep, etp=etp)
     _check_config(family, hf_config, dims)
     check_mcore_files(source.model_dir)  # metadata only: a truncated shard is named before any rank loads it
-    check_mcore_shapes(source.model_dir, family, hf_config, source.tp, config_flag, lora=source.lora is not None)
+    base = None
+    if source.lora is None:
+        check_mcore_shapes(source.model_dir, family, hf_config, source.tp, config_flag)
+    else:  # the adapters' checkpoint; the base weights are the HF model the run loaded
+        base = Path(base_dir or source.base_dir or "")
+        if not base_dir and not (base / "config.json").exists():
+            raise ValueError(f"{source.directory} holds LoRA adapters for the base model {str(base)!r}, which is "
+                             f"not there now: pass --base DIR, that model's HF directory")
+        check_checkpoint(HFCheckpoint(base), family, hf_config)
     started = time.monotonic()
     with _atomic_output(out, force) as tmp:
         results = run_ranks(
             _mcore_to_hf_rank, _world(dims), str(source.model_dir), str(config_dir), str(tmp), dims,
             source.dtype, dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s, lora=source.lora, peft=peft,
+            base_dir=None if base is None else str(base),
         )
         if peft:
             num_tensors, num_bytes = _write_peft(tmp, results, source.lora, hf_config, dtype)
@@ -301,7 +314,7 @@ def _write_peft(out: Path, results: list, lora, hf_config, dtype: str) -> tuple[
 
 
 def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes,
-                      lora=None, peft=False):
+                      lora=None, peft=False, base_dir=None):
     from tqdm import tqdm
     from transformers import AutoConfig
 
@@ -315,11 +328,13 @@ def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, 
     groups = init_parallel(dims)
     config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[saved_dtype])
     chunks = build_model_chunks(family, hf_config, dims, config=config, use_te=False if lora is not None else None)
-    if lora is not None:  # the adapters as the run had them (their values come from the checkpoint)
+    if lora is not None:  # the base from HF, the adapters as the run had them, their values from the checkpoint
+        from megarl.convert.loader import load_hf_into
         from megarl.convert.lora import adapter_tensors, attach_lora
 
+        load_hf_into(chunks, base_dir, family, groups, hf_config=hf_config)
         attach_lora(chunks, lora, family, hf_config)
-    load_dist_checkpoint(chunks, model_dir)
+    load_dist_checkpoint(chunks, model_dir, adapters_only=lora is not None)
     if peft:
         adapters = adapter_tensors(chunks, family, hf_config)
         keep = groups.tp_rank == 0 and groups.dp_rank == 0

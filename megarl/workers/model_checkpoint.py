@@ -89,7 +89,8 @@ def _sharded_state(model, *, with_optimizer: bool, is_loading: bool) -> dict:
     """Model (and optimizer) sharded state dict in the keys Megatron's training uses."""
     from megarl.convert.dist_checkpoint import model_sharded_state_dict
 
-    state = model_sharded_state_dict(model.chunks)
+    # A LoRA model saves its adapters alone (its base is the HF model it loads from, frozen).
+    state = model_sharded_state_dict(model.chunks, adapters_only=model.lora is not None)
     if with_optimizer:
         state["optimizer"] = model.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=_optimizer_metadata(),
@@ -175,7 +176,7 @@ def save_model(model, directory: str | os.PathLike, *, with_optimizer: bool = Tr
             "with_optimizer": with_optimizer,
             "optimizer_sharding_type": SHARDING_TYPE if with_optimizer else None,
             "scheduler": model.scheduler.state_dict() if model.scheduler is not None else None,
-            "hf_dir": model.hf_dir, "value_head": bool(model.value_head),
+            "hf_dir": os.path.abspath(model.hf_dir), "value_head": bool(model.value_head),
             "lora": (None if model.lora is None else
                      {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets)}),
         }
@@ -415,7 +416,8 @@ def export_source(directory: str | os.PathLike):
     config_dir = directory / HF_CONFIG_DIR
     return McoreSource(directory, directory / DIST_DIR, meta["family"], int(layout["tp"]), int(layout["pp"]),
                        int(layout.get("ep") or 1), layout.get("etp"), dtype_name(dtype, directory / DIST_DIR),
-                       config_dir if (config_dir / "config.json").exists() else None, lora=_lora_spec(meta.get("lora")))
+                       config_dir if (config_dir / "config.json").exists() else None, lora=_lora_spec(meta.get("lora")),
+                       base_dir=Path(meta["hf_dir"]) if meta.get("lora") else None)
 
 
 def _lora_spec(saved: dict | None):

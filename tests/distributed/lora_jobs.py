@@ -110,3 +110,48 @@ def lora_checkpoint_job(path: str, directory: str) -> dict:
     logps = model.forward_logprobs(micro)
     save_model(model, directory)
     return {"logp": [lp["logp"].float() for lp in logps] if logps is not None else None}
+
+
+def lora_resume_job(path: str, directory: str) -> dict:
+    """A TP=2×PP=2 LoRA actor: three steps straight, and the same run saved after step 1 and resumed in a fresh
+    model (base from HF, adapters and their optimizer state from the checkpoint): steps 2 and 3 must match bit for
+    bit. Returns both runs' losses and adapters, and the checkpoint's tensor names."""
+    import torch.distributed as dist
+
+    from megarl.config import OptimConfig
+    from megarl.config.lora import LoraSpec
+    from megarl.convert.dist_checkpoint import OPTIMIZER_PREFIX, read_dist_metadata
+    from megarl.convert.lora import adapter_tensors
+    from megarl.parallel import ParallelDims, destroy_parallel
+    from megarl.workers.model_checkpoint import load_model, save_model
+    from megarl.workers.sharded_model import ShardedModel
+
+    spec = LoraSpec(rank=4, alpha=8.0)
+
+    def build():
+        return ShardedModel(path, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=1e-2), seed=3, lora=spec,
+                            packed=False)
+
+    def step(model, k):
+        generator = torch.Generator().manual_seed(100 + k)
+        ids = torch.randint(0, model.hf_config.vocab_size, (NUM_MICRO_BATCHES * ROWS, SEQ), generator=generator)
+        micro = [{"input_ids": ids[i * ROWS:(i + 1) * ROWS], "attention_mask": torch.ones(ROWS, SEQ, dtype=torch.long)}
+                 for i in range(NUM_MICRO_BATCHES)]
+        return model.train_step(micro, _loss).loss
+
+    model = build()
+    straight = [step(model, 1)]
+    save_model(model, directory)
+    straight += [step(model, 2), step(model, 3)]
+    straight_adapters = adapter_tensors(model.chunks, model.family, model.hf_config)
+    del model
+    dist.barrier()
+    destroy_parallel()
+    model = build()
+    load_model(model, directory)
+    resumed = [step(model, 2), step(model, 3)]
+    resumed_adapters = adapter_tensors(model.chunks, model.family, model.hf_config)
+    names = sorted(n for n in read_dist_metadata(f"{directory}/dist").state_dict_metadata
+                   if not n.startswith(OPTIMIZER_PREFIX))
+    return {"straight": straight, "resumed": resumed, "straight_adapters": straight_adapters,
+            "resumed_adapters": resumed_adapters, "saved": names}

@@ -144,3 +144,17 @@ def test_a_lora_checkpoint_exports_merged_and_as_pefts_adapters(tmp_path):
         for got in logps[:2]:
             assert (got - logp[:, :-1])[real].abs().max() < 1e-5
         assert (logps[2] - logp[:, :-1])[real].abs().max() > 1e-3  # the adapters changed the model
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_bit_for_bit(tmp_path):
+    from megarl.models.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "model", num_layers=2)
+    results = run_ranks(lora_jobs.lora_resume_job, 4, str(path), str(tmp_path / "actor"), timeout_s=300)
+    saved = results[0]["saved"]
+    assert saved and all(name.endswith((".lora_A", ".lora_B")) for name in saved), saved  # no base weights
+    for rank in results:
+        assert rank["resumed"] == rank["straight"][1:]
+        assert rank["resumed_adapters"].keys() == rank["straight_adapters"].keys()
+        for name, tensor in rank["straight_adapters"].items():
+            assert torch.equal(rank["resumed_adapters"][name], tensor), name
