@@ -155,6 +155,21 @@ class Architecture:
         return self.rank_param_counts(tp=tp, pp=pp, pp_rank=pp_rank, value_head=value_head,
                                       padded_vocab=padded_vocab, ep=ep, etp=etp, vpp=vpp).total
 
+    def lora_param_count(self, spec, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, vpp: int | None = None) -> int:
+        """LoRA adapter parameters one rank holds (a :class:`~megarl.config.lora.LoraSpec`): per adapted layer of its
+        stage, a column-parallel one (``linear_qkv``, ``linear_fc1``) holds ``A`` whole and ``1/tp`` of ``B``'s rows, a
+        row-parallel one (``linear_proj``, ``linear_fc2``) ``1/tp`` of ``A``'s columns and ``B`` whole
+        (:mod:`megarl.models.lora`). ``tp=1``, ``pp=1``: the whole adapter set, what a sync of adapters moves."""
+        gated = any(r.fuse.value == "gate_up" for r in self.family.weight_rules(self.hf_config))
+        q = self.heads * self.head_dim
+        shapes = {"linear_qkv": (self.hidden, q + 2 * self.kv_heads * self.head_dim, True),
+                  "linear_proj": (q, self.hidden, False),
+                  "linear_fc1": (self.hidden, (2 if gated else 1) * self.ffn, True),
+                  "linear_fc2": (self.ffn, self.hidden, False)}
+        per_layer = sum(spec.rank * (fan_in + fan_out // tp if column else fan_in // tp + fan_out)
+                        for target, (fan_in, fan_out, column) in shapes.items() if target in spec.targets)
+        return per_layer * len(self.stage_layers(pp, pp_rank, vpp))
+
     def rank_param_counts(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
                           padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
                           vpp: int | None = None) -> RankParams:

@@ -19,7 +19,11 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   ``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` ``f``) the share ``f`` of ``m`` and ``v`` lives on
   the host instead, which also holds those parameters' fp32 copy and a copy of their grads: ``16 f n`` (sharded as
   above) per rank in its node's memory (:meth:`MemoryModel.host_optimizer_bytes`).
-- **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on.
+- **reference**: ``n × bytes(model.dtype)`` in the actor's processes when a KL term is on; none with LoRA (the
+  reference is the actor with its adapters off).
+- **LoRA** (``actor_rollout_ref.model.lora_rank``): the actor's ``n`` base weights stay; its gradients and optimizer
+  state are those of its ``a`` adapter parameters alone (:meth:`~megarl.models.sizes.Architecture.lora_param_count`),
+  which add ``a × bytes(model.dtype)`` of weights.
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
@@ -159,10 +163,17 @@ class MemoryModel:
 
     # ------------------------------------------------------------------------- training state
     def _state(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, *, value_head: bool,
-               optim) -> dict[str, int]:
+               optim, lora=None) -> dict[str, int]:
         counts = sizes.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
                                          etp=dims.expert_tp, value_head=value_head)
         n = counts.total
+        if lora is not None:  # the base frozen: gradients and optimizer state of the adapters alone
+            adapters = sizes.lora_param_count(lora, tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp)
+            counts = counts._replace(dense=adapters, experts=0)
+            weights = (n + adapters) * self.dtype_bytes
+            n = adapters
+        else:
+            weights = n * self.dtype_bytes
         sixteen_bit = self.dtype_bytes == 2
         distributed = optim.use_distributed_optimizer
         # The distributed optimizer shards dense parameters over DP x CP, experts over their own replicas.
@@ -175,7 +186,7 @@ class MemoryModel:
         # the moments leave the GPU; the host holds their params' fp32 copy, the moments and a copy of the grads.
         host = offloaded_fraction(optim.override_optimizer_config)
         moments = sharded(8)
-        return {"weights": n * self.dtype_bytes, "grads": 4 * n,
+        return {"weights": weights, "grads": 4 * n,
                 "optimizer": sharded(4 if sixteen_bit else 0) + moments - int(moments * host),
                 "optimizer_at_start": sharded(4 if sixteen_bit else 0), "optimizer_host": int(sharded(16) * host)}
 
@@ -256,12 +267,13 @@ class MemoryModel:
         m, dims, arr = self.model, self.actor_dims, self.arr
         _, _, _, pp_rank = megatron_coordinates(bundle, dims)
         last = pp_rank == dims.pp - 1
-        state = self._state(m, dims, pp_rank, value_head=False, optim=arr.actor.optim)
+        lora = arr.model.lora_spec
+        state = self._state(m, dims, pp_rank, value_head=False, optim=arr.actor.optim, lora=lora)
         update, forward = self._actor_micro()
         sp = arr.actor.parallel.sequence_parallel
         rows = {"actor_weights": state["weights"], "actor_grads": state["grads"],
                 "actor_optimizer": state["optimizer"],
-                "ref_weights": state["weights"] if self.cfg.needs_ref else 0,
+                "ref_weights": state["weights"] if self.cfg.needs_ref and lora is None else 0,
                 "activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
                                                  recompute=arr.actor.recompute_granularity,
                                                  block=arr.actor.recompute_num_layers),

@@ -739,3 +739,24 @@ def test_a_step_larger_than_the_drivers_memory_does_not_fit(plan_7b):
     with pytest.raises(ValueError, match="trainer.host_memory_gb"):
         plan_run(load_config(["recipe=qwen2_5_7b_grpo", "trainer.host_memory_gb=0.046"]))
     assert plan_run(load_config(["recipe=qwen2_5_7b_grpo", "trainer.host_memory_gb=0.047"])).fits
+
+
+def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only():
+    """Issue 33: rank-64 adapters on every linear layer of Llama-3.1-70B at TP=8 on one 8 x 80 GB node: the base's
+    weights stay, gradients and optimizer state are the adapters' (per layer and rank: A whole and B's rows / 8 for
+    QKV and fc1, A's columns / 8 and B whole for the output projection and fc2), and no reference model is held."""
+    plan = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo"]))
+    assert plan.fits and plan.gpu_memory_bytes == 80 * GiB
+    (gpu,) = plan.gpus
+    assert gpu.gpus == tuple(range(8))
+    h, f, a, g, d, r = 8192, 28672, 64, 8, 128, 64
+    adapters = 80 * r * ((h + (a + 2 * g) * d // 8) + (a * d // 8 + h) + (h + 2 * f // 8) + (f // 8 + h))
+    layer = ((a + 2 * g) * d * h + h * a * d + 3 * f * h) // 8 + 2 * h
+    base = 80 * layer + 2 * 16032 * h + h  # layers, embedding and untied head (128256 / 8 rows each), final norm
+    assert gpu.rows["actor_weights"] == 2 * (base + adapters)
+    assert gpu.rows["actor_grads"] == 4 * adapters
+    assert gpu.rows["actor_optimizer"] == 12 * adapters  # fp32 main + m + v, one data-parallel rank
+    assert not gpu.rows.get("ref_weights")
+    without = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.model.lora_rank=0"]),
+                       check=False)
+    assert not without.fits  # full fine-tuning of the same layout does not fit the node
