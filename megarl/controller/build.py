@@ -144,8 +144,11 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         if not training:
             colocated = 1
         else:
-            with phase(f"placing the actor{' and its reference' if cfg.needs_ref else ''} on "
-                       f"{plan.role('actor').world_size} rank(s) and building the model"):
+            lora = cfg.actor_rollout_ref.model.lora_rank
+            reference = (" with LoRA (its reference: the adapters off)" if lora else " and its reference") \
+                if cfg.needs_ref else (" with LoRA" if lora else "")
+            with phase(f"placing the actor{reference} on {plan.role('actor').world_size} rank(s) and building "
+                       f"the model"):
                 actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
             built.append(actor)
         if training and cfg.critic.enable:
