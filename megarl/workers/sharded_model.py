@@ -126,18 +126,7 @@ class ShardedModel:
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
                                     value_head=value_head, value_head_seed=seed,
                                     use_te=False if lora is not None else None)
-        if router_replay:  # megarl drives each router's own RouterReplay; Megatron's global list only leaks them
-            from megatron.core.transformer.moe.router_replay import RouterReplay
-
-            RouterReplay.clear_global_router_replay_instances()
-        if self.family.moe is not None:
-            from megarl.parallel.routing import routers
-
-            # Megatron's per-token loss setting would scale the aux and z losses by each rank's token count
-            # (feasibility A); megarl scales their coefficients per step instead (train_step).
-            for chunk in chunks:
-                for router in routers(chunk):
-                    router.calculate_per_token_loss = False
+        self._prepare_routers(chunks, router_replay)
         self.last_routing_counts: torch.Tensor | None = None
         """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
         (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
@@ -163,6 +152,21 @@ class ShardedModel:
         self._exporters: dict = {}
 
     # --------------------------------------------------------------------------- set-up
+    def _prepare_routers(self, chunks, router_replay: bool) -> None:
+        """Mixture-of-experts routers as megarl drives them."""
+        if router_replay:  # megarl drives each router's own RouterReplay; Megatron's global list only leaks them
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            RouterReplay.clear_global_router_replay_instances()
+        if self.family.moe is not None:
+            from megarl.parallel.routing import routers
+
+            # Megatron's per-token loss setting would scale the aux and z losses by each rank's token count
+            # (feasibility A); megarl scales their coefficients per step instead (train_step).
+            for chunk in chunks:
+                for router in routers(chunk):
+                    router.calculate_per_token_loss = False
+
     def _wrap_ddp(self, chunks, optim: OptimConfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
