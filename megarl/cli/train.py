@@ -75,22 +75,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def local_ray_settings() -> None:
-    """A run that starts its own Ray cluster (no ``RAY_ADDRESS``): Ray's token authentication with a fresh token,
-    unless ``RAY_AUTH_MODE`` says otherwise (the token lives only in this process's environment and those of the
-    processes Ray starts, written nowhere), and Ray on loopback (:data:`megarl.parallel.net.RAY_LOOPBACK`:
-    a one-machine cluster's GCS, raylet, workers and agents listen on 127.0.0.1 only). Ray reads both when it is
-    imported: call this first."""
+    """A run that starts its own Ray cluster (no ``RAY_ADDRESS``) uses Ray's token authentication with a fresh
+    token, unless ``RAY_AUTH_MODE`` says otherwise (the token lives only in this process's environment and those of
+    the processes Ray starts, written nowhere). Ray reads the mode when it is imported: call this first. (The
+    cluster listens on loopback: ``megarl.controller.build.ray_on_loopback``.)"""
     import os
     import secrets
 
-    from megarl.parallel.net import RAY_LOOPBACK
-
-    if "RAY_ADDRESS" in os.environ:
-        return
-    if "RAY_AUTH_MODE" not in os.environ:
+    if "RAY_ADDRESS" not in os.environ and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
-    for name, value in RAY_LOOPBACK.items():
-        os.environ.setdefault(name, value)
 
 
 def run_failures() -> tuple[type[BaseException], ...]:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import secrets
+from collections.abc import Callable
 
 import ray
 
@@ -24,7 +25,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.data.dataset import PromptDataset
 from megarl.controller.progress import no_phases
-from megarl.parallel.net import RAY_LOOPBACK
+from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
@@ -411,6 +412,8 @@ class RayConnection:
     """Ray as :func:`init_ray` left it: joined, or started here with a reaper (:mod:`megarl.parallel.reaper`)."""
 
     reaper: Reaper | None = None
+    restore: Callable[[], None] | None = None
+    """Puts back what :func:`ray_on_loopback` changed."""
 
     def shutdown(self) -> None:
         """Leave the cluster (a local one stops); the reaper ends whatever of the local cluster is left."""
@@ -418,18 +421,27 @@ class RayConnection:
             ray.shutdown()
         if self.reaper is not None:
             self.reaper.close()
+        if self.restore is not None:
+            self.restore()
 
 
-def ray_on_loopback() -> None:
-    """Put the local cluster about to start on loopback (:data:`megarl.parallel.net.RAY_LOOPBACK`, where not set
-    otherwise): in the environment its processes inherit, and in this process's Ray, which read it when imported
-    (``megarl-train`` sets it before; a program that imported Ray first gets it here)."""
+def ray_on_loopback() -> Callable[[], None]:
+    """Put the local cluster about to start on loopback: this process's Ray takes 127.0.0.1 as the node's address
+    (:data:`megarl.parallel.net.RAY_LOOPBACK_VARIABLE` off, as on macOS and Windows), which it hands every process
+    it starts, so all of them listen there. Only the driver's Ray is changed, not the environment: a process that
+    inherited the variable could not start a multi-node cluster later (``ray start`` refuses). The user's own
+    setting of the variable wins. Returns what puts it back."""
     from ray._private import ray_constants
 
-    for name, value in RAY_LOOPBACK.items():
-        os.environ.setdefault(name, value)
-    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR,
-                                                              not ray_constants.IS_WINDOWS_OR_OSX)
+    if RAY_LOOPBACK_VARIABLE in os.environ:
+        return lambda: None
+    previous = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def restore() -> None:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
+
+    return restore
 
 
 def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
@@ -437,7 +449,7 @@ def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
     a no-op (None) when Ray is up. The caller shuts the returned connection down at the end of the run. A local
     cluster's processes are the run's: a reaper ends them when the driver ends, ``kill -9`` included.
 
-    A local cluster listens on loopback only (:data:`megarl.parallel.net.RAY_LOOPBACK`, unless set otherwise);
+    A local cluster listens on loopback only (:func:`ray_on_loopback`);
     without token authentication (``RAY_AUTH_MODE`` other than ``token``, which Ray reads when it is imported:
     ``megarl-train`` sets it with a fresh ``RAY_AUTH_TOKEN`` first) any process of this machine can run code in
     the run's cluster, which is warned about. A cluster joined at ``RAY_ADDRESS`` uses its own settings."""
@@ -454,8 +466,8 @@ def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
                                             "any process that reaches this machine's Ray ports can run code in the "
                                             "run's cluster; megarl-train turns it on unless RAY_AUTH_MODE is set",
                                             os.environ.get("RAY_AUTH_MODE", "unset"))
-    ray_on_loopback()
     connection = RayConnection(start_reaper())  # before Ray starts: its processes inherit the run's tag
+    connection.restore = ray_on_loopback()
     try:
         if trainer.device == "cpu":
             num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)

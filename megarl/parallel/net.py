@@ -8,10 +8,10 @@ from __future__ import annotations
 import socket
 
 
-RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""The environment that puts a local Ray cluster on loopback: Ray then takes 127.0.0.1 as the node's address,
-as it does on macOS and Windows, and its servers (GCS, raylet, workers, agents) listen there only (otherwise
-on every interface). Ray reads it when imported; a one-machine cluster needs no other address."""
+RAY_LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch (read when Ray is imported) that, off, makes it take 127.0.0.1 as the node's address, as it does on
+macOS and Windows; its servers (GCS, raylet, workers, agents) then listen there only, otherwise on every interface.
+A one-machine cluster needs no other address (``megarl.controller.build.ray_on_loopback``)."""
 
 RENDEZVOUS_FILE_VARIABLE = "MEGARL_RENDEZVOUS_FILE"
 """Set by a worker group whose ranks share one machine: the file its ranks meet through

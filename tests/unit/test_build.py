@@ -180,27 +180,40 @@ def test_a_checkpoint_saved_at_another_layout_is_refused_before_ray(tmp_path):
 
 
 def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
-    """Issue 31: megarl-train's own Ray cluster listens on loopback (the variable is the pinned Ray's own, read by
-    its node-address choice) and authenticates with a fresh token; a joined cluster and the user's settings are
-    left as they are. (The e2e Ctrl-C test lists the run's listening sockets: loopback only.)"""
+    """Issue 31: megarl-train's own Ray cluster authenticates with a fresh token, and its driver's Ray takes loopback
+    as the node's address (the pinned Ray's own switch, which its node-address choice reads), put back when the run
+    ends; the environment is left alone (a process that inherited the switch could not start a multi-node cluster);
+    a joined cluster and the user's settings are left as they are. (The e2e Ctrl-C test lists the run's listening
+    sockets: loopback only.)"""
     import os
 
-    from ray._private import ray_constants
+    from ray._private import ray_constants, services
 
     from megarl.cli.train import local_ray_settings
-    from megarl.parallel.net import RAY_LOOPBACK
+    from megarl.controller.build import ray_on_loopback
+    from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 
-    assert RAY_LOOPBACK == {ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0"}
-    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK):
+    assert RAY_LOOPBACK_VARIABLE == ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", RAY_LOOPBACK_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     local_ray_settings()
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and os.environ["RAY_AUTH_MODE"] == "token"
-    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")  # the user's choice wins
-    local_ray_settings()
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK):
+    assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    restore = ray_on_loopback()
+    try:
+        import ray
+
+        if not ray.is_initialized():  # (a Ray already up answers with its own node's address)
+            assert services.get_node_ip_address() in ("127.0.0.1", "::1")  # what ray.init hands its processes
+        assert RAY_LOOPBACK_VARIABLE not in os.environ
+    finally:
+        restore()
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+    monkeypatch.setenv(RAY_LOOPBACK_VARIABLE, "1")  # the user's choice wins
+    ray_on_loopback()()
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         monkeypatch.delenv(name)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # joining a cluster: its own settings
     local_ray_settings()
-    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *RAY_LOOPBACK} & set(os.environ)
+    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(os.environ)
