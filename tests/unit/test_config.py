@@ -419,3 +419,30 @@ def test_greedy_duplicates_under_a_critic_are_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="megarl.config.validate"):
         load_config(["recipe=qwen2_5_7b_ppo", f"{ARR}.rollout.n=2", f"{ARR}.rollout.temperature=0"])
     assert "generates the same response 2 times per prompt" in caplog.text
+
+
+def test_lora_settings_take_verls_keys_and_name_what_is_wrong():
+    """Issue 33: actor_rollout_ref.model.lora_rank / lora_alpha / target_modules (verl's keys): all-linear, Megatron's
+    or PEFT's names; a fused layer's parts together; refusals name the setting."""
+    from megarl.config import load_config
+    from megarl.config.lora import lora_targets
+
+    model = load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.lora_rank=8"]).actor_rollout_ref.model
+    spec = model.lora_spec
+    assert (spec.rank, spec.alpha, spec.targets, spec.scale) == (
+        8, 16.0, ("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"), 2.0)
+    assert load_config(["recipe=tiny_cpu_grpo"]).actor_rollout_ref.model.lora_spec is None
+    assert lora_targets(["q_proj", "k_proj", "v_proj", "down_proj"]) == ("linear_qkv", "linear_fc2")
+    assert lora_targets("linear_proj") == ("linear_proj",)
+    assert lora_targets(["linear_fc1", "gate_proj"]) == ("linear_fc1",)
+    with pytest.raises(ValueError, match=r"target_modules: 'q_proj' is part of Megatron's fused 'linear_qkv' "
+                                         r"\(\['k_proj', 'q_proj', 'v_proj'\]\), which is adapted whole: add "
+                                         r"\['k_proj'\] or name 'linear_qkv'"):
+        lora_targets(["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"target_modules: unknown module\(s\) \['lm_head'\]"):
+        lora_targets(["lm_head"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.target_modules: unknown module\(s\) \['qkv'\]"):
+        load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.lora_rank=8",
+                     "actor_rollout_ref.model.target_modules=[qkv]"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=-1 must be >= 0"):
+        load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.lora_rank=-1"])
