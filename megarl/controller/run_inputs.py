@@ -172,6 +172,23 @@ def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
                              f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
 
 
+def check_lora_policy(cfg: RunConfig) -> None:
+    """With LoRA on (``actor_rollout_ref.model.lora_rank``), refuse a policy it cannot adapt yet (a mixture of
+    experts), naming the key, before anything is placed."""
+    model = cfg.actor_rollout_ref.model
+    if not model.lora_rank:
+        return
+    from transformers import AutoConfig
+
+    from megarl.models import family_for
+
+    family = family_for(AutoConfig.from_pretrained(model.local_path, trust_remote_code=model.trust_remote_code))
+    if family.moe is not None:
+        raise ValueError(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA on mixture-of-experts models is "
+                         f"not supported yet (actor_rollout_ref.model.path={model.path!r} is a {family.name} model, "
+                         f"whose experts are grouped linears): set lora_rank=0")
+
+
 def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
     """``(num_hidden_layers, top_k)`` of the policy when ``actor.router_replay`` is on (the shape of each token's
     routed experts the engines return), None when off; refuses a dense policy, naming the key."""

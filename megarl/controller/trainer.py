@@ -56,7 +56,13 @@ from megarl.controller.metrics import (
 )
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
-from megarl.controller.run_inputs import check_resume_layout, check_run_inputs, prepare_policy, routing_shape
+from megarl.controller.run_inputs import (
+    check_lora_policy,
+    check_resume_layout,
+    check_run_inputs,
+    prepare_policy,
+    routing_shape,
+)
 from megarl.controller.tracking import Tracking, dump_generations, run_log_dir
 from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
@@ -149,6 +155,7 @@ class Trainer:
                                                    cfg.trainer.resume_from_path)
                 check_resume_layout(cfg, self._resume_from)
                 prepare_policy(cfg)
+                check_lora_policy(cfg)
                 self.routing_shape = routing_shape(cfg)
                 self.plugins = load_agent_plugins(cfg)
         except ValueError as error:

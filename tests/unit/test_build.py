@@ -217,3 +217,18 @@ def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # joining a cluster: its own settings
     local_ray_settings()
     assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(os.environ)
+
+
+def test_lora_on_a_mixture_of_experts_policy_is_refused_before_ray(tmp_path):
+    from megarl.controller.run_inputs import check_lora_policy
+    from megarl.models.tiny import save_tiny
+
+    moe = save_tiny(tmp_path / "moe", arch="qwen3_moe")
+    dense = save_tiny(tmp_path / "dense")
+    check_lora_policy(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={dense}",
+                                    "actor_rollout_ref.model.init=pretrained", "actor_rollout_ref.model.lora_rank=8"]))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=8: LoRA on mixture-of-experts models is "
+                                         r"not supported yet .* is a qwen3_moe model"):
+        check_lora_policy(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={moe}",
+                                        "actor_rollout_ref.model.init=pretrained",
+                                        "actor_rollout_ref.model.lora_rank=8"]))
