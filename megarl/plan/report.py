@@ -252,6 +252,12 @@ def _sync_lines(plan: RunPlan) -> list[str]:
                  f"InfiniBand {links.infiniband_gbps:g} GB/s, HBM {links.hbm_gbps:g} GB/s per GPU one way, "
                  f"{links.request_ms:g} ms per engine request; GPUs of a node over {_LINK_NAMES[links.intra_node]} "
                  f"(trainer.links.intra_node)")
+    lora = arr.model.lora_spec
+    if lora is not None:
+        adapters = plan.model.lora_param_count(lora) * sync.model_bytes / plan.model.num_params  # engine dtype
+        lines.append(f"LoRA (rank {lora.rank} on {', '.join(lora.targets)}): the engines get the merged weights above; "
+                     f"the adapters alone are {adapters / (1 << 20):.1f} MiB, {100 * adapters / sync.model_bytes:.2f} % "
+                     f"of them (a sync of adapters into engines serving LoRA is not there yet)")
     return lines
 
 

@@ -757,6 +757,12 @@ def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only
     assert gpu.rows["actor_grads"] == 4 * adapters
     assert gpu.rows["actor_optimizer"] == 12 * adapters  # fp32 main + m + v, one data-parallel rank
     assert not gpu.rows.get("ref_weights")
+    # The sync: merged weights today; the adapters alone (tp=1: A and B whole, 80 layers) would be 1 % of them.
+    whole = 80 * r * ((h + (a + 2 * g) * d) + (a * d + h) + (h + 2 * f) + (f + h))
+    assert plan.model.lora_param_count(plan.cfg.actor_rollout_ref.model.lora_spec) == whole == 702_545_920
+    from megarl.plan.report import format_report
+
+    assert f"the adapters alone are {2 * whole / 2**20:.1f} MiB, 1.00 % of them" in format_report(plan)
     without = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.model.lora_rank=0"]),
                        check=False)
     assert not without.fits  # full fine-tuning of the same layout does not fit the node
