@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -512,7 +513,10 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     assert run.returncode == 1, run.stderr[-3000:]
     report = run.stderr[run.stderr.index("megarl-train: step 1 failed"):]
     assert "RewardError: row " in report and "ConnectionError: judge unavailable for prompt" in report
-    assert "Traceback" not in run.stderr
+    # The driver's own lines (Ray forwards the workers' output with a "(Class pid=N)" prefix: a worker stopped by
+    # the shutdown may print a finalizer's interrupted traceback, which is not the run's report).
+    driver = [line for line in run.stderr.splitlines() if not re.search(r"\(\w+ pid=\d+(, ip=\S+)?\)", line)]
+    assert not [line for line in driver if "Traceback" in line], run.stderr[-3000:]
     log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
     (run_file,) = (log.parent / "wandb").glob("offline-run-*/run-*.wandb")

@@ -339,8 +339,9 @@ def test_probe_on_a_fragmented_node_finds_non_consecutive_gpus(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     first = placement_group([{"GPU": 1}] * 2, strategy="STRICT_PACK")
+    ray.get(first.ready(), timeout=30)  # first GPUs 0, 1, then second 2, 3 (created together, either may be first)
     second = placement_group([{"GPU": 1}] * 2, strategy="STRICT_PACK")
-    ray.get([first.ready(), second.ready()], timeout=30)
+    ray.get(second.ready(), timeout=30)
     remove_placement_group(first)
     pool = ResourcePool("global", [4], cpus_per_bundle=0.5).create(timeout_s=30)
     try:
