@@ -15,12 +15,14 @@ from pathlib import Path
 def model_sharded_state_dict(model_chunks, *, adapters_only: bool = False) -> dict:
     """Megatron's sharded state dict of the chunks (DDP-wrapped or not): ``model`` or ``model<i>`` keys.
     ``adapters_only``: the LoRA adapters' entries alone (a LoRA run's checkpoint: its base is the HF model)."""
+    from megarl.models.lora import is_lora_parameter
+
     modules = [c.module if hasattr(c, "module") else c for c in model_chunks]
 
     def state(module) -> dict:
         entries = module.sharded_state_dict()
         if adapters_only:
-            entries = {key: value for key, value in entries.items() if key.endswith((".lora_A", ".lora_B"))}
+            entries = {key: value for key, value in entries.items() if is_lora_parameter(key)}
         return entries
 
     if len(modules) == 1:

@@ -123,11 +123,12 @@ def check_mcore_shapes(model_dir: str | os.PathLike, family, hf_config, tp: int,
     import torch
 
     from megarl.convert.dist_checkpoint import OPTIMIZER_PREFIX, read_dist_metadata
+    from megarl.models.lora import is_lora_parameter
 
     metadata = read_dist_metadata(model_dir)
     saved = {name: tuple(entry.size) for name, entry in metadata.state_dict_metadata.items()
              if isinstance(getattr(entry, "size", None), torch.Size) and not name.startswith(OPTIMIZER_PREFIX)
-             and not (lora and name.endswith((".lora_A", ".lora_B")))}  # a LoRA run's adapters (model.json)
+             and not (lora and is_lora_parameter(name))}  # a LoRA run's adapters (model.json)
     expected = expected_mcore_shapes(family, hf_config, tp)
     problems = []
     for name, shape in saved.items():

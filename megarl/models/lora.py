@@ -22,10 +22,9 @@ Layouts, per tensor-parallel rank (``tp`` ranks; SP: sequence parallelism):
 The adapters are parameters of the adapted module itself (``<layer>.lora_A``, ``<layer>.lora_B``), added to its
 output by a forward hook, so every other parameter keeps its name (loading, export and checkpoints by name) and
 Megatron's checkpoint sees them with their split axis; the weight export merges them in (:func:`merged_weight`).
-The reference policy of a LoRA actor is the actor inside :func:`adapters_disabled`. Megatron's local layer spec
-(a LoRA model is built with it, on GPU too): the TE spec fuses
-the input norm into ``linear_qkv`` / ``linear_fc1``, whose output the adapter needs.
-Mixture-of-experts models are refused too (their experts are grouped linears).
+The reference policy of a LoRA actor is the actor inside :func:`adapters_disabled`. A LoRA model is built with
+Megatron's local layer spec, on GPU too: the TE spec fuses the input norm into ``linear_qkv`` / ``linear_fc1``,
+whose output the adapter needs. Mixture-of-experts models are refused (their experts are grouped linears).
 """
 
 from __future__ import annotations
@@ -156,30 +155,11 @@ def _sharded_state_dict(layer: Any, column: bool):
     return sharded_state_dict
 
 
-def lora_parameters(chunks: Sequence[Any]) -> dict[str, torch.nn.Parameter]:
-    """This rank's adapter parameters by local name (``...linear_qkv.lora_A``), DDP unwrapped."""
-    out = {}
-    for i, chunk in enumerate(chunks):
-        module = chunk.module if hasattr(chunk, "module") else chunk
-        for name, param in module.named_parameters():
-            if name.endswith((".lora_A", ".lora_B")):
-                out[f"{i}:{name}" if len(chunks) > 1 else name] = param
-    return out
-
-
 def adapted_weights(chunks: Sequence[Any]) -> dict[str, Any]:
     """This rank's LoRA-adapted layers by their weight's global Megatron name (``decoder.layers.<i>....weight``, as
     :func:`megarl.convert.param_map.local_parameters` names it)."""
-    from megarl.models.build import layer_offset
-
-    out = {}
-    for chunk in chunks:
-        module = chunk.module if hasattr(chunk, "module") else chunk
-        offset = layer_offset(module)
-        for name, sub in module.named_modules():
-            if hasattr(sub, "lora_A"):
-                out[f"{_global_name(name, offset)}.weight"] = sub
-    return out
+    return {f"{name}.weight": layer for chunk in chunks for name, layer, _ in adapted_layers(chunk)
+            if hasattr(layer, "lora_A")}
 
 
 @torch.no_grad()

@@ -252,16 +252,17 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
         run.wait()
     assert not (left := _left_behind(tag, timeout_s=30)), left
 
-    def still_alive(pid: int) -> bool:  # the same process (a PID is reused once its process is gone)
+    def same_process(pid: int) -> psutil.Process | None:  # (a PID is reused once its process is gone)
         try:
             process = psutil.Process(pid)
-            return process.create_time() == born[pid] and process.status() != psutil.STATUS_ZOMBIE
+            return process if process.create_time() == born[pid] else None
         except psutil.NoSuchProcess:
-            return False
+            return None
 
     # A killed process can take a moment to finish exiting (its memory already gone: no environment, no command
-    # line), so the tag-based check above no longer sees it; wait for those too, within the same 30 s.
-    while (alive := [pid for pid in born if still_alive(pid)]) and time.monotonic() < killed_at + 30:
-        time.sleep(0.5)
-    assert not alive, [(pid, psutil.Process(pid).status(), " ".join(psutil.Process(pid).cmdline())) for pid in alive]
+    # line), so the tag-based check above no longer sees it: wait for their exits too, within the same 30 s.
+    processes = [p for p in map(same_process, born) if p is not None]
+    _, alive = psutil.wait_procs(processes, timeout=max(0.0, killed_at + 30 - time.monotonic()))
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.status(), " ".join(p.cmdline())) for p in alive]
     assert shared_memory() == [], f"left in /dev/shm by the run's processes: {shared_memory()}"
