@@ -31,6 +31,20 @@ class LoraSpec:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def hf_target_modules(self) -> list[str]:
+        """PEFT's (and SGLang's ``--lora-target-modules``) names of the adapted modules."""
+        return sorted(m for m, layer in HF_TARGETS.items() if layer in self.targets)
+
+    def peft_config(self, base_model: str | None = None) -> dict:
+        """PEFT's ``adapter_config.json`` of these adapters (plain LoRA: no bias, dropout, rsLoRA or DoRA)."""
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+            "target_modules": self.hf_target_modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+            "inference_mode": True, "base_model_name_or_path": base_model or None,
+        }
+
 
 def lora_targets(target_modules: str | Sequence[str], *, setting: str = "actor_rollout_ref.model.target_modules"
                  ) -> tuple[str, ...]:

@@ -57,6 +57,8 @@ def tool_call_formats() -> tuple[str, ...] | None:
 
 
 WEIGHT_TRANSPORTS = ("auto", "tensor", "distributed")
+LORA_SYNCS = ("adapters", "merged")
+"""``rollout.lora_sync``: what a LoRA run's weight sync moves."""
 """``rollout.weight_transport``: ``auto`` or a transport of :mod:`megarl.sync`."""
 
 
@@ -213,6 +215,11 @@ class RolloutConfig:
     """Weight sync (:mod:`megarl.sync`): ``tensor`` (colocated engines open handles to the actor's bucket
     buffers: CUDA IPC / shared memory), ``distributed`` (one broadcast per bucket from the stage that built it:
     NCCL / gloo), or ``auto`` (``tensor`` when colocated, ``distributed`` when ``hybrid_engine=false``)."""
+    lora_sync: str = "adapters"
+    """Weight sync of a LoRA run (``actor_rollout_ref.model.lora_rank`` > 0): ``adapters`` (the adapters alone,
+    loaded into engines serving LoRA, SGLang's ``--enable-lora``, by ``/load_lora_adapter_from_tensors``; every
+    request names the adapter; every tensor's checksum checked by every engine rank) or ``merged`` (the base
+    plus scaled ``B A`` through ``weight_transport``, into engines without LoRA)."""
     verify_weights: int = 8
     """Weight sync: tensors read back from every engine (``/get_weights_by_name``) and compared bit for bit with
     the trainer's after every sync (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
@@ -254,6 +261,7 @@ class RolloutConfig:
             raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_positive(f"{p}.bucket_mb", self.bucket_mb)
         check_choice(f"{p}.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
+        check_choice(f"{p}.lora_sync", self.lora_sync, LORA_SYNCS)
         check_choice(f"{p}.engine_layout", self.engine_layout, ENGINE_LAYOUTS)
         if self.pool_nodes is not None and (not self.pool_nodes or any(n < 1 for n in self.pool_nodes)):
             raise ValueError(f"{p}.pool_nodes={self.pool_nodes} must list a positive number per node, e.g. [8]")

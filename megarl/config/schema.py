@@ -96,6 +96,12 @@ class RunConfig:
                 rollout.response_length or self.data.max_response_length)
 
     @property
+    def lora_syncs_adapters(self) -> bool:
+        """A LoRA run whose weight sync loads the adapters alone into engines serving LoRA
+        (``rollout.lora_sync=adapters``): the engines launch with LoRA on, and every request names the adapter."""
+        return bool(self.actor_rollout_ref.model.lora_rank) and self.actor_rollout_ref.rollout.lora_sync == "adapters"
+
+    @property
     def engine_tp(self) -> int:
         """GPUs per rollout engine: 1 for the (unsharded) ``hf`` engine, else ``rollout.tensor_model_parallel_size``
         or the actor's TP (TP-matched engines)."""

@@ -24,7 +24,7 @@ Every error names the full key to change and what to change it to. The rules:
    ``data.return_raw_chat``.
 6. Asynchronous training (``trainer.mode`` other than ``sync``): engines on their own resources
    (``hybrid_engine=false``), single-turn rollouts, no critic warm-up; ``one_step_off`` fixes staleness 1 without
-   partial rollouts.
+   partial rollouts; partial rollouts sync LoRA merged (a held request keeps the adapter it started with).
 7. Megatron passthrough (:mod:`megarl.config.megatron`): each ``<role>.megatron.override_transformer_config`` and
    ``<role>.optim.override_optimizer_config`` key is a field of Megatron's dataclass that megarl does not set
    itself; GPU-only fusions and the hybrid CPU optimizer need cuda.
@@ -183,6 +183,10 @@ def _check_async(cfg: RunConfig) -> None:
     if cfg.trainer.critic_warmup > 0:
         raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} with trainer.mode={mode}: warm-up steps "
                          f"do not update the policy, so its version would not advance; set trainer.critic_warmup=0")
+    if settings.partial_rollout and cfg.lora_syncs_adapters:
+        raise ValueError(f"async_training.partial_rollout=true holds requests across a weight sync, but with "
+                         f"{ARR}.rollout.lora_sync=adapters a held request keeps the adapter it started with; set "
+                         f"{ARR}.rollout.lora_sync=merged (or async_training.partial_rollout=false)")
     if mode == "one_step_off" and (settings.max_staleness != 1 or settings.partial_rollout):
         raise ValueError("trainer.mode=one_step_off trains each batch one version after it was generated, whole: it "
                          "needs async_training.max_staleness=1 and async_training.partial_rollout=false (other "

@@ -36,6 +36,7 @@ from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
 from megarl.rollout.manager import RolloutManager
+from megarl.rollout.lora_wire import ADAPTER_NAME
 from megarl.rollout.router import start_router
 from megarl.rollout.server_process import ServerProcess
 from megarl.rollout.tools.base import BaseTool
@@ -162,8 +163,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
             rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
                                                       gpus, log_dir, admin_key=admin_key)
         built.append(rollout)
-        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key, control_timeout_s=a.timeout_s)
-                   for a in addresses]
+        # Training with adapters synced alone: every request names the run's adapter (loaded at the first sync).
+        lora_name = ADAPTER_NAME if training and cfg.lora_syncs_adapters else None
+        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key, control_timeout_s=a.timeout_s,
+                                lora_name=lora_name) for a in addresses]
         with phase("starting sglang-router"):
             router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                                   log_dir=log_dir)
@@ -183,7 +186,8 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         event_loop.release()
         raise
     return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
-                 router=router, generator=EngineClient(router.url, name="sglang-router"), engine_targets=targets,
+                 router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
+                 engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
                                                     colocated=plan.colocated), weight_names=names, loop=loop)
 
@@ -281,12 +285,13 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
         seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
         calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
         # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
-        from megarl.plan.engine_gpus import ROUTED_EXPERTS_FLAG
+        from megarl.plan.engine_gpus import ROUTED_EXPERTS_FLAG, lora_flags
 
         routed = (ROUTED_EXPERTS_FLAG,) if arr.actor.router_replay.enabled else ()
+        lora = arr.model.lora_spec if cfg.lora_syncs_adapters else None  # the engines serve the run's adapter
         if gpus is None:
             for call in calls:
-                call["extra_args"] = routed
+                call["extra_args"] = (*routed, *(lora_flags(lora) if lora else ()))
         if gpus is not None:
             from megarl.plan.engine_gpus import sglang_launch_command
 
@@ -301,7 +306,8 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
                     engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
                 call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
                                                        seed=seeds[slot.engine], node_rank=slot.node_rank,
-                                                       host=serve_on, return_routed_experts=bool(routed))
+                                                       host=serve_on, return_routed_experts=bool(routed),
+                                                       lora=lora)
                 call["url"] = f"http://{serve_on}:{ports[0]}"
         urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
                                           device=cfg.trainer.device, log_dir=str(log_dir), admin_key=admin_key,

@@ -403,7 +403,8 @@ class Trainer:
         names = verify_sample(self.roles.weight_names, rollout.verify_weights, step)
         with engines_quiet as flush:
             stats = [s for s in self.roles.actor.call_all(
-                ActorWorker.sync_weights, self.roles.engine_targets, transport=self.roles.weight_transport,
+                ActorWorker.sync_weights, self.roles.engine_targets,
+                transport="adapters" if self.cfg.lora_syncs_adapters else self.roles.weight_transport,
                 bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
                 weight_version=str(step), flush_cache=flush) if s]
         self.engine_memory.resume(TRAINING_TAGS)

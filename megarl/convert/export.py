@@ -65,11 +65,28 @@ class WeightExporter:
         self.params = local_parameters(model_chunks, family.weight_rules(hf_config))
         self.adapted = adapted_weights(model_chunks)
         """This rank's LoRA-adapted layers by their weight's global name: exported merged (:meth:`_shard`)."""
+        self._model = (model_chunks, family, hf_config)
         # The TP rank of each member of this rank's expert-parallel group (who needs an expert bucket).
         self._ep_tp_ranks = list(self.groups.ep_tp_ranks) if self.dims.ep > 1 else [self.groups.tp_rank]
         self._element_size = torch.empty((), dtype=self.dtype).element_size()
         self._gather_buffer: torch.Tensor | None = None
         self._kept_ring: list[torch.Tensor] | None = None
+
+    def adapters(self) -> list[tuple[str, torch.Tensor]]:
+        """The LoRA adapters of the whole model in PEFT's layout (:func:`megarl.convert.lora.adapter_tensors`), in
+        the export dtype, sorted by name, on every rank: each stage's gathered over its TP group, then the stages'
+        over the pipeline group (a collective over both)."""
+        import torch.distributed as dist
+
+        from megarl.convert.lora import adapter_tensors
+
+        tensors = {n: t.to(self.dtype) for n, t in adapter_tensors(*self._model).items()}
+        if self.dims.pp > 1:
+            device = self.params[next(iter(self.params))].device if self.params else torch.device("cpu")
+            stages: list = [None] * self.dims.pp
+            dist.all_gather_object(stages, {n: t.cpu() for n, t in tensors.items()}, group=self.groups.pp)
+            tensors = {n: t.to(device) for stage in stages for n, t in stage.items()}
+        return sorted(tensors.items())
 
     def _shard(self, name: str) -> torch.Tensor:
         """This rank's shard of Megatron parameter ``name`` as exported: a LoRA-adapted weight merged with its

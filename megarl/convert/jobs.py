@@ -295,20 +295,12 @@ def _write_peft(out: Path, results: list, lora, hf_config, dtype: str) -> tuple[
     """PEFT's adapter directory from the ranks' adapters (each stage's TP rank 0 returns its layers)."""
     from safetensors.torch import save_file
 
-    from megarl.config.lora import HF_TARGETS
-
     tensors: dict[str, torch.Tensor] = {}
     for result in results:
         tensors.update(result)
     tensors = {name: tensor.to(DTYPES[dtype]).contiguous() for name, tensor in sorted(tensors.items())}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "target_modules": sorted(m for m, layer in HF_TARGETS.items() if layer in lora.targets),
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
-        "base_model_name_or_path": getattr(hf_config, "_name_or_path", None) or None,
-    }
+    config = lora.peft_config(getattr(hf_config, "_name_or_path", None))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
@@ -323,7 +324,7 @@ expandable segments, which a Megatron worker's environment may enable (slime rem
 
 def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: ModelConfig, port: int, seed: int,
                           node_rank: int = 0, host: str | None = None, context_length: int | None = None,
-                          return_routed_experts: bool = False, python: str = sys.executable,
+                          return_routed_experts: bool = False, lora: Any = None, python: str = sys.executable,
                           extra_args: Sequence[str] = ()) -> LaunchCommand:
     """``python -m sglang.launch_server`` for engine ``gpus`` on its node ``node_rank`` (sglang 0.5.23 flags).
 
@@ -341,6 +342,9 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
     - ``--context-length`` when ``context_length`` is given (``rollout.max_model_len``, else P + R);
     - ``--enable-return-routed-experts`` with ``return_routed_experts`` (``actor.router_replay`` on: ``/generate``
       answers every token's routed experts);
+    - ``--enable-lora --max-lora-rank R --lora-target-modules ...`` with ``lora`` (a
+      :class:`~megarl.config.lora.LoraSpec`: the run syncs its adapters alone, ``rollout.lora_sync=adapters``):
+      :func:`lora_flags`;
     - ``--skip-server-warmup`` always: the warm-up request would run before the first weight sync,
       and a slow one fails the start (slime skips it too);
     - then ``extra_args`` as given, except ``--enable-deterministic-inference``: with it SGLang samples every row of
@@ -377,9 +381,17 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
         argv += ["--context-length", str(int(context_length))]
     if return_routed_experts:
         argv.append(ROUTED_EXPERTS_FLAG)
+    if lora is not None:
+        argv += lora_flags(lora)
     if gpus.nnodes > 1:
         argv += ["--nnodes", str(gpus.nnodes), "--node-rank", str(node_rank), "--dist-init-addr",
                  str(gpus.dist_init_addr)]
     argv += list(extra_args)
     return LaunchCommand(tuple(argv), gpus.env(node_rank),
                          MEMORY_SAVER_UNSET_ENV if rollout.free_cache_engine else ())
+
+
+def lora_flags(lora: Any) -> list[str]:
+    """An engine's flags to serve a run's adapters (``lora``: its :class:`~megarl.config.lora.LoraSpec`), SGLang's
+    and megarl's CPU server's alike: LoRA on, the adapters' rank, the modules they touch (PEFT's names)."""
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.hf_target_modules]

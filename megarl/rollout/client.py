@@ -143,9 +143,13 @@ class EngineClient:
     """Calls one SGLang-API server at ``url`` (``http://host:port``); ``name`` labels it in errors."""
 
     def __init__(self, url: str, *, name: str = "engine", generate_timeout_s: float | None = None,
-                 control_timeout_s: float = CONTROL_TIMEOUT_S, admin_key: str | None = None) -> None:
+                 control_timeout_s: float = CONTROL_TIMEOUT_S, admin_key: str | None = None,
+                 lora_name: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name
+        self.lora_name = lora_name
+        """The LoRA adapter every generation request names (``lora_path``; a run syncing adapters into its engines,
+        ``rollout.lora_sync=adapters``); None: the base model."""
         self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
         """Sent with every control route (``Route.admin``): an engine started with the run's key serves those
         only to the trainer."""
@@ -253,7 +257,8 @@ class EngineClient:
         mixture-of-experts model): also the routed experts of every token (``return_routed_experts``)."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s, input_ids=list(input_ids),
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
-                                 rid=rid, return_routed_experts=True if routing_shape else None)
+                                 rid=rid, return_routed_experts=True if routing_shape else None,
+                                 lora_path=self.lora_name)
         return generate_output(answer, return_logprob, routing_shape, source=f"{self.name} at {self.url}")
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -265,7 +270,7 @@ class EngineClient:
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s,
                                  input_ids=[list(ids) for ids in input_ids],
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
-                                 return_routed_experts=True if routing_shape else None)
+                                 return_routed_experts=True if routing_shape else None, lora_path=self.lora_name)
         if not isinstance(answer, list) or len(answer) != len(input_ids):
             raise EngineError(f"{self.name} at {self.url}: /generate returned {type(answer).__name__} for a batch "
                               f"of {len(input_ids)}", engine=self.name, url=self.url, route="/generate")
@@ -310,9 +315,33 @@ class EngineClient:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._checked("/destroy_weights_update_group", group_name=group_name)
 
+    async def update_weight_version(self, version: str) -> None:
+        """Set the version the engine reports for the tokens it samples from now on (running requests go on)."""
+        await self._checked("/update_weight_version", new_version=version, abort_all_requests=False)
+
     async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
         """The first ``truncate_size`` rows of weight ``name`` (HF name), as float lists."""
         return await self.call("/get_weights_by_name", name=name, truncate_size=truncate_size)
+
+    # ------------------------------------------------------------------------ LoRA adapters
+
+    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], payloads: Sequence[bytes], *,
+                                             checksums: dict[str, str] | None = None,
+                                             load_format: str | None = FLATTENED_BUCKET) -> None:
+        """Load adapter ``name`` (PEFT's ``config``) from ``payloads``, one per engine TP rank, each the adapter's
+        whole PEFT-named tensors (:mod:`megarl.rollout.lora_wire`); ``checksums``: each tensor's sha256, which
+        every engine rank checks (a mismatch fails the load)."""
+        await self.call("/load_lora_adapter_from_tensors", lora_name=name, config_dict=config,
+                        serialized_named_tensors=[base64.b64encode(p).decode("ascii") for p in payloads],
+                        load_format=load_format, expected_checksums=checksums)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load adapter ``name`` from a PEFT directory ``path`` the engine can read."""
+        await self.call("/load_lora_adapter", lora_name=name, lora_path=path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (the engine waits for its requests to finish)."""
+        await self.call("/unload_lora_adapter", lora_name=name)
 
     # ------------------------------------------------------------------------ memory, pause, cache
 
@@ -369,4 +398,6 @@ def _message(text: str) -> str:
             return str(error["message"])
         if "message" in data:
             return str(data["message"])
+        if data.get("error_message"):  # LoRA routes (LoRAUpdateOutput)
+            return str(data["error_message"])
     return text[:2000]

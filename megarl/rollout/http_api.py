@@ -28,6 +28,13 @@ Shapes (SGLang's):
 - SGLang's ``/health`` generates a token (and answers 503 while generation is paused): use it to
   wait for a server to come up, not while it is paused. ``sampling_params`` keys SGLang does not
   know are refused with 400.
+- LoRA (a server launched with ``--enable-lora``): ``/load_lora_adapter_from_tensors`` takes ``lora_name``, PEFT's
+  ``config_dict``, one payload of the adapter's whole PEFT-named tensors per engine TP rank (each rank slices its
+  part) and ``expected_checksums`` (sha256 of each tensor's bytes, checked on every rank: a mismatch fails the
+  load); ``/load_lora_adapter`` takes a PEFT directory (``lora_path``); ``/unload_lora_adapter`` waits for the
+  adapter's requests to finish. A name is loaded once: unload it before loading it again. They answer
+  ``{"success", "error_message", "loaded_adapters"}``, 400 when not successful. A ``/generate`` request names its
+  adapter in ``lora_path`` (one, or one per row; an adapter not loaded is refused with 400).
 - SGLang 0.5.23 implements ``/get_weights_by_name`` only for Llama-like, OPT, Granite, Exaone4
   and Gemma2 models (not Qwen2/Qwen3: 400), and with engine TP > 1 it returns TP rank 0's slice.
 """
@@ -81,7 +88,8 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/health", "GET", idempotent=True),
     Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version"), idempotent=True),
     Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid",
-                                                          "return_routed_experts", "routed_experts_start_len"),
+                                                          "return_routed_experts", "routed_experts_start_len",
+                                                          "lora_path"),
           reads=("output_ids", "meta_info")),
     Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message"), admin=True),
     Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message"), admin=True),
@@ -105,6 +113,13 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
           idempotent=True),
     Route("/abort_request", "POST", "AbortReq", sends=("rid", "abort_all"), admin=True),
     Route("/v1/loads", "GET", reads=("loads",), idempotent=True),
+    Route("/update_weight_version", "POST", "UpdateWeightVersionReqInput",
+          sends=("new_version", "abort_all_requests"), reads=("success", "message"), admin=True),
+    Route("/load_lora_adapter_from_tensors", "POST", "LoadLoRAAdapterFromTensorsReqInput",
+          sends=("lora_name", "config_dict", "serialized_named_tensors", "load_format", "expected_checksums"),
+          admin=True),
+    Route("/load_lora_adapter", "POST", "LoadLoRAAdapterReqInput", sends=("lora_name", "lora_path"), admin=True),
+    Route("/unload_lora_adapter", "POST", "UnloadLoRAAdapterReqInput", sends=("lora_name",), admin=True),
 )}
 """Every route megarl calls, by path."""
 

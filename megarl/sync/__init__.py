@@ -8,6 +8,9 @@ One module per transport behind :class:`~megarl.sync.base.WeightTransport`, on t
 - :mod:`megarl.sync.distributed` (``distributed``): engines on their own GPUs receive each bucket by one
   broadcast from the pipeline stage that built it (NCCL on GPU, gloo on CPU).
 
+- :mod:`megarl.sync.adapters` (``adapters``): a LoRA run's adapters alone, into engines serving LoRA
+  (``actor_rollout_ref.rollout.lora_sync=adapters``), by SGLang's ``/load_lora_adapter_from_tensors``.
+
 ``actor_rollout_ref.rollout.weight_transport``: ``auto`` picks ``tensor`` for colocated engines
 (``hybrid_engine=true``) and ``distributed`` for disaggregated ones. The buckets come from the converter's
 streaming export (:meth:`megarl.convert.export.WeightExporter.iter_buckets`). A transport's class says what it
@@ -38,12 +41,20 @@ def transport_class(name: str) -> type[WeightTransport]:
         from megarl.sync.distributed import DistributedTransport
 
         return DistributedTransport
+    if name == "adapters":
+        from megarl.sync.adapters import AdapterSync
+
+        return AdapterSync
     raise ValueError(f"unknown weight transport {name!r}; one of {TRANSPORTS}")
 
 
-def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str) -> WeightTransport:
-    """Transport ``name`` (resolved: ``tensor`` or ``distributed``) for this actor rank; collective."""
+def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str,
+                   lora_config: dict | None = None) -> WeightTransport:
+    """Transport ``name`` (resolved: ``tensor`` or ``distributed``; ``adapters``: a LoRA run's adapters alone, PEFT's
+    ``lora_config``) for this actor rank; collective."""
     cls = transport_class(name)
+    if cls.name == "adapters":
+        return cls(groups, engines, config=lora_config)
     if cls.name == "distributed":
         return cls(groups, engines, backend="nccl" if device == "cuda" else "gloo")
     return cls(groups, engines)

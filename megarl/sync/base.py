@@ -25,6 +25,7 @@ from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
+"""The transports of whole weights (a LoRA run may sync its adapters alone instead: :mod:`megarl.sync.adapters`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,20 +166,26 @@ class WeightTransport(abc.ABC):
         return self._clients[engine.url]
 
 
-def flattened_payload(bucket) -> bytes:
+def flattened_payload(bucket, *, by_value: bool = False) -> bytes:
     """A handle to ``bucket``'s flat buffer as one ``/update_weights_from_tensor`` payload
     (``load_format="flattened_bucket"``): SGLang's ``FlattenedTensorBucket`` over the buffer itself (no
     copy: the metadata points into it), serialised with SGLang's ``MultiprocessingSerializer``: a CUDA IPC
     handle on GPU (with SGLang's torch-reduction patch, which names the device by UUID), a shared-memory
     file on CPU (torch's ``file_system`` strategy: the default one passes file descriptors over a connection
     only the sender's own children can open). Each payload is one reference the receiver gives back when it
-    opens it: open each once."""
+    opens it: open each once. ``by_value``: the bytes themselves instead (plain pickle of a CPU bucket, which
+    SGLang's safe unpickler reads), for an engine on another machine."""
+    import pickle
+
     import torch.multiprocessing
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
     flat = bucket.flat
-    if flat.is_cuda:
+    if by_value:
+        if flat.device.type != "cpu":
+            raise ValueError("a payload by value is made of a host bucket: copy it to the CPU first")
+    elif flat.is_cuda:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
@@ -192,8 +199,8 @@ def flattened_payload(bucket) -> bytes:
                                                 end_idx=offset + nbytes, numel=nbytes))
         offset += nbytes
     packed = FlattenedTensorBucket(flattened_tensor=flat.view(torch.uint8), metadata=metadata)
-    return MultiprocessingSerializer.serialize({"flattened_tensor": packed.get_flattened_tensor(),
-                                                "metadata": packed.get_metadata()})
+    content = {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}
+    return pickle.dumps(content) if by_value else MultiprocessingSerializer.serialize(content)
 
 
 async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor]) -> list[str] | None:

@@ -192,7 +192,8 @@ class ActorWorker(_MegatronWorker):
                      verify_names: Sequence[str] = (), weight_version: str | None = None,
                      flush_cache: bool = True) -> dict[str, Any] | None:
         """Stream the weights into the engine servers with weight transport ``transport`` (``tensor`` or
-        ``distributed``: :mod:`megarl.sync`), a collective over the actor's ranks.
+        ``distributed``: :mod:`megarl.sync`; ``adapters``: a LoRA run's adapters alone), a collective over the actor's
+        ranks.
 
         Buckets of full HF tensors in the engines' dtype (:meth:`WeightExporter.iter_buckets`) go to every
         engine of ``engines`` inside a ``/begin_weight_update`` ... ``/end_weight_update`` session, tagged
@@ -211,7 +212,9 @@ class ActorWorker(_MegatronWorker):
                 self._transport.close()
                 self.sharded.release_export_buffers()  # the old transport's buckets
             device = next(self.sharded.module_chunks[0].parameters()).device.type
-            self._transport = make_transport(transport, self.sharded.groups, engines, device=device)
+            lora = self.sharded.lora.peft_config(self.sharded.hf_dir) if transport == "adapters" else None
+            self._transport = make_transport(transport, self.sharded.groups, engines, device=device,
+                                             lora_config=lora)
             self._transport_key = key
         exporter = self.sharded.exporter(torch_dtype(engine_dtype))
         return self._transport.sync(exporter, bucket_bytes=bucket_bytes, version=weight_version,

@@ -698,26 +698,37 @@ def test_moe_grpo_replays_the_engines_routing(assets):
     assert compare["moe/routing_mismatch"] == compare["moe/router_natural_mismatch"] > 0.0
 
 
-def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets):
+@pytest.mark.parametrize("lora_sync", ["adapters", "merged"])
+def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lora_sync):
     """Issue 33 end to end: a LoRA actor (TP=2) trains two GRPO steps; no reference model is built (the KL term is
-    against the actor with its adapters off, zero at the first step, where B = 0); the engines get the merged
-    weights, every tensor read back equal; the checkpoint holds the adapters alone and exports to PEFT's format."""
+    against the actor with its adapters off, zero at the first step, where B = 0). ``adapters``: the engines serve
+    LoRA and get the adapters alone, every tensor's checksum checked by every engine rank, and generate naming the
+    adapter (the engines' log-probs are the trainer's); ``merged``: they get the merged weights, every tensor read
+    back equal. The checkpoint holds the adapters alone and exports to PEFT's format."""
     from megarl.convert import jobs
     from megarl.convert.dist_checkpoint import OPTIMIZER_PREFIX, read_dist_metadata
     from megarl.workers.model_checkpoint import export_source
 
-    trainer = _run(_config(assets, "lora", "trainer.total_steps=2", "trainer.save_freq=2",
+    trainer = _run(_config(assets, f"lora_{lora_sync}", "trainer.total_steps=2", "trainer.save_freq=2",
                            "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
                            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                           f"actor_rollout_ref.rollout.lora_sync={lora_sync}",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=4"))  # one update a step
     (_, first), (_, second) = trainer.history
     # The adapters start at B = 0: the actor is its reference (up to the rounding of other micro-batch shapes);
     # after one update they differ.
     assert abs(first["actor/kl_loss"]) < 1e-7 and second["actor/kl_loss"] > 1e-5, (first["actor/kl_loss"],
                                                                                    second["actor/kl_loss"])
+    layers = 2  # the assets' tiny model
     for metrics in (first, second):
-        assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)  # merged HF tensors
+        if lora_sync == "merged":
+            assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)  # merged HF tensors
+        else:  # A and B of q, k, v, o, gate, up and down in every layer, on each of the 2 engines
+            assert metrics["weight_sync/verified_tensors"] == 2 * 7 * layers
+            assert metrics["weight_sync/verified_engines"] == 2
         assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
+    if lora_sync == "merged":
+        return  # the checkpoint is the same in both modes
     step = CheckpointManager(trainer.run_dir).latest()
     saved = [n for n in read_dist_metadata(step / "actor" / "dist").state_dict_metadata
              if not n.startswith(OPTIMIZER_PREFIX)]

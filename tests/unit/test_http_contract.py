@@ -72,7 +72,7 @@ def engine_server(tmp_path_factory):
     from megarl.rollout.cpu_engine.server import EngineServer
 
     model = save_tiny(tmp_path_factory.mktemp("contract") / "model", num_layers=1)
-    return EngineServer(HFEngine(model), model_path=str(model))
+    return EngineServer(HFEngine(model), model_path=str(model), enable_lora=True, max_lora_rank=8)  # every route
 
 
 def test_the_cpu_server_serves_every_route_with_the_methods_megarl_uses(engine_server):

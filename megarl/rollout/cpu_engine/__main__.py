@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
     parser.add_argument("--enable-step-gate", action="store_true",
                         help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as SGLang's flag")
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="the highest adapter rank served")
+    parser.add_argument("--lora-target-modules", nargs="*", default=[],
+                        help="PEFT module names adapters may touch, or all (default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_HTTP2ProbeFilter())
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                       trust_remote_code=args.trust_remote_code)
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
                           enable_return_routed_experts=args.enable_return_routed_experts,
-                          enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None))
+                          enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None),
+                          enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+                          lora_target_modules=tuple(args.lora_target_modules))
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

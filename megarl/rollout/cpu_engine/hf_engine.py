@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from megarl.models.sampling import RoutingCapture, eos_token_ids, sample_continuations
+from megarl.rollout.cpu_engine.lora import applied as lora_applied
 from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 
@@ -177,7 +178,7 @@ class HFEngine:
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None,
                       control: Callable[[], Any] | None = None,
-                      return_routed_experts: bool = False) -> list[GenerateOutput]:
+                      return_routed_experts: bool = False, adapter: Any = None) -> list[GenerateOutput]:
         """Run one batch through :func:`~megarl.models.sampling.sample_continuations`, under the engine lock.
 
         ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
@@ -187,7 +188,8 @@ class HFEngine:
         decoding steps (the sampling loop's pause/abort hook) with the engine lock released, so
         a paused batch lets weight updates and memory calls through; aborted rows finish with
         :attr:`FinishReason.ABORT`. ``return_routed_experts`` (mixture-of-experts models): each output carries
-        the experts every token was routed to (:attr:`GenerateOutput.routed_experts`).
+        the experts every token was routed to (:attr:`GenerateOutput.routed_experts`). ``adapter``: a LoRA adapter
+        (:class:`megarl.rollout.cpu_engine.lora.Adapter`) every row runs with.
         """
         limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -204,7 +206,7 @@ class HFEngine:
             if not self.routers:
                 raise ValueError("return_routed_experts: this engine's model has no mixture-of-experts router")
             capture = RoutingCapture(self.routers, self.model.config.num_hidden_layers)
-        with self._lock, capture:
+        with self._lock, capture, lora_applied(self.model, adapter):
             self._check_can_generate()
             rows = sample_continuations(self.model, prompts, max_new_tokens=limits, row_seeds=row_seeds,
                                         stop_token_ids=stop_ids, pad_token_id=self._pad_id,

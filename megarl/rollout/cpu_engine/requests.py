@@ -7,11 +7,22 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 
+from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http_api import MEMORY_TAGS, ROUTES
+from megarl.seeds import MAX_SEED, derive_row_seed
 
 logger = logging.getLogger("megarl.engine_server")
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "no_stop_trim",
+                 "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "n"}
+"""``sampling_params`` keys this engine honours (or that do not change token ids)."""
+NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_new_tokens": 0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
+                    "logit_bias": None, "custom_params": None}
+"""SGLang sampling keys accepted only at their neutral value (this engine does not implement them)."""
 
 
 class RequestError(ValueError):
@@ -73,3 +84,26 @@ def is_control(path: str) -> bool:
     """A route only the trainer may call: SGLang's admin routes megarl uses, and the step gate."""
     route = ROUTES.get(path)
     return path == "/step_gate" or (route is not None and route.admin)
+
+
+def sampling_params(raw: dict[str, Any], row: int, seeds: torch.Generator) -> tuple[SamplingParams, int]:
+    """Row ``row``'s ``sampling_params`` as this engine runs them, and its row seed (``seeds`` draws one when the
+    request names none)."""
+    unknown = sorted(k for k in raw if k not in SAMPLING_KEYS and k not in NEUTRAL_SAMPLING)
+    if unknown:
+        raise RequestError(f"/generate: sampling_params {unknown} are not implemented by this engine")
+    odd = sorted(k for k, neutral in NEUTRAL_SAMPLING.items() if k in raw and raw[k] not in (neutral, None))
+    if odd:
+        raise RequestError(f"/generate: sampling_params {odd} must keep their neutral values on this engine")
+    if raw.get("n", 1) != 1:
+        raise RequestError("/generate: sampling_params.n must be 1; repeat the input for more samples")
+    params = SamplingParams(max_new_tokens=int(raw.get("max_new_tokens", 128)),
+                            temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
+                            top_k=int(raw.get("top_k", -1)),
+                            stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids") or ()),
+                            ignore_eos=bool(raw.get("ignore_eos", False)))
+    seed = raw.get("sampling_seed")
+    if seed is None:
+        return params, int(torch.randint(MAX_SEED, (1,), generator=seeds))
+    return params, derive_row_seed(int(seed), row)
+

@@ -3,6 +3,7 @@
     python -m megarl.rollout.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
                                     [--enable-return-routed-experts] [--enable-step-gate]
+                                    [--enable-lora --max-lora-rank R --lora-target-modules M ...]
 
 It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
@@ -30,24 +31,17 @@ import torch
 from aiohttp import web
 
 from megarl.models.sampling import ABORT, REBUILD
-from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.cpu_engine.requests import (RequestError, add_weight_versions, errors, is_control, json_body,
-                                               memory_tags, per_row, result)
+                                               memory_tags, per_row, result, sampling_params)
+from megarl.rollout.cpu_engine.lora import LoraRoutes
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
 from megarl.rollout.http_api import PAUSE_MODES
 from megarl.rollout.weight_group import join_group
 
 logger = logging.getLogger("megarl.engine_server")
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "no_stop_trim",
-                 "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "n"}
-"""``sampling_params`` keys this engine honours (or that do not change token ids)."""
-NEUTRAL_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "stop": None, "json_schema": None, "regex": None, "ebnf": None,
-                    "logit_bias": None, "custom_params": None}
-"""SGLang sampling keys accepted only at their neutral value (this engine does not implement them)."""
 ARRIVAL_QUIET_S, ARRIVAL_WAIT_MAX_S = 0.010, 0.100
 """An idle engine starts a batch once no request has arrived for ``ARRIVAL_QUIET_S`` (at most ``ARRIVAL_WAIT_MAX_S``
 after the first): requests sent together by several callers (the asynchronous producer's groups) share the batch, as
@@ -67,6 +61,8 @@ class _Row:
     """With ``return_routed_experts``: the first position whose routing is returned (``routed_experts_start_len``)."""
     version_events: list = dataclasses.field(default_factory=list)
     """SGLang's ``WeightVersionEvent``s: the version that ended and the tokens this row had then."""
+    adapter: Any = None
+    """The LoRA adapter it runs with (``lora_path``; :mod:`megarl.rollout.cpu_engine.lora`), None: the base."""
 
 
 class EngineServer:
@@ -74,7 +70,8 @@ class EngineServer:
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
                  enable_return_routed_experts: bool = False, enable_step_gate: bool = False,
-                 admin_key: str | None = None,
+                 admin_key: str | None = None, enable_lora: bool = False, max_lora_rank: int = 0,
+                 lora_target_modules: tuple[str, ...] = (),
                  arrival_wait_s: tuple[float, float] = (ARRIVAL_QUIET_S, ARRIVAL_WAIT_MAX_S)) -> None:
         if tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
@@ -113,6 +110,8 @@ class EngineServer:
         gives SGLang's ranks: fresh host memory per bucket would cost its page faults every time)."""
         self._opened: dict[int, Any] = {}
         """The bucket buffers opened during the weight-update session (:meth:`Payload.keep_open`)."""
+        self.lora = LoraRoutes(self, max_rank=max_lora_rank, targets=lora_target_modules) if enable_lora else None
+        """LoRA adapters and their routes (``--enable-lora``), else None."""
 
     # ------------------------------------------------------------------------ application
 
@@ -134,9 +133,12 @@ class EngineServer:
             web.post("/release_memory_occupation", self.release_memory_occupation),
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/get_weights_by_name", self.get_weights_by_name),
+            web.post("/update_weight_version", self.update_weight_version),
             web.post("/abort_request", self.abort_request),
             web.get("/v1/loads", self.loads),
         ]
+        if self.lora is not None:
+            routes += self.lora.routes()
         if self.enable_step_gate:
             routes += [web.get("/step_gate", self.step_gate_state), web.post("/step_gate", self.step_gate)]
         app.add_routes(routes)
@@ -222,13 +224,17 @@ class EngineServer:
         rids = per_row(body.get("rid"), num, "rid")
         routed = per_row(bool(body.get("return_routed_experts", False)), num, "return_routed_experts")
         routed_start = per_row(int(body.get("routed_experts_start_len", 0)), num, "routed_experts_start_len")
+        lora = per_row(body.get("lora_path"), num, "lora_path")
+        if self.lora is None and any(name is not None for name in lora):
+            raise RequestError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        adapters = self.lora.resolve(lora) if self.lora is not None else [None] * num
         missing = self._missing_tags()
         if missing:
             raise RequestError(f"/generate: memory {missing} is released; /resume_memory_occupation first")
         loop = asyncio.get_running_loop()
         rows = []
         for i in range(num):
-            params, seed = self._sampling(sampling[i], i)
+            params, seed = sampling_params(sampling[i], i, self._seeds)
             self.engine._check_prompts([prompts[i]], params)
             start = None
             if routed[i] and self.enable_return_routed_experts:
@@ -238,35 +244,26 @@ class EngineServer:
                                        f"(the input's tokens)")
             rows.append(_Row(prompt=[int(t) for t in prompts[i]], params=params, return_logprob=bool(logprob[i]),
                              row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future(),
-                             routed_experts_start=start))
+                             routed_experts_start=start, adapter=adapters[i]))
+        for row in rows:
+            self._use_adapter(row, True)
         self._queue.extend(rows)
         self._arrivals += 1
         self._wake.set()
-        outputs = await asyncio.gather(*(row.future for row in rows))
+        try:
+            outputs = await asyncio.gather(*(row.future for row in rows))
+        finally:
+            for row in rows:
+                self._use_adapter(row, False)
         answers = [self._answer(row, output) for row, output in zip(rows, outputs, strict=True)]
         return web.json_response(answers if batched else answers[0])
 
+    def _use_adapter(self, row: _Row, queued: bool) -> None:
+        if self.lora is not None:
+            (self.lora.acquire if queued else self.lora.release)(row.adapter)
+
     def _missing_tags(self) -> list[str]:
         return sorted(self.released & {"weights", "kv_cache"})
-
-    def _sampling(self, raw: dict[str, Any], row: int) -> tuple[SamplingParams, int]:
-        unknown = sorted(k for k in raw if k not in SAMPLING_KEYS and k not in NEUTRAL_SAMPLING)
-        if unknown:
-            raise RequestError(f"/generate: sampling_params {unknown} are not implemented by this engine")
-        odd = sorted(k for k, neutral in NEUTRAL_SAMPLING.items() if k in raw and raw[k] not in (neutral, None))
-        if odd:
-            raise RequestError(f"/generate: sampling_params {odd} must keep their neutral values on this engine")
-        if raw.get("n", 1) != 1:
-            raise RequestError("/generate: sampling_params.n must be 1; repeat the input for more samples")
-        params = SamplingParams(max_new_tokens=int(raw.get("max_new_tokens", 128)),
-                                temperature=float(raw.get("temperature", 1.0)), top_p=float(raw.get("top_p", 1.0)),
-                                top_k=int(raw.get("top_k", -1)),
-                                stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids") or ()),
-                                ignore_eos=bool(raw.get("ignore_eos", False)))
-        seed = raw.get("sampling_seed")
-        if seed is None:
-            return params, int(torch.randint(MAX_SEED, (1,), generator=self._seeds))
-        return params, derive_row_seed(int(seed), row)
 
     def _answer(self, row: _Row, output: GenerateOutput) -> dict[str, Any]:
         finish: dict[str, Any] = {"type": output.finish_reason.value}
@@ -298,11 +295,12 @@ class EngineServer:
             # No batch starts while paused or while weights change (SGLang's requests wait for the update lock).
             while self._queue and self._pause_mode is None and not self._in_session:
                 pending, self._queue = self._queue, []
-                groups: dict[tuple[SamplingParams, bool, bool], list[_Row]] = {}
+                groups: dict[tuple[SamplingParams, bool, bool, Any], list[_Row]] = {}
                 for row in pending:
                     key = dataclasses.replace(row.params, max_new_tokens=1)
-                    groups.setdefault((key, row.return_logprob, row.routed_experts_start is not None), []).append(row)
-                for (params, return_logprob, return_routed), rows in groups.items():
+                    groups.setdefault((key, row.return_logprob, row.routed_experts_start is not None, row.adapter),
+                                      []).append(row)
+                for (params, return_logprob, return_routed, adapter), rows in groups.items():
                     rows = [row for row in rows if not row.future.done()]
                     if not rows:
                         continue
@@ -312,7 +310,7 @@ class EngineServer:
                         outputs = await loop.run_in_executor(
                             self.engine._executor, self.engine.generate_rows, [r.prompt for r in rows], params,
                             return_logprob, [r.row_seed for r in rows], [r.params.max_new_tokens for r in rows],
-                            self._control, return_routed)
+                            self._control, return_routed, adapter)
                     except Exception as error:  # noqa: BLE001 - handed to every request of the batch
                         for row in rows:
                             if not row.future.done():
@@ -402,14 +400,7 @@ class EngineServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         if body.get("abort_all"):
-            self._abort_queued()
-            with self._cond:
-                self._abort_running = True
-                self._cond.notify_all()
-            while self._running:
-                await asyncio.sleep(0.005)
-            with self._cond:
-                self._abort_running = False
+            await self._abort_all()
         elif body.get("rid"):
             rid = str(body["rid"])
             self._abort_queued({rid})
@@ -421,6 +412,16 @@ class EngineServer:
             with self._cond:
                 self._abort_rids.discard(rid)
         return web.Response(status=200)
+
+    async def _abort_all(self) -> None:
+        self._abort_queued()
+        with self._cond:
+            self._abort_running = True
+            self._cond.notify_all()
+        while self._running:
+            await asyncio.sleep(0.005)
+        with self._cond:
+            self._abort_running = False
 
     # ------------------------------------------------------------------------ weights
 
@@ -544,6 +545,15 @@ class EngineServer:
         if self._groups.pop(name, None) is None:
             return result(False, "The group to be destroyed does not exist.")
         return result(True, "Succeeded to destroy custom process group.")
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's route: aborts every request first unless ``abort_all_requests`` is false."""
+        body = await json_body(request)
+        if body.get("abort_all_requests", True):
+            await self._abort_all()
+        self._set_weight_version(body["new_version"])
+        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                                  "new_version": body["new_version"]})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await json_body(request)

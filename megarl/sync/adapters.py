@@ -1,0 +1,87 @@
+"""Weight sync of a LoRA run's adapters alone (``actor_rollout_ref.rollout.lora_sync=adapters``).
+
+The engines serve the base model they loaded (the HF model the actor's frozen base came from) with LoRA on
+(SGLang's ``--enable-lora``); every generation request names the run's adapter (:data:`ADAPTER_NAME`). A sync
+replaces that adapter:
+
+1. every actor rank gathers the whole adapter in PEFT's layout (:func:`megarl.convert.lora.adapter_tensors`: each
+   stage's layers all-gathered over its TP group; then the stages' over the pipeline group), cast to the engines'
+   dtype;
+2. each engine's *sender* posts ``/unload_lora_adapter`` (no request runs during a sync: the rollout holds them
+   off) then ``/load_lora_adapter_from_tensors`` with one payload per engine TP rank and every tensor's sha256
+   (``expected_checksums``, which every engine rank checks: a wrong byte fails the load), then
+   ``/update_weight_version`` so the tokens sampled next carry the new version. A colocated engine's sender is
+   the actor rank on its first GPU, whose payloads are handles to one flat buffer (CUDA IPC on GPU, shared memory on
+   CPU: :func:`megarl.sync.base.flattened_payload`); a disaggregated engine's is its DP replica's first rank, whose
+   payloads carry the bytes (pickled by value: the engine may be on another node).
+
+The statistics are the weight-sync metrics of the other transports (:func:`megarl.sync.base.merge_stats`); every
+tensor of every engine is verified (its checksum) on every sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.convert.export import Bucket
+from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
+from megarl.rollout.lora_wire import ADAPTER_NAME, checksums
+from megarl.sync.base import WeightTransport, flattened_payload
+
+
+class AdapterSync(WeightTransport):
+    """See the module docstring; built by every actor rank with the same engines. ``config``: PEFT's
+    ``adapter_config.json`` of the run's adapters (:meth:`megarl.config.lora.LoraSpec.peft_config`)."""
+
+    name = "adapters"
+
+    def __init__(self, groups, engines: Sequence[EngineAddress], *, config: dict[str, Any]) -> None:
+        super().__init__(groups, engines)
+        import torch.distributed as dist
+
+        self.config = config
+        rank = dist.get_rank()
+        lead = groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0
+        self.shared = [e for e in self.engines if e.host_ranks and e.host_ranks[0] == rank]
+        """Colocated engines on this rank's GPU (it is their first host rank): handles to one buffer."""
+        self.remote = [e for e in self.engines if not e.host_ranks and lead and e.replica == groups.dp_rank]
+        """Disaggregated engines this rank's DP replica feeds (it is the replica's first rank): the bytes."""
+
+    def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
+              verify_names: Sequence[str] = (), flush_cache: bool = True) -> dict[str, Any] | None:
+        start = time.perf_counter()
+        named = exporter.adapters()  # collective: every rank takes part
+        if not (self.shared or self.remote):
+            return None
+        sums = checksums(dict(named))
+        loads = []
+        if self.shared:
+            bucket = Bucket.pack(named, shared_memory=True)
+            loads += [self._load(e, [flattened_payload(bucket) for _ in range(e.tp)], sums, version)
+                      for e in self.shared]
+        if self.remote:
+            data = flattened_payload(Bucket.pack([(n, t.cpu()) for n, t in named]), by_value=True)
+            loads += [self._load(e, [data] * e.tp, sums, version) for e in self.remote]
+        gather_sync(loads)
+        seconds = time.perf_counter() - start
+        engines = len(loads)
+        delivered = sum(t.numel() * t.element_size() for _, t in named) * engines
+        return {"weight_sync/seconds": seconds, "weight_sync/bytes": float(delivered),
+                "weight_sync/buckets": float(engines), "verified_checks": len(named) * engines,
+                "unverified_checks": 0, "weight_sync/engines": float(engines),
+                "weight_sync/gbps": delivered / max(seconds, 1e-9) / 1e9, "unverifiable": []}
+
+    async def _load(self, engine: EngineAddress, payloads: list[bytes], sums: dict[str, str],
+                    version: str | None) -> None:
+        """Replace the engine's adapter (unload, load, checked by every engine rank) and set its weight version."""
+        client: EngineClient = self.client(engine)
+        try:
+            await client.unload_lora_adapter(ADAPTER_NAME)
+        except EngineError as error:  # the first sync finds none loaded
+            if error.status != 400 or "does not exist" not in str(error):
+                raise
+        await client.load_lora_adapter_from_tensors(ADAPTER_NAME, self.config, payloads, checksums=sums)
+        if version is not None:
+            await client.update_weight_version(version)
