@@ -170,6 +170,14 @@ class Architecture:
                         for target, (fan_in, fan_out, column) in shapes.items() if target in spec.targets)
         return per_layer * len(self.stage_layers(pp, pp_rank, vpp))
 
+    def lora_peft_param_count(self, spec) -> int:
+        """The whole adapter set in PEFT's layout, what a sync of adapters moves (``rollout.lora_sync=adapters``): as
+        :meth:`lora_param_count` at ``tp=1``, but ``A`` once per HF module of a fused layer (q, k, v; gate, up)."""
+        gated = any(r.fuse.value == "gate_up" for r in self.family.weight_rules(self.hf_config))
+        copies = {"linear_qkv": 2, "linear_fc1": 1 if gated else 0}
+        extra = sum(spec.rank * self.hidden * n for target, n in copies.items() if target in spec.targets)
+        return self.lora_param_count(spec) + extra * self.num_layers
+
     def rank_param_counts(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
                           padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
                           vpp: int | None = None) -> RankParams:

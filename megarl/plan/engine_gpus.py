@@ -393,5 +393,7 @@ def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: Mo
 
 def lora_flags(lora: Any) -> list[str]:
     """An engine's flags to serve a run's adapters (``lora``: its :class:`~megarl.config.lora.LoraSpec`), SGLang's
-    and megarl's CPU server's alike: LoRA on, the adapters' rank, the modules they touch (PEFT's names)."""
-    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.hf_target_modules]
+    and megarl's CPU server's alike: LoRA on, the adapters' rank, one adapter at a time (SGLang allocates a GPU slot
+    per adapter a batch may mix, 8 by default; a run serves one), the modules they touch (PEFT's names)."""
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "1",
+            "--lora-target-modules", *lora.hf_target_modules]

@@ -53,7 +53,8 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
 - **logits** (last stage): ``T × V_padded/t × 14`` bytes: the bf16 logits (2) and, inside
   ``megarl.parallel.logprob``, the fp32 scaled logits (4), their exponentials (4) and ``exp·z`` (4).
 - **engine weights**: the model in ``rollout.dtype`` sharded over the engine's TP (vocabulary padded
-  as SGLang pads it; KV heads replicated when engine TP exceeds them). A mixture-of-experts model: every
+  as SGLang pads it; KV heads replicated when engine TP exceeds them); with ``rollout.lora_sync=adapters`` plus
+  SGLang's one LoRA slot, the adapters in PEFT's layout over the engine's TP. A mixture-of-experts model: every
   engine GPU holds every expert, its FFN split over the engine's TP (SGLang without ``--ep-size``; megarl
   starts its engines without expert parallelism).
 - **KV cache**: SGLang sizes its pool when it starts: ``gpu_memory_utilization × GPU − memory in
@@ -321,10 +322,13 @@ class MemoryModel:
         """Bytes of the engine's weights on one of its GPUs."""
         m = self.model
         if self.arr.rollout.name == "hf":
-            return m.num_params * self.engine_bytes
+            lora = m.lora_peft_param_count(self.arr.model.lora_spec) if self.cfg.lora_syncs_adapters else 0
+            return (m.num_params + lora) * self.engine_bytes
         from megarl.models.family import sglang_padded_vocab
 
         n = m.rank_params(tp=self.engine_tp, padded_vocab=sglang_padded_vocab(m.vocab, self.engine_tp))
+        if self.cfg.lora_syncs_adapters:  # SGLang's LoRA slot (--max-loras-per-batch 1), allocated at its start
+            n += m.lora_peft_param_count(self.arr.model.lora_spec) // self.engine_tp
         return n * self.engine_bytes
 
     def _hf_engine_kv(self) -> int:

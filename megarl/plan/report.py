@@ -235,11 +235,18 @@ def _sync_lines(plan: RunPlan) -> list[str]:
     links = sync.links
     engines = plan.placement.engines
     per_buffer = " (rollout.bucket_mb over two buffers)" if sync.transport == "tensor" else ""
-    lines = [(f"Weight sync per step: transport {sync.transport} ({ARR}.rollout.weight_transport="
-              f"{arr.rollout.weight_transport}), full HF tensors in {_DTYPE_NAMES[arr.rollout.dtype]}, "
-              f"{_gib(sync.model_bytes)} GiB into each of {len(engines)} engine(s), {sync.buckets} buckets of at "
-              f"most {sync.bucket_bytes / (1 << 20):.0f} MiB{per_buffer}; requests posted by actor GPUs "
-              f"{ranges(sync.senders)}")]
+    lora = arr.model.lora_spec
+    if sync.transport == "adapters":
+        lines = [(f"Weight sync per step: the LoRA adapters alone ({ARR}.rollout.lora_sync=adapters, rank {lora.rank} "
+                  f"on {', '.join(lora.targets)}), PEFT's layout in {_DTYPE_NAMES[arr.rollout.dtype]}, "
+                  f"{sync.model_bytes / (1 << 20):.1f} MiB into each of {len(engines)} engine(s) serving LoRA; "
+                  f"requests posted by actor GPUs {ranges(sync.senders)}")]
+    else:
+        lines = [(f"Weight sync per step: transport {sync.transport} ({ARR}.rollout.weight_transport="
+                  f"{arr.rollout.weight_transport}), full HF tensors in {_DTYPE_NAMES[arr.rollout.dtype]}, "
+                  f"{_gib(sync.model_bytes)} GiB into each of {len(engines)} engine(s), {sync.buckets} buckets of at "
+                  f"most {sync.bucket_bytes / (1 << 20):.0f} MiB{per_buffer}; requests posted by actor GPUs "
+                  f"{ranges(sync.senders)}")]
     for step in sync.steps:
         amount = f"{step.count} x {links.request_ms:g} ms" if step.link == "requests" else \
             f"{_gib(step.nbytes)} GiB over {_LINK_NAMES[links.physical(step.link)]}"
@@ -252,12 +259,11 @@ def _sync_lines(plan: RunPlan) -> list[str]:
                  f"InfiniBand {links.infiniband_gbps:g} GB/s, HBM {links.hbm_gbps:g} GB/s per GPU one way, "
                  f"{links.request_ms:g} ms per engine request; GPUs of a node over {_LINK_NAMES[links.intra_node]} "
                  f"(trainer.links.intra_node)")
-    lora = arr.model.lora_spec
-    if lora is not None:
-        adapters = plan.model.lora_param_count(lora) * sync.model_bytes / plan.model.num_params  # engine dtype
-        lines.append(f"LoRA (rank {lora.rank} on {', '.join(lora.targets)}): the engines get the merged weights above; "
-                     f"the adapters alone are {adapters / (1 << 20):.1f} MiB, {100 * adapters / sync.model_bytes:.2f} % "
-                     f"of them (a sync of adapters into engines serving LoRA is not there yet)")
+    if lora is not None and sync.transport != "adapters":
+        adapters = plan.model.lora_peft_param_count(lora) * sync.model_bytes / plan.model.num_params  # engine dtype
+        lines.append(f"LoRA (rank {lora.rank} on {', '.join(lora.targets)}): {ARR}.rollout.lora_sync=merged, the "
+                     f"engines get the merged weights above; the adapters alone (lora_sync=adapters) are "
+                     f"{adapters / (1 << 20):.1f} MiB, {100 * adapters / sync.model_bytes:.2f} % of them")
     return lines
 
 

@@ -74,9 +74,10 @@ class SyncPlan:
     """One full weight sync (HF tensors in the engine dtype) by the run's transport, and its time estimate."""
 
     transport: str
-    """``tensor`` or ``distributed`` (``rollout.weight_transport`` resolved)."""
+    """``tensor`` or ``distributed`` (``rollout.weight_transport`` resolved), or ``adapters`` (a LoRA run's adapters
+    alone: :func:`adapter_sync`)."""
     model_bytes: int
-    """All HF tensors of the model at the engine dtype: what each engine loads."""
+    """All HF tensors of the model at the engine dtype (``adapters``: the adapters'): what each engine loads."""
     bucket_bytes: int
     """Most bytes a bucket groups (a larger tensor travels alone)."""
     buckets: int
@@ -115,7 +116,42 @@ class SyncMemory:
 
 def plan_weight_sync(cfg: RunConfig, model: Architecture, placement: PlacementPlan) -> SyncMemory:
     """The weight sync of ``cfg``'s actor on ``placement`` (the module docstring)."""
+    if cfg.lora_syncs_adapters:
+        return adapter_sync(cfg, model, placement)
     return _WeightSync(cfg, model, placement).memory()
+
+
+ADAPTER_REQUESTS = 3
+"""Engine requests of a sync of adapters: unload, load, weight version."""
+
+
+def adapter_sync(cfg: RunConfig, model: Architecture, placement: PlacementPlan) -> SyncMemory:
+    """A LoRA run's sync of its adapters alone (``rollout.lora_sync=adapters``, :mod:`megarl.sync.adapters`): the
+    whole adapter set in PEFT's layout at the engine dtype (``A`` once per HF module of a fused layer), gathered on
+    every actor GPU (TP all-gathers, then the stages' over the pipeline group, through host memory) and posted by
+    one sender per engine (colocated: the actor rank on its first GPU, a payload of handles to one copy; else its DP
+    replica's first rank, the bytes by value over the network), three requests each; the engine copies the adapters
+    into its LoRA slot. Buffers: the gathered adapters on every actor GPU, and a second copy (the payload's bucket)
+    on a sender's."""
+    arr = cfg.actor_rollout_ref
+    dims = placement.role("actor").dims
+    nbytes = model.lora_peft_param_count(arr.model.lora_spec) * DTYPE_BYTES[arr.rollout.dtype]
+    bundles = placement.role("actor").bundles
+    if placement.colocated:
+        senders = tuple(sorted(e.bundles[0] for e in placement.engines))
+    else:
+        replicas = sorted({engine_replica(e, dims.dp) for e in placement.engines})
+        senders = tuple(bundles[d * dims.tp * dims.cp] for d in replicas)
+    steps = [SyncStep("actor", "the adapters gathered whole on every actor GPU", "intra_node", nbytes)]
+    if not placement.colocated:
+        steps.append(SyncStep("actor", "each sender posts them to its engines", "infiniband", nbytes))
+    steps += [SyncStep("engine", f"{ADAPTER_REQUESTS} engine requests (unload, load, weight version)", "requests",
+                       count=ADAPTER_REQUESTS),
+              SyncStep("engine", "each engine GPU copies the adapters into its LoRA slot (read + write)", "hbm",
+                       2 * nbytes)]
+    plan = SyncPlan("adapters", nbytes, nbytes, 1, tuple(steps), cfg.trainer.links, overlapped=False,
+                    senders=senders)
+    return SyncMemory(plan, {b: nbytes * (2 if b in senders else 1) for b in bundles}, 0)
 
 
 class _WeightSync:

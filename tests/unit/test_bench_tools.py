@@ -70,6 +70,16 @@ def test_bench_weight_sync_smoke(tools, tmp_path, capsys):
             assert value >= 0 if key in MAY_BE_ZERO else value > 0, (name, key, value)
 
 
+def test_bench_lora_sync_smoke(tools, tmp_path, capsys):
+    """Both LoRA sync modes into a real CPU engine server serving LoRA (TP=2: the adapters gathered over TP)."""
+    values = _run(tools("bench_lora_sync"), ["--hidden", "64", "--layers", "2", "--vocab", "250", "--repeats", "1",
+                                             "--rank", "4", "--tp", "2", "--timeout", "120", "--workdir",
+                                             str(tmp_path)], capsys)
+    assert values.keys() == {"adapters_bytes_frac", "speedup", "merged_s", "adapters_s", "adapters_mib",
+                             "merged_mib"}
+    assert values["adapters_bytes_frac"] < 1
+
+
 def test_bench_packing_smoke(tools, capsys):
     """Padded against packed on one rank: the same log-probs, both timed."""
     values = _run(tools("bench_packing"), ["--hidden", "64", "--layers", "2", "--vocab", "250", "--repeats", "1",

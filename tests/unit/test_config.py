@@ -446,3 +446,23 @@ def test_lora_settings_take_verls_keys_and_name_what_is_wrong():
                      "actor_rollout_ref.model.target_modules=[qkv]"])
     with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=-1 must be >= 0"):
         load_config(["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.lora_rank=-1"])
+
+
+def test_lora_sync_modes_and_what_they_refuse():
+    """``rollout.lora_sync``: ``adapters`` (the default) makes the engines serve the run's adapter; ``merged`` and a
+    run without LoRA leave them plain; partial rollouts hold requests across a sync, which keep the adapter they
+    started with: refused with adapters, naming the settings."""
+    from megarl.config import load_config
+
+    lora = ["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.lora_rank=8"]
+    assert load_config(lora).lora_syncs_adapters
+    assert not load_config(lora + ["actor_rollout_ref.rollout.lora_sync=merged"]).lora_syncs_adapters
+    assert not load_config(["recipe=tiny_cpu_grpo"]).lora_syncs_adapters
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.lora_sync='?full'?"):
+        load_config(lora + ["actor_rollout_ref.rollout.lora_sync=full"])
+    partial = ["trainer.mode=fully_async", "async_training.partial_rollout=true",
+               "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[1]"]
+    with pytest.raises(ValueError, match=r"a held request keeps the adapter it started with; set "
+                                         r"actor_rollout_ref.rollout.lora_sync=merged"):
+        load_config(lora + partial)
+    load_config(lora + partial + ["actor_rollout_ref.rollout.lora_sync=merged"])

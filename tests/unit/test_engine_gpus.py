@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megarl.config.lora import LoraSpec
+
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
 from megarl.plan.engine_gpus import (
@@ -224,7 +226,7 @@ def test_launch_commands_of_a_tp16_engine_on_both_nodes():
 def all_commands() -> list[tuple[str, ...]]:
     """One command of every shape above, every optional flag included."""
     full = dict(rollout=ROLLOUT, model=ModelConfig(path="/m", tokenizer_path="/t", trust_remote_code=True),
-                context_length=2048, return_routed_experts=True)
+                context_length=2048, return_routed_experts=True, lora=LoraSpec(rank=16, alpha=32.0))
     cmds = []
     for tp, nodes in ((1, [8]), (4, [8]), (8, [8])):
         for gpus in engine_gpus(make_placement(nodes=nodes, actor=ParallelDims(tp=tp)).engines,
@@ -251,7 +253,9 @@ EMITTED_FIELDS = {
     "--skip-server-warmup": "skip_server_warmup", "--trust-remote-code": "trust_remote_code",
     "--disable-cuda-graph": "disable_cuda_graph", "--enable-memory-saver": "enable_memory_saver",
     "--context-length": "context_length", "--nnodes": "nnodes", "--node-rank": "node_rank",
-    "--dist-init-addr": "dist_init_addr", "--enable-return-routed-experts": "enable_return_routed_experts"}
+    "--dist-init-addr": "dist_init_addr", "--enable-return-routed-experts": "enable_return_routed_experts",
+    "--enable-lora": "enable_lora", "--max-lora-rank": "max_lora_rank", "--max-loras-per-batch": "max_loras_per_batch",
+    "--lora-target-modules": "lora_target_modules"}
 """Every flag :func:`sglang_launch_command` can emit -> the ``ServerArgs`` field it is meant to set."""
 
 
@@ -291,6 +295,9 @@ def test_sglang_parses_the_commands_into_the_intended_server_args():
             tp16_head.port, tp16_head.dtype, tp16_head.context_length) == (0, 1, 0.6, 7, 30000, "bfloat16", 2048)
     assert tp16_head.disable_cuda_graph and tp16_head.enable_memory_saver and tp16_head.skip_server_warmup
     assert tp16_head.trust_remote_code and tp16_head.model_path == "/m" and tp16_head.tokenizer_path == "/t"
+    assert tp16_head.enable_lora and (tp16_head.max_lora_rank, tp16_head.max_loras_per_batch) == (16, 1)
+    assert sorted(tp16_head.lora_target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                     "up_proj", "v_proj"]
     assert [ns.tp_size for ns in parsed] == [1] * 8 + [4] * 2 + [8] + [16] * 2
 
 

@@ -747,8 +747,9 @@ def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only
     QKV and fc1, A's columns / 8 and B whole for the output projection and fc2), and no reference model is held."""
     plan = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo"]))
     assert plan.fits and plan.gpu_memory_bytes == 80 * GiB
-    (gpu,) = plan.gpus
-    assert gpu.gpus == tuple(range(8))
+    gpu, others = plan.gpus  # GPU 0 posts the adapters to the engine: a second copy of them during the sync
+    assert (gpu.gpus, others.gpus) == ((0,), tuple(range(1, 8)))
+    assert gpu.rows["sync_buffers"] == 2 * others.rows["sync_buffers"]
     h, f, a, g, d, r = 8192, 28672, 64, 8, 128, 64
     adapters = 80 * r * ((h + (a + 2 * g) * d // 8) + (a * d // 8 + h) + (h + 2 * f // 8) + (f // 8 + h))
     layer = ((a + 2 * g) * d * h + h * a * d + 3 * f * h) // 8 + 2 * h
@@ -757,12 +758,21 @@ def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only
     assert gpu.rows["actor_grads"] == 4 * adapters
     assert gpu.rows["actor_optimizer"] == 12 * adapters  # fp32 main + m + v, one data-parallel rank
     assert not gpu.rows.get("ref_weights")
-    # The sync: merged weights today; the adapters alone (tp=1: A and B whole, 80 layers) would be 1 % of them.
+    # The sync moves the adapters alone (tp=1: A and B whole, 80 layers), A once per HF module in PEFT's layout
+    # (q, k, v; gate, up): 1.17 % of the merged weights, which lora_sync=merged moves.
     whole = 80 * r * ((h + (a + 2 * g) * d) + (a * d + h) + (h + 2 * f) + (f + h))
     assert plan.model.lora_param_count(plan.cfg.actor_rollout_ref.model.lora_spec) == whole == 702_545_920
+    peft = whole + 80 * r * 3 * h
+    assert plan.sync.transport == "adapters" and plan.sync.model_bytes == 2 * peft
+    assert others.rows["sync_buffers"] == 2 * peft  # the gathered adapters on every actor GPU
     from megarl.plan.report import format_report
 
-    assert f"the adapters alone are {2 * whole / 2**20:.1f} MiB, 1.00 % of them" in format_report(plan)
+    assert f"PEFT's layout in bf16, {2 * peft / 2**20:.1f} MiB into each of 1 engine(s) serving LoRA" in \
+        format_report(plan)
+    merged = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.rollout.lora_sync=merged"]))
+    assert merged.fits and merged.sync.transport == "tensor"
+    assert f"the adapters alone (lora_sync=adapters) are {2 * peft / 2**20:.1f} MiB, 1.17 % of them" in \
+        format_report(merged)
     without = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.model.lora_rank=0"]),
                        check=False)
     assert not without.fits  # full fine-tuning of the same layout does not fit the node

@@ -48,9 +48,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as SGLang's flag")
     parser.add_argument("--max-lora-rank", type=int, default=0, help="the highest adapter rank served")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8,
+                        help="adapters one batch may mix (SGLang's slots; this engine runs one adapter per batch)")
     parser.add_argument("--lora-target-modules", nargs="*", default=[],
                         help="PEFT module names adapters may touch, or all (default)")
     args = parser.parse_args(argv)
+    if args.max_loras_per_batch < 1:
+        parser.error(f"--max-loras-per-batch must be >= 1, got {args.max_loras_per_batch}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_HTTP2ProbeFilter())
     from transformers.utils import logging as hf_logging
