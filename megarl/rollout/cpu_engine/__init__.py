@@ -58,6 +58,10 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   running rows' output tokens so far). A gate-held batch counts as running, not paused: weight updates and
   memory releases wait or refuse as for any running batch; a pause, abort or ``/abort_request`` acts on it as
   between any two steps. Without the flag the route does not exist.
+- **LoRA** (``--enable-lora --max-lora-rank R --lora-target-modules ...``, SGLang's flags): adapters loaded from
+  tensors (``/load_lora_adapter_from_tensors``, checksums checked on every TP rank's payload) or a PEFT directory
+  (``/load_lora_adapter``), unloaded once their requests finish; ``/generate``'s ``lora_path`` names one per
+  request or row, and requests of different adapters never share a batch (:mod:`.lora`).
 - **Admin key** (the environment variable ``MEGARL_ENGINE_ADMIN_KEY``, as SGLang's ``--admin-api-key``, never on
   the command line): every control route (those SGLang marks ``ADMIN_OPTIONAL``: weight updates, memory,
   pause and continue, flush, weight reads, aborts; and ``/step_gate``) answers 401 to a request without

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from aiohttp import web
 
-from megarl.rollout.engine import SamplingParams
+from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.http_api import MEMORY_TAGS, ROUTES
 from megarl.seeds import MAX_SEED, derive_row_seed
 
@@ -107,3 +109,23 @@ def sampling_params(raw: dict[str, Any], row: int, seeds: torch.Generator) -> tu
         return params, int(torch.randint(MAX_SEED, (1,), generator=seeds))
     return params, derive_row_seed(int(seed), row)
 
+
+def generate_answer(row: Any, output: GenerateOutput, weight_version: str) -> dict[str, Any]:
+    """SGLang's ``/generate`` answer for one row (the server's ``_Row``) and its output."""
+    finish: dict[str, Any] = {"type": output.finish_reason.value}
+    if output.finish_reason is FinishReason.STOP:
+        finish["matched"] = output.output_ids[-1]
+    elif output.finish_reason is FinishReason.LENGTH:
+        finish["length"] = len(output.output_ids)
+    else:
+        finish["message"] = "aborted"
+    meta: dict[str, Any] = {"id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt),
+                            "completion_tokens": len(output.output_ids), "cached_tokens": 0}
+    add_weight_versions(meta, row.version_events, weight_version, len(output.output_ids))
+    if row.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                         zip(output.output_logprobs, output.output_ids, strict=True)]
+    if row.routed_experts_start is not None:  # SGLang: base64 of int32 [seqlen - 1 - start, layers, top_k]
+        routed = np.ascontiguousarray(output.routed_experts[row.routed_experts_start:], dtype=np.int32)
+        meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
+    return {"text": "", "output_ids": output.output_ids, "meta_info": meta}

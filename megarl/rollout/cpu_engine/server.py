@@ -16,7 +16,6 @@ key) is described in :mod:`megarl.rollout.cpu_engine`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import logging
 import secrets
@@ -26,14 +25,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from aiohttp import web
 
 from megarl.models.sampling import ABORT, REBUILD
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.requests import (RequestError, add_weight_versions, errors, is_control, json_body,
+from megarl.rollout.cpu_engine.requests import (RequestError, errors, generate_answer, is_control, json_body,
                                                memory_tags, per_row, result, sampling_params)
 from megarl.rollout.cpu_engine.lora import LoraRoutes
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
@@ -255,7 +253,8 @@ class EngineServer:
         finally:
             for row in rows:
                 self._use_adapter(row, False)
-        answers = [self._answer(row, output) for row, output in zip(rows, outputs, strict=True)]
+        answers = [generate_answer(row, output, self.weight_version)
+                   for row, output in zip(rows, outputs, strict=True)]
         return web.json_response(answers if batched else answers[0])
 
     def _use_adapter(self, row: _Row, queued: bool) -> None:
@@ -264,25 +263,6 @@ class EngineServer:
 
     def _missing_tags(self) -> list[str]:
         return sorted(self.released & {"weights", "kv_cache"})
-
-    def _answer(self, row: _Row, output: GenerateOutput) -> dict[str, Any]:
-        finish: dict[str, Any] = {"type": output.finish_reason.value}
-        if output.finish_reason is FinishReason.STOP:
-            finish["matched"] = output.output_ids[-1]
-        elif output.finish_reason is FinishReason.LENGTH:
-            finish["length"] = len(output.output_ids)
-        else:
-            finish["message"] = "aborted"
-        meta: dict[str, Any] = {"id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt),
-                                "completion_tokens": len(output.output_ids), "cached_tokens": 0}
-        add_weight_versions(meta, row.version_events, self.weight_version, len(output.output_ids))
-        if row.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in
-                                             zip(output.output_logprobs, output.output_ids, strict=True)]
-        if row.routed_experts_start is not None:  # SGLang: base64 of int32 [seqlen - 1 - start, layers, top_k]
-            routed = np.ascontiguousarray(output.routed_experts[row.routed_experts_start:], dtype=np.int32)
-            meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
-        return {"text": "", "output_ids": output.output_ids, "meta_info": meta}
 
     async def _schedule(self) -> None:
         """Run queued rows in batches on the engine thread, one batch at a time."""
