@@ -1,10 +1,11 @@
-"""The policy model (``actor_rollout_ref.model.*``) and the optimizer of a trainable role (``<role>.optim.*``)."""
+"""The models of a run (the policy, ``actor_rollout_ref.model.*``; a scoring model, ``teacher.model.*``) and the
+optimizer of a trainable role (``<role>.optim.*``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
@@ -18,9 +19,11 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclasses.dataclass(kw_only=True)
-class ModelConfig:
-    """The policy model (``actor_rollout_ref.model.*``)."""
+class ModelSource:
+    """Where a model of the run comes from and how it computes: the policy's (:class:`ModelConfig`) and a scoring
+    model's (:class:`ScoringModelConfig`). ``KEY``: the section's key, which its errors name."""
 
+    KEY: ClassVar[str] = "actor_rollout_ref.model"
     path: str = MISSING
     """HF model directory (or hub id already in the local cache); with ``init=tiny_sft``, where the tiny model is cached."""
     tokenizer_path: str | None = None
@@ -43,8 +46,35 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model and tokenizer code from the model directory (passed to every transformers loader)."""
     use_remove_padding: bool = True
-    """Pack each micro-batch's sequences end to end (THD, no compute on padding) in the actor's and reference's
-    forward and backward passes; false: pad them to a rectangle (megarl.parallel.packing)."""
+    """Pack each micro-batch's sequences end to end (THD, no compute on padding) in the model's forward and backward
+    passes; false: pad them to a rectangle (megarl.parallel.packing)."""
+
+    def __post_init__(self) -> None:
+        p = self.KEY
+        check_choice(f"{p}.init", self.init, MODEL_INITS)
+        check_choice(f"{p}.tiny_arch", self.tiny_arch, TINY_ARCHS)
+        check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        check_positive(f"{p}.sft_steps", self.sft_steps)
+        check_positive(f"{p}.sft_lr", self.sft_lr)
+        if self.sft_stop_reward is not None and not 0.0 < self.sft_stop_reward <= 1.0:
+            raise ValueError(f"{p}.sft_stop_reward={self.sft_stop_reward!r} must be in (0, 1]; "
+                             f"set it to null to run all sft_steps")
+
+    @property
+    def local_path(self) -> str:
+        """``path`` with ``~`` expanded."""
+        return str(Path(self.path).expanduser())
+
+    @property
+    def local_tokenizer_path(self) -> str:
+        """``tokenizer_path`` (else ``path``) with ``~`` expanded."""
+        return str(Path(self.tokenizer_path or self.path).expanduser())
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig(ModelSource):
+    """The policy model (``actor_rollout_ref.model.*``)."""
+
     lora_rank: int = 0
     """LoRA adapters of this rank on the actor's linear layers (``target_modules``), the base frozen; 0: off
     (verl's name). The reference policy is then the actor with its adapters off (no second model)."""
@@ -55,20 +85,13 @@ class ModelConfig:
     ``linear_fc2``) or PEFT's names (``q_proj`` ... ``down_proj``; a fused layer's parts together)."""
 
     def __post_init__(self) -> None:
-        p = "actor_rollout_ref.model"
-        check_choice(f"{p}.init", self.init, MODEL_INITS)
-        check_choice(f"{p}.tiny_arch", self.tiny_arch, TINY_ARCHS)
-        check_choice(f"{p}.dtype", self.dtype, DTYPES)
-        check_positive(f"{p}.sft_steps", self.sft_steps)
-        check_positive(f"{p}.sft_lr", self.sft_lr)
+        super().__post_init__()
+        p = self.KEY
         if self.lora_rank < 0:
             raise ValueError(f"{p}.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
         if self.lora_rank:
             check_positive(f"{p}.lora_alpha", self.lora_alpha)
             self.lora_spec  # the targets, checked
-        if self.sft_stop_reward is not None and not 0.0 < self.sft_stop_reward <= 1.0:
-            raise ValueError(f"{p}.sft_stop_reward={self.sft_stop_reward!r} must be in (0, 1]; "
-                             f"set it to null to run all sft_steps")
 
     @property
     def lora_spec(self):
@@ -83,15 +106,15 @@ class ModelConfig:
         return LoraSpec(rank=int(self.lora_rank), alpha=float(self.lora_alpha),
                         targets=lora_targets(targets, setting="actor_rollout_ref.model.target_modules"))
 
-    @property
-    def local_path(self) -> str:
-        """``path`` with ``~`` expanded."""
-        return str(Path(self.path).expanduser())
 
-    @property
-    def local_tokenizer_path(self) -> str:
-        """``tokenizer_path`` (else ``path``) with ``~`` expanded."""
-        return str(Path(self.tokenizer_path or self.path).expanduser())
+@dataclasses.dataclass(kw_only=True)
+class ScoringModelConfig(ModelSource):
+    """A model that scores the policy's samples, never trained (``teacher.model.*``): its ``path`` is needed once
+    its section is on."""
+
+    KEY: ClassVar[str] = "teacher.model"
+    path: str | None = None
+    """HF model directory; with ``init=tiny_sft``, where the tiny model is cached."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -13,6 +13,7 @@ Layout (verl's key names), each section defined in the module named after it::
         ref                       RefConfig                      (config/actor.py)
         rollout                   RolloutConfig (val_kwargs, multi_turn)                     (config/rollout.py)
       critic                      CriticConfig (optim, parallel, megatron)                   (config/critic.py)
+      teacher                     TeacherConfig (model: ScoringModelConfig, parallel, megatron)  (config/teacher.py)
       reward_model                RewardConfig                   (config/algorithm.py)
       algorithm                   AlgorithmConfig (kl_ctrl)      (config/algorithm.py)
       trainer                     TrainerConfig (links: LinksConfig)                         (config/trainer.py)
@@ -39,6 +40,7 @@ from megarl.config.data import DataConfig
 from megarl.config.generation import GenerationConfig
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.config.teacher import TeacherConfig
 from megarl.config.trainer import TrainerConfig
 
 SCHEMA_NAME = "megarl_run_schema"
@@ -73,6 +75,8 @@ class RunConfig:
     """The policy, its reference and its rollout engines."""
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     """The value model."""
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """A teacher scoring the policy's samples (on-policy distillation)."""
     reward_model: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     """Rewards."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)

@@ -85,6 +85,8 @@ def _roles(cfg: RunConfig) -> list[tuple[str, ParallelDims]]:
     roles = [(f"{ARR}.actor.parallel", actor.parallel)]  # the reference shares the actor's layout
     if cfg.critic.enable:
         roles.append(("critic.parallel", cfg.critic.parallel))
+    if cfg.teacher.enable:
+        roles.append(("teacher.parallel", cfg.teacher.parallel))
     return roles
 
 
@@ -252,6 +254,7 @@ def _check_memory_flags(cfg: RunConfig) -> None:
     flags[f"{ARR}.ref.param_offload"] = arr.ref.param_offload
     flags.update({f"critic.{name}": getattr(cfg.critic, name)
                   for name in ("param_offload", "grad_offload", "optimizer_offload")})
+    flags["teacher.param_offload"] = cfg.teacher.param_offload
     rollout = arr.rollout
     if rollout.name == "hf" and not rollout.enforce_eager:
         logger.warning("%s.rollout.enforce_eager=False is ignored by the hf engine: it never captures CUDA graphs",

@@ -44,7 +44,7 @@ from megarl.rollout.tools.registry import load_tools
 from megarl.sync import resolve_transport
 from megarl.workers.engine_server import EngineServerWorker
 from megarl.workers.group import WorkerGroup
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker, TeacherWorker
 
 
 
@@ -60,6 +60,8 @@ class Roles:
     """The policy's ranks (the reference lives in the same processes); None when generating only."""
     critic: WorkerGroup | None
     """The value model's ranks (PPO with GAE), else None."""
+    teacher: WorkerGroup | None
+    """The teacher's ranks (on-policy distillation), else None."""
     rollout: WorkerGroup
     """One worker per rollout engine, owning the engine's server process."""
     engines: list[EngineClient]
@@ -81,7 +83,7 @@ class Roles:
     @property
     def groups(self) -> list[WorkerGroup]:
         """Every worker group, in the order they were built."""
-        return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
+        return [g for g in (self.actor, self.critic, self.teacher, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
         """Close the clients' sessions and let go of the driver's event loop (the last holder stops it and joins its
@@ -141,8 +143,9 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
     try:
         gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
-        colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0)  # actor(+ref), engines, critic
-        actor = critic = None
+        # actor(+ref), engines, critic, teacher
+        colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0) + (1 if cfg.teacher.enable else 0)
+        actor = critic = teacher = None
         if not training:
             colocated = 1
         else:
@@ -157,6 +160,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
             with phase("placing the critic and building its model"):
                 critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
             built.append(critic)
+        if training and cfg.teacher.enable:
+            with phase(f"placing the teacher on {plan.role('teacher').world_size} rank(s) and building its model"):
+                teacher = _build_teacher(cfg, pools["global"], 1.0 / colocated)
+            built.append(teacher)
         rollout_pool = pools["rollout"] if separate else pools["global"]
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
@@ -185,7 +192,7 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
             pool.remove()
         event_loop.release()
         raise
-    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, rollout=rollout, engines=engines,
+    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, teacher=teacher, rollout=rollout, engines=engines,
                  router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
                  engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
@@ -237,6 +244,17 @@ def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
     try:
         group.call_all(CriticWorker.init_model, model=arr.model, critic=cfg.critic, rollout_n=arr.rollout.n,
                        seed=cfg.trainer.seed)
+        group.refresh_coordinates()
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _build_teacher(cfg: RunConfig, pool, share: float) -> WorkerGroup:
+    group = _group(cfg, TeacherWorker, pool, share, role="teacher")
+    try:
+        group.call_all(TeacherWorker.init_model, teacher=cfg.teacher, seed=cfg.trainer.seed)
         group.refresh_coordinates()
     except BaseException:
         group.shutdown()

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from megarl.algo import advantages
 from megarl.algo.dapo import REWARD_EXTRA
+from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
 from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
@@ -75,7 +76,7 @@ from megarl.rollout.manager import RolloutManager
 from megarl.seeds import SEED_STREAM_VALIDATION, SEED_STREAM_VALIDATION_BOOTSTRAP, derive_seed
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.base import Worker
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker, TeacherWorker
 
 logger = logging.getLogger("megarl.train")
 
@@ -87,6 +88,7 @@ class RunInputError(ValueError):
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
               "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
+TEACHER_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 """The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
 the one loss mask of every role."""
 
@@ -112,6 +114,7 @@ class Trainer:
         """(step, metrics) of every step this trainer ran."""
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
+        self.use_teacher = cfg.teacher.enable
         self.roles: Roles | None = None
         """The placed workers, engines and router (:func:`megarl.controller.build.build_roles`)."""
         self.rollout_manager: RolloutManager | None = None
@@ -258,6 +261,8 @@ class Trainer:
     # ================================================================================ stages
     # ------------------------------------------------------------------ memory between phases
     def _offload_flags(self, role: str) -> dict[str, bool]:
+        if role == "teacher":
+            return {"params": self.use_teacher and self.cfg.teacher.param_offload}
         if role == "critic":
             critic = self.cfg.critic
             return {"params": critic.param_offload, "grads": critic.grad_offload,
@@ -270,11 +275,14 @@ class Trainer:
         """Move a role's weights/gradients/optimizer states to host memory (``<role>.*_offload``; GPU only)."""
         flags = self._offload_flags(role)
         if any(flags.values()):
-            (self.roles.critic if role == "critic" else self.roles.actor).call_all(ActorWorker.offload, **flags)
+            self._group_of(role).call_all(ActorWorker.offload, **flags)
 
     def _onload(self, role: str) -> None:
         if any(self._offload_flags(role).values()):
-            (self.roles.critic if role == "critic" else self.roles.actor).call_all(ActorWorker.onload)
+            self._group_of(role).call_all(ActorWorker.onload)
+
+    def _group_of(self, role: str):
+        return {"critic": self.roles.critic, "teacher": self.roles.teacher}.get(role, self.roles.actor)
 
     # ================================================================================ the step
     def train_step(self) -> dict[str, float]:
@@ -293,6 +301,7 @@ class Trainer:
             metrics |= self._leave_out_unscored(batch, extra, step)
             batch = self._old_log_probs(batch, metrics, timing)
             batch = self._reference(batch, timing)
+            batch = self._teacher(batch, timing)
             batch = self._values(batch, timing)
             with timer("adv", timing):
                 metrics |= self._advantages(batch)
@@ -359,6 +368,18 @@ class Trainer:
                                                         self._select(batch, ACTOR_KEYS),
                                                         temperature=batch.meta["temperature"]))
 
+    def _teacher(self, batch: Batch, timing: dict[str, float]) -> Batch:
+        """The teacher's log-probs of the student's sampled tokens (``teacher_log_prob``; on-policy distillation)."""
+        if not self.use_teacher:
+            return batch
+        self._onload("teacher")
+        with timer("teacher", timing):
+            batch = batch.union(self.roles.teacher.call_dp(TeacherWorker.compute_teacher_log_prob,
+                                                           self._select(batch, TEACHER_KEYS),
+                                                           temperature=batch.meta["temperature"]))
+        self._offload("teacher")
+        return batch
+
     def _values(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """The critic's values of the response tokens (PPO with GAE)."""
         if not self.use_critic:
@@ -375,8 +396,16 @@ class Trainer:
             metrics = apply_kl_penalty(batch, self.kl_ctrl, algo.kl_penalty)
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
+        teacher = self.cfg.teacher
+        if self.use_teacher:  # on-policy distillation (megarl.algo.distill)
+            kl = reverse_kl(batch["old_log_probs"], batch["teacher_log_prob"], batch["response_mask"])
+            metrics |= distill_metrics(kl, batch["response_mask"])
+            if teacher.signal == "reward":
+                batch["token_level_rewards"] = apply_to_rewards(batch["token_level_rewards"], kl, teacher.kl_coef)
         advantages.compute(algo.adv_estimator, batch, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten,
                            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        if self.use_teacher and teacher.signal == "advantage":
+            batch["advantages"] = apply_to_advantages(batch["advantages"], kl, teacher.kl_coef, batch["response_mask"])
         return metrics
 
     def _update_critic(self, batch: Batch, step: int, timing: dict[str, float]) -> dict[str, float]:

@@ -3,7 +3,7 @@
 Two layers:
 
 - **The plan** (pure, no Ray): :func:`make_placement` / :func:`plan_placement` decide which
-  bundle of which pool hosts rank r of each role (actor, ref, critic, rollout, reward_model)
+  bundle of which pool hosts rank r of each role (actor, ref, critic, teacher, rollout, reward_model)
   and which bundles each rollout engine serves on. Tested without Ray.
 - **The pools** (Ray): :class:`ResourcePool` reserves the bundles as Ray placement groups and
   hands out a scheduling strategy per bundle; ``megarl.workers.group.WorkerGroup`` spawns
@@ -24,7 +24,7 @@ Rank order. Rank r of a role runs on bundle r of its pool. Megatron orders ranks
 ``tp-cp-ep-dp-pp`` (TP fastest, PP slowest), so each TP group is ``tp`` consecutive
 bundles, on one node when ``tp`` divides the GPUs per node.
 
-Colocated (the default): every role maps to the one pool ``"global"``; actor, ref, critic
+Colocated (the default): every role maps to the one pool ``"global"``; actor, ref, critic, teacher
 ranks and the rollout engines share the same GPU bundles (each process gets
 ``1/colocate_count`` of a GPU; engines release their memory while the trainer works).
 Disaggregated: the rollout engines get their own pool (``rollout_nodes``), training roles
@@ -60,9 +60,9 @@ from megarl.config.parallel import ParallelDims
 from megarl.config.rollout import ENGINE_LAYOUTS
 from megarl.config.schema import RunConfig
 
-ROLES = ("actor", "ref", "critic", "rollout", "reward_model")
+ROLES = ("actor", "ref", "critic", "teacher", "rollout", "reward_model")
 """Role names known to the plan (``rollout`` is the engines; the others are Megatron workers)."""
-TRAINING_ROLES = ("actor", "ref", "critic", "reward_model")
+TRAINING_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
 GLOBAL_POOL = "global"
 ROLLOUT_POOL = "rollout"
 
@@ -311,6 +311,7 @@ def make_placement(
     actor: ParallelDims,
     ref: ParallelDims | None = None,
     critic: ParallelDims | None = None,
+    teacher: ParallelDims | None = None,
     reward_model: ParallelDims | None = None,
     rollout_nodes: Sequence[int] | None = None,
     engine_tp: int | None = None,
@@ -319,7 +320,7 @@ def make_placement(
     """The plan from config-like arguments.
 
     ``nodes``: GPUs per node of the training pool (``trainer.n_gpus_per_node`` repeated
-    ``trainer.nnodes`` times). Roles given a layout (``ref``, ``critic``, ``reward_model``)
+    ``trainer.nnodes`` times). Roles given a layout (``ref``, ``critic``, ``teacher``, ``reward_model``)
     are placed; the actor always is. Colocated by default: every role and the engines share
     pool ``"global"``. With ``rollout_nodes`` the engines get their own pool ``"rollout"``
     (disaggregated). ``engine_tp`` defaults to the actor's TP (TP-matched when colocated).
@@ -327,7 +328,7 @@ def make_placement(
     pools: dict[str, Sequence[int]] = {GLOBAL_POOL: list(nodes)}
     mapping = {"actor": GLOBAL_POOL, "rollout": GLOBAL_POOL}
     dims = {"actor": actor}
-    for role, role_dims in (("ref", ref), ("critic", critic), ("reward_model", reward_model)):
+    for role, role_dims in (("ref", ref), ("critic", critic), ("teacher", teacher), ("reward_model", reward_model)):
         if role_dims is not None:
             mapping[role] = GLOBAL_POOL
             dims[role] = role_dims
@@ -413,12 +414,13 @@ class ResourcePool:
 
 
 def placement_for(cfg: RunConfig) -> PlacementPlan:
-    """The placement of a run: the training pool (``trainer.*``), the actor (with the reference) and critic
+    """The placement of a run: the training pool (``trainer.*``), the actor (with the reference), critic and teacher
     layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
     return make_placement(nodes=nodes, actor=arr.actor.parallel,
-                          critic=cfg.critic.parallel if cfg.critic.enable else None, engine_tp=cfg.engine_tp,
+                          critic=cfg.critic.parallel if cfg.critic.enable else None,
+                          teacher=cfg.teacher.parallel if cfg.teacher.enable else None, engine_tp=cfg.engine_tp,
                           engine_layout=arr.rollout.engine_layout,
                           rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
 

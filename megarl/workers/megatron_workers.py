@@ -1,6 +1,6 @@
-"""The Megatron roles as Ray workers: actor (with the reference policy) and critic.
+"""The Megatron roles as Ray workers: actor (with the reference policy), critic and teacher.
 
-Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` process; the frozen
+Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` / :class:`TeacherWorker` process; the frozen
 reference policy lives in the actor's processes (same layout, same ranks: verl's hybrid
 worker), so it costs no extra processes or process groups. A worker builds a
 :class:`ShardedModel` for its role from the run's typed config sections (``init_model``,
@@ -24,9 +24,10 @@ import torch
 
 from megarl.config.actor import ActorConfig, RefConfig
 from megarl.config.critic import CriticConfig
-from megarl.config.model import ModelConfig, OptimConfig
+from megarl.config.model import ModelConfig, ModelSource, OptimConfig
 from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.config.rollout import RolloutConfig
+from megarl.config.teacher import TeacherConfig
 from megarl.data.batch import Batch
 from megarl.rollout.client import EngineAddress
 from megarl.workers.actor import ActorRole, LogProbRole
@@ -41,7 +42,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _build_sharded(model: ModelConfig, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
+def _build_sharded(model: ModelSource, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
                   seed: int, **kwargs) -> ShardedModel:
     """A role's :class:`ShardedModel` from the run's model section (``path`` overrides its directory)."""
     kwargs.setdefault("packed", model.use_remove_padding)
@@ -49,7 +50,7 @@ def _build_sharded(model: ModelConfig, dims: ParallelDims, *, path: str | None =
                           seed=seed, trust_remote_code=model.trust_remote_code, **kwargs)
 
 
-def _log_prob_batches(section: RefConfig | RolloutConfig) -> dict[str, int | None]:
+def _log_prob_batches(section: RefConfig | RolloutConfig | TeacherConfig) -> dict[str, int | None]:
     """Forward-only micro-batches of a section's ``log_prob_*`` settings: rows, or a token budget."""
     budget = section.log_prob_max_token_len_per_gpu if section.log_prob_use_dynamic_bsz else None
     return {"micro_batch_size": section.log_prob_micro_batch_size_per_gpu, "max_token_len": budget}
@@ -245,3 +246,24 @@ class CriticWorker(_MegatronWorker):
     def update_critic(self, batch: Batch, *, seed: int = 0) -> dict[str, float] | None:
         metrics = step_metrics(self.critic.update(batch, seed=seed), "critic")
         return metrics if self.coordinates().is_collect_rank else None
+
+
+class TeacherWorker(_MegatronWorker):
+    """The teacher of on-policy distillation: its log-probs of the student's sampled tokens, on its own model and
+    Megatron layout (``teacher.*``); never trained."""
+
+    role = "teacher"
+
+    def init_model(self, *, teacher: TeacherConfig, seed: int) -> Coordinates:
+        sharded = _build_sharded(teacher.model, teacher.parallel, seed=seed,
+                                 megatron_overrides=teacher.megatron.override_transformer_config)
+        coords = self._init(sharded)
+        self.teacher = LogProbRole(sharded, **_log_prob_batches(teacher))
+        return coords
+
+    @busy
+    def compute_teacher_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
+        """``teacher_log_prob`` [N, R]: the teacher's log-probs of the response tokens (at the rollout's
+        temperature, as the student's ``old_log_probs``)."""
+        out = self.teacher.compute_log_prob(batch, temperature=temperature)
+        return None if out is None else Batch(tensors={"teacher_log_prob": out["log_probs"]})

@@ -737,3 +737,21 @@ def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lo
     assert (source.lora.rank, source.lora.alpha) == (4, 8.0)
     jobs.mcore_to_hf(source, trainer.run_dir / "peft", peft=True)
     assert (trainer.run_dir / "peft" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2"])
+def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_student_does(assets, layout):
+    """Issue 34: a teacher (its own workers, at TP=2 or PP=2) given the student's own weights scores the student's
+    (TP=1) sampled tokens with the same log-probs at the first step (the teacher's layouts equal TP=1 within 1e-5:
+    the per-token log-ratio is 0); once the student has moved, the reverse KL is what the step trains against."""
+    trainer = _run(_config(assets, f"teacher_{layout.replace('=', '')}", "trainer.total_steps=2",
+                           "actor_rollout_ref.actor.parallel.tp=1", "teacher.enable=true",
+                           f"teacher.model.path={assets['model']}", "teacher.model.dtype=float32",
+                           f"teacher.parallel.{layout}", "teacher.kl_coef=0.5"))
+    (_, first), (_, second) = trainer.history
+    teacher = trainer.roles.plan.role("teacher")
+    assert teacher.bundles == (0, 1) and (teacher.dims.tp, teacher.dims.pp) == ((2, 1) if layout == "tp=2" else (1, 2))
+    assert first["teacher/abs_log_ratio_max"] <= 1e-5, first["teacher/abs_log_ratio_max"]
+    assert abs(first["teacher/reverse_kl"]) <= 1e-6
+    assert second["teacher/abs_log_ratio_max"] > 1e-3  # the student moved away from its teacher
+    assert math.isfinite(second["teacher/reverse_kl_seq"]) and first["timing_s/teacher"] > 0

@@ -1,0 +1,59 @@
+"""On-policy distillation's signal (issue 34, build item 2), hand-computed, and the teacher's settings."""
+
+import pytest
+import torch
+
+from megarl.algo import advantages
+from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
+from megarl.data import Batch
+
+T = torch.tensor
+
+
+def test_the_reverse_kl_and_where_it_enters():
+    student = T([[-0.5, -1.0, -2.0], [-0.1, -0.2, -9.0]])
+    teacher = T([[-1.0, -0.5, -2.0], [-0.3, -0.2, -1.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    kl = reverse_kl(student, teacher, mask)
+    torch.testing.assert_close(kl, T([[0.5, -0.5, 0.0], [0.2, 0.0, 0.0]]))  # nothing past a response's end
+    metrics = distill_metrics(kl, mask)
+    assert metrics["teacher/reverse_kl"] == pytest.approx(0.2 / 5)  # over the 5 response tokens
+    assert metrics["teacher/reverse_kl_seq"] == pytest.approx((0.0 + 0.2) / 2)
+    assert metrics["teacher/abs_log_ratio_max"] == pytest.approx(0.5)
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(apply_to_rewards(rewards, kl, 2.0), T([[-1.0, 1.0, 1.0], [-0.4, 0.0, 0.0]]))
+    adv = T([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
+    torch.testing.assert_close(apply_to_advantages(adv, kl, 2.0, mask), T([[0.0, 2.0, 1.0], [-1.4, -1.0, 0.0]]))
+
+
+def test_with_no_task_reward_the_advantage_signal_is_the_negated_reverse_kl():
+    """GRPO with every score 0 gives advantages 0; the ``advantage`` signal then leaves ``-coef · d_t`` per token:
+    Thinking Machines' on-policy distillation (each token's advantage the negative reverse KL)."""
+    batch = Batch(tensors={"token_level_rewards": torch.zeros(4, 3), "response_mask": torch.ones(4, 3)},
+                  non_tensors={"uid": ["a", "a", "b", "b"]})
+    advantages.compute("grpo", batch, gamma=1.0, lam=1.0)
+    kl = torch.arange(12.0).reshape(4, 3) / 10
+    out = apply_to_advantages(batch["advantages"], kl, 0.5, batch["response_mask"])
+    torch.testing.assert_close(out, -0.5 * kl)
+
+
+def test_the_teacher_settings_name_what_is_wrong():
+    from megarl.config import load_config
+    from megarl.plan.placement import placement_for
+
+    base = ["recipe=tiny_cpu_grpo", "teacher.enable=true", "teacher.model.path=/models/teacher"]
+    cfg = load_config(base + ["teacher.parallel.tp=2", "teacher.kl_coef=0.5", "teacher.signal=reward"])
+    assert (cfg.teacher.kl_coef, cfg.teacher.signal, cfg.teacher.model.path) == (0.5, "reward", "/models/teacher")
+    teacher = placement_for(cfg).role("teacher")
+    assert (teacher.pool, teacher.bundles, teacher.dims.tp, teacher.dims.dp) == ("global", (0, 1), 2, 1)
+    assert "teacher" not in placement_for(load_config(["recipe=tiny_cpu_grpo"])).roles
+    with pytest.raises(ValueError, match=r"teacher.enable=true needs teacher.model.path"):
+        load_config(["recipe=tiny_cpu_grpo", "teacher.enable=true"])
+    with pytest.raises(ValueError, match=r"teacher.signal"):
+        load_config(base + ["teacher.signal=loss"])
+    with pytest.raises(ValueError, match=r"teacher.model.dtype"):
+        load_config(base + ["teacher.model.dtype=int8"])
+    with pytest.raises(ValueError, match=r"teacher.parallel.tp × teacher.parallel.pp × teacher.parallel.cp = 3"):
+        load_config(base + ["teacher.parallel.tp=3"])
+    with pytest.raises(ValueError, match=r"teacher.param_offload=True needs trainer.device=cuda"):
+        load_config(base + ["teacher.param_offload=true"])
