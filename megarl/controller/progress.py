@@ -50,7 +50,7 @@ def _mean(values: Sequence[float]) -> float:
 def run_summary(history: Sequence[tuple[int, dict[str, float]]], validations: Sequence[tuple[int, dict[str, float]]],
                 *, setup_s: float, log_dir, checkpoint, export_command: str | None) -> list[str]:
     """The lines printed when a run ends: steps, time per step, the sampled reward at the start and the end
-    (mean of the first and last five steps), each validation's ``mean@N`` first → last (the validation before
+    (mean of the first and last five steps; the reverse KL to a teacher too), each validation's ``mean@N`` first → last (the validation before
     training included), where the logs and the last checkpoint are, and how to export it for serving."""
     lines = []
     if history:
@@ -63,6 +63,11 @@ def run_summary(history: Sequence[tuple[int, dict[str, float]]], validations: Se
             head = max(1, min(5, len(scores) // 2))
             lines.append(f"sampled reward (critic/score/mean): {_mean(scores[:head]):.3f} over the first {head} step(s) "
                          f"-> {_mean(scores[-head:]):.3f} over the last {head}")
+        kls = [m["teacher/reverse_kl"] for _, m in history if "teacher/reverse_kl" in m]
+        if kls:  # on-policy distillation
+            head = max(1, min(5, len(kls) // 2))
+            lines.append(f"reverse KL to the teacher (teacher/reverse_kl): {_mean(kls[:head]):.4f} over the first "
+                         f"{head} step(s) -> {_mean(kls[-head:]):.4f} over the last {head}")
     validation: dict[str, list[tuple[int, float]]] = {}
     for step, metrics in validations:
         for key, value in metrics.items():

@@ -25,7 +25,8 @@ from megarl.controller.tracking_backends import BACKEND_MODULES, open_backend
 logger = logging.getLogger("megarl.train")
 
 CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-                "actor/grad_norm", "critic/vf_loss", "mismatch/abs_logp_diff_mean", "response_length/mean",
+                "actor/grad_norm", "critic/vf_loss", "teacher/reverse_kl", "mismatch/abs_logp_diff_mean",
+                "response_length/mean",
                 "weight_sync/seconds", "timing_s/step")
 
 
