@@ -25,6 +25,9 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   state are those of its ``a`` adapter parameters alone (:meth:`~megarl.models.sizes.Architecture.lora_param_count`),
   which add ``a × bytes(model.dtype)`` of weights.
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
+- **teacher** (on-policy distillation): its weights in ``teacher.model.dtype`` on its own layout, held in every phase
+  (``teacher.param_offload``: only in its own), and in its ``teacher`` phase its log-prob forward (its largest
+  layer at the selective size and, on its last stage, its logits).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
   hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank: divided by ``cp``), per layer:
@@ -147,8 +150,8 @@ class MemoryModel:
     """Computes each GPU's rows and phases for one config (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
-                 placement: PlacementPlan, memory: int):
-        self.cfg, self.model, self.critic_model = cfg, model, critic_model
+                 placement: PlacementPlan, memory: int, teacher_model: Architecture | None = None):
+        self.cfg, self.model, self.critic_model, self.teacher_model = cfg, model, critic_model, teacher_model
         self.placement, self.memory = placement, memory
         arr = cfg.actor_rollout_ref
         self.arr = arr
@@ -159,6 +162,7 @@ class MemoryModel:
         self.max_seq = min(arr.rollout.max_model_len or self.seq, self.seq)
         self.actor_dims: ParallelDims = placement.role("actor").dims
         self.critic_dims: ParallelDims | None = placement.role("critic").dims if critic_model else None
+        self.teacher_dims: ParallelDims | None = placement.role("teacher").dims if teacher_model else None
         self.engine_tp = placement.engines[0].tp
         self.colocated = placement.colocated
 
@@ -260,8 +264,9 @@ class MemoryModel:
                              for layer in layers)
         return stored + block * rematerialised + dispatch
 
-    def _logits(self, mb: MicroBatch, tp: int) -> int:
-        vocab = self.model.family.padded_vocab_size(self.model.hf_config, tp)
+    def _logits(self, mb: MicroBatch, tp: int, sizes: Architecture | None = None) -> int:
+        sizes = sizes or self.model
+        vocab = sizes.family.padded_vocab_size(sizes.hf_config, tp)
         return mb.tokens * (vocab // tp) * LOGITS_BYTES_PER_ELEMENT
 
     def _actor_rows(self, bundle: int) -> dict[str, int]:
@@ -283,6 +288,21 @@ class MemoryModel:
                 + (self._logits(forward, dims.tp) if last else 0)}
         at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
         return rows | {"_at_start": at_start, "_optimizer_host": state["optimizer_host"]}
+
+    def _teacher_rows(self, bundle: int) -> dict[str, int]:
+        """The teacher's weights (``teacher.model.dtype``) and its log-prob forward's working memory."""
+        m, dims, teacher = self.teacher_model, self.teacher_dims, self.cfg.teacher
+        _, _, _, pp_rank = megatron_coordinates(bundle, dims)
+        counts = m.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
+                                     etp=dims.expert_tp)
+        weights = counts.total * DTYPE_BYTES[teacher.model.dtype]
+        forward = self._micro(dims, teacher.model.use_remove_padding,
+                              rows=teacher.log_prob_micro_batch_size_per_gpu or 16,
+                              dynamic=teacher.log_prob_use_dynamic_bsz, budget=teacher.log_prob_max_token_len_per_gpu)
+        last = pp_rank == dims.pp - 1
+        return {"teacher_weights": weights, "_teacher_resident": 0 if teacher.param_offload else weights,
+                "teacher_forward": self._forward_layer(m, dims, forward, sequence_parallel=dims.sequence_parallel)
+                + (self._logits(forward, dims.tp, m) if last else 0), "_at_start": weights}
 
     def _critic_rows(self, bundle: int) -> dict[str, int]:
         m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
@@ -376,8 +396,12 @@ class MemoryModel:
                 critic = self._critic_rows(bundle)
                 rows |= {k: v for k, v in critic.items() if k != "_at_start"}
                 rows["_at_start"] += critic["_at_start"]
+            if self.teacher_model is not None:
+                teacher = self._teacher_rows(bundle)
+                rows |= {k: v for k, v in teacher.items() if k != "_at_start"}
+                rows["_at_start"] += teacher["_at_start"]
             rows["sync_buffers"] = sync_buffers[bundle]
-            processes = 1 + (self.critic_model is not None)
+            processes = 1 + (self.critic_model is not None) + (self.teacher_model is not None)
             rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
             per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
         if not self.colocated:
@@ -410,6 +434,8 @@ class MemoryModel:
                 parts.append(f"{role}stage {megatron_coordinates(bundle, dims)[3]}")
             if self.critic_dims is not None and self.critic_dims.pp > 1:
                 parts.append(f"critic stage {megatron_coordinates(bundle, self.critic_dims)[3]}")
+            if self.teacher_dims is not None and self.teacher_dims.pp > 1:
+                parts.append(f"teacher stage {megatron_coordinates(bundle, self.teacher_dims)[3]}")
             if not parts:
                 parts.append("actor")
         else:
@@ -436,14 +462,21 @@ class MemoryModel:
                           "actor_optimizer": 0 if actor.optimizer_offload else rows["actor_optimizer"],
                           "ref_weights": 0 if arr.ref.param_offload else rows["ref_weights"]}
         critic_full = {"critic_state": rows["critic_state"]}
-        critic_resident = {"critic_state": rows.get("_critic_resident", 0)}
+        # What stays between its own phases: the critic's (by its offload flags) and the teacher's weights (unless
+        # teacher.param_offload: then only in its forward).
+        critic_resident = {"critic_state": rows.get("_critic_resident", 0),
+                           "teacher_weights": rows.get("_teacher_resident", 0)}
         kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}
         onloaded = base | actor_full | {"ref_weights": rows["ref_weights"]}
         phases = {"rollout": base | actor_resident | critic_resident | engine,
                   "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}
+        if self.teacher_model is not None:
+            phases["teacher"] = onloaded | critic_resident | kept | {"teacher_weights": rows["teacher_weights"],
+                                                                     "teacher_forward": rows["teacher_forward"]}
         if self.critic_model is not None:
-            phases["values"] = onloaded | critic_full | kept | {"critic_forward": rows["critic_forward"]}
-            phases["update critic"] = onloaded | critic_full | kept | {"critic_activations": rows["critic_activations"]}
+            phases["values"] = onloaded | critic_resident | critic_full | kept | {"critic_forward": rows["critic_forward"]}
+            phases["update critic"] = onloaded | critic_resident | critic_full | kept | {
+                "critic_activations": rows["critic_activations"]}
         phases["update actor"] = onloaded | critic_resident | kept | {"activations": rows["activations"],
                                                                        "logits": rows["logits"]}
         phases["weight sync"] = onloaded | critic_resident | resumed | {"sync_buffers": rows["sync_buffers"]}

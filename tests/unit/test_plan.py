@@ -776,3 +776,25 @@ def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only
     without = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.model.lora_rank=0"]),
                        check=False)
     assert not without.fits  # full fine-tuning of the same layout does not fit the node
+
+
+def test_the_teacher_is_planned_beside_the_student_and_a_teacher_that_does_not_fit_is_named():
+    """Issue 34: Qwen2.5-7B teaching Qwen2.5-0.5B on one 8 x 80 GB node: the teacher's own ranks (TP=2, dp=4) hold
+    its weights (7B / 2 in bf16) on every GPU in every phase and its forward in its own phase; a forward that does not
+    fit names teacher.log_prob_micro_batch_size_per_gpu first."""
+    from megarl.plan.report import format_report
+
+    plan = plan_run(load_config(["recipe=qwen2_5_0_5b_distill"]))
+    assert plan.fits
+    (gpu,) = plan.gpus
+    weights = plan.teacher_model.rank_param_counts(tp=2).total * 2
+    assert gpu.rows["teacher_weights"] == weights == 7_615_820_800
+    assert gpu.phases["teacher"] > gpu.rows["teacher_weights"] + gpu.rows["teacher_forward"]
+    assert all(gpu.parts[phase].get("teacher_weights") == weights for phase in gpu.parts)
+    text = format_report(plan)
+    assert "teacher (teacher.parallel): 8 ranks on pool global, tp=2 pp=1 cp=1 dp=4" in text
+    assert "teacher weights (bf16)" in text and "teacher forward (layer+logits)" in text
+    tight = load_config(["recipe=qwen2_5_0_5b_distill", "teacher.log_prob_micro_batch_size_per_gpu=64"])
+    with pytest.raises(ValueError, match=r"in the teacher phase.*Largest parts: teacher forward \(layer\+logits\) "
+                                         r"[\d.]+ GiB: lower teacher.log_prob_micro_batch_size_per_gpu"):
+        plan_run(tight)
