@@ -7,13 +7,14 @@ import os
 import torch
 
 from megarl.convert.hf_io import HFCheckpoint
-from megarl.convert.layout import ModelSizes, fuse, hf_slices
+from megarl.convert.layout import ModelSizes, Slice, fuse, hf_slices
 from megarl.convert.param_map import local_parameters
 from megarl.models.weights import RuleAt
 
 
 @torch.no_grad()
-def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_config=None, progress=False) -> int:
+def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_config=None, progress=False,
+                 score_head: bool = False) -> int:
     """Copy the HF checkpoint in ``hf_dir`` into this rank's Megatron chunks; return bytes read.
 
     Each rank reads only the slices its parameters hold (memory-mapped safetensors reads):
@@ -22,7 +23,9 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     be finite; anything else is an error naming the parameter or tensor. ``progress`` shows a
     progress bar over this rank's parameters. A critic's value head
     (:class:`~megarl.models.value_head.ValueHead`) is not in the HF checkpoint: it keeps its
-    initialisation (the LM head, or the tied embedding, is never copied into it).
+    initialisation (the LM head, or the tied embedding, is never copied into it), unless ``score_head``: a reward
+    model's HF sequence-classification checkpoint (``*ForSequenceClassification``, one label) holds its head as
+    ``score.weight`` ``[1, H]`` (and no bias), which the value head then takes (bias 0).
     """
     from tqdm import tqdm
 
@@ -67,4 +70,33 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
                 f"its config.json"
             )
         param.copy_(shard)
+    if score_head:
+        bytes_read += _load_score_head(model_chunks, checkpoint, hf_dir)
     return bytes_read
+
+
+SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
+"""A sequence-classification checkpoint's head (transformers' ``*ForSequenceClassification.score``)."""
+
+
+def _load_score_head(model_chunks, checkpoint: HFCheckpoint, hf_dir) -> int:
+    """Copy ``score.weight`` (and ``score.bias`` when there is one) into the last stage's value head."""
+    from megarl.models.value_head import ValueHead
+
+    heads = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, ValueHead)]
+    if not heads:
+        return 0  # not the last pipeline stage
+    (head,) = heads
+    names = set(checkpoint.names())
+    if SCORE_WEIGHT not in names:
+        raise ValueError(f"{hf_dir} has no {SCORE_WEIGHT}: a reward model is an HF sequence-classification "
+                         f"checkpoint (e.g. Qwen2ForSequenceClassification with num_labels=1)")
+    shape = tuple(checkpoint.shape(SCORE_WEIGHT))
+    if shape != tuple(head.weight.shape):
+        raise ValueError(f"{SCORE_WEIGHT} in {hf_dir} is {list(shape)}; a reward model scores with one label: "
+                         f"{list(head.weight.shape)} (config.json's num_labels=1)")
+    weight = checkpoint.read(SCORE_WEIGHT, Slice(None))
+    head.weight.copy_(weight)
+    bias = checkpoint.read(SCORE_BIAS, Slice(None)) if SCORE_BIAS in names else None
+    head.bias.copy_(bias if bias is not None else torch.zeros_like(head.bias))
+    return weight.numel() * weight.element_size()

@@ -34,7 +34,8 @@ class ModelFamily:
     name: str
     """Short name used in recipes and messages (``llama``, ``qwen2``, ``qwen3``)."""
     architectures: tuple[str, ...]
-    """HF ``architectures`` values served by this entry."""
+    """HF ``architectures`` values served by this entry (its causal LMs; each ``*ForCausalLM`` also serves as the body
+    of its ``*ForSequenceClassification``: :attr:`classifier_architectures`)."""
     bias_settings: tuple[str, ...]
     """HF config flags that would add biases Megatron's GPT layers cannot hold; must be false."""
     weights: tuple[WeightRule, ...]
@@ -194,9 +195,16 @@ class ModelFamily:
             kv_channels=int(head_dim),
         )
 
+    @property
+    def classifier_architectures(self) -> tuple[str, ...]:
+        """The sequence-classification models of the family (a reward model: the causal LM's body and a one-label
+        ``score`` head instead of the LM head, :func:`megarl.convert.loader.load_hf_into`)."""
+        return tuple(a.replace("ForCausalLM", "ForSequenceClassification") for a in self.architectures
+                     if a.endswith("ForCausalLM"))
+
     def _check_supported(self, hf_config) -> None:
         arch = (getattr(hf_config, "architectures", None) or [None])[0]
-        if arch is not None and arch not in self.architectures:
+        if arch is not None and arch not in self.architectures + self.classifier_architectures:
             raise ValueError(f"the {self.name} family does not serve architecture {arch!r}")
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -314,7 +322,7 @@ FAMILIES: dict[str, ModelFamily] = {}
 
 def register(family: ModelFamily) -> ModelFamily:
     """Add ``family`` to the registry under each of its architectures."""
-    for arch in family.architectures:
+    for arch in family.architectures + family.classifier_architectures:
         if arch in FAMILIES:
             raise ValueError(f"architecture {arch} is already served by the {FAMILIES[arch].name} family")
         FAMILIES[arch] = family

@@ -69,7 +69,8 @@ class ShardedModel:
 
     ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
     (megarl.models.value_head, seeded with ``seed``, untied from the embedding); the body
-    loads from ``hf_dir`` as for the actor. ``dims`` (a role's ``parallel`` section) carries the
+    loads from ``hf_dir`` as for the actor; with ``score_head`` (a reward model) the head loads from the
+    checkpoint's sequence-classification ``score`` (:func:`megarl.convert.loader.load_hf_into`). ``dims`` (a role's ``parallel`` section) carries the
     layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
     (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
     role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
@@ -84,7 +85,7 @@ class ShardedModel:
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
                  router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                  moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
-                 lora=None, **transformer_overrides):
+                 lora=None, score_head: bool = False, **transformer_overrides):
         from transformers import AutoConfig
 
         from megarl.convert import load_hf_into
@@ -122,6 +123,8 @@ class ShardedModel:
             **transformer_overrides,
         )
         self.value_head = value_head
+        if score_head and not value_head:
+            raise ValueError("score_head (a reward model's sequence-classification head) needs value_head=True")
         # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1).
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
                                     value_head=value_head, value_head_seed=seed,
@@ -131,7 +134,8 @@ class ShardedModel:
         """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
         (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
         if load_weights:
-            load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config)
+            load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config,
+                         score_head=score_head)
         self.lora = lora
         """The adapters' :class:`~megarl.config.lora.LoraSpec` (None: every weight trains)."""
         if lora is not None:  # after loading: the base weights keep their names; before DDP: only adapters train

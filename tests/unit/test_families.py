@@ -17,11 +17,14 @@ def llama(**kw):
 
 
 def test_registry_is_keyed_by_architecture():
-    assert {a: f.name for a, f in FAMILIES.items()} == {
+    causal = {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
     }
+    # Each causal LM's body also serves its sequence-classification model (a reward model's score head).
+    classifiers = {a.replace("ForCausalLM", "ForSequenceClassification"): f for a, f in causal.items()}
+    assert {a: f.name for a, f in FAMILIES.items()} == causal | classifiers
     assert family_for(Qwen2Config()).name == "qwen2"  # no architectures: model_type decides
     assert family_for(MistralConfig()).name == "llama"
 
