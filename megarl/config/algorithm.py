@@ -8,9 +8,14 @@ from typing import Any
 from megarl.algo.advantages import ESTIMATORS, gae_advantage, grpo_outcome_advantage
 from megarl.algo.kl import KL_KINDS, build_kl_controller
 from megarl.config.common import check_choice, check_positive, default_of
+from megarl.config.megatron import MegatronConfig
+from megarl.config.model import RewardModelSource
+from megarl.config.parallel import ParallelDims
 from megarl.reward.manager import ON_ERROR_MODES
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
+RM_COMBINE = ("replace", "add")
+"""``reward_model.combine``: how a reward model's score and the rule reward make the reward."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,7 +65,30 @@ class OverlongBufferConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class RewardConfig:
-    """Rule-based rewards (``reward_model.*``): the ``data_source`` registry or a custom function."""
+    """Rewards (``reward_model.*``): rule-based (the ``data_source`` registry or a custom function) and, with
+    ``enable``, a reward model (verl's keys) that scores each response with its own model and layout."""
+
+    enable: bool = False
+    """Score each response with a reward model (``model``), combined with the rule rewards as ``combine`` says."""
+    model: RewardModelSource = dataclasses.field(default_factory=RewardModelSource)
+    """The reward model: an HF sequence-classification checkpoint (one label) of a family megarl serves."""
+    combine: str = "replace"
+    """``replace``: the reward model's score is the reward (verl's); ``add``: the rule reward plus ``rm_coef`` times
+    the reward model's score."""
+    rm_coef: float = 1.0
+    """The reward model's weight with ``combine=add``."""
+    micro_batch_size_per_gpu: int | None = 16
+    """Responses per reward-model forward on one rank; ignored with ``use_dynamic_bsz``."""
+    use_dynamic_bsz: bool = False
+    """Pack the reward model's micro-batches by token count (``forward_max_token_len_per_gpu``)."""
+    forward_max_token_len_per_gpu: int = 32768
+    """Token budget of one reward-model micro-batch on one rank, with ``use_dynamic_bsz``."""
+    parallel: ParallelDims = dataclasses.field(default_factory=ParallelDims)
+    """Megatron layout of the reward model (its own; ``dp`` is what the world leaves)."""
+    param_offload: bool = False
+    """Keep the reward model's weights in host memory between its forwards (GPU only)."""
+    megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
+    """Megatron's ``TransformerConfig`` fields passed through (``megatron.override_transformer_config.*``)."""
 
     custom_reward_function: CustomRewardFunction = dataclasses.field(default_factory=CustomRewardFunction)
     """A custom scoring function replacing the registry."""
@@ -85,6 +113,19 @@ class RewardConfig:
             raise ValueError(f"reward_model.timeout_s must be > 0 seconds (or null for no limit), got "
                              f"{self.timeout_s}")
         check_choice("reward_model.on_error", self.on_error, ON_ERROR_MODES)
+        check_choice("reward_model.combine", self.combine, RM_COMBINE)
+        if self.enable:
+            if not self.model.path:
+                raise ValueError("reward_model.enable=true needs reward_model.model.path: the reward model's HF "
+                                 "sequence-classification directory")
+            if self.model.init != "pretrained":
+                raise ValueError(f"reward_model.model.init={self.model.init!r}: a reward model is loaded from its "
+                                 f"checkpoint; set reward_model.model.init=pretrained")
+            if self.micro_batch_size_per_gpu is None and not self.use_dynamic_bsz:
+                raise ValueError("reward_model.micro_batch_size_per_gpu=null: set it to a positive number of rows, "
+                                 "or turn on reward_model.use_dynamic_bsz")
+            check_positive("reward_model.micro_batch_size_per_gpu", self.micro_batch_size_per_gpu, allow_none=True)
+            check_positive("reward_model.forward_max_token_len_per_gpu", self.forward_max_token_len_per_gpu)
 
 
 @dataclasses.dataclass(kw_only=True)

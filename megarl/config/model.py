@@ -1,4 +1,5 @@
-"""The models of a run (the policy, ``actor_rollout_ref.model.*``; a scoring model, ``teacher.model.*``) and the
+"""The models of a run (the policy, ``actor_rollout_ref.model.*``; scoring models, ``teacher.model.*`` and
+``reward_model.model.*``) and the
 optimizer of a trainable role (``<role>.optim.*``)."""
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ class ScoringModelConfig(ModelSource):
     KEY: ClassVar[str] = "teacher.model"
     path: str | None = None
     """HF model directory; with ``init=tiny_sft``, where the tiny model is cached."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardModelSource(ScoringModelConfig):
+    """A reward model's checkpoint (``reward_model.model.*``): an HF sequence-classification model with one label
+    (``*ForSequenceClassification`` of a family megarl serves)."""
+
+    KEY: ClassVar[str] = "reward_model.model"
 
 
 @dataclasses.dataclass(kw_only=True)

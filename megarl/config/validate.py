@@ -70,6 +70,10 @@ def _check_megatron(cfg: RunConfig) -> None:
     for prefix, role in roles:
         check_transformer_overrides(prefix, role.megatron.override_transformer_config, device=cfg.trainer.device)
         check_optimizer_overrides(prefix, role.optim.override_optimizer_config, device=cfg.trainer.device)
+    for prefix, section in (("teacher", cfg.teacher), ("reward_model", cfg.reward_model)):  # scoring, never trained
+        if section.enable:
+            check_transformer_overrides(prefix, section.megatron.override_transformer_config,
+                                        device=cfg.trainer.device)
 
 
 def _world_keys(cfg: RunConfig) -> str:
@@ -87,6 +91,8 @@ def _roles(cfg: RunConfig) -> list[tuple[str, ParallelDims]]:
         roles.append(("critic.parallel", cfg.critic.parallel))
     if cfg.teacher.enable:
         roles.append(("teacher.parallel", cfg.teacher.parallel))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model.parallel", cfg.reward_model.parallel))
     return roles
 
 
@@ -255,6 +261,7 @@ def _check_memory_flags(cfg: RunConfig) -> None:
     flags.update({f"critic.{name}": getattr(cfg.critic, name)
                   for name in ("param_offload", "grad_offload", "optimizer_offload")})
     flags["teacher.param_offload"] = cfg.teacher.param_offload
+    flags["reward_model.param_offload"] = cfg.reward_model.param_offload
     rollout = arr.rollout
     if rollout.name == "hf" and not rollout.enforce_eager:
         logger.warning("%s.rollout.enforce_eager=False is ignored by the hf engine: it never captures CUDA graphs",
@@ -282,6 +289,10 @@ def _check_algorithm(cfg: RunConfig) -> None:
     if cfg.trainer.critic_warmup > 0 and not cfg.critic.enable:
         raise ValueError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (critic.enable=True); "
                          f"set trainer.critic_warmup=0")
+    if cfg.reward_model.enable and cfg.algorithm.filter_groups.enable:
+        raise ValueError("algorithm.filter_groups.enable=true keeps or drops groups by their rule rewards while they "
+                         "generate, but reward_model.enable=true scores them later, in the training step: set "
+                         "algorithm.filter_groups.enable=false (or reward_model.enable=false)")
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable and overlong.len > cfg.data.max_response_length:
         raise ValueError(f"reward_model.overlong_buffer.len={overlong.len} exceeds data.max_response_length="

@@ -174,8 +174,7 @@ VERL_KEYS: dict[str, Entry] = {
     "data.val_files": Rename("data.val_files", _as_list),
     "data.reward_fn_key": Fixed(("data_source",), "megarl picks a row's scorer by its data_source column"),
     "data.dataloader_num_workers": Ignored("megarl reads the prompts in the driver"),
-    "reward_model.enable": Fixed((False,), "megarl scores with rule-based functions (reward_model."
-                                           "custom_reward_function or the data_source registry), not a reward model"),
+    "reward_model.strategy": Fixed(("megatron",), "megarl's reward model runs on Megatron-Core"),
     "reward_model.reward_manager": Fixed(("naive", "dapo"), "megarl's reward manager is verl's naive one; dapo's "
                                                             "overlong buffer is reward_model.overlong_buffer"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": Rename("reward_model.overlong_buffer.enable"),

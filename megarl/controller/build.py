@@ -44,7 +44,7 @@ from megarl.rollout.tools.registry import load_tools
 from megarl.sync import resolve_transport
 from megarl.workers.engine_server import EngineServerWorker
 from megarl.workers.group import WorkerGroup
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker, TeacherWorker
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker, RewardModelWorker, TeacherWorker
 
 
 
@@ -62,6 +62,8 @@ class Roles:
     """The value model's ranks (PPO with GAE), else None."""
     teacher: WorkerGroup | None
     """The teacher's ranks (on-policy distillation), else None."""
+    reward_model: WorkerGroup | None
+    """The reward model's ranks (``reward_model.enable``), else None."""
     rollout: WorkerGroup
     """One worker per rollout engine, owning the engine's server process."""
     engines: list[EngineClient]
@@ -83,7 +85,7 @@ class Roles:
     @property
     def groups(self) -> list[WorkerGroup]:
         """Every worker group, in the order they were built."""
-        return [g for g in (self.actor, self.critic, self.teacher, self.rollout) if g is not None]
+        return [g for g in (self.actor, self.critic, self.teacher, self.reward_model, self.rollout) if g is not None]
 
     def shutdown(self) -> None:
         """Close the clients' sessions and let go of the driver's event loop (the last holder stops it and joins its
@@ -143,9 +145,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
     try:
         gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
-        # actor(+ref), engines, critic, teacher
-        colocated = (1 if separate else 2) + (1 if cfg.critic.enable else 0) + (1 if cfg.teacher.enable else 0)
-        actor = critic = teacher = None
+        # actor(+ref), engines, critic, teacher, reward model
+        colocated = (1 if separate else 2) + sum(section.enable for section in (cfg.critic, cfg.teacher,
+                                                                                  cfg.reward_model))
+        actor = critic = teacher = reward_model = None
         if not training:
             colocated = 1
         else:
@@ -162,8 +165,15 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
             built.append(critic)
         if training and cfg.teacher.enable:
             with phase(f"placing the teacher on {plan.role('teacher').world_size} rank(s) and building its model"):
-                teacher = _build_teacher(cfg, pools["global"], 1.0 / colocated)
+                teacher = _build_scorer(cfg, TeacherWorker, "teacher", pools["global"], 1.0 / colocated,
+                                        teacher=cfg.teacher)
             built.append(teacher)
+        if training and cfg.reward_model.enable:
+            with phase(f"placing the reward model on {plan.role('reward_model').world_size} rank(s) and building "
+                       f"its model"):
+                reward_model = _build_scorer(cfg, RewardModelWorker, "reward_model", pools["global"], 1.0 / colocated,
+                                             reward_model=cfg.reward_model)
+            built.append(reward_model)
         rollout_pool = pools["rollout"] if separate else pools["global"]
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
@@ -192,7 +202,8 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
             pool.remove()
         event_loop.release()
         raise
-    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, teacher=teacher, rollout=rollout, engines=engines,
+    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, teacher=teacher, reward_model=reward_model,
+                 rollout=rollout, engines=engines,
                  router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
                  engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
@@ -251,10 +262,11 @@ def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
     return group
 
 
-def _build_teacher(cfg: RunConfig, pool, share: float) -> WorkerGroup:
-    group = _group(cfg, TeacherWorker, pool, share, role="teacher")
+def _build_scorer(cfg: RunConfig, worker_cls, role: str, pool, share: float, **section) -> WorkerGroup:
+    """A scoring model's ranks (the teacher, the reward model): built from its run section, never trained."""
+    group = _group(cfg, worker_cls, pool, share, role=role)
     try:
-        group.call_all(TeacherWorker.init_model, teacher=cfg.teacher, seed=cfg.trainer.seed)
+        group.call_all(worker_cls.init_model, seed=cfg.trainer.seed, **section)
         group.refresh_coordinates()
     except BaseException:
         group.shutdown()

@@ -31,10 +31,10 @@ from megarl.warmstart.sft import ensure_tiny_sft
 
 def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
-    model's directories (and the critic's and the teacher's), refuse missing data files naming the key, and for
-    ``model.init=tiny_sft`` (``teacher.model.init`` too) write the addition data at its default paths and build the
-    cached SFT warm start; a teacher's tokenizer must be the student's (:func:`check_teacher_tokenizer`).
-    ``scoring`` False (generation only): the data need no columns for the reward scorers, and no teacher is
+    model's directories (and the critic's, the teacher's and the reward model's), refuse missing data files naming the
+    key, and for ``model.init=tiny_sft`` (``teacher.model.init`` too) write the addition data at its default paths and
+    build the cached SFT warm start; a scoring model's tokenizer must be the policy's (:func:`check_same_tokenizer`).
+    ``scoring`` False (generation only): the data need no columns for the reward scorers, and no scoring model is
     built."""
     model = cfg.actor_rollout_ref.model
     if model.init != "tiny_sft":
@@ -47,36 +47,39 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
         if source is not None and source.init == "tiny_sft":
             ensure_tiny_sft(source.local_path, [str(p) for p in train], steps=source.sft_steps, lr=source.sft_lr,
                             seed=cfg.trainer.seed, stop_reward=source.sft_stop_reward, arch=source.tiny_arch)
-    if teacher is not None:
-        check_teacher_tokenizer(model, teacher)
+    reward_model = cfg.reward_model.model if cfg.reward_model.enable and scoring else None
+    if reward_model is not None:
+        check_model_directory(reward_model.local_path, "reward_model.model.path")
+    for other in (teacher, reward_model):
+        if other is not None:
+            check_same_tokenizer(model, other)
 
 
-def check_teacher_tokenizer(student, teacher) -> None:
-    """Distillation compares the two models' log-probs of the same token ids: refuse a teacher whose tokenizer maps
-    any token to another id than the student's (or has other special tokens), or whose vocabulary cannot hold the
-    student's ids, naming both models."""
+def check_same_tokenizer(student, other) -> None:
+    """A scoring model reads the policy's token ids (distillation compares the two models' log-probs of the same
+    ids; a reward model scores them): refuse one (``other``: the teacher's or the reward model's section) whose
+    tokenizer maps any token to another id than the policy's (or has other special tokens), or whose vocabulary
+    cannot hold the policy's ids, naming both models."""
     from transformers import AutoConfig, AutoTokenizer
 
-    names = (f"teacher.model.path={teacher.path!r} and the student's actor_rollout_ref.model.path="
-             f"{student.path!r}")
+    names = f"{other.KEY}.path={other.path!r} and the policy's actor_rollout_ref.model.path={student.path!r}"
     ours = AutoTokenizer.from_pretrained(student.local_tokenizer_path, trust_remote_code=student.trust_remote_code)
-    theirs = AutoTokenizer.from_pretrained(teacher.local_tokenizer_path, trust_remote_code=teacher.trust_remote_code)
-    vocab, other = ours.get_vocab(), theirs.get_vocab()
-    differ = sorted((t for t in vocab.keys() | other.keys() if vocab.get(t) != other.get(t)),
-                    key=lambda t: min(vocab.get(t, 1 << 62), other.get(t, 1 << 62)))
+    theirs = AutoTokenizer.from_pretrained(other.local_tokenizer_path, trust_remote_code=other.trust_remote_code)
+    vocab, theirs_vocab = ours.get_vocab(), theirs.get_vocab()
+    differ = sorted((t for t in vocab.keys() | theirs_vocab.keys() if vocab.get(t) != theirs_vocab.get(t)),
+                    key=lambda t: min(vocab.get(t, 1 << 62), theirs_vocab.get(t, 1 << 62)))
     if differ:
         token = differ[0]
         raise ValueError(f"{names} have different tokenizers: {len(differ)} token(s) map to other ids (first: "
-                         f"{token!r} is {vocab.get(token)} for the student, {other.get(token)} for the teacher); "
-                         f"distillation compares log-probs of the same token ids: use a teacher of the student's "
-                         f"tokenizer")
+                         f"{token!r} is {vocab.get(token)} for the policy, {theirs_vocab.get(token)} for "
+                         f"{other.KEY}); it reads the policy's token ids: use a model of the policy's tokenizer")
     specials = {k: (getattr(ours, k), getattr(theirs, k)) for k in ("eos_token_id", "pad_token_id", "bos_token_id")}
     odd = {k: v for k, v in specials.items() if v[0] != v[1]}
     if odd:
-        raise ValueError(f"{names} have different special tokens: {odd} (student, teacher)")
-    size = AutoConfig.from_pretrained(teacher.local_path, trust_remote_code=teacher.trust_remote_code).vocab_size
+        raise ValueError(f"{names} have different special tokens: {odd} (policy, {other.KEY})")
+    size = AutoConfig.from_pretrained(other.local_path, trust_remote_code=other.trust_remote_code).vocab_size
     if size < len(ours):
-        raise ValueError(f"{names}: the teacher's vocabulary ({size}) cannot score the student's {len(ours)} token "
+        raise ValueError(f"{names}: {other.KEY}'s vocabulary ({size}) cannot read the policy's {len(ours)} token "
                          f"ids")
 
 

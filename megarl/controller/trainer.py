@@ -70,13 +70,13 @@ from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.plan.preflight import preflight
-from megarl.reward.manager import reward_columns
+from megarl.reward.manager import combine_model_scores, reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
 from megarl.seeds import SEED_STREAM_VALIDATION, SEED_STREAM_VALIDATION_BOOTSTRAP, derive_seed
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.base import Worker
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker, TeacherWorker
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker, RewardModelWorker, TeacherWorker
 
 logger = logging.getLogger("megarl.train")
 
@@ -88,7 +88,8 @@ class RunInputError(ValueError):
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
               "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
-TEACHER_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+SCORING_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+"""What a scoring model (the teacher, the reward model) receives."""
 """The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
 the one loss mask of every role."""
 
@@ -115,6 +116,7 @@ class Trainer:
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
         self.use_teacher = cfg.teacher.enable
+        self.use_rm = cfg.reward_model.enable
         self.roles: Roles | None = None
         """The placed workers, engines and router (:func:`megarl.controller.build.build_roles`)."""
         self.rollout_manager: RolloutManager | None = None
@@ -261,8 +263,8 @@ class Trainer:
     # ================================================================================ stages
     # ------------------------------------------------------------------ memory between phases
     def _offload_flags(self, role: str) -> dict[str, bool]:
-        if role == "teacher":
-            return {"params": self.use_teacher and self.cfg.teacher.param_offload}
+        if role in ("teacher", "reward_model"):
+            return {"params": getattr(self.cfg, role).enable and getattr(self.cfg, role).param_offload}
         if role == "critic":
             critic = self.cfg.critic
             return {"params": critic.param_offload, "grads": critic.grad_offload,
@@ -282,7 +284,8 @@ class Trainer:
             self._group_of(role).call_all(ActorWorker.onload)
 
     def _group_of(self, role: str):
-        return {"critic": self.roles.critic, "teacher": self.roles.teacher}.get(role, self.roles.actor)
+        return {"critic": self.roles.critic, "teacher": self.roles.teacher,
+                "reward_model": self.roles.reward_model}.get(role, self.roles.actor)
 
     # ================================================================================ the step
     def train_step(self) -> dict[str, float]:
@@ -302,6 +305,7 @@ class Trainer:
             batch = self._old_log_probs(batch, metrics, timing)
             batch = self._reference(batch, timing)
             batch = self._teacher(batch, timing)
+            metrics |= self._reward_model(batch, timing)
             batch = self._values(batch, timing)
             with timer("adv", timing):
                 metrics |= self._advantages(batch)
@@ -375,10 +379,26 @@ class Trainer:
         self._onload("teacher")
         with timer("teacher", timing):
             batch = batch.union(self.roles.teacher.call_dp(TeacherWorker.compute_teacher_log_prob,
-                                                           self._select(batch, TEACHER_KEYS),
+                                                           self._select(batch, SCORING_KEYS),
                                                            temperature=batch.meta["temperature"]))
         self._offload("teacher")
         return batch
+
+    def _reward_model(self, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
+        """The reward model's score of each response, into ``token_level_scores`` as ``reward_model.combine`` says
+        (``reward_model/score/*``: its scores alone)."""
+        if not self.use_rm:
+            return {}
+        self._onload("reward_model")
+        with timer("reward_model", timing):
+            scores = self.roles.reward_model.call_dp(RewardModelWorker.compute_rm_score,
+                                                     self._select(batch, SCORING_KEYS))["rm_scores"]
+        self._offload("reward_model")
+        rm = self.cfg.reward_model
+        batch["token_level_scores"] = combine_model_scores(batch["token_level_scores"], batch["response_mask"], scores,
+                                                           combine=rm.combine, coef=rm.rm_coef)
+        return {"reward_model/score/mean": float(scores.mean()), "reward_model/score/max": float(scores.max()),
+                "reward_model/score/min": float(scores.min())}
 
     def _values(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """The critic's values of the response tokens (PPO with GAE)."""

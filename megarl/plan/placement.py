@@ -414,13 +414,15 @@ class ResourcePool:
 
 
 def placement_for(cfg: RunConfig) -> PlacementPlan:
-    """The placement of a run: the training pool (``trainer.*``), the actor (with the reference), critic and teacher
-    layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
+    """The placement of a run: the training pool (``trainer.*``), the actor (with the reference), critic, teacher and
+    reward model layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
     return make_placement(nodes=nodes, actor=arr.actor.parallel,
                           critic=cfg.critic.parallel if cfg.critic.enable else None,
-                          teacher=cfg.teacher.parallel if cfg.teacher.enable else None, engine_tp=cfg.engine_tp,
+                          teacher=cfg.teacher.parallel if cfg.teacher.enable else None,
+                          reward_model=cfg.reward_model.parallel if cfg.reward_model.enable else None,
+                          engine_tp=cfg.engine_tp,
                           engine_layout=arr.rollout.engine_layout,
                           rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
 

@@ -104,3 +104,33 @@ class CriticRole:
         # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).
         metrics = {**result.metrics, "vf_loss": result.loss}
         return dataclasses.replace(result, metrics=metrics)
+
+
+class RewardModelRole:
+    """A reward model: one score per response, the value head's output at its last token (an HF
+    sequence-classification checkpoint's ``score`` there, :func:`megarl.convert.loader.load_hf_into`; an empty
+    response's at the last prompt token). ``config`` is the run's ``reward_model`` section (its micro-batches)."""
+
+    def __init__(self, model: ShardedModel, config):
+        if not model.value_head:
+            raise ValueError("a reward model scores with its value head: build its ShardedModel with value_head=True")
+        self.model = model
+        self.config = config
+
+    def compute_scores(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        """``rm_scores`` float32 [N] of this DP rank's rows; None off the collect rank. Needs ``input_ids``,
+        ``attention_mask``, ``responses`` and ``response_mask``."""
+        cfg = self.config
+        micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
+                                      size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
+                                      max_tokens=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+                                      multiple_of=self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1,
+                                      **self.model.token_layout)
+        out = self.model.forward_values(micro)
+        if out is None or not self.model.groups.is_collect_rank:
+            return None
+        R = batch["responses"].shape[1]
+        # Position P + j - 1 holds the value after response token j - 1 (j = 0: after the prompt).
+        tail = pad_responses([o["values"][:, -r - 1:] for o, r in zip(out, widths)], R + 1)
+        last = batch["response_mask"].sum(-1).long().clamp(max=R)
+        return {"rm_scores": tail[torch.arange(len(last)), last].float().cpu()}

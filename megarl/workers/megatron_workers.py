@@ -1,6 +1,7 @@
-"""The Megatron roles as Ray workers: actor (with the reference policy), critic and teacher.
+"""The Megatron roles as Ray workers: actor (with the reference policy), critic, teacher and reward model.
 
-Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` / :class:`TeacherWorker` process; the frozen
+Each rank of a role is one :class:`ActorWorker` / :class:`CriticWorker` / :class:`TeacherWorker` /
+:class:`RewardModelWorker` process; the frozen
 reference policy lives in the actor's processes (same layout, same ranks: verl's hybrid
 worker), so it costs no extra processes or process groups. A worker builds a
 :class:`ShardedModel` for its role from the run's typed config sections (``init_model``,
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from megarl.config.actor import ActorConfig, RefConfig
+from megarl.config.algorithm import RewardConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.model import ModelConfig, ModelSource, OptimConfig
 from megarl.config.parallel import Coordinates, ParallelDims
@@ -32,7 +34,7 @@ from megarl.data.batch import Batch
 from megarl.rollout.client import EngineAddress
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
-from megarl.workers.critic import CriticRole
+from megarl.workers.critic import CriticRole, RewardModelRole
 from megarl.workers.model_checkpoint import export_hf, load_model, save_model
 from megarl.workers.sharded_model import ShardedModel
 
@@ -267,3 +269,23 @@ class TeacherWorker(_MegatronWorker):
         temperature, as the student's ``old_log_probs``)."""
         out = self.teacher.compute_log_prob(batch, temperature=temperature)
         return None if out is None else Batch(tensors={"teacher_log_prob": out["log_probs"]})
+
+
+class RewardModelWorker(_MegatronWorker):
+    """A reward model (``reward_model.enable``): one score per response from an HF sequence-classification checkpoint,
+    on its own model and Megatron layout; never trained."""
+
+    role = "reward_model"
+
+    def init_model(self, *, reward_model: RewardConfig, seed: int) -> Coordinates:
+        sharded = _build_sharded(reward_model.model, reward_model.parallel, seed=seed, value_head=True, score_head=True,
+                                 megatron_overrides=reward_model.megatron.override_transformer_config)
+        coords = self._init(sharded)
+        self.scorer = RewardModelRole(sharded, reward_model)
+        return coords
+
+    @busy
+    def compute_rm_score(self, batch: Batch) -> Batch | None:
+        """``rm_scores`` [N]: the reward model's score of each response."""
+        out = self.scorer.compute_scores(batch)
+        return None if out is None else Batch(tensors=out)

@@ -35,12 +35,21 @@ def scores_job(hf_dir: str, batch: dict) -> dict:
     from megarl.parallel import ParallelDims, destroy_parallel
     from megarl.workers.sharded_model import ShardedModel
 
+    from megarl.config.algorithm import RewardConfig
+    from megarl.data.batch import Batch
+    from megarl.workers.critic import RewardModelRole
+
     out = {}
+    rows = Batch(tensors={**batch, "responses": batch["input_ids"][:, PROMPT:]})
     for name, dims in (("tp2", ParallelDims(tp=2)), ("pp2", ParallelDims(pp=2))):
         model = ShardedModel(hf_dir, dims, value_head=True, score_head=True)
         values = model.forward_values([{k: batch[k] for k in ("input_ids", "attention_mask")}])
         if values is not None:
-            rows = torch.arange(NUM_ROWS)
-            out[name] = values[0]["values"][rows, last_response_token(batch)].float()
+            out[name] = values[0]["values"][torch.arange(NUM_ROWS), last_response_token(batch)].float()
+        # The role the trainer calls, in micro-batches of 4 rows and 2 (response widths trimmed to each).
+        role = RewardModelRole(model, RewardConfig(micro_batch_size_per_gpu=4))
+        scores = role.compute_scores(rows)
+        if scores is not None:
+            out[f"{name}_role"] = scores["rm_scores"]
         destroy_parallel()
     return out

@@ -39,9 +39,10 @@ def test_reward_model_scores_equal_transformers_at_tp2_and_pp2(checkpoint):
         expected = model(input_ids=batch["input_ids"], attention_mask=mask,
                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 0].float()
     results = run_ranks(jobs.scores_job, 4, str(directory), batch, timeout_s=300)
-    for layout in ("tp2", "pp2"):
+    for layout in ("tp2", "pp2", "tp2_role", "pp2_role"):
         got = [r[layout] for r in results if layout in r]
         assert got, layout
         for scores in got:  # every last-stage rank of every replica
             torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
     assert expected.abs().max() > 0.1  # the head is not near zero: the comparison means something
+    assert batch["response_mask"].sum(-1).min() == 1  # a one-token response: its score is after its one token

@@ -755,3 +755,31 @@ def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_student_do
     assert abs(first["teacher/reverse_kl"]) <= 1e-6
     assert second["teacher/abs_log_ratio_max"] > 1e-3  # the student moved away from its teacher
     assert math.isfinite(second["teacher/reverse_kl_seq"]) and first["timing_s/teacher"] > 0
+
+
+def test_a_reward_model_scores_every_response_of_a_grpo_step(assets):
+    """Issue 34: a reward model (an HF sequence-classification checkpoint of the policy's tokenizer, its own ranks at
+    TP=2) scores every response of a GRPO step; with ``combine=replace`` its scores are the step's rewards."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
+
+    directory = assets["root"] / "rm"
+    if not directory.exists():
+        config = AutoConfig.from_pretrained(assets["model"])
+        config.architectures, config.num_labels = ["Qwen2ForSequenceClassification"], 1
+        config.pad_token_id = AutoTokenizer.from_pretrained(assets["model"]).pad_token_id
+        torch.manual_seed(0)
+        model = Qwen2ForSequenceClassification.from_pretrained(assets["model"], config=config, dtype=torch.float32)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 0.5)
+        model.save_pretrained(directory)
+        AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(directory)
+    trainer = _run(_config(assets, "reward_model", "trainer.total_steps=1", "actor_rollout_ref.actor.parallel.tp=1",
+                           "reward_model.enable=true", f"reward_model.model.path={directory}",
+                           "reward_model.model.dtype=float32", "reward_model.parallel.tp=2",
+                           "reward_model.micro_batch_size_per_gpu=3"))
+    ((_, metrics),) = trainer.history
+    assert trainer.roles.plan.role("reward_model").dims.tp == 2
+    assert metrics["reward_model/score/max"] > metrics["reward_model/score/min"]  # responses scored one by one
+    assert metrics["critic/score/mean"] == pytest.approx(metrics["reward_model/score/mean"], abs=1e-6)
+    assert metrics["timing_s/reward_model"] > 0

@@ -63,15 +63,15 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tmp_path):
     """Distillation compares log-probs of the same token ids: a teacher whose tokenizer maps tokens to other ids is
     refused before Ray starts, naming both models; one of the student's tokenizer passes."""
     from megarl.config.model import ModelConfig, ScoringModelConfig
-    from megarl.controller.run_inputs import check_teacher_tokenizer
+    from megarl.controller.run_inputs import check_same_tokenizer
     from megarl.models.tiny import build_tiny_tokenizer, save_tiny
 
     student = save_tiny(tmp_path / "student", num_layers=1)
     same = save_tiny(tmp_path / "same", num_layers=2, seed=5)
     other = save_tiny(tmp_path / "other", num_layers=1)
     build_tiny_tokenizer(vocab_size=400).save_pretrained(other)  # another BPE: ids differ
-    check_teacher_tokenizer(ModelConfig(path=str(student)), ScoringModelConfig(path=str(same)))
-    with pytest.raises(ValueError, match=rf"teacher.model.path='{other}' and the student's "
+    check_same_tokenizer(ModelConfig(path=str(student)), ScoringModelConfig(path=str(same)))
+    with pytest.raises(ValueError, match=rf"teacher.model.path='{other}' and the policy's "
                                          rf"actor_rollout_ref.model.path='{student}' have different tokenizers: "
                                          r"\d+ token\(s\) map to other ids"):
-        check_teacher_tokenizer(ModelConfig(path=str(student)), ScoringModelConfig(path=str(other)))
+        check_same_tokenizer(ModelConfig(path=str(student)), ScoringModelConfig(path=str(other)))
