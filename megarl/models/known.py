@@ -35,6 +35,18 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
         tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-6,
     ),
+    "Llama-3.1-8B": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+        tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    ),
+    # A reward model on Llama-3.1-8B's body and tokenizer (Skywork/Skywork-Reward-Llama-3.1-8B-v0.2's config.json: a
+    # LlamaForSequenceClassification with one label).
+    "Skywork-Reward-Llama-3.1-8B-v0.2": dict(
+        model_type="llama", architectures=["LlamaForSequenceClassification"], hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, num_labels=1,
+        tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    ),
     "Llama-3.1-70B": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
@@ -53,7 +65,7 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     ),
 }
 """Base-model name -> the size-deciding fields of its HF ``config.json`` (Qwen2.5: q/k/v biases, which
-the ``qwen2`` family adds; Llama 3.1: none; Qwen3-30B-A3B: a mixture of experts in every layer, no shared
+the ``qwen2`` family adds; Llama 3.1: none; a reward model: its sequence-classification architecture; Qwen3-30B-A3B: a mixture of experts in every layer, no shared
 expert)."""
 
 _VARIANT_SUFFIXES = ("-instruct",)

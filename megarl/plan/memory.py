@@ -25,9 +25,10 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   state are those of its ``a`` adapter parameters alone (:meth:`~megarl.models.sizes.Architecture.lora_param_count`),
   which add ``a × bytes(model.dtype)`` of weights.
 - **critic**: weights, grads and optimizer as above for its own layout (value head instead of LM head).
-- **teacher** (on-policy distillation): its weights in ``teacher.model.dtype`` on its own layout, held in every phase
-  (``teacher.param_offload``: only in its own), and in its ``teacher`` phase its log-prob forward (its largest
-  layer at the selective size and, on its last stage, its logits).
+- **teacher** (on-policy distillation) and **reward model** (``reward_model.enable``): weights in their
+  ``model.dtype`` on their own layouts, held in every phase (``param_offload``: only in their own), and in their own
+  phase (``teacher`` / ``reward model``) their forward: the largest layer at the selective size and, for the
+  teacher's last stage, its logits (the reward model's value head adds nothing to speak of).
 - **activations** of the update (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", Table 2; 16-bit; ``T`` tokens of a micro-batch, ``s`` sequence, ``h``
   hidden, ``a`` heads, ``t`` TP; with CP, ``T`` and ``s`` per CP rank: divided by ``cp``), per layer:
@@ -150,8 +151,10 @@ class MemoryModel:
     """Computes each GPU's rows and phases for one config (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
-                 placement: PlacementPlan, memory: int, teacher_model: Architecture | None = None):
-        self.cfg, self.model, self.critic_model, self.teacher_model = cfg, model, critic_model, teacher_model
+                 placement: PlacementPlan, memory: int, scorers: dict[str, Architecture] | None = None):
+        self.cfg, self.model, self.critic_model = cfg, model, critic_model
+        self.scorers = dict(scorers or {})
+        """The scoring models' sizes by role (``teacher``, ``reward_model``): placed, never trained."""
         self.placement, self.memory = placement, memory
         arr = cfg.actor_rollout_ref
         self.arr = arr
@@ -162,7 +165,6 @@ class MemoryModel:
         self.max_seq = min(arr.rollout.max_model_len or self.seq, self.seq)
         self.actor_dims: ParallelDims = placement.role("actor").dims
         self.critic_dims: ParallelDims | None = placement.role("critic").dims if critic_model else None
-        self.teacher_dims: ParallelDims | None = placement.role("teacher").dims if teacher_model else None
         self.engine_tp = placement.engines[0].tp
         self.colocated = placement.colocated
 
@@ -289,20 +291,27 @@ class MemoryModel:
         at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
         return rows | {"_at_start": at_start, "_optimizer_host": state["optimizer_host"]}
 
-    def _teacher_rows(self, bundle: int) -> dict[str, int]:
-        """The teacher's weights (``teacher.model.dtype``) and its log-prob forward's working memory."""
-        m, dims, teacher = self.teacher_model, self.teacher_dims, self.cfg.teacher
+    def _scorer_rows(self, role: str, bundle: int) -> dict[str, int]:
+        """A scoring model's weights (its ``model.dtype``) and its forward's working memory: the teacher's log-prob
+        forward (its largest layer and, on its last stage, its logits), the reward model's value forward (its largest
+        layer)."""
+        m, section = self.scorers[role], getattr(self.cfg, role)
+        dims = self.placement.role(role).dims
         _, _, _, pp_rank = megatron_coordinates(bundle, dims)
         counts = m.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
-                                     etp=dims.expert_tp)
-        weights = counts.total * DTYPE_BYTES[teacher.model.dtype]
-        forward = self._micro(dims, teacher.model.use_remove_padding,
-                              rows=teacher.log_prob_micro_batch_size_per_gpu or 16,
-                              dynamic=teacher.log_prob_use_dynamic_bsz, budget=teacher.log_prob_max_token_len_per_gpu)
-        last = pp_rank == dims.pp - 1
-        return {"teacher_weights": weights, "_teacher_resident": 0 if teacher.param_offload else weights,
-                "teacher_forward": self._forward_layer(m, dims, forward, sequence_parallel=dims.sequence_parallel)
-                + (self._logits(forward, dims.tp, m) if last else 0), "_at_start": weights}
+                                     etp=dims.expert_tp, value_head=role == "reward_model")
+        weights = counts.total * DTYPE_BYTES[section.model.dtype]
+        if role == "teacher":
+            rows, dynamic, budget = (section.log_prob_micro_batch_size_per_gpu, section.log_prob_use_dynamic_bsz,
+                                     section.log_prob_max_token_len_per_gpu)
+        else:
+            rows, dynamic, budget = (section.micro_batch_size_per_gpu, section.use_dynamic_bsz,
+                                     section.forward_max_token_len_per_gpu)
+        forward = self._micro(dims, section.model.use_remove_padding, rows=rows or 16, dynamic=dynamic, budget=budget)
+        logits = self._logits(forward, dims.tp, m) if role == "teacher" and pp_rank == dims.pp - 1 else 0
+        return {f"{role}_weights": weights, f"_{role}_resident": 0 if section.param_offload else weights,
+                f"{role}_forward": self._forward_layer(m, dims, forward, sequence_parallel=dims.sequence_parallel)
+                + logits, "_at_start": weights}
 
     def _critic_rows(self, bundle: int) -> dict[str, int]:
         m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
@@ -396,12 +405,12 @@ class MemoryModel:
                 critic = self._critic_rows(bundle)
                 rows |= {k: v for k, v in critic.items() if k != "_at_start"}
                 rows["_at_start"] += critic["_at_start"]
-            if self.teacher_model is not None:
-                teacher = self._teacher_rows(bundle)
-                rows |= {k: v for k, v in teacher.items() if k != "_at_start"}
-                rows["_at_start"] += teacher["_at_start"]
+            for role in self.scorers:
+                scorer = self._scorer_rows(role, bundle)
+                rows |= {k: v for k, v in scorer.items() if k != "_at_start"}
+                rows["_at_start"] += scorer["_at_start"]
             rows["sync_buffers"] = sync_buffers[bundle]
-            processes = 1 + (self.critic_model is not None) + (self.teacher_model is not None)
+            processes = 1 + (self.critic_model is not None) + len(self.scorers)
             rows["cuda_context"] = processes * CUDA_CONTEXT_BYTES
             per_gpu.append((training_pool, bundle, pool.node_of(bundle), rows))
         if not self.colocated:
@@ -434,8 +443,10 @@ class MemoryModel:
                 parts.append(f"{role}stage {megatron_coordinates(bundle, dims)[3]}")
             if self.critic_dims is not None and self.critic_dims.pp > 1:
                 parts.append(f"critic stage {megatron_coordinates(bundle, self.critic_dims)[3]}")
-            if self.teacher_dims is not None and self.teacher_dims.pp > 1:
-                parts.append(f"teacher stage {megatron_coordinates(bundle, self.teacher_dims)[3]}")
+            for role in self.scorers:
+                dims = self.placement.role(role).dims
+                if dims.pp > 1:
+                    parts.append(f"{role.replace('_', ' ')} stage {megatron_coordinates(bundle, dims)[3]}")
             if not parts:
                 parts.append("actor")
         else:
@@ -464,15 +475,15 @@ class MemoryModel:
         critic_full = {"critic_state": rows["critic_state"]}
         # What stays between its own phases: the critic's (by its offload flags) and the teacher's weights (unless
         # teacher.param_offload: then only in its forward).
-        critic_resident = {"critic_state": rows.get("_critic_resident", 0),
-                           "teacher_weights": rows.get("_teacher_resident", 0)}
+        critic_resident = {"critic_state": rows.get("_critic_resident", 0)} | {
+            f"{role}_weights": rows.get(f"_{role}_resident", 0) for role in self.scorers}
         kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}
         onloaded = base | actor_full | {"ref_weights": rows["ref_weights"]}
         phases = {"rollout": base | actor_resident | critic_resident | engine,
                   "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}
-        if self.teacher_model is not None:
-            phases["teacher"] = onloaded | critic_resident | kept | {"teacher_weights": rows["teacher_weights"],
-                                                                     "teacher_forward": rows["teacher_forward"]}
+        for role in self.scorers:  # the teacher's log-probs, the reward model's scores: in the step, in turn
+            phases[role.replace("_", " ")] = onloaded | critic_resident | kept | {
+                f"{role}_weights": rows[f"{role}_weights"], f"{role}_forward": rows[f"{role}_forward"]}
         if self.critic_model is not None:
             phases["values"] = onloaded | critic_resident | critic_full | kept | {"critic_forward": rows["critic_forward"]}
             phases["update critic"] = onloaded | critic_resident | critic_full | kept | {

@@ -47,8 +47,13 @@ class RunPlan:
     """The driver machine's memory (``trainer.host_memory_gb``)."""
     host_optimizer_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     """Node -> optimizer state Megatron's hybrid optimizer keeps in its host memory (``optimizer_cpu_offload``)."""
-    teacher_model: Architecture | None = None
-    """The teacher's sizes (``teacher.enable``), else None."""
+    scorers: dict[str, Architecture] = dataclasses.field(default_factory=dict)
+    """The scoring models' sizes by role: ``teacher`` (``teacher.enable``), ``reward_model``
+    (``reward_model.enable``)."""
+
+    @property
+    def teacher_model(self) -> Architecture | None:
+        return self.scorers.get("teacher")
 
     @property
     def trajectories(self) -> int:
@@ -110,16 +115,16 @@ def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool 
     if cfg.critic.enable:
         critic_model = model if cfg.critic.model_path is None else architecture_for(cfg.critic.model_path,
                                                                                key="critic.model_path")
-    teacher_model = architecture_for(cfg.teacher.model.path, key="teacher.model.path") if cfg.teacher.enable \
-        else None
+    scorers = {role: architecture_for(getattr(cfg, role).model.path, key=f"{role}.model.path")
+               for role in ("teacher", "reward_model") if getattr(cfg, role).enable}
     placement = placement_for(cfg)
-    _check_model_layouts(cfg, model, critic_model, placement, teacher_model)
+    _check_model_layouts(cfg, model, critic_model, placement, scorers)
     memory = int((gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb) * GiB)
     sync = plan_weight_sync(cfg, model, placement)
-    memory_model = MemoryModel(cfg, model, critic_model, placement, memory, teacher_model)
+    memory_model = MemoryModel(cfg, model, critic_model, placement, memory, scorers)
     plan = RunPlan(cfg, model, critic_model, placement, memory, memory_model.gpus(sync.actor, sync.engine),
                    sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement), host_memory_bytes(cfg),
-                   memory_model.host_optimizer_bytes(), teacher_model)
+                   memory_model.host_optimizer_bytes(), scorers)
     if check:
         plan.check()
     return plan
@@ -141,12 +146,12 @@ def preflight(cfg: RunConfig) -> RunPlan | None:
 
 
 def _check_model_layouts(cfg: RunConfig, model: Architecture, critic_model: Architecture | None,
-                         placement: PlacementPlan, teacher_model: Architecture | None = None) -> None:
+                         placement: PlacementPlan, scorers: dict[str, Architecture] | None = None) -> None:
     roles = [(f"{ARR}.actor.", placement.role("actor").dims, model)]
     if critic_model is not None:
         roles.append(("critic.", placement.role("critic").dims, critic_model))
-    if teacher_model is not None:
-        roles.append(("teacher.", placement.role("teacher").dims, teacher_model))
+    for role, sizes in (scorers or {}).items():
+        roles.append((f"{role}.", placement.role(role).dims, sizes))
     for prefix, dims, sizes in roles:
         try:
             dims.check_model(num_layers=sizes.num_layers, num_attention_heads=sizes.heads,

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 GiB = 1 << 30
 ARR = "actor_rollout_ref"
 ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "teacher_weights",
-        "activations", "logits", "forward", "critic_activations", "critic_forward", "teacher_forward",
-        "engine_weights", "kv_cache", "sync_buffers", "cuda_context")
+        "reward_model_weights", "activations", "logits", "forward", "critic_activations", "critic_forward",
+        "teacher_forward", "reward_model_forward", "engine_weights", "kv_cache", "sync_buffers", "cuda_context")
 """Memory rows of a GPU, in report order."""
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -125,8 +125,8 @@ def _placement_lines(plan: RunPlan) -> list[str]:
     lines += _role_lines(plan, "actor", f"{ARR}.actor", plan.model)
     if plan.critic_model is not None:
         lines += _role_lines(plan, "critic", "critic", plan.critic_model)
-    if plan.teacher_model is not None:
-        lines += _role_lines(plan, "teacher", "teacher", plan.teacher_model)
+    for role, sizes in plan.scorers.items():
+        lines += _role_lines(plan, role, role, sizes)
     engines = placement.engines
     rollout = plan.cfg.actor_rollout_ref.rollout
     per_group = placement.engine_layout == "per_tp_group"
@@ -192,6 +192,8 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
         "critic_forward": "critic forward (one layer)",
         "teacher_weights": f"teacher weights ({_DTYPE_NAMES[cfg.teacher.model.dtype]})",
         "teacher_forward": "teacher forward (layer+logits)",
+        "reward_model_weights": f"reward model weights ({_DTYPE_NAMES[cfg.reward_model.model.dtype]})",
+        "reward_model_forward": "reward model forward (one layer)",
         "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp}"
                           + (", all experts" if plan.model.is_moe else "") + ")",
         "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),
@@ -392,13 +394,17 @@ def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
                            else f"{c}.ppo_micro_batch_size_per_gpu")
     if row == "critic_forward":
         return f"lower {c}.forward_micro_batch_size_per_gpu"
-    teacher = plan.cfg.teacher
-    if row == "teacher_weights":
-        if phase != "teacher" and not teacher.param_offload:
-            return "set teacher.param_offload=true"
-        return "raise teacher.parallel.tp or teacher.parallel.pp"
-    if row == "teacher_forward":
-        return "lower teacher.log_prob_" + ("max_token_len_per_gpu" if teacher.log_prob_use_dynamic_bsz
+    for role in ("teacher", "reward_model"):
+        section = getattr(plan.cfg, role)
+        if row == f"{role}_weights":
+            if phase != role.replace("_", " ") and not section.param_offload:
+                return f"set {role}.param_offload=true"
+            return f"raise {role}.parallel.tp or {role}.parallel.pp"
+        if row == f"{role}_forward":
+            if role == "teacher":
+                return "lower teacher.log_prob_" + ("max_token_len_per_gpu" if section.log_prob_use_dynamic_bsz
+                                                    else "micro_batch_size_per_gpu")
+            return "lower reward_model." + ("forward_max_token_len_per_gpu" if section.use_dynamic_bsz
                                             else "micro_batch_size_per_gpu")
     if row in ("engine_weights", "kv_cache"):
         if phase not in ("rollout", "weight sync"):

@@ -384,7 +384,7 @@ def test_local_config_json_wins(tmp_path):
 
 
 @pytest.mark.parametrize("name, total", [("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-7B", 7_615_616_512),
-                                         ("Llama-3.1-70B", 70_553_706_496)])
+                                         ("Llama-3.1-8B", 8_030_261_248), ("Llama-3.1-70B", 70_553_706_496)])
 def test_known_architectures_count_like_transformers(name, total):
     from megarl.convert.hf_io import expected_shapes
 
@@ -406,7 +406,8 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     # A tied embedding: one copy at pp=1, Megatron's second copy on the last stage at pp=2.
     one = tied.rank_params(tp=1)
     assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
-    assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-70B", "Qwen3-30B-A3B"}
+    assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
+                                        "Llama-3.1-70B", "Qwen3-30B-A3B"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -797,4 +798,27 @@ def test_the_teacher_is_planned_beside_the_student_and_a_teacher_that_does_not_f
     tight = load_config(["recipe=qwen2_5_0_5b_distill", "teacher.log_prob_micro_batch_size_per_gpu=64"])
     with pytest.raises(ValueError, match=r"in the teacher phase.*Largest parts: teacher forward \(layer\+logits\) "
                                          r"[\d.]+ GiB: lower teacher.log_prob_micro_batch_size_per_gpu"):
+        plan_run(tight)
+
+
+def test_the_reward_model_is_planned_beside_the_policy():
+    """Issue 34: Skywork-Reward-Llama-3.1-8B (a LlamaForSequenceClassification: Llama's body, a one-label head) scoring
+    Llama-3.1-8B's responses on one 8 x 80 GB node, its own ranks at TP=2: its weights (body / 2 plus the head, bf16)
+    on every GPU in every phase, its forward in its own phase; a forward that does not fit names its key."""
+    from megarl.plan.report import format_report
+
+    plan = plan_run(load_config(["recipe=llama3_1_8b_rm_grpo"]))
+    assert plan.fits
+    (gpu,) = plan.gpus
+    rm = plan.scorers["reward_model"]
+    assert rm.hf_config.architectures == ["LlamaForSequenceClassification"]
+    h, v = 4096, 128256
+    body = rm.rank_param_counts(tp=2).total - (v // 2) * h  # one rank's layers and embedding share
+    assert gpu.rows["reward_model_weights"] == 2 * (body + h + 1)  # bf16, the value head (weight and bias) whole
+    assert set(gpu.parts["reward model"]) >= {"reward_model_weights", "reward_model_forward"}
+    assert all(gpu.parts[phase].get("reward_model_weights") == gpu.rows["reward_model_weights"] for phase in gpu.parts)
+    assert "reward_model (reward_model.parallel): 8 ranks on pool global, tp=2" in format_report(plan)
+    tight = load_config(["recipe=llama3_1_8b_rm_grpo", "reward_model.micro_batch_size_per_gpu=512"])
+    with pytest.raises(ValueError, match=r"in the reward model phase.*reward model forward \(one layer\) [\d.]+ GiB: "
+                                         r"lower reward_model.micro_batch_size_per_gpu"):
         plan_run(tight)
