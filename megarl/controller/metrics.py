@@ -249,3 +249,36 @@ def validation_metrics(sources: Sequence[str], groups: Sequence[int], infos: dic
                                  and f"@{n_max}" in metric) else "val-aux"
         out[f"{section}/{source}/{name}/{metric}"] = float(np.mean(values))
     return out
+
+
+class ValidationRows:
+    """A validation's scored rows, round by round: each row's data source, prompt group (the rollout manager repeats
+    each prompt ``n`` times, interleaved) and per-row columns (``reward`` and the reward function's scalars); rows the
+    reward function could not score (``reward_model.on_error=skip``) are counted and left out."""
+
+    def __init__(self) -> None:
+        self.sources: list[str] = []
+        self.groups: list[int] = []
+        self.infos: dict[str, list] = {}
+        self.num_errors = 0
+
+    def add(self, data_sources, scores: list[float], extra: dict[str, list], *, first_group: int, n: int) -> None:
+        errors = extra.get("reward_error", [None] * len(scores))
+        for row, (source, score, error) in enumerate(zip(data_sources, scores, errors, strict=True)):
+            if error:
+                self.num_errors += 1
+                continue
+            self.sources.append(str(source))
+            self.groups.append(first_group + row // n)
+            self.infos.setdefault("reward", []).append(score)
+            for key, column in extra.items():
+                if key != "reward_error" and isinstance(column[row], (int, float, str, bool)):
+                    self.infos.setdefault(key, []).append(column[row])
+
+    def metrics(self, *, seed: int, count_errors: bool) -> dict[str, float]:
+        """:func:`validation_metrics` of the rows (columns every row has), and the errors counted."""
+        complete = {key: column for key, column in self.infos.items() if len(column) == len(self.sources)}
+        metrics = validation_metrics(self.sources, self.groups, complete, seed=seed)
+        if count_errors:
+            metrics["val-aux/reward/num_errors"] = float(self.num_errors)
+        return metrics

@@ -26,7 +26,6 @@ from transformers import AutoTokenizer
 
 from megarl.algo import advantages
 from megarl.algo.dapo import REWARD_EXTRA
-from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
 from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
@@ -53,8 +52,9 @@ from megarl.controller.metrics import (
     throughput_metrics,
     timer,
     timing_metrics,
-    validation_metrics,
+    ValidationRows,
 )
+from megarl.controller.scoring import TeacherSignal, score_step
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import (
@@ -70,13 +70,13 @@ from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.plan.preflight import preflight
-from megarl.reward.manager import combine_model_scores, reward_columns
+from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
 from megarl.seeds import SEED_STREAM_VALIDATION, SEED_STREAM_VALIDATION_BOOTSTRAP, derive_seed
 from megarl.sync import merge_stats, verify_sample
 from megarl.workers.base import Worker
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker, RewardModelWorker, TeacherWorker
+from megarl.workers.megatron_workers import ActorWorker, CriticWorker
 
 logger = logging.getLogger("megarl.train")
 
@@ -88,8 +88,6 @@ class RunInputError(ValueError):
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
               "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
-SCORING_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
-"""What a scoring model (the teacher, the reward model) receives."""
 """The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
 the one loss mask of every role."""
 
@@ -115,8 +113,6 @@ class Trainer:
         """(step, metrics) of every step this trainer ran."""
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
-        self.use_teacher = cfg.teacher.enable
-        self.use_rm = cfg.reward_model.enable
         self.roles: Roles | None = None
         """The placed workers, engines and router (:func:`megarl.controller.build.build_roles`)."""
         self.rollout_manager: RolloutManager | None = None
@@ -283,6 +279,15 @@ class Trainer:
         if any(self._offload_flags(role).values()):
             self._group_of(role).call_all(ActorWorker.onload)
 
+    @contextlib.contextmanager
+    def _onloaded(self, role: str):
+        """A role's weights on the GPU for the ``with`` block, back to the host after (its ``param_offload``)."""
+        self._onload(role)
+        try:
+            yield
+        finally:
+            self._offload(role)
+
     def _group_of(self, role: str):
         return {"critic": self.roles.critic, "teacher": self.roles.teacher,
                 "reward_model": self.roles.reward_model}.get(role, self.roles.actor)
@@ -304,8 +309,8 @@ class Trainer:
             metrics |= self._leave_out_unscored(batch, extra, step)
             batch = self._old_log_probs(batch, metrics, timing)
             batch = self._reference(batch, timing)
-            batch = self._teacher(batch, timing)
-            metrics |= self._reward_model(batch, timing)
+            batch, scored = score_step(self.cfg, self.roles, batch, timing, around=self._onloaded)
+            metrics |= scored
             batch = self._values(batch, timing)
             with timer("adv", timing):
                 metrics |= self._advantages(batch)
@@ -372,34 +377,6 @@ class Trainer:
                                                         self._select(batch, ACTOR_KEYS),
                                                         temperature=batch.meta["temperature"]))
 
-    def _teacher(self, batch: Batch, timing: dict[str, float]) -> Batch:
-        """The teacher's log-probs of the student's sampled tokens (``teacher_log_prob``; on-policy distillation)."""
-        if not self.use_teacher:
-            return batch
-        self._onload("teacher")
-        with timer("teacher", timing):
-            batch = batch.union(self.roles.teacher.call_dp(TeacherWorker.compute_teacher_log_prob,
-                                                           self._select(batch, SCORING_KEYS),
-                                                           temperature=batch.meta["temperature"]))
-        self._offload("teacher")
-        return batch
-
-    def _reward_model(self, batch: Batch, timing: dict[str, float]) -> dict[str, float]:
-        """The reward model's score of each response, into ``token_level_scores`` as ``reward_model.combine`` says
-        (``reward_model/score/*``: its scores alone)."""
-        if not self.use_rm:
-            return {}
-        self._onload("reward_model")
-        with timer("reward_model", timing):
-            scores = self.roles.reward_model.call_dp(RewardModelWorker.compute_rm_score,
-                                                     self._select(batch, SCORING_KEYS))["rm_scores"]
-        self._offload("reward_model")
-        rm = self.cfg.reward_model
-        batch["token_level_scores"] = combine_model_scores(batch["token_level_scores"], batch["response_mask"], scores,
-                                                           combine=rm.combine, coef=rm.rm_coef)
-        return {"reward_model/score/mean": float(scores.mean()), "reward_model/score/max": float(scores.max()),
-                "reward_model/score/min": float(scores.min())}
-
     def _values(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """The critic's values of the response tokens (PPO with GAE)."""
         if not self.use_critic:
@@ -416,16 +393,11 @@ class Trainer:
             metrics = apply_kl_penalty(batch, self.kl_ctrl, algo.kl_penalty)
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
-        teacher = self.cfg.teacher
-        if self.use_teacher:  # on-policy distillation (megarl.algo.distill)
-            kl = reverse_kl(batch["old_log_probs"], batch["teacher_log_prob"], batch["response_mask"])
-            metrics |= distill_metrics(kl, batch["response_mask"])
-            if teacher.signal == "reward":
-                batch["token_level_rewards"] = apply_to_rewards(batch["token_level_rewards"], kl, teacher.kl_coef)
+        teacher = TeacherSignal(self.cfg, batch)  # on-policy distillation (megarl.controller.scoring)
+        metrics |= teacher.before(batch)
         advantages.compute(algo.adv_estimator, batch, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten,
                            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
-        if self.use_teacher and teacher.signal == "advantage":
-            batch["advantages"] = apply_to_advantages(batch["advantages"], kl, teacher.kl_coef, batch["response_mask"])
+        teacher.after(batch)
         return metrics
 
     def _update_critic(self, batch: Batch, step: int, timing: dict[str, float]) -> dict[str, float]:
@@ -520,11 +492,8 @@ class Trainer:
         size = self.cfg.data.val_batch_size or len(self.val_set)
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         wanted = self.cfg.trainer.log_val_generations
-        sources: list[str] = []
-        groups: list[int] = []
-        infos: dict[str, list] = {}
+        rows = ValidationRows()
         samples: list[dict[str, Any]] = []
-        num_errors = 0
         for round_, start in enumerate(range(0, len(self.val_set), size)):
             prompts = self.val_set.collate([self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))])
             out = self.rollout_manager.generate(
@@ -533,31 +502,15 @@ class Trainer:
             check_failed_rollouts(out, self.cfg.actor_rollout_ref.rollout.max_failed_frac,
                                   f"validation at step {self.global_step}, round {round_}")
             token_scores, extra = self.val_reward_fn(out)
-            errors = extra.get("reward_error", [None] * len(out))
-            for row, (source, score, error) in enumerate(zip(out["data_source"], token_scores.sum(-1).tolist(), errors,
-                                                             strict=True)):
-                if error:  # reward_model.on_error=skip: counted, left out of the metrics
-                    num_errors += 1
-                    continue
-                sources.append(str(source))
-                groups.append(start + row // n)  # the manager repeats each prompt n times, interleaved
-                infos.setdefault("reward", []).append(score)
-                for key, column in extra.items():
-                    if key != "reward_error" and isinstance(column[row], (int, float, str, bool)):
-                        infos.setdefault(key, []).append(column[row])
+            rows.add(out["data_source"], token_scores.sum(-1).tolist(), extra, first_group=start, n=n)
             if len(samples) < wanted:
                 out["token_level_scores"] = token_scores
                 texts = zip(*self._decode(out.reorder(list(range(min(wanted - len(samples), len(out)))))))
                 samples += [{"input": p, "output": r, "score": s} for p, r, s in texts]
         if samples:
             self.tracker.log_generations(samples, self.global_step)
-        complete = {key: column for key, column in infos.items() if len(column) == len(sources)}
-        metrics = validation_metrics(sources, groups, complete,
-                                     seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP,
-                                                      self.global_step))
-        if self.cfg.reward_model.on_error == "skip":
-            metrics["val-aux/reward/num_errors"] = float(num_errors)
-        return metrics
+        return rows.metrics(seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP, self.global_step),
+                            count_errors=self.cfg.reward_model.on_error == "skip")
 
     # ================================================================================ the loop
     def fit(self) -> dict[str, float]:

@@ -1,0 +1,65 @@
+"""The scoring models of a training step (issue 34): the teacher's log-probs of the student's sampled tokens
+(on-policy distillation) and the reward model's score of each response. Each is a role of its own
+(:class:`~megarl.workers.megatron_workers.TeacherWorker`, :class:`~megarl.workers.megatron_workers.RewardModelWorker`),
+called between the reference and the advantages; the teacher's signal enters around the advantage estimator
+(:mod:`megarl.algo.distill`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
+from megarl.config.schema import RunConfig
+from megarl.controller.metrics import timer
+from megarl.data.batch import Batch
+from megarl.reward.manager import combine_model_scores
+from megarl.workers.megatron_workers import RewardModelWorker, TeacherWorker
+
+SCORING_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+"""What a scoring model receives."""
+
+
+def score_step(cfg: RunConfig, roles, batch: Batch, timing: dict[str, float], *,
+          around: Callable[[str], object]) -> tuple[Batch, dict[str, float]]:
+    """The teacher's ``teacher_log_prob`` [N, R] added to ``batch``, then the reward model's scores into its
+    ``token_level_scores`` as ``reward_model.combine`` says; the metrics (``reward_model/score/*``). ``around(role)``:
+    the trainer's onload/offload context of a role."""
+    metrics: dict[str, float] = {}
+    selected = batch.select(*SCORING_KEYS)
+    selected.meta = {"temperature": batch.meta["temperature"]}
+    if cfg.teacher.enable:
+        with around("teacher"), timer("teacher", timing):
+            batch = batch.union(roles.teacher.call_dp(TeacherWorker.compute_teacher_log_prob, selected,
+                                                      temperature=batch.meta["temperature"]))
+    if cfg.reward_model.enable:
+        with around("reward_model"), timer("reward_model", timing):
+            scores = roles.reward_model.call_dp(RewardModelWorker.compute_rm_score, selected)["rm_scores"]
+        rm = cfg.reward_model
+        batch["token_level_scores"] = combine_model_scores(batch["token_level_scores"], batch["response_mask"], scores,
+                                                           combine=rm.combine, coef=rm.rm_coef)
+        metrics |= {"reward_model/score/mean": float(scores.mean()), "reward_model/score/max": float(scores.max()),
+                    "reward_model/score/min": float(scores.min())}
+    return batch, metrics
+
+
+class TeacherSignal:
+    """The teacher's per-token reverse KL, applied where ``teacher.signal`` says: :meth:`before` the advantage
+    estimator (``reward``) and :meth:`after` it (``advantage``); its metrics from :meth:`before`."""
+
+    def __init__(self, cfg: RunConfig, batch: Batch) -> None:
+        self.section = cfg.teacher
+        self.kl = None
+        if self.section.enable:
+            self.kl = reverse_kl(batch["old_log_probs"], batch["teacher_log_prob"], batch["response_mask"])
+
+    def before(self, batch: Batch) -> dict[str, float]:
+        if self.kl is None:
+            return {}
+        if self.section.signal == "reward":
+            batch["token_level_rewards"] = apply_to_rewards(batch["token_level_rewards"], self.kl, self.section.kl_coef)
+        return distill_metrics(self.kl, batch["response_mask"])
+
+    def after(self, batch: Batch) -> None:
+        if self.kl is not None and self.section.signal == "advantage":
+            batch["advantages"] = apply_to_advantages(batch["advantages"], self.kl, self.section.kl_coef,
+                                                      batch["response_mask"])
