@@ -31,6 +31,13 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
           engine held other weights before, everything read back equal, the engine's weight version is the last
           sync's, the gap after the sync within the engine stage's bound. Runs ``ppo`` first (added when not
           picked): without an update a read-back cannot tell a sync from none.
+  lora    LoRA on this device: an actor with rank-8 adapters on every linear layer (random ``B``: they change the
+          model; Megatron's local spec), its adapters off against a plain actor of the same weights, one update,
+          then the adapters alone into a server serving LoRA (``--enable-lora``; ``rollout.lora_sync=adapters``:
+          ``/load_lora_adapter_from_tensors``, CUDA IPC payloads on GPU, checksums checked by the engine) and the
+          engine's log-probs naming the adapter against the actor's. Pass: adapters off equal to the plain model bit
+          for bit, the update applied with every base weight unchanged, every adapter tensor verified, the gap
+          within the engine stage's bound.
   mfu     train steps of a Qwen2.5-1.5B-shaped random model (``ActorRole.update``, one micro-batch): tokens/s and
           MFU (6 N + causal attention flops per token against the chip's dense bf16 peak), against HF
           transformers' step (sdpa, AdamW, the same log-softmax) on the same chip in this run. Printed, not
@@ -66,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_co
 import bench_convert as common
 import torch
 
-STAGES = ("parity", "engine", "ppo", "sync", "mfu")
+STAGES = ("parity", "engine", "ppo", "sync", "lora", "mfu")
 REQUIRES = {"sync": ("ppo",)}
 """Stages a picked stage needs run before it (added to ``--stages``)."""
 
@@ -249,9 +256,13 @@ class Context:
             self._actor = None
         release_memory()
 
-    def engine(self):
+    def engine(self, extra_args: tuple[str, ...] = ()):
         """The engine server's client: megarl's server on this device, started on first use from the model
-        directory (so it holds the actor's initial weights)."""
+        directory (so it holds the actor's initial weights), with ``extra_args`` (a running one started with others
+        is stopped first)."""
+        if self._server is not None and getattr(self, "_server_args", ()) != tuple(extra_args):
+            self.stop_engine()
+        self._server_args = tuple(extra_args)
         if self._server is None:
             from megarl.parallel.net import free_port
             from megarl.rollout.client import EngineClient
@@ -260,7 +271,7 @@ class Context:
             port = free_port()
             argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(self.model_dir(self.args.shape)),
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                    "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1"]
+                    "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1", *extra_args]
             url = f"http://127.0.0.1:{port}"
             self._server = ServerProcess(argv, name="engine 0", url=url, log_path=self.out / "engine_0.log").start()
             self._server.wait_healthy(ENGINE_START_S)
@@ -484,6 +495,61 @@ def run_sync_stage(ctx: Context, out: dict) -> None:
                               "copy_gbps": copy}), flush=True)
 
 
+def run_lora(ctx: Context, out: dict) -> None:
+    """LoRA on this device and its adapters synced alone into a server serving LoRA (see the module docstring)."""
+    from megarl.config.actor import ActorConfig
+    from megarl.config.lora import LoraSpec
+    from megarl.config.model import OptimConfig
+    from megarl.config.parallel import ParallelDims
+    from megarl.models.lora import adapters_disabled, is_lora_parameter
+    from megarl.plan.engine_gpus import lora_flags
+    from megarl.rollout.client import EngineAddress
+    from megarl.rollout.lora_wire import ADAPTER_NAME
+    from megarl.sync.adapters import AdapterSync
+    from megarl.workers.actor import ActorRole
+    from megarl.workers.sharded_model import ShardedModel
+
+    ctx.drop_actor()
+    model_dir = ctx.model_dir(ctx.args.shape)
+    spec = LoraSpec(rank=8, alpha=16.0, init_b="random")
+    optim = OptimConfig(lr=LR, clip_grad=1.0)
+    model = ShardedModel(model_dir, ParallelDims(tp=1, pp=1), params_dtype=DTYPE, optim=optim, lora=spec,
+                         groups=ctx.actor.model.groups)
+    actor = ActorRole(model, ActorConfig(ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=ROWS // 2,
+                                         optim=optim), micro_batch_size=ROWS // 2)
+    batch = rl_batch(ROWS, PROMPT, RESPONSE, model.hf_config.vocab_size, seed=31)
+    plain = ctx.actor.compute_log_prob(batch)["log_probs"].float().cpu()
+    with adapters_disabled(model.module_chunks):
+        off = actor.compute_log_prob(batch)["log_probs"].float().cpu()
+    on = actor.compute_log_prob(batch)["log_probs"].float().cpu()
+    ctx.drop_actor()
+    base = {n: p.detach().clone() for n, p in model.module_chunks[0].named_parameters() if not is_lora_parameter(n)}
+    mask = batch["response_mask"].float()
+    batch["old_log_probs"] = on
+    batch["advantages"] = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0)[:, None] * mask
+    (result,) = actor.update(batch)
+    moved = [n for n, p in model.module_chunks[0].named_parameters() if n in base and not torch.equal(p, base[n])]
+    client = ctx.engine(tuple(lora_flags(spec)))
+    client.lora_name = ADAPTER_NAME
+    sync = AdapterSync(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1, host_ranks=(0,))],
+                       config=spec.peft_config(str(model_dir)))
+    try:
+        report, seconds = timed(lambda: sync.sync(model.exporter(DTYPE), bucket_bytes=1 << 20, version="lora"))
+        gap = engine_gap(actor, client, seed=5)
+    finally:
+        sync.close()
+        ctx.stop_engine()
+    bound = gap_bound(ctx)
+    adapters = len(model.exporter(DTYPE).adapters())
+    out.update(adapters_off_vs_plain=stats(off - plain), adapters_on_vs_off=stats(on - off), applied=result.applied,
+               grad_norm=result.grad_norm, base_weights_moved=moved[:10], adapter_tensors=adapters,
+               verified=report["verified_checks"], sync_seconds=round(seconds, 4), sync_bytes=report["weight_sync/bytes"],
+               gap=gap, gap_bound=bound)
+    out["ok"] = (torch.equal(off, plain) and float((on - off).abs().max()) > 0 and result.applied and not moved
+                 and report["verified_checks"] == adapters > 0 and math.isfinite(gap["max"])
+                 and (bound is None or gap["mean"] <= bound))
+
+
 def train_flops_per_token(hf_config, seq: int) -> tuple[int, float]:
     """The matmul parameters N (layers and LM head; a tied embedding's lookup is free) and the training flops per
     token: 6 N, plus causal attention over rows of ``seq`` tokens (QK and AV: 4 seq h per layer forward, half of
@@ -582,7 +648,8 @@ def run_mfu(ctx: Context, out: dict) -> None:
     print(common.result_line(result), flush=True)
 
 
-RUNNERS = {"parity": run_parity, "engine": run_engine, "ppo": run_ppo, "sync": run_sync_stage, "mfu": run_mfu}
+RUNNERS = {"parity": run_parity, "engine": run_engine, "ppo": run_ppo, "sync": run_sync_stage, "lora": run_lora,
+           "mfu": run_mfu}
 
 
 # ----------------------------------------------------------------------------------------------------- main

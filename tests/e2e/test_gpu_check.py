@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["parity", "engine", "ppo", "sync", "mfu"]
+STAGES = ["parity", "engine", "ppo", "sync", "lora", "mfu"]
 BLOCKED = ("ray", "hydra", "sglang_router", "pyarrow")
 """Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
@@ -155,6 +155,16 @@ def test_sync_delivers_every_tensor_exactly(check):
     assert sync["copy_gbps"] > 0 and check["results"]["sync_vs_copy"] == pytest.approx(sync["sync_vs_copy"], rel=1e-3)
 
 
+def test_lora_stage_checks_the_adapters_and_their_sync(check):
+    """LoRA on the device: adapters off give the plain model's log-probs bit for bit, an update moves no base weight,
+    and the adapters alone reach a server serving LoRA, every tensor verified, its log-probs the actor's."""
+    lora = check["records"]["lora"]
+    assert lora["adapters_off_vs_plain"]["max"] == 0 and lora["adapters_on_vs_off"]["max"] > 0
+    assert lora["applied"] and lora["base_weights_moved"] == []
+    assert lora["verified"] == lora["adapter_tensors"] == 2 * 7 * 2  # A, B of 7 modules in each of 2 layers
+    assert lora["gap"]["tokens"] > 0 and finite(lora["gap"]["mean"])
+
+
 def test_mfu_line_has_both_sides_and_a_ratio(check):
     mfu = check["records"]["mfu"]
     for side in ("megarl", "hf_sdpa"):
@@ -167,7 +177,8 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
 
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
-    assert len(starts) == 2 and any("megarl.rollout.cpu_engine" in line for line in starts), starts  # tool and server
+    # The tool, its server, and the lora stage's server serving LoRA.
+    assert len(starts) == 3 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 2, starts
     imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
     assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
     names = {name for name, _, _ in imported}
