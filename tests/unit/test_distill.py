@@ -75,3 +75,37 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tmp_path):
                                          rf"actor_rollout_ref.model.path='{student}' have different tokenizers: "
                                          r"\d+ token\(s\) map to other ids"):
         check_same_tokenizer(ModelConfig(path=str(student)), ScoringModelConfig(path=str(other)))
+
+
+def test_a_reward_models_scores_enter_on_each_responses_last_token():
+    """``replace``: the reward model's score is the reward (verl's); ``add``: the rule reward plus ``rm_coef`` times it;
+    either way on the response's last token (an empty response: the first position), as the rule score sits."""
+    from megarl.reward.manager import combine_model_scores
+
+    rule = T([[0.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    rm = T([2.0, -1.0, 3.0])
+    torch.testing.assert_close(combine_model_scores(rule, mask, rm, combine="replace"),
+                               T([[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [3.0, 0.0, 0.0]]))
+    torch.testing.assert_close(combine_model_scores(rule, mask, rm, combine="add", coef=0.5),
+                               T([[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [1.5, 0.0, 0.0]]))
+
+
+def test_the_reward_model_settings_name_what_is_wrong():
+    from megarl.config import load_config
+
+    base = ["recipe=tiny_cpu_grpo", "reward_model.enable=true", "reward_model.model.path=/models/rm"]
+    cfg = load_config(base + ["reward_model.combine=add", "reward_model.rm_coef=0.5", "reward_model.parallel.tp=2"])
+    assert (cfg.reward_model.combine, cfg.reward_model.rm_coef, cfg.reward_model.parallel.tp) == ("add", 0.5, 2)
+    with pytest.raises(ValueError, match=r"reward_model.enable=true needs reward_model.model.path"):
+        load_config(["recipe=tiny_cpu_grpo", "reward_model.enable=true"])
+    with pytest.raises(ValueError, match=r"reward_model.combine"):
+        load_config(base + ["reward_model.combine=mean"])
+    with pytest.raises(ValueError, match=r"reward_model.model.init='tiny_sft': a reward model is loaded from its "
+                                         r"checkpoint"):
+        load_config(base + ["reward_model.model.init=tiny_sft"])
+    with pytest.raises(ValueError, match=r"algorithm.filter_groups.enable=true keeps or drops groups by their rule "
+                                         r"rewards"):
+        load_config(base + ["algorithm.filter_groups.enable=true"])
+    with pytest.raises(ValueError, match=r"reward_model.param_offload=True needs trainer.device=cuda"):
+        load_config(base + ["reward_model.param_offload=true"])
