@@ -42,12 +42,6 @@ class LogProbRole:
         self.max_token_len = max_token_len
         """Token budget of a forward micro-batch (dynamic batch size); None: ``micro_batch_size`` rows."""
 
-    @property
-    def micro_multiple(self) -> int:
-        """Interleaved pipelines need a multiple of ``pp`` micro-batches."""
-        return self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1
-
-
     def compute_log_prob(self, batch: Batch, *, temperature: float = 1.0, with_entropy: bool = False,
                          micro_batch_size: int | None = None, max_token_len: int | None = None,
                          replay_routing: bool = False, measure_routing: bool = False):
@@ -64,7 +58,8 @@ class LogProbRole:
         keys = ["input_ids", "attention_mask"] + ([ROUTED_EXPERTS] if replay_routing or measure_routing else [])
         micro, widths = micro_batches(batch, keys,
                                       size=None if budget else (micro_batch_size or self.micro_batch_size),
-                                      max_tokens=budget, multiple_of=self.micro_multiple, **self.model.token_layout)
+                                      max_tokens=budget, multiple_of=self.model.micro_multiple,
+                                      **self.model.token_layout)
         with adapters_disabled(self.model.module_chunks) if self.adapters_off else contextlib.nullcontext():
             out = self.model.forward_logprobs(micro, temperature=temperature, replay_routing=replay_routing,
                                               measure_routing=measure_routing)
@@ -149,7 +144,7 @@ class ActorRole(LogProbRole):
         micro, _ = micro_batches(mini, keys,
                                  size=None if ppo.use_dynamic_bsz else ppo.ppo_micro_batch_size_per_gpu,
                                  max_tokens=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
-                                 multiple_of=self.micro_multiple, **self.model.token_layout)
+                                 multiple_of=self.model.micro_multiple, **self.model.token_layout)
         result = self.model.train_step(micro, loss_fn, temperature=temperature,
                                        replay_routing=self.config.router_replay.replay)
         # pg_loss is each micro-batch's share of the mini-batch loss: the model averaged the

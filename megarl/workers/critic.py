@@ -48,17 +48,13 @@ class CriticRole:
         micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
                                       size=None if cfg.use_dynamic_bsz else cfg.forward_micro_batch_size_per_gpu,
                                       max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                                      multiple_of=self._micro_multiple, **self.model.token_layout)
+                                      multiple_of=self.model.micro_multiple, **self.model.token_layout)
         out = self.model.forward_values(micro)
         if out is None or not self.model.groups.is_collect_rank:
             return None
         R = batch["responses"].shape[1]
         # Back on the host: the result travels through Ray to a driver that may have no GPU.
         return {"values": pad_responses([response_slice(o["values"], r) for o, r in zip(out, widths)], R).cpu()}
-
-    @property
-    def _micro_multiple(self) -> int:
-        return self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1
 
     def update(self, batch: Batch, *, seed: int = 0) -> list[StepResult]:
         """Value-loss epochs × mini-batches over this DP rank's rows; one optimizer step per mini-batch.
@@ -98,7 +94,7 @@ class CriticRole:
         micro, _ = micro_batches(mini, keys,
                                  size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
                                  max_tokens=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                                 multiple_of=self._micro_multiple, **self.model.token_layout)
+                                 multiple_of=self.model.micro_multiple, **self.model.token_layout)
         result = self.model.train_step(micro, loss_fn)
         # vf_loss is each micro-batch's share of the mini-batch loss: the model averaged the
         # shares over micro-batches and DP ranks; the mini-batch value is their sum (= the loss).
@@ -124,7 +120,7 @@ class RewardModelRole:
         micro, widths = micro_batches(batch, ("input_ids", "attention_mask"),
                                       size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
                                       max_tokens=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                                      multiple_of=self.model.groups.dims.pp if len(self.model.chunks) > 1 else 1,
+                                      multiple_of=self.model.micro_multiple,
                                       **self.model.token_layout)
         out = self.model.forward_values(micro)
         if out is None or not self.model.groups.is_collect_rank:

@@ -70,8 +70,8 @@ class ShardedModel:
     ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
     (megarl.models.value_head, seeded with ``seed``, untied from the embedding); the body
     loads from ``hf_dir`` as for the actor; with ``score_head`` (a reward model) the head loads from the
-    checkpoint's sequence-classification ``score`` (:func:`megarl.convert.loader.load_hf_into`). ``dims`` (a role's ``parallel`` section) carries the
-    layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
+    checkpoint's sequence-classification ``score`` (:func:`megarl.convert.loader.load_hf_into`). ``dims`` (a role's
+    ``parallel`` section) carries the layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
     (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
     role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
     (:func:`megarl.parallel.forward_backward`). ``lora`` (a :class:`~megarl.config.lora.LoraSpec`): adapters on
@@ -214,6 +214,11 @@ class ShardedModel:
         """Where this rank's parameters are (``cuda:<local rank>`` on GPU, the CPU otherwise): the device of the
         model's inputs and of the tensors this class hands to collectives."""
         return next(self.module_chunks[0].parameters()).device
+
+    @property
+    def micro_multiple(self) -> int:
+        """What a call's micro-batch count must be a multiple of: ``pp`` with interleaved pipelines, else 1."""
+        return self.groups.dims.pp if len(self.chunks) > 1 else 1
 
     @property
     def token_layout(self) -> dict[str, int | None]:
