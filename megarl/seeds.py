@@ -22,6 +22,8 @@ async prompt group          ``derive_seed(derive_seed(rollout seed,             
                             SEED_STREAM_ASYNC_ROLLOUT), group, attempt)``
 generation-only round       ``derive_seed(rollout seed, SEED_STREAM_GENERATION, round)`` ``controller.generate``
 engine ``i``'s generator    ``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)``        ``controller.build``
+judge engine ``i``          ``derive_seed(rollout seed, SEED_STREAM_JUDGE_ENGINE, i)``  ``controller.build``
+a judge's answer on a row   ``derive_seed(rollout seed, SEED_STREAM_JUDGE, row key)``   ``controller.judge``
 row ``i`` of a request      :func:`derive_row_seed` ``(request seed, i)``               rollout manager, CPU
                                                                                         engine
 multi-turn turn             :func:`turn_seed` ``(call seed, row, sample, turn)``        ``rollout.agent_loop``
@@ -54,6 +56,10 @@ SEED_STREAM_GENERATION = 5
 """``derive_seed(rollout seed, SEED_STREAM_GENERATION, round)`` seeds a round of ``megarl-generate``."""
 SEED_STREAM_ENGINE = 7
 """``derive_seed(rollout seed, SEED_STREAM_ENGINE, i)`` seeds engine ``i``'s own generator."""
+SEED_STREAM_JUDGE_ENGINE = 8
+"""``derive_seed(rollout seed, SEED_STREAM_JUDGE_ENGINE, i)`` seeds a generative judge's engine ``i``."""
+SEED_STREAM_JUDGE = 9
+"""``derive_seed(rollout seed, SEED_STREAM_JUDGE, crc32(row uid, sample))`` seeds the judge's answer about a row."""
 
 
 def derive_row_seed(seed: int, row: int) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from megarl.algo.advantages import ESTIMATORS, gae_advantage, grpo_outcome_advantage
 from megarl.algo.kl import KL_KINDS, build_kl_controller
 from megarl.config.common import check_choice, check_positive, default_of
+from megarl.config.judge import JudgeConfig
 from megarl.config.megatron import MegatronConfig
 from megarl.config.model import RewardModelSource
 from megarl.config.parallel import ParallelDims
@@ -89,6 +90,8 @@ class RewardConfig:
     """Keep the reward model's weights in host memory between its forwards (GPU only)."""
     megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
     """Megatron's ``TransformerConfig`` fields passed through (``megatron.override_transformer_config.*``)."""
+    judge: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
+    """A generative judge (an LLM on engines of its own) scoring every trajectory (:mod:`megarl.config.judge`)."""
 
     custom_reward_function: CustomRewardFunction = dataclasses.field(default_factory=CustomRewardFunction)
     """A custom scoring function replacing the registry."""

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib.util
 from pathlib import Path
+from typing import ClassVar
 
 from megarl.config.common import DTYPES, check_choice, check_micro_batches, check_positive, check_sampling
 
@@ -155,9 +156,12 @@ class MultiTurnConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RolloutConfig:
-    """Generation engines and sampling (``actor_rollout_ref.rollout.*``)."""
+class EngineConfig:
+    """The engine servers of a set of engines behind one sglang-router: the policy's rollout engines
+    (:class:`RolloutConfig`) and a generative judge's (:class:`megarl.config.judge.JudgeRolloutConfig`). ``KEY``: the
+    section's key, which its errors name."""
 
+    KEY: ClassVar[str] = "actor_rollout_ref.rollout"
     name: str = "hf"
     """Engine: ``hf`` (HF transformers, one process per engine; CPU or GPU) or ``sglang`` (GPU)."""
     tensor_model_parallel_size: int | None = None
@@ -172,6 +176,35 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Release the KV cache after generation so training gets the memory back. SGLang keeps its CUDA graphs across
     release/resume (``cuda_graph`` memory tag), so this goes with ``enforce_eager=false`` too."""
+    router_policy: str = "round_robin"
+    """sglang-router's policy for generation requests: ``round_robin``, ``cache_aware``, ``power_of_two`` or
+    ``random``."""
+    engine_startup_timeout_s: float = 600.0
+    """How long an engine server may take to answer ``/health`` after it starts (loading the model included)."""
+    engine_timeout_s: float = 120.0
+    """How long a running engine may go without answering: each control call (weights, memory, pause, reads) gets
+    this long, and while a rollout generates every engine is asked for its load (``/v1/loads``) every few seconds;
+    one that answers nothing for this long (frozen, hung in a collective) fails the step naming it. An engine
+    that answers again sooner goes on."""
+
+    def __post_init__(self) -> None:
+        p = self.KEY
+        check_choice(f"{p}.router_policy", self.router_policy, ROUTER_POLICIES)
+        check_positive(f"{p}.engine_startup_timeout_s", self.engine_startup_timeout_s)
+        check_positive(f"{p}.engine_timeout_s", self.engine_timeout_s)
+        if self.name in FOREIGN_ENGINES:
+            raise ValueError(f"{p}.name={self.name}: {FOREIGN_ENGINES[self.name]}")
+        check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)
+        check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        check_positive(f"{p}.tensor_model_parallel_size", self.tensor_model_parallel_size, allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig(EngineConfig):
+    """Generation engines and sampling (``actor_rollout_ref.rollout.*``)."""
+
     n: int = 1
     """Samples per prompt in training (GRPO's group size)."""
     temperature: float = 1.0
@@ -227,38 +260,20 @@ class RolloutConfig:
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools."""
-    router_policy: str = "round_robin"
-    """sglang-router's policy for generation requests: ``round_robin``, ``cache_aware``, ``power_of_two`` or
-    ``random``."""
-    engine_startup_timeout_s: float = 600.0
-    """How long an engine server may take to answer ``/health`` after it starts (loading the model included)."""
-    engine_timeout_s: float = 120.0
-    """How long a running engine may go without answering: each control call (weights, memory, pause, reads) gets
-    this long, and while a rollout generates every engine is asked for its load (``/v1/loads``) every few seconds;
-    one that answers nothing for this long (frozen, hung in a collective) fails the step naming it. An engine
-    that answers again sooner goes on."""
     max_failed_frac: float = 0.5
     """A training step or validation round in which more than this share of the rollouts FAILED (finish reason
     ``abort``: an overlong prompt, a tool's set-up or reward error or time-out, an engine abort) stops the run,
     naming the most common reasons. Below it, failed rollouts train with an all-zero loss mask. 1.0: never stop."""
 
     def __post_init__(self) -> None:
-        p = "actor_rollout_ref.rollout"
-        check_choice(f"{p}.router_policy", self.router_policy, ROUTER_POLICIES)
-        check_positive(f"{p}.engine_startup_timeout_s", self.engine_startup_timeout_s)
-        check_positive(f"{p}.engine_timeout_s", self.engine_timeout_s)
+        super().__post_init__()
+        p = self.KEY
         if not 0 <= self.max_failed_frac <= 1:
             raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
-        if self.name in FOREIGN_ENGINES:
-            raise ValueError(f"{p}.name={self.name}: {FOREIGN_ENGINES[self.name]}")
-        check_choice(f"{p}.name", self.name, ROLLOUT_NAMES)
-        check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.n", self.n)
         check_sampling(p, self.temperature, self.top_p, self.top_k)
-        for key in ("tensor_model_parallel_size", "prompt_length", "response_length", "max_model_len"):
+        for key in ("prompt_length", "response_length", "max_model_len"):
             check_positive(f"{p}.{key}", getattr(self, key), allow_none=True)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"{p}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_positive(f"{p}.bucket_mb", self.bucket_mb)
         check_choice(f"{p}.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         check_choice(f"{p}.lora_sync", self.lora_sync, LORA_SYNCS)

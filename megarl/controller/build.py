@@ -18,17 +18,20 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
+from megarl.config.model import ModelSource
+from megarl.config.rollout import EngineConfig
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.data.dataset import PromptDataset
 from megarl.controller.progress import no_phases
 from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 from megarl.parallel.reaper import Reaper, start_reaper
-from megarl.plan.placement import PlacementPlan, create_pools, engine_replica, placement_for
-from megarl.seeds import SEED_STREAM_ENGINE, derive_seed
+from megarl.plan.placement import JUDGE_POOL, PlacementPlan, create_pools, engine_replica, placement_for
+from megarl.seeds import SEED_STREAM_ENGINE, SEED_STREAM_JUDGE_ENGINE, derive_seed
 from megarl.reward import RewardManager
 from megarl.reward.manager import OverlongPenalty
 from megarl.parallel.shared_memory import remove_shared_memory
@@ -78,6 +81,8 @@ class Roles:
     """The weight sync's transport (``tensor`` or ``distributed``: :mod:`megarl.sync`)."""
     weight_names: list[str]
     """Every HF tensor name of the policy, in export order."""
+    judge: JudgeServers | None
+    """A generative judge's engines and router (``reward_model.judge``), else None."""
     loop: event_loop.EventLoopThread
     """The driver's one event loop (held from :func:`build_roles` to :meth:`shutdown`): the clients' sessions, the
     rollout manager's generation and the producer run on it."""
@@ -85,7 +90,8 @@ class Roles:
     @property
     def groups(self) -> list[WorkerGroup]:
         """Every worker group, in the order they were built."""
-        return [g for g in (self.actor, self.critic, self.teacher, self.reward_model, self.rollout) if g is not None]
+        return [g for g in (self.actor, self.critic, self.teacher, self.reward_model, self.rollout,
+                            self.judge.group if self.judge is not None else None) if g is not None]
 
     def shutdown(self) -> None:
         """Close the clients' sessions and let go of the driver's event loop (the last holder stops it and joins its
@@ -97,9 +103,13 @@ class Roles:
                 client.close_sync()
             except Exception as error:  # noqa: BLE001 - shutting down goes on
                 logging.getLogger(__name__).warning("closing %r: %s", client, error)
+        if self.judge is not None:
+            self.judge.close_clients()
         event_loop.release()
         self.router.stop()
         stop_engine_servers(self.rollout)
+        if self.judge is not None:
+            self.judge.stop()
         by_node: dict[str, list[int]] = {}
         for group in self.groups:
             for info in getattr(group, "node_infos", []):
@@ -140,10 +150,18 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
     trainer = cfg.trainer
     pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
     built: list[WorkerGroup] = []
-    router = None
+    routers: list[ServerProcess] = []
+    judge_cfg = cfg.reward_model.judge
     loop = event_loop.hold()  # the driver's one event loop, until Roles.shutdown
     try:
-        gpus = engine_gpus_of(plan, pools) if cfg.actor_rollout_ref.rollout.name == "sglang" else None
+        policy_set = policy_engines(cfg, plan)
+        judge_set = judge_engines(cfg, plan) if judge_cfg.enable else None
+        probed = None
+        if any(s is not None and s.rollout.name == "sglang" for s in (policy_set, judge_set)):
+            from megarl.plan.engine_gpus import probe_bundle_gpus
+
+            probed = probe_bundle_gpus(pools)
+        gpus = engine_gpus_of(plan.engines, probed) if policy_set.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
         # actor(+ref), engines, critic, teacher, reward model
         colocated = (1 if separate else 2) + sum(section.enable for section in (cfg.critic, cfg.teacher,
@@ -177,8 +195,9 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         rollout_pool = pools["rollout"] if separate else pools["global"]
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
-            rollout, addresses = start_engine_servers(cfg, plan, rollout_pool, 1.0 if separate else 1.0 / colocated,
-                                                      gpus, log_dir, admin_key=admin_key)
+            rollout, addresses = start_engine_servers(cfg, policy_set, rollout_pool,
+                                                      1.0 if separate else 1.0 / colocated, gpus, log_dir,
+                                                      admin_key=admin_key)
         built.append(rollout)
         # Training with adapters synced alone: every request names the run's adapter (loaded at the first sync).
         lora_name = ADAPTER_NAME if training and cfg.lora_syncs_adapters else None
@@ -187,15 +206,19 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         with phase("starting sglang-router"):
             router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
                                   log_dir=log_dir)
+        routers.append(router)
+        judge = None
+        if judge_set is not None:
+            judge = _start_judge(cfg, judge_set, pools, probed, log_dir, admin_key, built, routers, phase)
         targets, names = [], []
         if training:
             targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
             names = actor.call_rank(0, ActorWorker.weight_names)
     except BaseException:
-        if router is not None:
-            router.stop()
+        for started in routers:
+            started.stop()
         for group in built:
-            if group.role == "rollout":
+            if group.role in ("rollout", "judge"):
                 stop_engine_servers(group)
             group.shutdown()
         for pool in pools.values():
@@ -207,7 +230,51 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
                  router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
                  engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
-                                                    colocated=plan.colocated), weight_names=names, loop=loop)
+                                                    colocated=plan.colocated), weight_names=names, loop=loop,
+                 judge=judge)
+
+
+@dataclasses.dataclass
+class JudgeServers:
+    """A generative judge's running engines (``reward_model.judge``): their owners, a client per engine and
+    sglang-router in front of them."""
+
+    group: WorkerGroup
+    engines: list[EngineClient]
+    router: ServerProcess
+    generator: EngineClient
+    """The judge router's client: every judge request goes through it."""
+
+    def close_clients(self) -> None:
+        for client in [self.generator, *self.engines]:
+            try:
+                client.close_sync()
+            except Exception as error:  # noqa: BLE001 - shutting down goes on
+                logging.getLogger(__name__).warning("closing %r: %s", client, error)
+
+    def stop(self) -> None:
+        """Stop the router and the engine servers (the group's workers are killed with the run's)."""
+        self.router.stop()
+        stop_engine_servers(self.group)
+
+
+def _start_judge(cfg: RunConfig, judge_set: EngineSet, pools: dict, probed: dict | None, log_dir, admin_key: str,
+                 built: list, routers: list, phase) -> JudgeServers:
+    """Start the judge's engine servers on its pool and its router; what started is appended to ``built`` and
+    ``routers`` (stopped by the caller on failure)."""
+    rollout = judge_set.rollout
+    gpus = engine_gpus_of(judge_set.engines, probed) if rollout.name == "sglang" else None
+    with phase(f"starting {len(judge_set.engines)} {rollout.name} judge engine server(s)"):
+        group, addresses = start_engine_servers(cfg, judge_set, pools[JUDGE_POOL], 1.0, gpus, log_dir,
+                                                admin_key=admin_key)
+    built.append(group)
+    with phase("starting the judge's sglang-router"):
+        router = start_router([a.url for a in addresses], policy=rollout.router_policy, log_dir=log_dir,
+                              log_name="judge_router.log")
+    routers.append(router)
+    engines = [EngineClient(a.url, name=f"judge {a.name}", admin_key=a.admin_key, control_timeout_s=a.timeout_s)
+               for a in addresses]
+    return JudgeServers(group, engines, router, EngineClient(router.url, name="judge sglang-router"))
 
 
 def engine_targets(plan: PlacementPlan, addresses: list[EngineAddress], dp: int) -> list[EngineAddress]:
@@ -274,13 +341,13 @@ def _build_scorer(cfg: RunConfig, worker_cls, role: str, pool, share: float, **s
     return group
 
 
-def engine_gpus_of(plan: PlacementPlan, pools: dict) -> list:
-    """Per engine, its GPUs on each of its nodes for ``sglang.launch_server``
-    (:class:`~megarl.plan.engine_gpus.EngineGpus`), probed from Ray: call it right after
-    ``create_pools``, before any worker holds the bundles' GPUs."""
-    from megarl.plan.engine_gpus import engine_gpus, probe_bundle_gpus
+def engine_gpus_of(engines, probed: dict) -> list:
+    """Per engine of ``engines``, its GPUs on each of its nodes for ``sglang.launch_server``
+    (:class:`~megarl.plan.engine_gpus.EngineGpus`), from ``probed`` (:func:`~megarl.plan.engine_gpus.probe_bundle_gpus`
+    of the pools, right after ``create_pools``, before any worker holds the bundles' GPUs)."""
+    from megarl.plan.engine_gpus import engine_gpus
 
-    return engine_gpus(plan.engines, probe_bundle_gpus(pools))
+    return engine_gpus(engines, probed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,32 +360,65 @@ class EngineServerSlot:
     bundle: int
 
 
-def engine_server_slots(plan: PlacementPlan, gpus: list | None) -> list[EngineServerSlot]:
-    """A server per engine (megarl's CPU server: one process whatever its TP), or for SGLang one per node an
-    engine spans (``gpus``: :func:`engine_gpus_of`), node_rank 0 first."""
+def engine_server_slots(engines, gpus: list | None) -> list[EngineServerSlot]:
+    """A server per engine of ``engines`` (megarl's CPU server: one process whatever its TP), or for SGLang one per
+    node an engine spans (``gpus``: :func:`engine_gpus_of`), node_rank 0 first."""
     if gpus is None:
-        return [EngineServerSlot(e.index, 0, e.bundles[0]) for e in plan.engines]
+        return [EngineServerSlot(e.index, 0, e.bundles[0]) for e in engines]
     return [EngineServerSlot(g.engine, n.node_rank, n.bundles[0]) for g in gpus for n in g.nodes]
 
 
-def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float, gpus: list | None,
+@dataclasses.dataclass(frozen=True)
+class EngineSet:
+    """A set of engine servers behind one router: the policy's rollout engines, or a generative judge's."""
+
+    label: str
+    """What each engine is called in errors and logs (``engine``, ``judge engine``)."""
+    engines: tuple
+    """Their :class:`~megarl.plan.placement.EnginePlacement` s."""
+    rollout: EngineConfig
+    model: ModelSource
+    seed_stream: int
+    """Engine ``i`` samples from ``derive_seed(rollout seed, seed_stream, i)``."""
+    routed_experts: bool = False
+    """The engines return every token's routed experts (``actor.router_replay``)."""
+    lora: Any = None
+    """The run's :class:`~megarl.config.lora.LoraSpec` when the engines serve its adapter."""
+
+
+def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
+    """The policy's rollout engines."""
+    arr = cfg.actor_rollout_ref
+    return EngineSet("engine", plan.engines, arr.rollout, arr.model, SEED_STREAM_ENGINE,
+                     routed_experts=arr.actor.router_replay.enabled,
+                     lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None)
+
+
+def judge_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
+    """A generative judge's engines (``reward_model.judge``), on its own pool."""
+    judge = cfg.reward_model.judge
+    return EngineSet("judge engine", plan.judge_engines, judge.rollout, judge.model, SEED_STREAM_JUDGE_ENGINE)
+
+
+def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
                          log_dir: str | os.PathLike, *, admin_key: str | None = None
                          ) -> tuple[WorkerGroup, list[EngineAddress]]:
     """The engine servers' owners (one :class:`EngineServerWorker` per :func:`engine_server_slots` entry, taking
     ``share`` of its bundle) with every server started (concurrently) and healthy; the engines' addresses (an
     engine spanning nodes serves on its node_rank 0). On failure nothing is left running."""
-    arr = cfg.actor_rollout_ref
-    slots = engine_server_slots(plan, gpus)
-    group = _group(cfg, EngineServerWorker, pool, share, role="rollout", bundles=[s.bundle for s in slots])
+    rollout, model = engine_set.rollout, engine_set.model
+    slots = engine_server_slots(engine_set.engines, gpus)
+    role = "rollout" if engine_set.label == "engine" else "judge"
+    group = _group(cfg, EngineServerWorker, pool, share, role=role, bundles=[s.bundle for s in slots])
     host = "127.0.0.1" if on_this_machine_only() else None  # nothing listens beyond what must reach it
     try:
-        seeds = [derive_seed(cfg.rollout_seed, SEED_STREAM_ENGINE, i) for i in range(len(plan.engines))]
-        calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": plan.engines[s.engine].tp} for s in slots]
+        seeds = [derive_seed(cfg.rollout_seed, engine_set.seed_stream, i) for i in range(len(engine_set.engines))]
+        calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": engine_set.engines[s.engine].tp} for s in slots]
         # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
         from megarl.plan.engine_gpus import ROUTED_EXPERTS_FLAG, lora_flags
 
-        routed = (ROUTED_EXPERTS_FLAG,) if arr.actor.router_replay.enabled else ()
-        lora = arr.model.lora_spec if cfg.lora_syncs_adapters else None  # the engines serve the run's adapter
+        routed = (ROUTED_EXPERTS_FLAG,) if engine_set.routed_experts else ()
+        lora = engine_set.lora  # the engines serve the run's adapter
         if gpus is None:
             for call in calls:
                 call["extra_args"] = (*routed, *(lora_flags(lora) if lora else ()))
@@ -334,14 +434,14 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
                 engine = gpus[slot.engine]
                 if engine.nnodes > 1:
                     engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
-                call["launch"] = sglang_launch_command(engine, rollout=arr.rollout, model=arr.model, port=ports[0],
+                call["launch"] = sglang_launch_command(engine, rollout=rollout, model=model, port=ports[0],
                                                        seed=seeds[slot.engine], node_rank=slot.node_rank,
                                                        host=serve_on, return_routed_experts=bool(routed),
                                                        lora=lora)
                 call["url"] = f"http://{serve_on}:{ports[0]}"
-        urls = group.call_ranks([((), dict(rollout=arr.rollout, model=arr.model, seed=seeds[s.engine],
+        urls = group.call_ranks([((), dict(rollout=rollout, model=model, seed=seeds[s.engine],
                                           device=cfg.trainer.device, log_dir=str(log_dir), admin_key=admin_key,
-                                          host=host, **call))
+                                          host=host, label=engine_set.label, **call))
                                  for s, call in zip(slots, calls)], EngineServerWorker.start_server)
     except BaseException:
         stop_engine_servers(group)
@@ -349,7 +449,7 @@ def start_engine_servers(cfg: RunConfig, plan: PlacementPlan, pool, share: float
         raise
     head_url = {s.engine: url for s, url in zip(slots, urls) if s.node_rank == 0}
     return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp, admin_key=admin_key,
-                                 timeout_s=arr.rollout.engine_timeout_s) for e in plan.engines]
+                                 timeout_s=rollout.engine_timeout_s) for e in engine_set.engines]
 
 
 def on_this_machine_only() -> bool:
@@ -400,7 +500,7 @@ def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = Non
     With multi-turn tools, a prompt's length counts the tool schemas the chat template adds to it. A set left
     without any prompt is an error naming its key."""
     kwargs = cfg.data.dataset_kwargs()
-    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable or cfg.reward_model.judge.enable:  # the judge reads the chat
         kwargs["return_raw_chat"] = True
     schemas = plugins.tool_schemas() if plugins is not None else {}
     counted = f" (the {len(schemas)} tool schemas included)" if schemas else ""
@@ -437,6 +537,8 @@ def build_reward_managers(cfg: RunConfig, tokenizer, train_set: PromptDataset,
                              timeout_s=reward.timeout_s, overlong=overlong)
 
     train, val = manager(reward.num_examine), manager(1)  # verl logs one decoded sample per source in validation
+    if reward.judge.enable and reward.judge.combine == "replace":  # the judge scores every row: no rule function
+        return train, val
     train.check_data_sources(train_set.data_sources(), "data.train_files")
     if val_set is not None:
         val.check_data_sources(val_set.data_sources(), "data.val_files")
@@ -481,7 +583,7 @@ def ray_on_loopback() -> Callable[[], None]:
 
 
 def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
-    """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: ``trainer.n_cpu_ranks`` slots at least);
+    """Join the cluster at ``RAY_ADDRESS`` or start a local one (CPU: a slot per bundle of every pool at least);
     a no-op (None) when Ray is up. The caller shuts the returned connection down at the end of the run. A local
     cluster's processes are the run's: a reaper ends them when the driver ends, ``kill -9`` included.
 
@@ -506,7 +608,8 @@ def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
     connection.restore = ray_on_loopback()
     try:
         if trainer.device == "cpu":
-            num_cpus = max(trainer.n_cpu_ranks, os.cpu_count() or 1)
+            # Every pool's bundles (the training ranks, disaggregated engines, a judge's) take one slot each.
+            num_cpus = max(sum(pool.size for pool in placement_for(cfg).pools.values()), os.cpu_count() or 1)
             console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
             ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},
                      logging_level=logging.WARNING, log_to_driver=True)

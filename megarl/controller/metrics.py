@@ -251,10 +251,14 @@ def validation_metrics(sources: Sequence[str], groups: Sequence[int], infos: dic
     return out
 
 
+UNSCORED_KEYS = ("reward_error", "judge_error", "judge_answer")
+"""Per-row extras that are not validation metrics: why a row has no score, the judge's answer text."""
+
+
 class ValidationRows:
     """A validation's scored rows, round by round: each row's data source, prompt group (the rollout manager repeats
     each prompt ``n`` times, interleaved) and per-row columns (``reward`` and the reward function's scalars); rows the
-    reward function could not score (``reward_model.on_error=skip``) are counted and left out."""
+    reward function (``reward_model.on_error=skip``) or the judge could not score are counted and left out."""
 
     def __init__(self) -> None:
         self.sources: list[str] = []
@@ -263,7 +267,8 @@ class ValidationRows:
         self.num_errors = 0
 
     def add(self, data_sources, scores: list[float], extra: dict[str, list], *, first_group: int, n: int) -> None:
-        errors = extra.get("reward_error", [None] * len(scores))
+        none = [None] * len(scores)
+        errors = [a or b for a, b in zip(extra.get("reward_error", none), extra.get("judge_error", none), strict=True)]
         for row, (source, score, error) in enumerate(zip(data_sources, scores, errors, strict=True)):
             if error:
                 self.num_errors += 1
@@ -272,7 +277,7 @@ class ValidationRows:
             self.groups.append(first_group + row // n)
             self.infos.setdefault("reward", []).append(score)
             for key, column in extra.items():
-                if key != "reward_error" and isinstance(column[row], (int, float, str, bool)):
+                if key not in UNSCORED_KEYS and isinstance(column[row], (int, float, str, bool)):
                     self.infos.setdefault(key, []).append(column[row])
 
     def metrics(self, *, seed: int, count_errors: bool) -> dict[str, float]:

@@ -31,7 +31,7 @@ from megarl.warmstart.sft import ensure_tiny_sft
 
 def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
-    model's directories (and the critic's, the teacher's and the reward model's), refuse missing data files naming the
+    model's directories (and the critic's, the teacher's, the reward model's and the judge's), refuse missing data files naming the
     key, and for ``model.init=tiny_sft`` (``teacher.model.init`` too) write the addition data at its default paths and
     build the cached SFT warm start; a scoring model's tokenizer must be the policy's (:func:`check_same_tokenizer`).
     ``scoring`` False (generation only): the data need no columns for the reward scorers, and no scoring model is
@@ -53,6 +53,8 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     for other in (teacher, reward_model):
         if other is not None:
             check_same_tokenizer(model, other)
+    if cfg.reward_model.judge.enable and scoring:  # the judge reads text: its tokenizer is its own
+        check_model_directory(cfg.reward_model.judge.model.local_path, "reward_model.judge.model.path")
 
 
 def check_same_tokenizer(student, other) -> None:

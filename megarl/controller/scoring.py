@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megarl.controller.judge import judge_step_metrics
 from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
 from megarl.config.schema import RunConfig
 from megarl.controller.metrics import timer
@@ -63,3 +64,23 @@ class TeacherSignal:
         if self.kl is not None and self.section.signal == "advantage":
             batch["advantages"] = apply_to_advantages(batch["advantages"], self.kl, self.section.kl_coef,
                                                       batch["response_mask"])
+
+
+def leave_out_unscored(cfg: RunConfig, batch: Batch, extra: dict[str, list], where: str, console) -> dict[str, float]:
+    """Rows the reward function (``reward_model.on_error=skip``) or the judge could not score get an all-zero loss
+    mask; they are counted (``reward/num_errors``, ``judge/*``) and the first error is shown (``console``). Too many
+    the judge could not score stop the run (``reward_model.judge.max_failure_share``)."""
+    judge = cfg.reward_model.judge
+    metrics = judge_step_metrics(extra, judge.max_failure_share, where) if judge.enable else {}
+    for key, counted in (("reward_error", cfg.reward_model.on_error == "skip"), ("judge_error", judge.enable)):
+        if not counted:
+            continue
+        errors = [i for i, error in enumerate(extra.get(key, [])) if error]
+        if errors:
+            batch["response_mask"][errors] = 0
+            who = "the judge" if key == "judge_error" else "the reward function (reward_model.on_error=skip)"
+            console(f"{where}: {len(errors)} of {len(batch)} rows could not be scored by {who} and are left out of the "
+                    f"update; the first: {extra[key][errors[0]]}")
+        if key == "reward_error":
+            metrics["reward/num_errors"] = float(len(errors))
+    return metrics

@@ -54,7 +54,8 @@ from megarl.controller.metrics import (
     timing_metrics,
     ValidationRows,
 )
-from megarl.controller.scoring import TeacherSignal, score_step
+from megarl.controller.judge import JudgedRows, judged_rewards
+from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_step
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import (
@@ -199,6 +200,9 @@ class Trainer:
         # The engines start from the trainer's (possibly resumed) weights; nothing generates yet: caches may flush.
         with self.phases("first weight sync"):
             self._sync_weights(self.global_step, contextlib.nullcontext(True))
+        if self.roles.judge is not None:  # the judge's engines are up: it scores every row from here on
+            self.reward_fn, self.val_reward_fn = judged_rewards(cfg, self.roles.judge.generator, self.tokenizer,
+                                                                self.reward_fn, self.val_reward_fn)
         scorer = Scorer(self.reward_fn)
         if cfg.trainer.mode == "sync":
             self.rollout = SyncRollout(cfg, self.loader, self.rollout_manager, scorer)
@@ -306,7 +310,7 @@ class Trainer:
             self._onload("actor")
             batch = self._balance(batch, metrics)
             extra = reward_columns(list(batch.pop(REWARD_EXTRA)[REWARD_EXTRA]))
-            metrics |= self._leave_out_unscored(batch, extra, step)
+            metrics |= leave_out_unscored(self.cfg, batch, extra, f"step {step}", self.console)
             batch = self._old_log_probs(batch, metrics, timing)
             batch = self._reference(batch, timing)
             batch, scored = score_step(self.cfg, self.roles, batch, timing, around=self._onloaded)
@@ -444,18 +448,6 @@ class Trainer:
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
-    def _leave_out_unscored(self, batch: Batch, extra: dict[str, list], step: int) -> dict[str, float]:
-        """Rows the reward function could not score (``reward_model.on_error=skip``) get an all-zero loss mask;
-        they are counted (``reward/num_errors``) and the first error is shown."""
-        if self.cfg.reward_model.on_error != "skip":
-            return {}
-        errors = [i for i, error in enumerate(extra.get("reward_error", [])) if error]
-        if errors:
-            batch["response_mask"][errors] = 0
-            self.console(f"step {step}: {len(errors)} of {len(batch)} rows could not be scored and are left out of "
-                         f"the update (reward_model.on_error=skip); the first: {extra['reward_error'][errors[0]]}")
-        return {"reward/num_errors": float(len(errors))}
-
     def _overhead(self, timing: dict[str, float]) -> dict[str, float]:
         """Worker compute per role (the busiest rank) and the rest of the step: the controller's overhead."""
         metrics = {}
@@ -493,6 +485,7 @@ class Trainer:
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         wanted = self.cfg.trainer.log_val_generations
         rows = ValidationRows()
+        judged = JudgedRows(self.cfg.reward_model.judge, f"validation at step {self.global_step}")
         samples: list[dict[str, Any]] = []
         for round_, start in enumerate(range(0, len(self.val_set), size)):
             prompts = self.val_set.collate([self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))])
@@ -502,6 +495,7 @@ class Trainer:
             check_failed_rollouts(out, self.cfg.actor_rollout_ref.rollout.max_failed_frac,
                                   f"validation at step {self.global_step}, round {round_}")
             token_scores, extra = self.val_reward_fn(out)
+            judged.add(extra)
             rows.add(out["data_source"], token_scores.sum(-1).tolist(), extra, first_group=start, n=n)
             if len(samples) < wanted:
                 out["token_level_scores"] = token_scores
@@ -509,8 +503,10 @@ class Trainer:
                 samples += [{"input": p, "output": r, "score": s} for p, r, s in texts]
         if samples:
             self.tracker.log_generations(samples, self.global_step)
-        return rows.metrics(seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP, self.global_step),
-                            count_errors=self.cfg.reward_model.on_error == "skip")
+        return judged.metrics() | rows.metrics(seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP,
+                                                      self.global_step),
+                                     count_errors=self.cfg.reward_model.on_error == "skip"
+                                     or self.cfg.reward_model.judge.enable)
 
     # ================================================================================ the loop
     def fit(self) -> dict[str, float]:

@@ -53,8 +53,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from megarl.config.model import ModelConfig
-from megarl.config.rollout import RolloutConfig
+from megarl.config.model import ModelSource
+from megarl.config.rollout import EngineConfig
 from megarl.plan.placement import GLOBAL_POOL, EnginePlacement, PlacementPlan, ResourcePool
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -322,7 +322,7 @@ MEMORY_SAVER_UNSET_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 expandable segments, which a Megatron worker's environment may enable (slime removes them too)."""
 
 
-def sglang_launch_command(gpus: EngineGpus, *, rollout: RolloutConfig, model: ModelConfig, port: int, seed: int,
+def sglang_launch_command(gpus: EngineGpus, *, rollout: EngineConfig, model: ModelSource, port: int, seed: int,
                           node_rank: int = 0, host: str | None = None, context_length: int | None = None,
                           return_routed_experts: bool = False, lora: Any = None, python: str = sys.executable,
                           extra_args: Sequence[str] = ()) -> LaunchCommand:

@@ -65,6 +65,8 @@ ROLES = ("actor", "ref", "critic", "teacher", "rollout", "reward_model")
 TRAINING_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
 GLOBAL_POOL = "global"
 ROLLOUT_POOL = "rollout"
+JUDGE_POOL = "judge"
+"""A generative judge's own pool (``reward_model.judge.pool_nodes``)."""
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -153,6 +155,8 @@ class PlacementPlan:
     roles: dict[str, RolePlacement]
     engines: tuple[EnginePlacement, ...]
     engine_layout: str
+    judge_engines: tuple[EnginePlacement, ...] = ()
+    """A generative judge's engines, on pool ``judge`` (``reward_model.judge``); none without a judge."""
 
     @property
     def colocated(self) -> bool:
@@ -186,6 +190,9 @@ class PlacementPlan:
         matched = "TP-matched" if self.engines and self.engines[0].tp_matched else "not TP-matched"
         lines.append(f"rollout: {len(self.engines)} engines of TP {self.engines[0].tp} ({matched}, "
                      f"layout {self.engine_layout})")
+        if self.judge_engines:
+            lines.append(f"judge: {len(self.judge_engines)} engines of TP {self.judge_engines[0].tp} on pool "
+                         f"{JUDGE_POOL}")
         return "\n".join(lines)
 
 
@@ -316,6 +323,8 @@ def make_placement(
     rollout_nodes: Sequence[int] | None = None,
     engine_tp: int | None = None,
     engine_layout: str = "per_tp_group",
+    judge_nodes: Sequence[int] | None = None,
+    judge_tp: int = 1,
 ) -> PlacementPlan:
     """The plan from config-like arguments.
 
@@ -323,7 +332,8 @@ def make_placement(
     ``trainer.nnodes`` times). Roles given a layout (``ref``, ``critic``, ``teacher``, ``reward_model``)
     are placed; the actor always is. Colocated by default: every role and the engines share
     pool ``"global"``. With ``rollout_nodes`` the engines get their own pool ``"rollout"``
-    (disaggregated). ``engine_tp`` defaults to the actor's TP (TP-matched when colocated).
+    (disaggregated). ``engine_tp`` defaults to the actor's TP (TP-matched when colocated). ``judge_nodes``: a
+    generative judge's pool ``"judge"``, cut into engines of ``judge_tp``.
     """
     pools: dict[str, Sequence[int]] = {GLOBAL_POOL: list(nodes)}
     mapping = {"actor": GLOBAL_POOL, "rollout": GLOBAL_POOL}
@@ -335,7 +345,20 @@ def make_placement(
     if rollout_nodes is not None:
         pools[ROLLOUT_POOL] = list(rollout_nodes)
         mapping["rollout"] = ROLLOUT_POOL
-    return plan_placement(pools, mapping, dims, engine_tp=engine_tp, engine_layout=engine_layout)
+    plan = plan_placement(pools, mapping, dims, engine_tp=engine_tp, engine_layout=engine_layout)
+    if judge_nodes is None:
+        return plan
+    judge = PoolSpec(JUDGE_POOL, tuple(judge_nodes))
+    if judge.size % judge_tp:
+        raise ValueError(f"reward_model.judge.rollout.tensor_model_parallel_size={judge_tp} does not divide the "
+                         f"{judge.size} GPUs of reward_model.judge.pool_nodes={list(judge_nodes)}")
+    engines = []
+    for index, start in enumerate(range(0, judge.size, judge_tp)):
+        bundles = tuple(range(start, start + judge_tp))
+        engines.append(EnginePlacement(index, JUDGE_POOL, bundles,
+                                       _engine_nodes(judge, bundles, "reward_model.judge.rollout.tensor_model_parallel_size"),
+                                       False))
+    return dataclasses.replace(plan, pools={**plan.pools, JUDGE_POOL: judge}, judge_engines=tuple(engines))
 
 
 # ------------------------------------------------------------------------------------ Ray pools
@@ -416,7 +439,7 @@ class ResourcePool:
 def placement_for(cfg: RunConfig) -> PlacementPlan:
     """The placement of a run: the training pool (``trainer.*``), the actor (with the reference), critic, teacher and
     reward model layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
-    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    arr, trainer, judge = cfg.actor_rollout_ref, cfg.trainer, cfg.reward_model.judge
     nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
     return make_placement(nodes=nodes, actor=arr.actor.parallel,
                           critic=cfg.critic.parallel if cfg.critic.enable else None,
@@ -424,7 +447,8 @@ def placement_for(cfg: RunConfig) -> PlacementPlan:
                           reward_model=cfg.reward_model.parallel if cfg.reward_model.enable else None,
                           engine_tp=cfg.engine_tp,
                           engine_layout=arr.rollout.engine_layout,
-                          rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes))
+                          rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes),
+                          judge_nodes=list(judge.pool_nodes) if judge.enable else None, judge_tp=judge.engine_tp)
 
 
 def create_pools(plan: PlacementPlan, *, use_gpu: bool = True, cpus_per_bundle: float = 1.0,

@@ -79,6 +79,21 @@ def last_valid_positions(mask_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_BT.bool(), positions_BT, torch.full_like(positions_BT, -1)).max(dim=1).values
 
 
+def scored_tokens(batch: Batch, num_tokens: int) -> torch.Tensor:
+    """Every token of each response (tool outputs included): the response part of a rollout's
+    ``attention_mask`` (``[B, P+T]`` beside ``prompts`` ``[B, P]``); else ``response_mask`` (the tokens that
+    train), else the last ``T`` columns of ``attention_mask``."""
+    if "attention_mask" in batch and "prompts" in batch and \
+            batch["attention_mask"].shape[1] == batch["prompts"].shape[1] + num_tokens:
+        return batch["attention_mask"][:, -num_tokens:]
+    if "response_mask" in batch:
+        return batch["response_mask"]
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -num_tokens:]
+    raise ValueError("RewardManager needs `attention_mask` [B, P+T] or `response_mask` [B, T] in the batch "
+                     f"to find each response's last token; the batch has {batch.keys()}")
+
+
 def combine_model_scores(token_level_scores: torch.Tensor, response_mask: torch.Tensor, rm_scores: torch.Tensor, *,
                          combine: str, coef: float = 1.0) -> torch.Tensor:
     """The token-level scores [B, T] with a reward model's score of each response [B] on its last token (where the
@@ -183,7 +198,7 @@ class RewardManager:
         if "rm_scores" in batch:
             return batch["rm_scores"], {}
         num_rows, num_tokens = responses_BT.shape
-        mask_BT = self._response_mask(batch, num_tokens)
+        mask_BT = scored_tokens(batch, num_tokens)
         last_B = last_valid_positions(mask_BT)
         data_sources = batch["data_source"]
         reward_models = batch["reward_model"]
@@ -231,21 +246,6 @@ class RewardManager:
             scores_BT[i, max(int(last_B[i]), 0)] += float(penalty_B[i])
             if o.log:
                 info["overlong_reward"], info["overlong"] = float(penalty_B[i]), bool(penalty_B[i] < 0)
-
-    @staticmethod
-    def _response_mask(batch: Batch, num_tokens: int) -> torch.Tensor:
-        """Every token of each response (tool outputs included): the response part of a rollout's
-        ``attention_mask`` (``[B, P+T]`` beside ``prompts`` ``[B, P]``); else ``response_mask`` (the tokens that
-        train), else the last ``T`` columns of ``attention_mask``."""
-        if "attention_mask" in batch and "prompts" in batch and \
-                batch["attention_mask"].shape[1] == batch["prompts"].shape[1] + num_tokens:
-            return batch["attention_mask"][:, -num_tokens:]
-        if "response_mask" in batch:
-            return batch["response_mask"]
-        if "attention_mask" in batch:
-            return batch["attention_mask"][:, -num_tokens:]
-        raise ValueError("RewardManager needs `attention_mask` [B, P+T] or `response_mask` [B, T] in the batch "
-                         f"to find each response's last token; the batch has {batch.keys()}")
 
     @staticmethod
     def _ground_truth(reward_model: Any, data_source: str, row: int) -> Any:

@@ -54,11 +54,12 @@ def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: 
 
 
 def start_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | Path, host: str = "127.0.0.1",
-                 timeout_s: float = 120.0) -> ServerProcess:
-    """Start sglang-router on a free port of this machine and wait until it answers ``/health``."""
+                 timeout_s: float = 120.0, log_name: str = "router.log") -> ServerProcess:
+    """Start sglang-router on a free port of this machine and wait until it answers ``/health`` (its log:
+    ``log_dir / log_name``)."""
     port = free_port(host)
     router = ServerProcess(router_command(worker_urls, host=host, port=port, policy=policy), name="sglang-router",
-                           url=f"http://{host}:{port}", log_path=Path(log_dir) / "router.log")
+                           url=f"http://{host}:{port}", log_path=Path(log_dir) / log_name)
     router.start()
     try:
         router.wait_healthy(timeout_s)

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.config.model import ModelConfig
-from megarl.config.rollout import RolloutConfig
+from megarl.config.model import ModelSource
+from megarl.config.rollout import EngineConfig
 from megarl.parallel.net import free_port, free_ports, node_ip
 from megarl.rollout.http_api import ADMIN_KEY_ENV
 from megarl.rollout.server_process import ServerProcess
@@ -36,10 +36,11 @@ class EngineServerWorker(Worker):
     server: ServerProcess | None = None
     engine: int = -1
     node_rank: int = 0
+    label: str = "engine"
 
     @property
     def name(self) -> str:
-        return f"engine {self.engine}" + (f" node_rank {self.node_rank}" if self.node_rank else "")
+        return f"{self.label} {self.engine}" + (f" node_rank {self.node_rank}" if self.node_rank else "")
 
     def address(self, num_ports: int = 1, host: str | None = None) -> tuple[str, list[int]]:
         """The address to serve on (``host``; None: this node's IP) and ``num_ports`` distinct free ports on it
@@ -48,9 +49,10 @@ class EngineServerWorker(Worker):
         host = host or node_ip()
         return host, free_ports(host, num_ports)
 
-    def start_server(self, *, engine: int, rollout: RolloutConfig, model: ModelConfig, seed: int, device: str,
+    def start_server(self, *, engine: int, rollout: EngineConfig, model: ModelSource, seed: int, device: str,
                      log_dir: str, tp: int = 1, node_rank: int = 0, launch: Any = None, url: str | None = None,
-                     extra_args: Sequence[str] = (), admin_key: str | None = None, host: str | None = None) -> str:
+                     extra_args: Sequence[str] = (), admin_key: str | None = None, host: str | None = None,
+                     label: str = "engine") -> str:
         """Start engine ``engine``'s server (its part on node ``node_rank``) and wait until it is healthy;
         returns its URL.
 
@@ -61,9 +63,10 @@ class EngineServerWorker(Worker):
         command line (SGLang's are in ``launch``). ``admin_key``: the run's engine admin key: the server then
         serves its control routes only to requests carrying it (SGLang: ``--admin-api-key``; megarl's server
         reads it from :data:`~megarl.rollout.http_api.ADMIN_KEY_ENV`, off its command line). ``host``: the address
-        megarl's server listens on (None: this node's IP; a run on one machine passes loopback).
+        megarl's server listens on (None: this node's IP; a run on one machine passes loopback). ``label``: what the
+        engine is called in errors and its log's name (``engine``; a generative judge's: ``judge engine``).
         """
-        self.engine, self.node_rank = engine, node_rank
+        self.engine, self.node_rank, self.label = engine, node_rank, label
         host = host or node_ip()
         if rollout.name == "hf":
             if node_rank:
@@ -86,8 +89,8 @@ class EngineServerWorker(Worker):
             if admin_key:
                 argv += ["--admin-api-key", admin_key]
         else:
-            raise ValueError(f"actor_rollout_ref.rollout.name={rollout.name!r} is unknown; use 'hf' or 'sglang'")
-        log_name = f"engine_{engine}" + (f"_node{node_rank}" if node_rank else "") + ".log"
+            raise ValueError(f"{rollout.KEY}.name={rollout.name!r} is unknown; use 'hf' or 'sglang'")
+        log_name = f"{label.replace(' ', '_')}_{engine}" + (f"_node{node_rank}" if node_rank else "") + ".log"
         self.server = ServerProcess(argv, name=self.name, url=url, log_path=Path(log_dir) / log_name,
                                     env=env, inherit_env=rollout.name == "hf")
         self.server.start()

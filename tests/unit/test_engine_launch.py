@@ -21,7 +21,9 @@ import pytest
 
 from megarl.config import load_config
 from megarl.plan import engine_gpus as engine_gpus_module
-from megarl.controller.build import engine_gpus_of, engine_server_slots, start_engine_servers, stop_engine_servers
+from megarl.plan.engine_gpus import probe_bundle_gpus
+from megarl.controller.build import (engine_gpus_of, engine_server_slots, policy_engines, start_engine_servers,
+                                     stop_engine_servers)
 from megarl.plan.placement import create_pools, placement_for
 from megarl.rollout.client import EngineAddress
 from megarl.workers.base import Worker
@@ -87,7 +89,7 @@ def test_probe_maps_tp1_and_tp4_engines_on_both_nodes(two_nodes):
         plan = placement_for(config(engine_tp, actor_tp))
         pools = create_pools(plan, use_gpu=True, cpus_per_bundle=1.0)
         try:
-            gpus = engine_gpus_of(plan, pools)
+            gpus = engine_gpus_of(plan.engines, probe_bundle_gpus(pools))
         finally:
             for pool in pools.values():
                 pool.remove()
@@ -114,9 +116,9 @@ def test_engine_servers_start_with_exactly_their_gpus(two_nodes, tmp_path, monke
     plan = placement_for(cfg)
     pools = create_pools(plan, use_gpu=True, cpus_per_bundle=1.0)
     try:
-        gpus = engine_gpus_of(plan, pools)
-        slots = engine_server_slots(plan, gpus)
-        group, addresses = start_engine_servers(cfg, plan, pools["global"], 0.5, gpus, tmp_path)
+        gpus = engine_gpus_of(plan.engines, probe_bundle_gpus(pools))
+        slots = engine_server_slots(plan.engines, gpus)
+        group, addresses = start_engine_servers(cfg, policy_engines(cfg, plan), pools["global"], 0.5, gpus, tmp_path)
         try:
             infos = group.call_all(Worker.node_info)
             pids = group.call_all(EngineServerWorker.server_pid)
