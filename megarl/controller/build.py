@@ -611,11 +611,14 @@ def init_ray(cfg: RunConfig, console=print) -> RayConnection | None:
             # Every pool's bundles (the training ranks, disaggregated engines, a judge's) take one slot each.
             num_cpus = max(sum(pool.size for pool in placement_for(cfg).pools.values()), os.cpu_count() or 1)
             console(f"starting a local Ray cluster ({num_cpus} CPU slots)")
-            ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, runtime_env={"env_vars": env},
+            # address="local": a cluster of the run's own, even where another (a test's, a user's) runs here.
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=0, include_dashboard=False,
+                     runtime_env={"env_vars": env},
                      logging_level=logging.WARNING, log_to_driver=True)
         else:
             console("starting a local Ray cluster (the machine's GPUs)")
-            ray.init(runtime_env={"env_vars": env}, include_dashboard=False, logging_level=logging.WARNING)
+            ray.init(address="local", runtime_env={"env_vars": env}, include_dashboard=False,
+                     logging_level=logging.WARNING)
     except BaseException:
         connection.shutdown()
         raise

@@ -35,3 +35,9 @@ async def digit_share_async(data_source, solution_str, ground_truth, extra_info=
 
     await asyncio.sleep(0)
     return digit_share(data_source, solution_str, ground_truth, extra_info)
+
+
+def judge_verdict(text):
+    """A generative judge's verdict parser (``reward_model.judge.verdict_parser``) for a judge of random weights: its
+    answer's length mod 11, and no verdict (garbage) when the length is a multiple of 3."""
+    return None if len(text) % 3 == 0 else len(text) % 11

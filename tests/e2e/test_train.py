@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray")
 from megarl.config import load_config  # noqa: E402
 from megarl.controller.run_checkpoints import CheckpointManager  # noqa: E402
 from megarl.controller.trainer import Trainer  # noqa: E402
+from megarl.controller.judge import JudgeError  # noqa: E402
 from megarl.workers.group import WorkerError  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +68,61 @@ def _overrides(assets, name: str, *extra: str) -> list[str]:
         "trainer.logger=[jsonl,tensorboard]", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", f"trainer.default_local_dir={root / name / 'ckpt'}",
         f"trainer.log_dir={root / name / 'runs'}", f"trainer.experiment_name={name}", *extra]
+
+
+def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets):
+    """Issue 34: a GRPO run scored by a generative judge (a model served by a CPU engine server of its own, on a pool
+    of its own, behind a router of its own): every row is asked, the verdicts logged with the answers they were read
+    from; rows with garbage answers are counted and left out of the update, and the run goes on. A judge whose
+    every answer is garbage stops the run at its first step, naming the setting."""
+    root = assets["root"] / "judge"
+    judge = ["reward_model.judge.enable=true", f"reward_model.judge.model.path={assets['model']}",
+             "reward_model.judge.pool_nodes=[1]", "reward_model.judge.rollout.response_length=6",
+             "reward_model.judge.rollout.temperature=1.0"]
+    messages: list[str] = []
+    trainer = Trainer(_config(assets, "judge", "trainer.total_steps=2", "trainer.val_before_train=true",
+                              f"trainer.rollout_data_dir={root / 'rollouts'}", *judge,
+                              f"reward_model.judge.verdict_parser={HERE / 'rewards.py'}:judge_verdict",
+                              "reward_model.judge.max_failure_share=1.0"), console=messages.append)
+    try:
+        trainer.fit()
+        assert [e.pool for e in trainer.roles.plan.judge_engines] == ["judge"]
+        assert trainer.roles.judge.router.url != trainer.roles.router.url
+    finally:
+        trainer.shutdown()
+    assert len(trainer.history) == 2
+    counted = {key: sum(m[f"judge/{key}"] for _, m in trainer.history) for key in ("num_verdicts", "num_garbage")}
+    assert counted["num_verdicts"] > 0 and counted["num_garbage"] > 0, counted  # both kinds of rows occur
+    for step, metrics in trainer.history:
+        rows = [json.loads(line) for line in (root / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        garbage = [r for r in rows if r["judge_error"]]
+        for row in rows:  # each verdict is the parser's reading of the answer logged beside it
+            length = len(row["judge_answer"])
+            if length % 3 == 0:
+                assert row["judge_error"].startswith("garbage:") and row["judge_score"] is None
+            else:
+                assert row["judge_verdict"] == length % 11 and row["judge_score"] == pytest.approx(length % 11 / 10)
+                assert row["score"] == row["judge_score"]
+        assert metrics["judge/num_verdicts"] == len(rows) - len(garbage) and len(rows) == 16
+        assert metrics["judge/num_garbage"] == len(garbage)
+        assert metrics["judge/failure_share"] == pytest.approx(len(garbage) / 16)
+        assert metrics["judge/num_timeout"] == metrics["judge/num_error"] == 0
+        assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/skipped_steps"] == 0
+        if garbage:
+            assert any(f"step {step}: {len(garbage)} of 16 rows could not be scored by the judge" in m
+                       for m in messages), messages
+    (_, validation), = trainer.validations[:1]
+    assert validation["val-judge/num_verdicts"] + validation["val-judge/num_garbage"] == 8
+    # Every answer garbage (no <score>N</score> from a random model): the first step stops the run.
+    stopped = Trainer(_config(assets, "judge_stops", "trainer.total_steps=2", *judge,
+                              "reward_model.judge.max_failure_share=0.5"), console=lambda *_: None)
+    try:
+        with pytest.raises(JudgeError, match=r"step 1: the judge could not score 16 of 16 rows \(garbage 16\), over "
+                                             r"reward_model.judge.max_failure_share=0.5"):
+            stopped.fit()
+    finally:
+        stopped.shutdown()
+    assert stopped.history == []
 
 
 def _run(cfg) -> Trainer:

@@ -90,7 +90,7 @@ def _model_returning_device_tensors(keys: tuple[str, ...], *, value_head: bool, 
         with fake_device:
             return [{key: torch.zeros(mb["input_ids"].shape, device=DEVICE) for key in keys} for mb in micro_batches]
 
-    return SimpleNamespace(value_head=value_head, token_layout={"packed_align": None, "cp": 1}, chunks=[None],
+    return SimpleNamespace(value_head=value_head, token_layout={"packed_align": None, "cp": 1}, chunks=[None], micro_multiple=1,
                            groups=SimpleNamespace(dims=SimpleNamespace(pp=1), is_collect_rank=True),
                            forward_logprobs=forward, forward_values=forward)
 
