@@ -19,7 +19,8 @@ import os
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture, architecture_for
 from megarl.plan.all_to_all import AllToAllPlan, plan_all_to_all
-from megarl.plan.memory import GiB, GpuPlan, MemoryModel
+from megarl.plan.judge import JudgePlan, plan_judge
+from megarl.plan.memory import CUDA_CONTEXT_BYTES, GiB, GpuPlan, MemoryModel
 from megarl.plan.placement import PlacementPlan, placement_for
 from megarl.plan.report import format_report, host_optimizer_problem, host_problem, kv_problem, overflow_problem
 from megarl.plan.weight_sync import SyncPlan, plan_weight_sync
@@ -50,6 +51,8 @@ class RunPlan:
     scorers: dict[str, Architecture] = dataclasses.field(default_factory=dict)
     """The scoring models' sizes by role: ``teacher`` (``teacher.enable``), ``reward_model``
     (``reward_model.enable``)."""
+    judge: JudgePlan | None = None
+    """A generative judge's engines on their own pool (``reward_model.judge.enable``)."""
 
     @property
     def teacher_model(self) -> Architecture | None:
@@ -85,6 +88,8 @@ class RunPlan:
             out.append(host_problem(self))
         if self.host_optimizer_bytes and max(self.host_optimizer_bytes.values()) > self.host_memory_bytes:
             out.append(host_optimizer_problem(self))
+        if self.judge is not None:
+            out += self.judge.problems()
         return out
 
     @property
@@ -122,9 +127,13 @@ def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool 
     memory = int((gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb) * GiB)
     sync = plan_weight_sync(cfg, model, placement)
     memory_model = MemoryModel(cfg, model, critic_model, placement, memory, scorers)
+    judge = None
+    if cfg.reward_model.judge.enable:
+        judge = plan_judge(cfg, architecture_for(cfg.reward_model.judge.model.path, key="reward_model.judge.model.path"),
+                           memory, CUDA_CONTEXT_BYTES)
     plan = RunPlan(cfg, model, critic_model, placement, memory, memory_model.gpus(sync.actor, sync.engine),
                    sync.plan, memory_model.max_seq, plan_all_to_all(cfg, model, placement), host_memory_bytes(cfg),
-                   memory_model.host_optimizer_bytes(), scorers)
+                   memory_model.host_optimizer_bytes(), scorers, judge)
     if check:
         plan.check()
     return plan

@@ -327,6 +327,8 @@ def format_report(plan: RunPlan) -> str:
     lines += ["", "Memory per GPU (one column per kind of GPU; phases are steady-state totals)"]
     lines += [f"  {line}" for line in memory_table(plan)]
     lines += _engine_note(plan)
+    if plan.judge is not None:
+        lines += [""] + plan.judge.lines()
     lines += [""] + _sync_lines(plan) + [""]
     a2a = _all_to_all_lines(plan)
     if a2a:

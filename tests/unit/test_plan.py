@@ -822,3 +822,37 @@ def test_the_reward_model_is_planned_beside_the_policy():
     with pytest.raises(ValueError, match=r"in the reward model phase.*reward model forward \(one layer\) [\d.]+ GiB: "
                                          r"lower reward_model.micro_batch_size_per_gpu"):
         plan_run(tight)
+
+
+def test_a_judge_is_planned_on_its_own_pool_and_one_without_room_is_refused_naming_the_key():
+    """Issue 34: Qwen2.5-7B judging on its own node (four SGLang engines of TP=2): each judge GPU holds its weights'
+    TP shard (bf16, the vocabulary padded as SGLang pads it) and a KV cache of gpu_memory_utilization x GPU less the
+    context and the weights (hand-computed here); a cache smaller than one judge request is refused naming the keys."""
+    from megarl.models.family import sglang_padded_vocab
+    from megarl.plan.report import format_report
+
+    plan = plan_run(load_config(["recipe=qwen2_5_7b_judge_grpo"]))
+    assert plan.fits and plan.judge is not None
+    judge = plan.judge
+    assert (judge.num_engines, judge.tp, judge.engine) == (4, 2, "sglang")
+    h, layers, ffn, kv_heads, head_dim, vocab = 3584, 28, 18944, 4, 128, 152064
+    assert sglang_padded_vocab(vocab, 2) == vocab
+    per_layer = (h * h + h) + 2 * (kv_heads * head_dim * h + kv_heads * head_dim) + h * h + 3 * h * ffn + 2 * h
+    shard = (per_layer * layers) // 2 + 2 * (vocab // 2) * h + h  # attention/MLP split, embedding and head split
+    assert abs(judge.weights - 2 * shard) <= 2 * 8 * h * layers  # up to the norms' and biases' TP split
+    assert judge.kv_cache == int(0.85 * 80 * (1 << 30)) - CUDA_CONTEXT_BYTES - judge.weights
+    per_token = layers * 2 * (kv_heads // 2) * head_dim * 2  # K and V, this rank's 2 KV heads, bf16
+    assert judge.kv_tokens == judge.kv_cache // per_token and judge.request_tokens == 3072 + 512
+    assert "judge (Qwen2.5-7B-Instruct, 7.62 B parameters): 4 sglang engine(s) of TP 2 on pool judge" in \
+        format_report(plan)
+    assert "pool judge: 8 GPUs on 1 node(s)" in format_report(plan)
+    starved = load_config(["recipe=qwen2_5_7b_judge_grpo", "reward_model.judge.rollout.gpu_memory_utilization=0.09"])
+    with pytest.raises(ValueError, match=r"the judge's sglang engines would hold 0 tokens of KV cache per engine, less "
+                                         r"than one 3,584-token judge request .*raise "
+                                         r"reward_model.judge.rollout.gpu_memory_utilization \(now 0.09\)"):
+        plan_run(starved)
+    big = load_config(["recipe=qwen2_5_7b_judge_grpo", "reward_model.judge.rollout.tensor_model_parallel_size=1",
+                       "reward_model.judge.rollout.gpu_memory_utilization=1.0", "trainer.gpu_memory_gb=12"])
+    with pytest.raises(ValueError, match=r"the judge's sglang engines need [\d.]+ GiB per GPU \(weights 14.19 GiB\), "
+                                         r"more than 12.00 GiB: raise reward_model.judge.rollout.tensor_model_parallel"):
+        plan_run(big)
