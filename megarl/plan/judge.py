@@ -62,9 +62,9 @@ class JudgePlan:
         """Why the judge's engines do not fit (empty when they do), naming the settings that would help."""
         r = f"{KEY}.rollout"
         if self.peak > self.gpu_memory:
-            return [f"the judge's {self.engine} engines need {_gib(self.peak)} GiB per GPU (weights {_gib(self.weights)} "
-                    f"GiB), more than {_gib(self.gpu_memory)} GiB: raise {r}.tensor_model_parallel_size or judge with a "
-                    f"smaller model ({KEY}.model.path)"]
+            return [f"the judge's {self.engine} engines need {_gib(self.peak)} GiB per GPU (weights "
+                    f"{_gib(self.weights)} GiB), more than {_gib(self.gpu_memory)} GiB: raise "
+                    f"{r}.tensor_model_parallel_size or judge with a smaller model ({KEY}.model.path)"]
         if self.kv_tokens < self.request_tokens:
             return [f"the judge's {self.engine} engines would hold {max(self.kv_tokens, 0):,} tokens of KV cache per "
                     f"engine, less than one {self.request_tokens:,}-token judge request ({r}.prompt_length + "

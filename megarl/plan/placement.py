@@ -355,9 +355,8 @@ def make_placement(
     engines = []
     for index, start in enumerate(range(0, judge.size, judge_tp)):
         bundles = tuple(range(start, start + judge_tp))
-        engines.append(EnginePlacement(index, JUDGE_POOL, bundles,
-                                       _engine_nodes(judge, bundles, "reward_model.judge.rollout.tensor_model_parallel_size"),
-                                       False))
+        nodes = _engine_nodes(judge, bundles, "reward_model.judge.rollout.tensor_model_parallel_size")
+        engines.append(EnginePlacement(index, JUDGE_POOL, bundles, nodes, False))
     return dataclasses.replace(plan, pools={**plan.pools, JUDGE_POOL: judge}, judge_engines=tuple(engines))
 
 

@@ -163,7 +163,8 @@ def _config(tmp_path, **fields) -> JudgeConfig:
     parse = tmp_path / "length_verdict.py"
     parse.write_text("def verdict(text):\n    return len(text) % 11\n")
     settings = dict(enable=True, model=JudgeModelSource(path=str(tmp_path)), pool_nodes=[1],
-                    verdict_parser=f"{parse}:verdict", score_range=(0, 10), prompt_template="Grade {response} for {prompt}",
+                    verdict_parser=f"{parse}:verdict", score_range=(0, 10),
+                    prompt_template="Grade {response} for {prompt}",
                     timeout_s=60.0, rollout=JudgeRolloutConfig(temperature=1.0, response_length=6))
     return JudgeConfig(**{**settings, **fields})
 
