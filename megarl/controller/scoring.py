@@ -78,9 +78,10 @@ def leave_out_unscored(cfg: RunConfig, batch: Batch, extra: dict[str, list], whe
         errors = [i for i, error in enumerate(extra.get(key, [])) if error]
         if errors:
             batch["response_mask"][errors] = 0
-            who = "the judge" if key == "judge_error" else "the reward function (reward_model.on_error=skip)"
-            console(f"{where}: {len(errors)} of {len(batch)} rows could not be scored by {who} and are left out of the "
-                    f"update; the first: {extra[key][errors[0]]}")
+            why = "by the judge and are left out of the update" if key == "judge_error" else \
+                "and are left out of the update (reward_model.on_error=skip)"
+            console(f"{where}: {len(errors)} of {len(batch)} rows could not be scored {why}; the first: "
+                    f"{extra[key][errors[0]]}")
         if key == "reward_error":
             metrics["reward/num_errors"] = float(len(errors))
     return metrics

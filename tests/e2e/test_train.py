@@ -75,6 +75,8 @@ def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets
     of its own, behind a router of its own): every row is asked, the verdicts logged with the answers they were read
     from; rows with garbage answers are counted and left out of the update, and the run goes on. A judge whose
     every answer is garbage stops the run at its first step, naming the setting."""
+    from megarl.workers.engine_server import EngineServerWorker
+
     root = assets["root"] / "judge"
     judge = ["reward_model.judge.enable=true", f"reward_model.judge.model.path={assets['model']}",
              "reward_model.judge.pool_nodes=[1]", "reward_model.judge.rollout.response_length=6",
@@ -88,8 +90,15 @@ def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets
         trainer.fit()
         assert [e.pool for e in trainer.roles.plan.judge_engines] == ["judge"]
         assert trainer.roles.judge.router.url != trainer.roles.router.url
+        judge = trainer.roles.judge
+        judge_pids = judge.group.call_all(EngineServerWorker.server_pid) + [judge.router.pid]
     finally:
         trainer.shutdown()
+    deadline = time.monotonic() + 10  # the judge's server and router end with the run
+    while judge_pids and time.monotonic() < deadline:
+        judge_pids = [pid for pid in judge_pids if _pid_alive(pid)]
+        time.sleep(0.2)
+    assert not judge_pids, f"judge processes outlived the run: {judge_pids}"
     assert len(trainer.history) == 2
     counted = {key: sum(m[f"judge/{key}"] for _, m in trainer.history) for key in ("num_verdicts", "num_garbage")}
     assert counted["num_verdicts"] > 0 and counted["num_garbage"] > 0, counted  # both kinds of rows occur
