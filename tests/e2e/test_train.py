@@ -90,8 +90,8 @@ def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets
         trainer.fit()
         assert [e.pool for e in trainer.roles.plan.judge_engines] == ["judge"]
         assert trainer.roles.judge.router.url != trainer.roles.router.url
-        judge = trainer.roles.judge
-        judge_pids = judge.group.call_all(EngineServerWorker.server_pid) + [judge.router.pid]
+        servers = trainer.roles.judge
+        judge_pids = servers.group.call_all(EngineServerWorker.server_pid) + [servers.router.pid]
     finally:
         trainer.shutdown()
     deadline = time.monotonic() + 10  # the judge's server and router end with the run
