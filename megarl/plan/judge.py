@@ -14,8 +14,7 @@ import math
 
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from megarl.plan.memory import DTYPE_BYTES
 KEY = "reward_model.judge"
 
 
