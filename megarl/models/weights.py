@@ -63,6 +63,13 @@ class WeightRule:
         return "{i}" in self.megatron
 
     @property
+    def block_fp8(self) -> bool:
+        """True for the linear layers' weights (column- and row-parallel ``weight`` tensors: attention and MLP
+        projections, experts), which FP8 rollout quantizes (:mod:`megarl.models.fp8`); embeddings, norms, routers,
+        biases and the output layer stay in the model's dtype."""
+        return self.split in (Split.COLUMN, Split.ROW) and self.megatron.endswith(".weight")
+
+    @property
     def per_expert(self) -> bool:
         """True for tensors repeated for every expert of a sparse layer (split by expert-tensor parallelism)."""
         return "{e}" in self.megatron

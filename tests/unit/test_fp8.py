@@ -1,0 +1,106 @@
+"""Block FP8 (issue 35): quantize -> dequantize within e4m3's rounding bound, block by block, over random weights of
+awkward shapes and magnitudes and over a real model's weights (SmolLM2's); which tensors of each family are
+quantized; the format SGLang 0.5.23's FP8 loader reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models.fp8 import (BLOCK, FP8_MAX, QUANTIZATION_CONFIG, dequantize_block_fp8, error_bound, expand_scales,
+                               num_blocks, quantize_block_fp8, scale_name)
+
+
+def _check(weight: torch.Tensor) -> float:
+    q, scale = quantize_block_fp8(weight)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert q.shape == weight.shape and tuple(scale.shape) == num_blocks(tuple(weight.shape))
+    assert float(q.float().abs().max()) <= FP8_MAX
+    back = dequantize_block_fp8(q, scale)
+    error = (back - weight.float()).abs()
+    slack = weight.float().abs() * 2.0 ** -20 + 1e-30  # fp32 division and multiplication
+    assert bool((error <= error_bound(weight, scale) + slack).all()), float((error - error_bound(weight, scale)).max())
+    return float(error.max())
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (300, 70), (1, 1), (257, 129), (896, 4864)])
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 3e3])
+def test_quantize_dequantize_stays_within_e4m3s_rounding_bound(shape, magnitude):
+    generator = torch.Generator().manual_seed(sum(shape))
+    weight = torch.randn(shape, generator=generator) * magnitude
+    weight[0, 0] = 0.0
+    _check(weight.to(torch.bfloat16))
+    _check(weight)
+
+
+def test_each_block_has_its_own_scale_and_uses_the_whole_range():
+    weight = torch.ones(256, 256)
+    weight[:128, 128:] *= 1000.0  # one loud block
+    weight[128:, :128] = 0.0  # one silent block
+    q, scale = quantize_block_fp8(weight)
+    assert scale[0, 0] == pytest.approx(1 / FP8_MAX) and scale[0, 1] == pytest.approx(1000 / FP8_MAX)
+    assert scale[1, 0] > 0 and bool((q[128:, :128].float() == 0).all())
+    assert bool((q[:128, :128].float() == FP8_MAX).all())  # the block's max is 448 exactly
+    assert torch.equal(dequantize_block_fp8(q, scale), weight)  # ones and thousands are exact in e4m3 x scale
+    assert expand_scales(scale, (200, 130))[199, 129] == scale[1, 1]
+
+
+def test_a_real_models_weights_quantize_within_the_bound(tmp_path):
+    """SmolLM2-135M-Instruct's linear weights (a real distribution: outliers, narrow layers), from its GGUF."""
+    from safetensors.torch import load_file
+
+    from tools.gguf_to_hf import gguf_to_hf, smollm2_gguf
+
+    directory = gguf_to_hf(smollm2_gguf(), tmp_path / "hf")
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    linear = [name for name in sorted(tensors) if name.endswith("proj.weight")]
+    assert len(linear) == 30 * 7  # q, k, v, o, gate, up, down in each of 30 layers
+    for name in linear[:7] + linear[-7:]:  # the first and last layers' (the widest spread of magnitudes)
+        relative = _check(tensors[name]) / float(tensors[name].float().abs().max())
+        assert relative <= 2.0 ** -4, name
+
+
+def test_the_linear_weights_of_every_family_are_quantized_and_nothing_else():
+    import megarl.models  # noqa: F401  (registers the families)
+    from megarl.models.family import FAMILIES
+
+    for family in FAMILIES.values():
+        quantized = {rule.megatron.split(".")[-2] + "." + rule.megatron.split(".")[-1] for rule in family.weights
+                     if rule.block_fp8}
+        kept = {rule.megatron.split(".")[-2] + "." + rule.megatron.split(".")[-1] for rule in family.weights
+                if not rule.block_fp8}
+        assert quantized >= {"linear_qkv.weight", "linear_proj.weight"}, family.name
+        assert not any(name.endswith(("bias", "layernorm.weight")) for name in quantized), family.name
+        assert {"word_embeddings.weight", "final_layernorm.weight"} <= kept, family.name
+        assert "output_layer.weight" in kept and "router.weight" not in quantized, family.name
+
+
+def test_the_format_is_the_one_sglangs_fp8_loader_reads():
+    """sglang 0.5.23, read from its sources (importing them needs GPU-only packages): ``Fp8Config.from_config`` takes
+    the checkpoint's ``quant_method`` (FP8 serialized when it says fp8), ``activation_scheme`` and
+    ``weight_block_size``; its linear method registers ``weight_scale_inv`` of ``[ceil(N/128), ceil(K/128)]`` fp32
+    for block-quantized checkpoints; its own ``block_quant_dequant``, run on our pair, gives our weight back."""
+    import ast
+
+    from tests.sglang_source import source_path
+
+    fp8 = source_path("srt/layers/quantization/fp8.py").read_text()
+    for key in QUANTIZATION_CONFIG:
+        if key != "fmt":  # informational in the checkpoints; SGLang does not read it
+            assert f'["{key}"]' in fp8, key
+    assert 'is_checkpoint_fp8_serialized = ("fp8" in quant_method)' in fp8
+    assert 'layer.register_parameter("weight_scale_inv", scale)' in fp8
+    assert "(output_size_per_partition + block_n - 1) // block_n" in fp8
+    assert "(input_size_per_partition + block_k - 1) // block_k" in fp8
+    utils = ast.parse(source_path("srt/layers/quantization/fp8_utils.py").read_text())
+    (function,) = [node for node in utils.body if isinstance(node, ast.FunctionDef)
+                   and node.name == "block_quant_dequant"]
+    namespace: dict = {"torch": torch, "List": list}
+    exec(compile(ast.Module([function], []), "fp8_utils.py", "exec"), namespace)
+    weight = torch.randn(300, 200)
+    q, scale = quantize_block_fp8(weight)
+    assert torch.equal(namespace["block_quant_dequant"](q, scale, list(BLOCK), torch.float32),
+                       dequantize_block_fp8(q, scale))
+    assert scale_name("model.layers.0.mlp.down_proj.weight") == "model.layers.0.mlp.down_proj.weight_scale_inv"
