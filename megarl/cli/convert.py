@@ -2,6 +2,7 @@
 
   megarl-convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16|fp32]
   megarl-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
+  megarl-convert hf-to-fp8 --hf DIR --out DIR   (linear weights as block FP8, for FP8 rollout engines)
 
 ``--mcore`` is an hf-to-mcore output, or a training checkpoint: a run's ``global_step_<k>/actor``, its
 ``global_step_<k>`` directory, or the run's checkpoint root (its latest committed checkpoint); the
@@ -89,8 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a LoRA run's checkpoint: the HF directory of its base model (default: the one its run "
                             "loaded, recorded in the checkpoint)")
 
-    for sub in (to_mcore, to_hf):
+    to_fp8 = commands.add_parser("hf-to-fp8", help="HF safetensors -> block-FP8 HF safetensors (FP8 rollout)")
+    to_fp8.add_argument("--hf", required=True, help="HF model directory in its training dtype")
+    to_fp8.add_argument("--out", required=True, help="output directory for the FP8 checkpoint")
+    to_fp8.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard (e.g. 500MB)")
+
+    for sub in (to_mcore, to_hf, to_fp8):
         sub.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    for sub in (to_mcore, to_hf):
         sub.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are stopped")
     return parser
 
@@ -103,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        if args.command == "hf-to-mcore":
+        if args.command == "hf-to-fp8":
+            report = jobs.hf_to_fp8(args.hf, args.out, max_shard_bytes=args.max_shard_size, force=args.force)
+        elif args.command == "hf-to-mcore":
             report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                       etp=args.etp, dtype=args.dtype, force=args.force, timeout_s=args.timeout)
         else:

@@ -86,6 +86,19 @@ def _atomic_output(out: Path, force: bool):
         os.replace(tmp, out)
 
 
+def hf_to_fp8(hf_dir, out, *, max_shard_bytes: int = 5 * 2**30, force: bool = False) -> ConversionReport:
+    """The block-FP8 version of the HF checkpoint ``hf_dir`` in ``out``
+    (:func:`megarl.convert.fp8.write_fp8_checkpoint`; written next to it, renamed into place when whole)."""
+    from megarl.convert.fp8 import write_fp8_checkpoint
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    check_hf_files(hf_dir)
+    check_output(out, force, {"--hf": hf_dir})
+    with _atomic_output(out, force) as tmp:
+        report = write_fp8_checkpoint(hf_dir, tmp, max_shard_bytes=max_shard_bytes)
+    return ConversionReport(str(out), report.seconds, 1, 2 * report.quantized + report.kept, report.bytes)
+
+
 def _world(dims: ParallelDims) -> int:
     return dims.tp * dims.pp * dims.dp
 

@@ -1,0 +1,99 @@
+"""Block-FP8 HF checkpoints (FP8 rollout, issue 35): the tensors of a model with its linear weights quantized
+(:mod:`megarl.models.fp8`), as DeepSeek-V3's and Qwen3-FP8's checkpoints hold them, so that SGLang's FP8 loader
+serves them and transformers loads them (dequantized on a CPU).
+
+Which tensors: every HF tensor of a rule with :attr:`~megarl.models.weights.WeightRule.block_fp8` (the attention
+and MLP projections, the experts). Each ``<name>`` becomes ``<name>`` in ``float8_e4m3fn`` plus
+``<name>_scale_inv`` (fp32, one per 128 × 128 block); the rest is written as it is. ``config.json`` gains
+:data:`~megarl.models.fp8.QUANTIZATION_CONFIG`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
+from megarl.convert.layout import Slice
+from megarl.models.fp8 import QUANTIZATION_CONFIG, quantize_block_fp8, scale_name
+
+
+def fp8_names(family, hf_config) -> frozenset[str]:
+    """The HF tensors FP8 rollout quantizes for ``hf_config`` (its family's :attr:`block_fp8` rules, every layer and
+    expert)."""
+    return frozenset(name for at in family.weight_instances(hf_config) if at.rule.block_fp8 for name in at.hf_names)
+
+
+def quantize_named(named: Iterable[tuple[str, torch.Tensor]], quantized: frozenset[str]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` with each tensor of ``quantized`` replaced by its FP8 weight, then its scale (``<name>_scale_inv``)."""
+    for name, tensor in named:
+        if name in quantized:
+            weight, scale = quantize_block_fp8(tensor)
+            yield name, weight
+            yield scale_name(name), scale
+        else:
+            yield name, tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Report:
+    """What :func:`write_fp8_checkpoint` wrote."""
+
+    directory: Path
+    quantized: int
+    """Tensors quantized."""
+    kept: int
+    """Tensors written as they were."""
+    source_bytes: int
+    bytes: int
+    seconds: float
+
+
+def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLike, *,
+                         max_shard_bytes: int = 5 * 2**30) -> Fp8Report:
+    """Write the block-FP8 version of the HF checkpoint at ``source`` (safetensors, any float dtype) to
+    ``destination``: its quantized tensors, the others as they are, its config (with the quantization config) and
+    tokenizer files. Refuses a checkpoint that does not match its config, or one already quantized."""
+    from transformers import AutoConfig
+
+    from megarl.models import family_for
+
+    start = time.perf_counter()
+    source, destination = Path(source), Path(destination)
+    config = json.loads((source / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{source} is already quantized ({config['quantization_config'].get('quant_method')}); "
+                         f"give the checkpoint in its training dtype")
+    hf_config = AutoConfig.from_pretrained(source)
+    family = family_for(hf_config)
+    checkpoint = HFCheckpoint(source)
+    check_checkpoint(checkpoint, family, hf_config)
+    quantized = fp8_names(family, hf_config)
+    destination.mkdir(parents=True, exist_ok=True)
+    writer = ShardedWriter(destination, max_shard_bytes)
+    source_bytes = 0
+    names = checkpoint.names()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal source_bytes
+        for name in names:
+            tensor = checkpoint.read(name, Slice(None))
+            source_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    for name, tensor in quantize_named(tensors(), quantized):
+        writer.add(name, tensor)
+    writer.close()
+    copy_side_files(source, destination)
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (destination / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    done = sum(1 for name in names if name in quantized)
+    return Fp8Report(destination, done, len(names) - done, source_bytes, writer.total_bytes,
+                     time.perf_counter() - start)
