@@ -159,3 +159,44 @@ def test_megarl_convert_writes_an_fp8_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["hf-to-fp8", "--hf", str(source), "--out", str(tmp_path / "taken")])
     assert exit_.value.code == 2 and "is not empty" in capsys.readouterr().err
+
+
+def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
+    """megarl's CPU engine on a block-FP8 checkpoint keeps the FP8 weights and scales (read back as they are) and
+    computes with their dequantization; an update of weights and scales (in separate buckets, scale first) changes
+    the layer once the session ends; a weight sent in the training dtype is refused, naming the format."""
+    from safetensors import safe_open
+
+    from megarl.convert.fp8 import write_fp8_checkpoint
+    from megarl.models.tiny import save_tiny
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.rollout.engine import SamplingParams
+
+    source = save_tiny(tmp_path / "bf16", num_layers=1, hidden_size=256, intermediate_size=512)
+    write_fp8_checkpoint(source, tmp_path / "fp8")
+    engine = HFEngine(tmp_path / "fp8", dtype=torch.bfloat16)
+    plain = HFEngine(source, dtype=torch.bfloat16)
+    assert engine.fp8 is not None and plain.fp8 is None and len(engine.fp8.weights) == 7
+    name = "model.layers.0.mlp.up_proj.weight"
+    original = plain._params[name].detach().float()
+    with safe_open(tmp_path / "fp8" / "model.safetensors", framework="pt") as f:
+        q, scale = f.get_tensor(name), f.get_tensor(scale_name(name))
+    assert torch.equal(engine._params[name], dequantize_block_fp8(q, scale, torch.bfloat16))
+    assert engine.read_weight(name, 3) == q[:3].float().tolist()
+    assert engine.read_weight(scale_name(name), 4) == scale[:4].tolist()
+    assert engine.read_weight("model.norm.weight", 2) == plain.read_weight("model.norm.weight", 2)
+    new_q, new_scale = quantize_block_fp8(torch.randn(original.shape) * 0.02)
+    engine.begin_weight_update()
+    engine.update_weights_from_tensor([(scale_name(name), new_scale)])
+    engine.update_weights_from_tensor([(name, new_q)])
+    assert torch.equal(engine._params[name], dequantize_block_fp8(q, scale, torch.bfloat16))  # not before the end
+    engine.end_weight_update()
+    assert torch.equal(engine._params[name], dequantize_block_fp8(new_q, new_scale, torch.bfloat16))
+    assert engine.read_weight(name, 2) == new_q[:2].float().tolist()
+    engine.begin_weight_update()
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' is \(512, 256\) torch.bfloat16; "
+                                         r"this FP8 engine holds it as \(512, 256\) torch.float8_e4m3fn"):
+        engine.update_weights_from_tensor([(name, original.to(torch.bfloat16))])
+    engine.end_weight_update()
+    outputs = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert len(outputs[0].output_ids) == 4 or outputs[0].output_ids[-1] in engine.eos_token_ids

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from megarl.models.sampling import RoutingCapture, eos_token_ids, sample_continuations
+from megarl.rollout.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
 from megarl.rollout.cpu_engine.lora import applied as lora_applied
 from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
@@ -91,6 +92,11 @@ class HFEngine:
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self._pad_id = self.eos_token_ids[0]
         self._params = self._weights()
+        self.fp8: Fp8Weights | None = None
+        """An FP8 checkpoint's weights and scales (:mod:`megarl.rollout.cpu_engine.fp8`); None: not FP8."""
+        if isinstance(model_path_or_model, (str, os.PathLike)) and is_fp8_checkpoint(model_path_or_model):
+            self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params)
+            self.fp8.refresh_all()
         self.routers = _routers(self.model)
         """``(layer, router module)`` of every mixture-of-experts layer (empty for a dense model)."""
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -249,7 +255,10 @@ class HFEngine:
             targets = self._check_bucket(named_tensors)
             with torch.no_grad():
                 for param, tensor in targets:
-                    param.copy_(tensor)
+                    if isinstance(param, str):  # an FP8 weight or scale: its parameter is remade at the end
+                        self.fp8.store(param, tensor)
+                    else:
+                        param.copy_(tensor)
             if self.device.type == "cuda":
                 # The copies are only enqueued. The sender refills its bucket buffer once this call has answered,
                 # and megarl's engine server keeps the CUDA IPC mappings open across buckets (torch's receiver
@@ -267,6 +276,13 @@ class HFEngine:
                 problems.append(f"entry {entry!r:.80} is not a (name, tensor) pair")
                 continue
             name, tensor = entry
+            if self.fp8 is not None and self.fp8.owns(name):
+                problem = self.fp8.problem(name, tensor)
+                if problem:
+                    problems.append(problem)
+                else:
+                    targets.append((name, tensor))
+                continue
             param = self._params.get(name)
             if param is None:
                 problems.append(f"unknown name {name!r}")
@@ -287,12 +303,26 @@ class HFEngine:
                              f"{applied}: " + "; ".join(problems))
         return targets
 
+    def read_weight(self, name: str, truncate: int) -> list:
+        """The first ``truncate`` rows of weight ``name`` as floats (``/get_weights_by_name``): an FP8 engine's
+        quantized weights and scales as it stores them."""
+        with self._lock:
+            if self.fp8 is not None and self.fp8.owns(name):
+                tensor = self.fp8.read(name)
+            elif name in self._params:
+                tensor = self._params[name].detach()
+            else:
+                raise KeyError(name)
+            return tensor[:truncate].float().cpu().tolist()
+
     def end_weight_update(self) -> None:
         """Close the session (and flush the cache, which this engine does not keep)."""
         with self._lock:
             if not self._in_session:
                 raise RuntimeError("HFEngine.end_weight_update: no weight-update session is open")
             self._in_session = False
+            if self.fp8 is not None:
+                self.fp8.refresh()
             self.flush_cache()
 
     # ----------------------------------------------------------------------------- memory

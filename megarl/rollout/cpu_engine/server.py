@@ -537,12 +537,11 @@ class EngineServer:
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await json_body(request)
-        name = body.get("name")
-        params = self.engine._params
-        if name not in params:
-            raise RequestError(f"/get_weights_by_name: no weight named {name!r}")
-        truncate = int(body.get("truncate_size", 100))
-        values = await self._off_loop(lambda: params[name].detach()[:truncate].float().cpu().tolist())
+        name, truncate = body.get("name"), int(body.get("truncate_size", 100))
+        try:
+            values = await self._off_loop(self.engine.read_weight, name, truncate)
+        except KeyError:
+            raise RequestError(f"/get_weights_by_name: no weight named {name!r}") from None
         return web.json_response(values)
 
     async def _off_loop(self, function: Callable[..., Any], *args: Any) -> Any:
