@@ -7,6 +7,7 @@ from typing import Any
 
 from megarl.algo.advantages import ESTIMATORS, gae_advantage, grpo_outcome_advantage
 from megarl.algo.kl import KL_KINDS, build_kl_controller
+from megarl.algo.rollout_correction import IS_LEVELS, parse_rs
 from megarl.config.common import check_choice, check_positive, default_of
 from megarl.config.judge import JudgeConfig
 from megarl.config.megatron import MegatronConfig
@@ -175,6 +176,42 @@ class FilterGroupsConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*`` (verl's names): importance weights and rejection of the tokens or
+    sequences whose rollout policy is too far from the training policy (:mod:`megarl.algo.rollout_correction`);
+    off unless ``rollout_is`` or ``rollout_rs`` is set. Needs the engines' log-probs."""
+
+    rollout_is: str | None = None
+    """``token`` or ``sequence`` truncated importance weights ``π_old / π_rollout`` on the policy loss; null: none."""
+    rollout_is_threshold: float = 2.0
+    """Their upper truncation."""
+    rollout_is_batch_normalize: bool = False
+    """Scale the weights to mean 1 over the batch's tokens (sequences)."""
+    rollout_rs: str | None = None
+    """Rejection statistics, comma-separated (``token_k1`` is IcePop's two-sided token mask, ``seq_mean_k1`` bounds
+    the geometric mean ratio; ``token_k2``/``k3``, ``seq_sum_*``, ``seq_mean_*``, ``seq_max_k2``/``k3``); null: none."""
+    rollout_rs_threshold: str | None = None
+    """Per option (or one for all), comma-separated: ``lower_upper`` ratio bounds for ``k1`` options (one number
+    ``u``: ``1/u`` to ``u``), an upper bound for ``k2``/``k3`` ones."""
+
+    def __post_init__(self) -> None:
+        p = "algorithm.rollout_correction"
+        if self.rollout_is is not None:
+            check_choice(f"{p}.rollout_is", self.rollout_is, IS_LEVELS)
+        check_positive(f"{p}.rollout_is_threshold", self.rollout_is_threshold)
+        self.rejection  # the options and thresholds, checked
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or bool(self.rollout_rs)
+
+    @property
+    def rejection(self) -> list[tuple[str, float | None, float]]:
+        """``(option, lower, upper)`` of each rejection statistic (:func:`megarl.algo.rollout_correction.parse_rs`)."""
+        return parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+
+
+@dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
     """Advantages and the in-reward KL (``algorithm.*``)."""
 
@@ -196,6 +233,8 @@ class AlgorithmConfig:
     """The in-reward KL coefficient's controller."""
     filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection against the rollout/training mismatch."""
 
     def __post_init__(self) -> None:
         check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(sorted(ESTIMATORS)))

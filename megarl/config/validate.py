@@ -315,6 +315,14 @@ def _check_algorithm(cfg: RunConfig) -> None:
         raise ValueError(f"{ARR}.actor.router_replay.mode={actor.router_replay.mode} needs single-turn rollouts: "
                          f"multi-turn rollouts ({ARR}.rollout.multi_turn.enable) do not carry the engines' routed "
                          f"experts yet; set router_replay.mode=off")
+    correction = cfg.algorithm.rollout_correction
+    if correction.enabled and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ValueError(f"algorithm.rollout_correction compares the engines' log-probs with the trainer's: set "
+                         f"{ARR}.rollout.calculate_log_probs=True, or turn rollout_is and rollout_rs off")
+    if correction.rollout_is is not None and actor.tis_cap is not None:
+        raise ValueError(f"{ARR}.actor.tis_cap={actor.tis_cap} and algorithm.rollout_correction.rollout_is="
+                         f"{correction.rollout_is} both weigh the loss by the same ratio: keep one (rollout_is, with "
+                         f"rollout_is_threshold, is verl's current name)")
     if actor.tis_cap is not None and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         raise ValueError(f"{ARR}.actor.tis_cap={actor.tis_cap} needs the engines' log-probs: set "
                          f"{ARR}.rollout.calculate_log_probs=True or {ARR}.actor.tis_cap=null")

@@ -54,6 +54,7 @@ from megarl.controller.metrics import (
     timing_metrics,
     ValidationRows,
 )
+from megarl.controller.correction import correct_rollouts
 from megarl.controller.judge import JudgedRows, judged_rewards
 from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_step
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
@@ -87,7 +88,7 @@ class RunInputError(ValueError):
     raised before anything is placed, with the key to change."""
 
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
-              "ref_log_prob", "rollout_log_probs", "rollout_routed_experts")
+              "ref_log_prob", "rollout_log_probs", "rollout_routed_experts", "rollout_is_weights")
 CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
 """The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
 the one loss mask of every role."""
@@ -360,14 +361,16 @@ class Trainer:
         return out
 
     def _old_log_probs(self, batch: Batch, metrics: dict[str, float], timing: dict[str, float]) -> Batch:
-        """The actor's log-probs of the rollout's tokens at the rollout's temperature (the batch's meta), and how far
-        they are from the engines' (``mismatch/*``) and how the routers agree with the engines' (``moe/*``)."""
+        """The actor's log-probs of the rollout's tokens at the rollout's temperature (the batch's meta), how far they
+        are from the engines' (``mismatch/*``) and the correction of that gap (``rollout_corr/*``), and how the routers
+        agree with the engines' (``moe/*``)."""
         with timer("old_log_prob", timing):
             batch = batch.union(self.roles.actor.call_dp(ActorWorker.compute_log_prob, self._select(batch, ACTOR_KEYS),
                                                          temperature=batch.meta["temperature"]))
         if "rollout_log_probs" in batch:
             metrics.update(mismatch_metrics(batch["rollout_log_probs"], batch["old_log_probs"],
                                             batch["response_mask"]))
+            metrics.update(correct_rollouts(self.cfg.algorithm.rollout_correction, batch))
         if "routing_counts" in batch:
             metrics.update(routing_metrics(batch.pop("routing_counts")["routing_counts"]))
         return batch

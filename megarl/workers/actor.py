@@ -107,6 +107,8 @@ class ActorRole(LogProbRole):
             keys.append(ROUTED_EXPERTS)
         if config.use_kl_loss:
             keys.append("ref_log_prob")
+        if "rollout_is_weights" in batch:  # algorithm.rollout_correction.rollout_is
+            keys.append("rollout_is_weights")
         if config.tis_cap is not None:
             if "rollout_log_probs" not in batch:
                 raise KeyError("actor.tis_cap is set but the batch has no rollout_log_probs: set "
@@ -126,7 +128,7 @@ class ActorRole(LogProbRole):
 
         def loss_fn(logp_BS, entropy_BS, mb):
             response_length = mb["response_mask"].shape[1]  # this micro-batch's (trimmed) response width
-            is_weights_BT, tis_metrics = None, {}
+            is_weights_BT, tis_metrics = mb.get("rollout_is_weights"), {}
             if ppo.tis_cap is not None:
                 is_weights_BT, tis_metrics = tis_weights(mb["old_log_probs"], mb["rollout_log_probs"],
                                                          mb["response_mask"], cap=ppo.tis_cap, level=ppo.tis_level)

@@ -327,8 +327,14 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
                            "algorithm.adv_estimator=reinforce_plus_plus",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                            "actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.cp=2",
-                           "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
+                           "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]",
+                           # rollout correction on a matched engine: weights of 1, nothing rejected
+                           "algorithm.rollout_correction.rollout_is=sequence",
+                           "algorithm.rollout_correction.rollout_rs=token_k1",
+                           "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"))
     (_, metrics), = trainer.history
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) <= 1e-4 and metrics["rollout_corr/kl"] <= 1e-5
     assert trainer.roles.weight_transport == "distributed"
     assert trainer.cfg.actor_rollout_ref.actor.parallel.cp == 2
     assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
