@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -129,3 +130,19 @@ def generate_answer(row: Any, output: GenerateOutput, weight_version: str) -> di
         routed = np.ascontiguousarray(output.routed_experts[row.routed_experts_start:], dtype=np.int32)
         meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
     return {"text": "", "output_ids": output.output_ids, "meta_info": meta}
+
+
+DISCONNECT_CHECK_S = 1.0
+"""How often a waiting ``/generate`` looks whether its client is still there (SGLang's tokenizer manager: 4 s)."""
+
+
+async def while_connected(request: web.Request, done: asyncio.Future, on_gone: Callable[[], Awaitable[Any]]) -> Any:
+    """``done``'s result, unless the client of ``request`` goes away first: then ``on_gone()`` (SGLang aborts the
+    request) and a :class:`RequestError` for the log (nobody reads the answer)."""
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), DISCONNECT_CHECK_S)
+        except TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                await on_gone()
+                raise RequestError("/generate: the client went away; its requests were aborted") from None

@@ -32,7 +32,7 @@ from megarl.models.sampling import ABORT, REBUILD
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.cpu_engine.requests import (RequestError, errors, generate_answer, is_control, json_body,
-                                               memory_tags, per_row, result, sampling_params)
+                                               memory_tags, per_row, result, sampling_params, while_connected)
 from megarl.rollout.cpu_engine.lora import LoraRoutes
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
 from megarl.rollout.http_api import PAUSE_MODES
@@ -248,8 +248,9 @@ class EngineServer:
         self._queue.extend(rows)
         self._arrivals += 1
         self._wake.set()
-        try:
-            outputs = await asyncio.gather(*(row.future for row in rows))
+        try:  # as SGLang: a client that went away has its rows aborted
+            outputs = await while_connected(request, asyncio.gather(*(row.future for row in rows)),
+                                            lambda: self._abort_rids_now({row.rid for row in rows}))
         finally:
             for row in rows:
                 self._use_adapter(row, False)
@@ -382,16 +383,19 @@ class EngineServer:
         if body.get("abort_all"):
             await self._abort_all()
         elif body.get("rid"):
-            rid = str(body["rid"])
-            self._abort_queued({rid})
-            with self._cond:
-                self._abort_rids.add(rid)
-                self._cond.notify_all()  # a batch held at the step gate lets the row go
-            while any(row.rid == rid and not row.future.done() for row in self._running):
-                await asyncio.sleep(0.005)
-            with self._cond:
-                self._abort_rids.discard(rid)
+            await self._abort_rids_now({str(body["rid"])})
         return web.Response(status=200)
+
+    async def _abort_rids_now(self, rids: set[str]) -> None:
+        """Abort the requests ``rids``: those queued at once, those running at the engine's next step."""
+        self._abort_queued(rids)
+        with self._cond:
+            self._abort_rids |= rids
+            self._cond.notify_all()  # a batch held at the step gate lets the rows go
+        while any(row.rid in rids and not row.future.done() for row in self._running):
+            await asyncio.sleep(0.005)
+        with self._cond:
+            self._abort_rids -= rids
 
     async def _abort_all(self) -> None:
         self._abort_queued()
