@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from megarl.convert.export import Bucket, empty_buffer
 from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
 from megarl.convert.layout import Slice
-from megarl.models.fp8 import QUANTIZATION_CONFIG, quantize_block_fp8, scale_name
+from megarl.models.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, num_blocks, quantize_block_fp8, scale_name
 
 
 def fp8_names(family, hf_config) -> frozenset[str]:
@@ -40,6 +42,51 @@ def quantize_named(named: Iterable[tuple[str, torch.Tensor]], quantized: frozens
             yield scale_name(name), scale
         else:
             yield name, tensor
+
+
+ALIGN = 16
+"""Byte alignment of each tensor in a quantized bucket (SGLang's receiver checks each offset against its dtype)."""
+
+
+def fp8_layout(named: Iterable[tuple[str, tuple[int, ...], torch.dtype]], quantized: frozenset[str]
+               ) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    """``(name, shape, dtype, byte offset)`` of every tensor of a quantized bucket holding ``named`` (name, shape,
+    dtype): each of ``quantized`` as its FP8 weight and its scale, the rest as it is; offsets aligned to
+    :data:`ALIGN`."""
+    out, offset = [], 0
+    for name, shape, dtype in named:
+        entries = [(name, tuple(shape), FP8_DTYPE), (scale_name(name), num_blocks(tuple(shape)), torch.float32)] \
+            if name in quantized else [(name, tuple(shape), dtype)]
+        for entry in entries:
+            out.append((*entry, offset))
+            nbytes = math.prod(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
+            offset += -(-nbytes // ALIGN) * ALIGN
+    return out
+
+
+def quantize_bucket(bucket: Bucket, quantized: frozenset[str], *, shared_memory: bool = False,
+                    buffer: torch.Tensor | None = None) -> Bucket:
+    """``bucket`` (full HF tensors in the training dtype) with each tensor of ``quantized`` as its block-FP8 weight
+    and scale: a bucket over one byte buffer (``buffer`` when given and large enough, else a new one, in shared
+    memory with ``shared_memory``) whose tensors are views of their own dtypes, what
+    :func:`megarl.sync.base.flattened_payload` sends as one payload."""
+    layout = fp8_layout([(n, tuple(t.shape), t.dtype) for n, t in zip(bucket.names, bucket.tensors)], quantized)
+    name, shape, dtype, offset = layout[-1]
+    total = offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    device = bucket.flat.device
+    if buffer is None or buffer.numel() < total or buffer.device != device:
+        buffer = empty_buffer(total, torch.uint8, device, shared_memory=shared_memory)
+    flat = buffer[:total]
+    views = {n: flat[o:o + math.prod(s) * torch.empty((), dtype=d).element_size()].view(d).view(s)
+             for n, s, d, o in layout}
+    for tensor_name, tensor in zip(bucket.names, bucket.tensors):
+        if tensor_name in quantized:
+            weight, scale = quantize_block_fp8(tensor)
+            views[tensor_name].copy_(weight)
+            views[scale_name(tensor_name)].copy_(scale)
+        else:
+            views[tensor_name].copy_(tensor)
+    return Bucket([n for n, _, _, _ in layout], [views[n] for n, _, _, _ in layout], flat, bucket.owner_pp_rank)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,13 +191,12 @@ def flattened_payload(bucket, *, by_value: bool = False) -> bytes:
         monkey_patch_torch_reductions()
     else:
         torch.multiprocessing.set_sharing_strategy("file_system")
-    size = flat.element_size()
-    metadata, offset = [], 0
-    for name, tensor in zip(bucket.names, bucket.tensors, strict=True):
-        nbytes = tensor.numel() * size
+    metadata = []
+    for name, tensor in zip(bucket.names, bucket.tensors, strict=True):  # views of ``flat`` (of one or more dtypes)
+        offset = tensor.data_ptr() - flat.data_ptr()
+        nbytes = tensor.numel() * tensor.element_size()
         metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
                                                 end_idx=offset + nbytes, numel=nbytes))
-        offset += nbytes
     packed = FlattenedTensorBucket(flattened_tensor=flat.view(torch.uint8), metadata=metadata)
     content = {"flattened_tensor": packed.get_flattened_tensor(), "metadata": packed.get_metadata()}
     return pickle.dumps(content) if by_value else MultiprocessingSerializer.serialize(content)

@@ -200,3 +200,46 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
     engine.end_weight_update()
     outputs = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))
     assert len(outputs[0].output_ids) == 4 or outputs[0].output_ids[-1] in engine.eos_token_ids
+
+
+def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path):
+    """A bucket of a layer's HF tensors (bf16), quantized into one byte buffer of FP8 weights, fp32 scales and the
+    bf16 rest (each aligned for SGLang's receiver), sent as one flattened-bucket payload (shared memory) into a CPU
+    engine server started on an FP8 checkpoint: it holds the FP8 values and scales bit for bit, and the norms."""
+    from megarl.convert.export import Bucket
+    from megarl.convert.fp8 import ALIGN, fp8_names, quantize_bucket, write_fp8_checkpoint
+    from megarl.models import family_for
+    from megarl.models.tiny import save_tiny
+    from megarl.rollout.event_loop import run_sync
+    from megarl.sync.base import flattened_payload
+    from tests.engine_servers import engine_servers
+    from transformers import AutoConfig
+
+    source = save_tiny(tmp_path / "bf16", num_layers=1, hidden_size=256, intermediate_size=512)
+    write_fp8_checkpoint(source, tmp_path / "fp8")
+    config = AutoConfig.from_pretrained(source)
+    quantized = fp8_names(family_for(config), config)
+    generator = torch.Generator().manual_seed(3)
+    layer = "model.layers.0."
+    named = [(layer + n, torch.randn(shape, generator=generator).to(torch.bfloat16) * 0.05) for n, shape in (
+        ("self_attn.q_proj.weight", (256, 256)), ("input_layernorm.weight", (256,)), ("mlp.up_proj.weight", (512, 256)),
+        ("self_attn.q_proj.bias", (256,)), ("mlp.down_proj.weight", (256, 512)))]
+    bucket = quantize_bucket(Bucket.pack(named), quantized, shared_memory=True)
+    assert bucket.flat.dtype == torch.uint8 and len(bucket.names) == 5 + 3
+    assert all((t.data_ptr() - bucket.flat.data_ptr()) % ALIGN == 0 for t in bucket.tensors)
+    sent = dict(zip(bucket.names, bucket.tensors))
+    with engine_servers(tmp_path / "fp8", tmp_path / "logs") as servers:
+        client = servers.engines[0]
+
+        async def update():
+            await client.begin_weight_update()
+            await client.update_weights_from_tensor([flattened_payload(bucket)])
+            await client.end_weight_update()
+            return {name: await client.get_weights_by_name(name, truncate_size=1024) for name in sent}
+
+        answers = run_sync(update())
+    for name, tensor in sent.items():
+        assert torch.equal(torch.tensor(answers[name]), tensor.float()), name
+    q, scale = quantize_block_fp8(dict(named)[layer + "mlp.up_proj.weight"])
+    assert torch.equal(sent[layer + "mlp.up_proj.weight"].float(), q.float())
+    assert torch.equal(sent[layer + "mlp.up_proj.weight_scale_inv"], scale)
