@@ -44,24 +44,29 @@ def quantize_named(named: Iterable[tuple[str, torch.Tensor]], quantized: frozens
             yield name, tensor
 
 
-ALIGN = 16
-"""Byte alignment of each tensor in a quantized bucket (SGLang's receiver checks each offset against its dtype)."""
-
-
 def fp8_layout(named: Iterable[tuple[str, tuple[int, ...], torch.dtype]], quantized: frozenset[str]
                ) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
     """``(name, shape, dtype, byte offset)`` of every tensor of a quantized bucket holding ``named`` (name, shape,
-    dtype): each of ``quantized`` as its FP8 weight and its scale, the rest as it is; offsets aligned to
-    :data:`ALIGN`."""
-    out, offset = [], 0
+    dtype): each of ``quantized`` as its FP8 weight and its scale, the rest as it is. Packed end to end, the widest
+    dtypes first (the scales, then the unquantized tensors, then the FP8 weights), so every offset is a multiple of
+    its dtype's size: the layout SGLang's ``FlattenedTensorBucket.empty`` computes for a receive bucket of these
+    names, dtypes and shapes, in this order."""
+    entries = []
     for name, shape, dtype in named:
-        entries = [(name, tuple(shape), FP8_DTYPE), (scale_name(name), num_blocks(tuple(shape)), torch.float32)] \
-            if name in quantized else [(name, tuple(shape), dtype)]
-        for entry in entries:
-            out.append((*entry, offset))
-            nbytes = math.prod(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
-            offset += -(-nbytes // ALIGN) * ALIGN
+        if name in quantized:
+            entries += [(name, tuple(shape), FP8_DTYPE), (scale_name(name), num_blocks(tuple(shape)), torch.float32)]
+        else:
+            entries.append((name, tuple(shape), dtype))
+    entries.sort(key=lambda entry: -_itemsize(entry[2]))  # stable: bucket order within a dtype
+    out, offset = [], 0
+    for name, shape, dtype in entries:
+        out.append((name, shape, dtype, offset))
+        offset += math.prod(shape) * _itemsize(dtype)
     return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def quantize_bucket(bucket: Bucket, quantized: frozenset[str], *, shared_memory: bool = False,
@@ -72,13 +77,12 @@ def quantize_bucket(bucket: Bucket, quantized: frozenset[str], *, shared_memory:
     :func:`megarl.sync.base.flattened_payload` sends as one payload."""
     layout = fp8_layout([(n, tuple(t.shape), t.dtype) for n, t in zip(bucket.names, bucket.tensors)], quantized)
     name, shape, dtype, offset = layout[-1]
-    total = offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    total = offset + math.prod(shape) * _itemsize(dtype)
     device = bucket.flat.device
     if buffer is None or buffer.numel() < total or buffer.device != device:
         buffer = empty_buffer(total, torch.uint8, device, shared_memory=shared_memory)
     flat = buffer[:total]
-    views = {n: flat[o:o + math.prod(s) * torch.empty((), dtype=d).element_size()].view(d).view(s)
-             for n, s, d, o in layout}
+    views = {n: flat[o:o + math.prod(s) * _itemsize(d)].view(d).view(s) for n, s, d, o in layout}
     for tensor_name, tensor in zip(bucket.names, bucket.tensors):
         if tensor_name in quantized:
             weight, scale = quantize_block_fp8(tensor)

@@ -203,11 +203,12 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
 
 
 def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path):
-    """A bucket of a layer's HF tensors (bf16), quantized into one byte buffer of FP8 weights, fp32 scales and the
-    bf16 rest (each aligned for SGLang's receiver), sent as one flattened-bucket payload (shared memory) into a CPU
-    engine server started on an FP8 checkpoint: it holds the FP8 values and scales bit for bit, and the norms."""
+    """A bucket of a layer's HF tensors (bf16), quantized into one byte buffer of fp32 scales, the bf16 rest and the
+    FP8 weights (packed widest first, as SGLang's receiver lays them out), sent as one flattened-bucket payload
+    (shared memory) into a CPU engine server started on an FP8 checkpoint: it holds the FP8 values and scales bit for
+    bit, and the norms."""
     from megarl.convert.export import Bucket
-    from megarl.convert.fp8 import ALIGN, fp8_names, quantize_bucket, write_fp8_checkpoint
+    from megarl.convert.fp8 import fp8_names, quantize_bucket, write_fp8_checkpoint
     from megarl.models import family_for
     from megarl.models.tiny import save_tiny
     from megarl.rollout.event_loop import run_sync
@@ -226,7 +227,15 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
         ("self_attn.q_proj.bias", (256,)), ("mlp.down_proj.weight", (256, 512)))]
     bucket = quantize_bucket(Bucket.pack(named), quantized, shared_memory=True)
     assert bucket.flat.dtype == torch.uint8 and len(bucket.names) == 5 + 3
-    assert all((t.data_ptr() - bucket.flat.data_ptr()) % ALIGN == 0 for t in bucket.tensors)
+    offsets = [t.data_ptr() - bucket.flat.data_ptr() for t in bucket.tensors]
+    assert offsets == sorted(offsets) and all(o % t.element_size() == 0 for o, t in zip(offsets, bucket.tensors))
+    assert [t.dtype for t in bucket.tensors] == [torch.float32] * 3 + [torch.bfloat16] * 2 + [torch.float8_e4m3fn] * 3
+    # The receive layout SGLang builds from the names, dtypes and shapes in this order is the same.
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    empty = FlattenedTensorBucket.empty(bucket.names, [t.dtype for t in bucket.tensors],
+                                        [list(t.shape) for t in bucket.tensors], "cpu")
+    assert [m.start_idx for m in empty.metadata] == offsets
     sent = dict(zip(bucket.names, bucket.tensors))
     with engine_servers(tmp_path / "fp8", tmp_path / "logs") as servers:
         client = servers.engines[0]
