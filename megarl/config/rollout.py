@@ -58,6 +58,8 @@ def tool_call_formats() -> tuple[str, ...] | None:
 
 
 WEIGHT_TRANSPORTS = ("auto", "tensor", "distributed")
+QUANTIZATIONS = ("fp8",)
+"""``rollout.quantization``: what the engines serve besides their ``dtype`` (block FP8)."""
 LORA_SYNCS = ("adapters", "merged")
 """``rollout.lora_sync``: what a LoRA run's weight sync moves."""
 """``rollout.weight_transport``: ``auto`` or a transport of :mod:`megarl.sync`."""
@@ -260,6 +262,11 @@ class RolloutConfig(EngineConfig):
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools."""
+    quantization: str | None = None
+    """``fp8``: the engines serve the policy in block FP8 (SGLang's FP8 linear layers; megarl's CPU engine computes
+    with the dequantized weights): they start from an FP8 checkpoint written from ``model.path`` and every weight sync
+    sends the linear weights quantized (:mod:`megarl.models.fp8`), verified on the quantized bits. null: the engines'
+    ``dtype``."""
     max_failed_frac: float = 0.5
     """A training step or validation round in which more than this share of the rollouts FAILED (finish reason
     ``abort``: an overlong prompt, a tool's set-up or reward error or time-out, an engine abort) stops the run,
@@ -271,6 +278,8 @@ class RolloutConfig(EngineConfig):
         if not 0 <= self.max_failed_frac <= 1:
             raise ValueError(f"{p}.max_failed_frac must be in [0, 1], got {self.max_failed_frac}")
         check_positive(f"{p}.n", self.n)
+        if self.quantization is not None:
+            check_choice(f"{p}.quantization", self.quantization, QUANTIZATIONS)
         check_sampling(p, self.temperature, self.top_p, self.top_k)
         for key in ("prompt_length", "response_length", "max_model_len"):
             check_positive(f"{p}.{key}", getattr(self, key), allow_none=True)

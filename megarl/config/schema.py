@@ -31,6 +31,7 @@ overrides values.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from megarl.config.actor import ActorConfig, RefConfig
 from megarl.config.async_training import AsyncTrainingConfig
@@ -113,6 +114,12 @@ class RunConfig:
         if rollout.name == "hf":
             return 1
         return rollout.tensor_model_parallel_size or self.actor_rollout_ref.actor.parallel.tp
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory: ``trainer.default_local_dir / project_name / experiment_name`` (its checkpoints)."""
+        trainer = self.trainer
+        return Path(trainer.default_local_dir).expanduser() / trainer.project_name / trainer.experiment_name
 
     @property
     def rollout_seed(self) -> int:

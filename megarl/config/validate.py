@@ -315,6 +315,9 @@ def _check_algorithm(cfg: RunConfig) -> None:
         raise ValueError(f"{ARR}.actor.router_replay.mode={actor.router_replay.mode} needs single-turn rollouts: "
                          f"multi-turn rollouts ({ARR}.rollout.multi_turn.enable) do not carry the engines' routed "
                          f"experts yet; set router_replay.mode=off")
+    if cfg.actor_rollout_ref.rollout.quantization and cfg.actor_rollout_ref.model.lora_rank:
+        raise ValueError(f"{ARR}.rollout.quantization={cfg.actor_rollout_ref.rollout.quantization} with LoRA "
+                         f"({ARR}.model.lora_rank) is not supported yet: set {ARR}.rollout.quantization=null")
     correction = cfg.algorithm.rollout_correction
     if correction.enabled and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         raise ValueError(f"algorithm.rollout_correction compares the engines' log-probs with the trainer's: set "

@@ -387,9 +387,15 @@ class EngineSet:
 
 
 def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
-    """The policy's rollout engines."""
+    """The policy's rollout engines (serving FP8, ``rollout.quantization=fp8``: from the run's FP8 checkpoint of the
+    policy, :func:`megarl.convert.fp8.ensure_engine_checkpoint`)."""
     arr = cfg.actor_rollout_ref
-    return EngineSet("engine", plan.engines, arr.rollout, arr.model, SEED_STREAM_ENGINE,
+    model = arr.model
+    if arr.rollout.quantization == "fp8":
+        from megarl.convert.fp8 import ENGINE_DIR
+
+        model = dataclasses.replace(model, path=str(cfg.run_dir / ENGINE_DIR), tokenizer_path=model.tokenizer_path)
+    return EngineSet("engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
                      routed_experts=arr.actor.router_replay.enabled,
                      lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None)
 

@@ -31,9 +31,10 @@ from megarl.warmstart.sft import ensure_tiny_sft
 
 def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
-    model's directories (and the critic's, the teacher's, the reward model's and the judge's), refuse missing data files naming the
-    key, and for ``model.init=tiny_sft`` (``teacher.model.init`` too) write the addition data at its default paths and
-    build the cached SFT warm start; a scoring model's tokenizer must be the policy's (:func:`check_same_tokenizer`).
+    model's directories (and the critic's, the teacher's, the reward model's and the judge's), refuse missing data
+    files naming the key, and for ``model.init=tiny_sft`` (``teacher.model.init`` too) write the addition data at its
+    default paths and build the cached SFT warm start; a scoring model's tokenizer must be the policy's
+    (:func:`check_same_tokenizer`); FP8 engines (``rollout.quantization``) get their FP8 copy of the policy.
     ``scoring`` False (generation only): the data need no columns for the reward scorers, and no scoring model is
     built."""
     model = cfg.actor_rollout_ref.model
@@ -53,6 +54,10 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     for other in (teacher, reward_model):
         if other is not None:
             check_same_tokenizer(model, other)
+    if cfg.actor_rollout_ref.rollout.quantization == "fp8":  # the engines start from an FP8 copy of the policy
+        from megarl.convert.fp8 import ensure_engine_checkpoint
+
+        ensure_engine_checkpoint(model.local_path, cfg.run_dir)
     if cfg.reward_model.judge.enable and scoring:  # the judge reads text: its tokenizer is its own
         check_model_directory(cfg.reward_model.judge.model.local_path, "reward_model.judge.model.path")
 

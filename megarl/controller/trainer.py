@@ -106,7 +106,7 @@ class Trainer:
         self.phases = Phases(self.console)
         """Start-up phases and checkpoint saves, printed as they start and end; their durations."""
         trainer = cfg.trainer
-        self.run_dir = Path(trainer.default_local_dir).expanduser() / trainer.project_name / trainer.experiment_name
+        self.run_dir = cfg.run_dir
         self.log_dir = run_log_dir(trainer)
         self.global_step = 0
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -434,7 +434,7 @@ class Trainer:
                 ActorWorker.sync_weights, self.roles.engine_targets,
                 transport="adapters" if self.cfg.lora_syncs_adapters else self.roles.weight_transport,
                 bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
-                weight_version=str(step), flush_cache=flush) if s]
+                weight_version=str(step), flush_cache=flush, quantization=rollout.quantization) if s]
         self.engine_memory.resume(TRAINING_TAGS)
         return merge_stats(stats)
 

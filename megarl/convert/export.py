@@ -57,6 +57,7 @@ class WeightExporter:
     def __init__(self, model_chunks, family, hf_config, groups, *, dtype: torch.dtype | None = None):
         self.groups = groups
         self.dims = groups.dims
+        self.family, self.hf_config = family, hf_config
         chunk = model_chunks[0].module if hasattr(model_chunks[0], "module") else model_chunks[0]
         config = chunk.config
         self.dtype = dtype or config.params_dtype

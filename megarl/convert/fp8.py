@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -148,3 +149,32 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     done = sum(1 for name in names if name in quantized)
     return Fp8Report(destination, done, len(names) - done, source_bytes, writer.total_bytes,
                      time.perf_counter() - start)
+
+
+ENGINE_DIR = "engine_fp8"
+"""Where, in a run's directory, the FP8 checkpoint its engines start from is written (``rollout.quantization``)."""
+SOURCE_MARKER = "megarl_fp8_source.json"
+
+
+def ensure_engine_checkpoint(source: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
+    """The FP8 checkpoint of ``source`` the run's engines start from (``<run_dir>/engine_fp8``; the first weight
+    sync replaces its values with the trainer's): written unless it was, from the same files (their names, sizes and
+    modification times); written beside and renamed into place, so a killed run leaves none half-written."""
+    source, directory = Path(source).expanduser().resolve(), Path(run_dir).expanduser() / ENGINE_DIR
+    stamp = {"source": str(source), "files": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                    for p in source.glob("*.safetensors"))}
+    marker = directory / SOURCE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    building = directory.with_name(f".{ENGINE_DIR}.building-{os.getpid()}")
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        write_fp8_checkpoint(source, building)
+        (building / SOURCE_MARKER).write_text(json.dumps(stamp) + "\n")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(building, directory)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return directory

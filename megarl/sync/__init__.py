@@ -49,12 +49,15 @@ def transport_class(name: str) -> type[WeightTransport]:
 
 
 def make_transport(name: str, groups, engines: Sequence[EngineAddress], *, device: str,
-                   lora_config: dict | None = None) -> WeightTransport:
+                   lora_config: dict | None = None, quantization: str | None = None) -> WeightTransport:
     """Transport ``name`` (resolved: ``tensor`` or ``distributed``; ``adapters``: a LoRA run's adapters alone, PEFT's
-    ``lora_config``) for this actor rank; collective."""
+    ``lora_config``) for this actor rank; ``quantization`` (``fp8``): its buckets go out block-FP8; collective."""
     cls = transport_class(name)
     if cls.name == "adapters":
         return cls(groups, engines, config=lora_config)
     if cls.name == "distributed":
-        return cls(groups, engines, backend="nccl" if device == "cuda" else "gloo")
-    return cls(groups, engines)
+        transport = cls(groups, engines, backend="nccl" if device == "cuda" else "gloo")
+    else:
+        transport = cls(groups, engines)
+    transport.quantization = quantization
+    return transport

@@ -85,9 +85,14 @@ class WeightTransport(abc.ABC):
     """The stages of this rank's pipeline group that need every bucket besides their own
     (:meth:`receiving_stages`)."""
 
+    quantization: str | None = None
+    """``fp8``: the engines serve block FP8 (``rollout.quantization``): every bucket goes out quantized
+    (:meth:`buckets`)."""
+
     def __init__(self, groups, engines: Sequence[EngineAddress]) -> None:
         self.groups = groups
         self.engines = list(engines)
+        self._fp8_buffers: list = [None, None]
         self._clients: dict[str, EngineClient] = {}
         self._loop: event_loop.EventLoopThread | None = event_loop.hold()
         """The process's event loop, held until :meth:`close`: the clients' sessions live on it."""
@@ -143,6 +148,35 @@ class WeightTransport(abc.ABC):
         with plain_torch():
             return self._sync(exporter, bucket_bytes=bucket_bytes, version=version, verify_names=verify_names,
                               flush_cache=flush_cache)
+
+    def buckets(self, exporter, bucket_bytes: int):
+        """The exporter's buckets for a sync of ``bucket_bytes``; with ``quantization=fp8`` each quantized into a
+        byte buffer of its own (:func:`megarl.convert.fp8.quantize_bucket`: FP8 weights and their scales, the rest
+        as it is), two taking turns: a buffer is refilled two buckets later, once the engine loaded from it (both
+        transports wait for the engines' answer on a bucket before they send the next)."""
+        buckets = exporter.iter_buckets(**self.export_args(bucket_bytes))
+        if self.quantization != "fp8":
+            yield from buckets
+            return
+        from megarl.convert.fp8 import fp8_names, quantize_bucket
+
+        quantized = fp8_names(exporter.family, exporter.hf_config)
+        for index, bucket in enumerate(buckets):
+            turn = index % len(self._fp8_buffers)
+            bucket = quantize_bucket(bucket, quantized, shared_memory=self.shared_memory,
+                                     buffer=self._fp8_buffers[turn])
+            self._fp8_buffers[turn] = torch.empty(0, dtype=torch.uint8, device=bucket.flat.device).set_(
+                bucket.flat.untyped_storage())
+            yield bucket
+
+    def verified(self, verify_names: Sequence[str]) -> set[str]:
+        """The names read back after a sync: ``verify_names``, and with ``quantization=fp8`` their scales too."""
+        wanted = set(verify_names)
+        if self.quantization == "fp8":
+            from megarl.models.fp8 import scale_name
+
+            wanted |= {scale_name(name) for name in wanted}  # names that are not quantized have no scale: unused
+        return wanted
 
     @abc.abstractmethod
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,

@@ -82,7 +82,8 @@ class DistributedTransport(WeightTransport):
         # every engine has answered for the last bucket of the stage before it.
         for stage in range(self.groups.dims.pp):
             if stage == self.groups.pp_rank:
-                sent, buckets = self._send(exporter, bucket_bytes, version, set(verify_names), expected, active)
+                sent, buckets = self._send(exporter, bucket_bytes, version, self.verified(verify_names), expected,
+                                           active)
             self._meet(active)  # after the last stage: every stage has sent
         if active and self.lead:
             close_sessions(self, self.targets, flush_cache=flush_cache)
@@ -99,13 +100,13 @@ class DistributedTransport(WeightTransport):
         sent = buckets = 0
         loading: list[concurrent.futures.Future] = []  # the engines' answers on the previous bucket
         try:
-            for bucket in exporter.iter_buckets(**self.export_args(bucket_bytes)):
+            for bucket in self.buckets(exporter, bucket_bytes):
                 if not active:
                     continue
                 _answers(loading)  # the engines loaded the previous bucket: they receive the next
-                dtype = str(bucket.flat.dtype).removeprefix("torch.")
+                dtypes = [str(t.dtype).removeprefix("torch.") for t in bucket.tensors]  # FP8 buckets hold several
                 loading = [submit(self.client(e).update_weights_from_distributed(
-                    bucket.names, [dtype] * len(bucket.names), [list(t.shape) for t in bucket.tensors],
+                    bucket.names, dtypes, [list(t.shape) for t in bucket.tensors],
                     group_name=self.group_name, load_format=FLATTENED_BUCKET, weight_version=version))
                     for e in self.targets]
                 self.group.broadcast(bucket.flat.view(torch.uint8), 0).wait()

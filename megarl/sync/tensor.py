@@ -76,7 +76,7 @@ class TensorTransport(WeightTransport):
     def _sync(self, exporter, *, bucket_bytes: int, version: str | None,
               verify_names: Sequence[str], flush_cache: bool = True) -> dict[str, float] | None:
         engine, client = self.engine, (self.client(self.engine) if self.driver else None)
-        wanted = set(verify_names)
+        wanted = self.verified(verify_names)
         expected: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
         if client is not None:
@@ -84,7 +84,7 @@ class TensorTransport(WeightTransport):
         pending: collections.deque[concurrent.futures.Future] = collections.deque()  # requests, oldest first
         sent = buckets = 0
         try:
-            for bucket in exporter.iter_buckets(**self.export_args(bucket_bytes)):
+            for bucket in self.buckets(exporter, bucket_bytes):
                 if engine is None:
                     continue  # this rank only built (or passed on) the bucket
                 payload = flattened_payload(bucket)

@@ -193,7 +193,7 @@ class ActorWorker(_MegatronWorker):
     @busy
     def sync_weights(self, engines: Sequence[EngineAddress], *, transport: str, bucket_bytes: int, engine_dtype: str,
                      verify_names: Sequence[str] = (), weight_version: str | None = None,
-                     flush_cache: bool = True) -> dict[str, Any] | None:
+                     flush_cache: bool = True, quantization: str | None = None) -> dict[str, Any] | None:
         """Stream the weights into the engine servers with weight transport ``transport`` (``tensor`` or
         ``distributed``: :mod:`megarl.sync`; ``adapters``: a LoRA run's adapters alone), a collective over the actor's
         ranks.
@@ -203,13 +203,14 @@ class ActorWorker(_MegatronWorker):
         ``weight_version``; the engines' caches are flushed unless ``flush_cache`` is false (SGLang refuses a flush
         while requests are held in place by ``/pause_generation``). ``verify_names``: tensors read back with
         ``/get_weights_by_name`` and compared, value for value, with what was sent; a difference raises naming
-        the engine and the tensors. Returns the statistics of the ranks that sent (``None`` elsewhere; merge them
+        the engine and the tensors. ``quantization`` (``fp8``): the engines serve block FP8, the buckets go out
+        quantized (their scales verified with the weights). Returns the statistics of the ranks that sent (``None`` elsewhere; merge them
         with :func:`megarl.sync.merge_stats`). The transport is built on the first call (and again when the
         engines or the transport change) and kept: its process groups and connections serve every sync.
         """
         from megarl.sync import make_transport
 
-        key = (transport, tuple(engines))
+        key = (transport, tuple(engines), quantization)
         if getattr(self, "_transport_key", None) != key:
             if getattr(self, "_transport", None) is not None:
                 self._transport.close()
@@ -217,7 +218,7 @@ class ActorWorker(_MegatronWorker):
             device = next(self.sharded.module_chunks[0].parameters()).device.type
             lora = self.sharded.lora.peft_config(self.sharded.hf_dir) if transport == "adapters" else None
             self._transport = make_transport(transport, self.sharded.groups, engines, device=device,
-                                             lora_config=lora)
+                                             lora_config=lora, quantization=quantization)
             self._transport_key = key
         exporter = self.sharded.exporter(torch_dtype(engine_dtype))
         return self._transport.sync(exporter, bucket_bytes=bucket_bytes, version=weight_version,
