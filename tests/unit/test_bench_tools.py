@@ -126,3 +126,8 @@ def test_bench_async_result_keys(tools):
     assert values["gen_bound_async_speedup"] == pytest.approx(2.0 / 1.1)
     assert values["gen_bound_async_of_bound"] == pytest.approx(1.05 / 1.1)
     assert "the ceiling is 1.67x" in bench.describe_bound({"gen_s": 1.2, "step_s": 2.0}, 2.5)
+
+
+def test_bench_fp8_sync_smoke(tools, capsys):
+    values = _run(tools("bench_fp8_sync"), ["--arch", "Qwen2.5-0.5B"], capsys)
+    assert 0.5 < values["fp8_sync_bytes_frac"] == values["Qwen2.5-0.5B"] < 0.8  # its large tied embedding stays BF16
