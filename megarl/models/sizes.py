@@ -212,6 +212,18 @@ class Architecture:
                 n += embedding
         return RankParams(n, experts)
 
+    def engine_fp8_params(self, tp: int) -> int:
+        """Of the parameters one GPU of an engine with TP ``tp`` holds (every layer, every expert split over its
+        ``tp`` GPUs), those FP8 rollout quantizes (:attr:`~megarl.models.weights.WeightRule.block_fp8`)."""
+        vocab = self.family.padded_vocab_size(self.hf_config, tp)
+        sparse = self.sparse or (False,) * self.num_layers
+        total = 0
+        for layer in range(self.num_layers):
+            for rule in self.family.weight_rules(self.hf_config):
+                if rule.per_layer and rule.block_fp8 and rule.applies_to(sparse[layer]):
+                    total += self._rank_numel(rule, tp, vocab) * (self.num_experts if rule.per_expert else 1)
+        return total
+
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
         """KV-cache bytes of one token on one GPU of an engine with TP ``tp``."""
         return 2 * self.num_layers * max(self.kv_heads // tp, 1) * self.head_dim * dtype_bytes

@@ -358,6 +358,9 @@ class MemoryModel:
         n = m.rank_params(tp=self.engine_tp, padded_vocab=sglang_padded_vocab(m.vocab, self.engine_tp))
         if self.cfg.lora_syncs_adapters:  # SGLang's LoRA slot (--max-loras-per-batch 1), allocated at its start
             n += m.lora_peft_param_count(self.arr.model.lora_spec) // self.engine_tp
+        if self.arr.rollout.quantization == "fp8":  # the linear weights in 1 byte, an fp32 scale per 128 x 128 block
+            fp8 = m.engine_fp8_params(self.engine_tp)
+            return (n - fp8) * self.engine_bytes + fp8 + 4 * math.ceil(fp8 / (128 * 128))
         return n * self.engine_bytes
 
     def _hf_engine_kv(self) -> int:

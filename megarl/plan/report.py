@@ -194,7 +194,8 @@ def _row_names(plan: RunPlan) -> dict[str, str]:
         "teacher_forward": "teacher forward (layer+logits)",
         "reward_model_weights": f"reward model weights ({_DTYPE_NAMES[cfg.reward_model.model.dtype]})",
         "reward_model_forward": "reward model forward (one layer)",
-        "engine_weights": f"engine weights ({engine_dtype}, TP {plan.placement.engines[0].tp}"
+        "engine_weights": f"engine weights ({'block FP8 linear, ' if rollout.quantization else ''}{engine_dtype}, "
+                          f"TP {plan.placement.engines[0].tp}"
                           + (", all experts" if plan.model.is_moe else "") + ")",
         "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),
         "sync_buffers": "weight-sync buffers",

@@ -856,3 +856,17 @@ def test_a_judge_is_planned_on_its_own_pool_and_one_without_room_is_refused_nami
     with pytest.raises(ValueError, match=r"the judge's sglang engines need [\d.]+ GiB per GPU \(weights 14.19 GiB\), "
                                          r"more than 12.00 GiB: raise reward_model.judge.rollout.tensor_model_parallel"):
         plan_run(big)
+
+
+def test_fp8_engines_hold_their_linear_weights_in_one_byte():
+    """Issue 35: with rollout.quantization=fp8 an engine GPU holds its linear weights' TP shard in FP8 (1 byte, an
+    fp32 scale per 128 x 128 block) and the rest in BF16; SGLang's KV pool gets what that frees."""
+    bf16 = plan_run(load_config(["recipe=llama3_1_70b_grpo"]))
+    fp8 = plan_run(load_config(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.rollout.quantization=fp8"]))
+    model = fp8.model
+    linear = model.engine_fp8_params(8)
+    total = bf16.gpus[0].rows["engine_weights"] // 2
+    assert linear / total > 0.95  # 70B: all but the embedding, head and norms
+    assert fp8.gpus[0].rows["engine_weights"] == (total - linear) * 2 + linear + 4 * math.ceil(linear / 128 ** 2)
+    assert fp8.gpus[0].kv_tokens > bf16.gpus[0].kv_tokens
+    assert "engine weights (block FP8 linear, bf16, TP 8)" in fp8.report()
