@@ -451,7 +451,7 @@ def test_critic_hf_and_disaggregated_layouts_are_planned():
 
 
 @pytest.mark.parametrize("recipe", ["qwen2_5_0_5b_grpo", "qwen2_5_7b_grpo", "qwen2_5_7b_ppo", "llama3_1_70b_grpo",
-                                    "qwen3_30b_a3b_grpo"])
+                                    "qwen3_30b_a3b_grpo", "qwen2_5_7b_fp8_grpo", "llama3_1_70b_fp8_grpo"])
 def test_every_gpu_recipe_plans_as_fitting(recipe):
     """The shipped GPU recipes fit their GPUs by the planner's own numbers (they ship runnable)."""
     plan = plan_run(load_config([f"recipe={recipe}"]))
