@@ -38,6 +38,12 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
           engine's log-probs naming the adapter against the actor's. Pass: adapters off equal to the plain model bit
           for bit, the update applied with every base weight unchanged, every adapter tensor verified, the gap
           within the engine stage's bound.
+  fp8     FP8 rollout (``rollout.quantization=fp8``): the check's model written as a block-FP8 checkpoint, an engine
+          server started from it (FP8 weights and scales kept, computing with their dequantization), the actor's
+          weights synced into it by the ``tensor`` transport as FP8 byte buckets (CUDA IPC payloads of one byte
+          buffer on GPU) and read back. Pass: every quantized weight and scale the engine holds equals the
+          actor's weights quantized here, bit for bit, and the engine's log-probs are finite (their gap to the
+          actor's, FP8's, is reported next to the engine stage's bf16 bound).
   mfu     train steps of a Qwen2.5-1.5B-shaped random model (``ActorRole.update``, one micro-batch): tokens/s and
           MFU (6 N + causal attention flops per token against the chip's dense bf16 peak), against HF
           transformers' step (sdpa, AdamW, the same log-softmax) on the same chip in this run. Printed, not
@@ -73,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_co
 import bench_convert as common
 import torch
 
-STAGES = ("parity", "engine", "ppo", "sync", "lora", "mfu")
+STAGES = ("parity", "engine", "ppo", "sync", "lora", "fp8", "mfu")
 REQUIRES = {"sync": ("ppo",)}
 """Stages a picked stage needs run before it (added to ``--stages``)."""
 
@@ -256,20 +262,22 @@ class Context:
             self._actor = None
         release_memory()
 
-    def engine(self, extra_args: tuple[str, ...] = ()):
-        """The engine server's client: megarl's server on this device, started on first use from the model
-        directory (so it holds the actor's initial weights), with ``extra_args`` (a running one started with others
-        is stopped first)."""
-        if self._server is not None and getattr(self, "_server_args", ()) != tuple(extra_args):
+    def engine(self, extra_args: tuple[str, ...] = (), model_dir: Path | None = None):
+        """The engine server's client: megarl's server on this device, started on first use from ``model_dir``
+        (default: the model directory, so it holds the actor's initial weights), with ``extra_args`` (a running one
+        started otherwise is stopped first)."""
+        wanted = (tuple(extra_args), model_dir)
+        if self._server is not None and getattr(self, "_server_args", ((), None)) != wanted:
             self.stop_engine()
-        self._server_args = tuple(extra_args)
+        self._server_args = wanted
         if self._server is None:
             from megarl.parallel.net import free_port
             from megarl.rollout.client import EngineClient
             from megarl.rollout.server_process import ServerProcess
 
             port = free_port()
-            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(self.model_dir(self.args.shape)),
+            path = model_dir or self.model_dir(self.args.shape)
+            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(path),
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                     "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1", *extra_args]
             url = f"http://127.0.0.1:{port}"
@@ -550,6 +558,43 @@ def run_lora(ctx: Context, out: dict) -> None:
                  and (bound is None or gap["mean"] <= bound))
 
 
+def run_fp8(ctx: Context, out: dict) -> None:
+    """FP8 rollout on this device (see the module docstring)."""
+    from megarl.convert.fp8 import fp8_names, write_fp8_checkpoint
+    from megarl.models.fp8 import quantize_block_fp8, scale_name
+    from megarl.rollout.client import EngineAddress
+    from megarl.sync.tensor import TensorTransport
+
+    actor = ctx.actor
+    model = actor.model
+    fp8_dir = ctx.work / f"qwen2_{ctx.args.shape}_fp8"
+    if not (fp8_dir / "config.json").exists():
+        write_fp8_checkpoint(ctx.model_dir(ctx.args.shape), fp8_dir)
+    client = ctx.engine(model_dir=fp8_dir)
+    quantized = fp8_names(model.family, model.hf_config)
+    expected = {}
+    for bucket in model.exporter(DTYPE).iter_full(1 << 26, reuse_buffer=False):
+        for name, tensor in bucket:
+            if name in quantized:
+                weight, scale = quantize_block_fp8(tensor.detach())
+                expected[name], expected[scale_name(name)] = weight.float().cpu(), scale.float().cpu()
+    transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1, host_ranks=(0,))])
+    transport.quantization = "fp8"
+    try:
+        report, seconds = timed(lambda: transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 26, version="fp8",
+                                                       verify_names=sorted(quantized)))
+        differ, compared = read_back(client, expected, set(expected))
+        gap = engine_gap(actor, client, seed=7)
+    finally:
+        transport.close()
+        model.release_export_buffers()
+        ctx.stop_engine()
+    out.update(quantized_weights=len(quantized), values_read_back=compared, differing=differ[:10],
+               verified_by_transport=report["verified_checks"], sync_bytes=report["weight_sync/bytes"],
+               sync_seconds=round(seconds, 4), gap=gap, bf16_gap_bound=gap_bound(ctx))
+    out["ok"] = not differ and report["verified_checks"] == 2 * len(quantized) > 0 and math.isfinite(gap["max"])
+
+
 def train_flops_per_token(hf_config, seq: int) -> tuple[int, float]:
     """The matmul parameters N (layers and LM head; a tied embedding's lookup is free) and the training flops per
     token: 6 N, plus causal attention over rows of ``seq`` tokens (QK and AV: 4 seq h per layer forward, half of
@@ -649,7 +694,7 @@ def run_mfu(ctx: Context, out: dict) -> None:
 
 
 RUNNERS = {"parity": run_parity, "engine": run_engine, "ppo": run_ppo, "sync": run_sync_stage, "lora": run_lora,
-           "mfu": run_mfu}
+           "fp8": run_fp8, "mfu": run_mfu}
 
 
 # ----------------------------------------------------------------------------------------------------- main

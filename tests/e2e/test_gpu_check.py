@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["parity", "engine", "ppo", "sync", "lora", "mfu"]
+STAGES = ["parity", "engine", "ppo", "sync", "lora", "fp8", "mfu"]
 BLOCKED = ("ray", "hydra", "sglang_router", "pyarrow")
 """Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
@@ -165,6 +165,15 @@ def test_lora_stage_checks_the_adapters_and_their_sync(check):
     assert lora["gap"]["tokens"] > 0 and finite(lora["gap"]["mean"])
 
 
+def test_fp8_stage_checks_the_quantized_sync(check):
+    """FP8 rollout on the device: an engine started from the block-FP8 checkpoint gets the actor's weights as FP8 byte
+    buckets, every quantized weight and scale read back equal to the actor's quantized here, its log-probs finite."""
+    fp8 = check["records"]["fp8"]
+    assert fp8["quantized_weights"] == 2 * 7 and fp8["differing"] == [] and fp8["values_read_back"] > 0
+    assert fp8["verified_by_transport"] == 2 * fp8["quantized_weights"]
+    assert fp8["gap"]["tokens"] > 0 and finite(fp8["gap"]["mean"])
+
+
 def test_mfu_line_has_both_sides_and_a_ratio(check):
     mfu = check["records"]["mfu"]
     for side in ("megarl", "hf_sdpa"):
@@ -177,8 +186,8 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
 
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
-    # The tool, its server, and the lora stage's server serving LoRA.
-    assert len(starts) == 3 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 2, starts
+    # The tool, its server, the lora stage's server serving LoRA, the fp8 stage's serving FP8.
+    assert len(starts) == 4 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 3, starts
     imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
     assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
     names = {name for name, _, _ in imported}
