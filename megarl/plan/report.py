@@ -250,7 +250,9 @@ def _sync_lines(plan: RunPlan) -> list[str]:
                   f"requests posted by actor GPUs {ranges(sync.senders)}")]
     else:
         lines = [(f"Weight sync per step: transport {sync.transport} ({ARR}.rollout.weight_transport="
-                  f"{arr.rollout.weight_transport}), full HF tensors in {_DTYPE_NAMES[arr.rollout.dtype]}, "
+                  f"{arr.rollout.weight_transport}), full HF tensors in "
+                  f"{'block FP8 (linear weights) and ' if arr.rollout.quantization else ''}"
+                  f"{_DTYPE_NAMES[arr.rollout.dtype]}, "
                   f"{_gib(sync.model_bytes)} GiB into each of {len(engines)} engine(s), {sync.buckets} buckets of at "
                   f"most {sync.bucket_bytes / (1 << 20):.0f} MiB{per_buffer}; requests posted by actor GPUs "
                   f"{ranges(sync.senders)}")]

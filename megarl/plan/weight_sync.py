@@ -257,14 +257,15 @@ class _WeightSync:
             delivered, stripes = max(delivered, group_delivered), max(stripes, group_stripes)
         return delivered, stripes, pp_link
 
-    def _actor_steps(self, gathered: dict[int, int], ep_steps: list[SyncStep]) -> list[SyncStep]:
-        """Building the buckets and moving them to the engines' side."""
+    def _actor_steps(self, gathered: dict[int, int], ep_steps: list[SyncStep], fraction: float = 1.0
+                     ) -> list[SyncStep]:
+        """Building the buckets and moving them to the engines' side (``fraction``: of their bytes, in FP8)."""
         tp, pp = self.dims.tp, self.dims.pp
         if self.transport != "tensor":
             return [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages at once)" if pp > 1 else ""),
                              "intra_node", max(gathered.values())), *ep_steps,
-                    SyncStep("actor", "broadcast: every engine GPU receives every bucket", "infiniband",
-                             sum(self.buffers.sizes))]
+                    SyncStep("actor", "broadcast: every engine GPU receives every bucket" +
+                             (" (FP8)" if fraction < 1 else ""), "infiniband", int(sum(self.buffers.sizes) * fraction))]
         steps = [SyncStep("actor", "TP all-gathers building the buckets" + (" (stages in turn)" if pp > 1 else ""),
                           "intra_node", sum(gathered.values())), *ep_steps]
         if pp > 1:
@@ -283,18 +284,34 @@ class _WeightSync:
         replicas = sorted({engine_replica(e, dims.dp) for e in engines})
         return tuple(sorted(p * self.stride + d * dims.tp * dims.cp for d in replicas for p in range(dims.pp)))
 
+    def _fp8_fraction(self) -> float:
+        """With FP8 engines (``rollout.quantization=fp8``): the bytes the engines receive over the exporter's (its
+        linear weights in one byte plus an fp32 scale per 128 x 128 block); else 1."""
+        if self.cfg.actor_rollout_ref.rollout.quantization != "fp8":
+            return 1.0
+        exported = sum(self._full(u) for u in self.units)
+        sent = sum(sum(math.prod(s) + 4 * math.ceil(s[0] / 128) * math.ceil(s[-1] / 128) for s in u.hf_shapes)
+                   if u.rule.block_fp8 else self._full(u) for u in self.units)
+        return sent / exported
+
     def memory(self) -> SyncMemory:
         scratch, gathered, ep_received = self._per_stage()
         buffers = self.buffers
-        model_bytes, count = sum(buffers.sizes), buffers.buckets
+        fraction = self._fp8_fraction()
+        # FP8: each bucket is quantized into one of two byte buffers of the sender's before it goes to the engines.
+        model_bytes, count = int(sum(buffers.sizes) * fraction), buffers.buckets
         engine_tp = self.placement.engines[0].tp
-        steps = [*self._actor_steps(gathered, self._ep_steps(ep_received)),
+        steps = [*self._actor_steps(gathered, self._ep_steps(ep_received), fraction),
                  SyncStep("engine", f"{count} engine requests, one per bucket", "requests", count=count),
                  SyncStep("engine", "each engine GPU copies its shard out of the buckets (read + write)", "hbm",
                           2 * model_bytes // engine_tp)]
         plan = SyncPlan(self.transport, model_bytes, buffers.bucket_bytes, count, tuple(steps),
                         self.cfg.trainer.links, overlapped=self.transport == "tensor", senders=self._senders())
-        return SyncMemory(plan, self._actor_buffers(scratch), buffers.engine)
+        actor = self._actor_buffers(scratch)
+        if fraction < 1.0:
+            quantizing = set(self.hosts) if self.transport == "tensor" else set(self._senders())
+            actor = {rank: held + (2 * max(buffers.sizes) if rank in quantizing else 0) for rank, held in actor.items()}
+        return SyncMemory(plan, actor, buffers.engine)
 
 def _units(model: Architecture, dims: ParallelDims) -> list[Unit]:
     """Every tensor in HF order, placed as :func:`megarl.convert.param_map.build_plan` places it (experts by EP

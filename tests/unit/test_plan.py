@@ -870,3 +870,18 @@ def test_fp8_engines_hold_their_linear_weights_in_one_byte():
     assert fp8.gpus[0].rows["engine_weights"] == (total - linear) * 2 + linear + 4 * math.ceil(linear / 128 ** 2)
     assert fp8.gpus[0].kv_tokens > bf16.gpus[0].kv_tokens
     assert "engine weights (block FP8 linear, bf16, TP 8)" in fp8.report()
+
+
+def test_an_fp8_sync_moves_the_quantized_bytes_and_holds_two_more_buffers():
+    """Issue 35: the engines of the 70B recipe receive its FP8 buckets: 0.515 of the BF16 bytes (as
+    tools/bench_fp8_sync.py measures over the same layout), and each sending GPU holds two quantized bucket buffers
+    more."""
+    bf16 = plan_run(load_config(["recipe=llama3_1_70b_grpo"]))
+    fp8 = plan_run(load_config(["recipe=llama3_1_70b_fp8_grpo"]))
+    assert fp8.sync.model_bytes / bf16.sync.model_bytes == pytest.approx(0.5150, abs=5e-4)
+    assert "full HF tensors in block FP8 (linear weights) and bf16" in fp8.report()
+    # Every GPU hosts an engine rank here (one engine per TP group): each adds two buffers of the largest bucket, the
+    # one holding the embedding alone (128256 x 8192 in bf16, stays bf16), larger than the 1 GiB budget.
+    added = {gpu.rows["sync_buffers"] - next(g for g in bf16.gpus if g.gpus == gpu.gpus).rows["sync_buffers"]
+             for gpu in fp8.gpus}
+    assert len(added) == 1 and added.pop() == pytest.approx(2 * 128256 * 8192 * 2, rel=1e-4)
