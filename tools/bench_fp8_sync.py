@@ -27,7 +27,7 @@ DEFAULT_ARCHS = ("Llama-3.1-8B", "Qwen3-30B-A3B", "Llama-3.1-70B")
 
 def model_bytes(arch: str) -> tuple[int, int, float]:
     """``(bf16 bytes, fp8 bytes, parameters)`` of a whole sync of ``arch``."""
-    from megarl.convert.fp8 import fp8_layout, fp8_names
+    from megarl.convert.fp8 import fp8_layout, fp8_names, layout_bytes
     from megarl.convert.hf_io import expected_names, expected_shapes
     from megarl.models import family_for
     from megarl.models.known import known_config
@@ -38,9 +38,7 @@ def model_bytes(arch: str) -> tuple[int, int, float]:
     names = expected_names(family, config)
     quantized = fp8_names(family, config)
     bf16 = sum(math.prod(shapes[n]) * 2 for n in names)
-    layout = fp8_layout([(n, shapes[n], torch.bfloat16) for n in names], quantized)
-    name, shape, dtype, offset = layout[-1]
-    fp8 = offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fp8 = layout_bytes(fp8_layout([(n, shapes[n], torch.bfloat16) for n in names], quantized))
     return bf16, fp8, sum(math.prod(shapes[n]) for n in names)
 
 
@@ -48,16 +46,14 @@ def check_layout_against_quantization(hidden: int = 4096, ffn: int = 14336) -> N
     """One Llama-3.1-8B-sized layer's projections and norm quantized for real: the buffer ``quantize_bucket`` fills
     is the layout's size."""
     from megarl.convert.export import Bucket
-    from megarl.convert.fp8 import fp8_layout, quantize_bucket
+    from megarl.convert.fp8 import fp8_layout, layout_bytes, quantize_bucket
 
     generator = torch.Generator().manual_seed(0)
     named = [(f"l.{name}.weight", (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
              for name, shape in (("q_proj", (hidden, hidden)), ("down_proj", (hidden, ffn)), ("norm", (hidden,)))]
     quantized = frozenset(n for n, t in named if t.dim() == 2)
     bucket = quantize_bucket(Bucket.pack(named), quantized)
-    layout = fp8_layout([(n, tuple(t.shape), t.dtype) for n, t in named], quantized)
-    _, shape, dtype, offset = layout[-1]
-    expected = offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = layout_bytes(fp8_layout([(n, tuple(t.shape), t.dtype) for n, t in named], quantized))
     if bucket.nbytes != expected:
         raise SystemExit(f"the layout says {expected} bytes, quantize_bucket filled {bucket.nbytes}")
 

@@ -98,13 +98,8 @@ class Roles:
         thread), stop the router and the engine servers, kill every worker and give the pools' resources back; the
         shared-memory bucket buffers the killed workers held are unlinked on every node (this one here, the
         others by a task pinned to each)."""
-        for client in [self.generator, *self.engines]:
-            try:
-                client.close_sync()
-            except Exception as error:  # noqa: BLE001 - shutting down goes on
-                logging.getLogger(__name__).warning("closing %r: %s", client, error)
-        if self.judge is not None:
-            self.judge.close_clients()
+        judge = [self.judge.generator, *self.judge.engines] if self.judge is not None else []
+        close_clients([self.generator, *self.engines, *judge])
         event_loop.release()
         self.router.stop()
         stop_engine_servers(self.rollout)
@@ -121,6 +116,15 @@ class Roles:
         here = ray.get_runtime_context().get_node_id()
         remove_shared_memory(by_node.pop(here, []))
         remove_shared_memory_on_nodes(by_node)
+
+
+def close_clients(clients: list[EngineClient]) -> None:
+    """Close the clients' sessions (best effort: shutting down goes on)."""
+    for client in clients:
+        try:
+            client.close_sync()
+        except Exception as error:  # noqa: BLE001 - shutting down goes on
+            logging.getLogger(__name__).warning("closing %r: %s", client, error)
 
 
 def remove_shared_memory_on_nodes(pids_by_node: dict[str, list[int]], timeout_s: float = 60.0) -> int:
@@ -245,13 +249,6 @@ class JudgeServers:
     generator: EngineClient
     """The judge router's client: every judge request goes through it."""
 
-    def close_clients(self) -> None:
-        for client in [self.generator, *self.engines]:
-            try:
-                client.close_sync()
-            except Exception as error:  # noqa: BLE001 - shutting down goes on
-                logging.getLogger(__name__).warning("closing %r: %s", client, error)
-
     def stop(self) -> None:
         """Stop the router and the engine servers (the group's workers are killed with the run's)."""
         self.router.stop()
@@ -372,6 +369,8 @@ def engine_server_slots(engines, gpus: list | None) -> list[EngineServerSlot]:
 class EngineSet:
     """A set of engine servers behind one router: the policy's rollout engines, or a generative judge's."""
 
+    role: str
+    """The worker group's role (``rollout``, ``judge``)."""
     label: str
     """What each engine is called in errors and logs (``engine``, ``judge engine``)."""
     engines: tuple
@@ -394,8 +393,8 @@ def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
     if arr.rollout.quantization == "fp8":
         from megarl.convert.fp8 import ENGINE_DIR
 
-        model = dataclasses.replace(model, path=str(cfg.run_dir / ENGINE_DIR), tokenizer_path=model.tokenizer_path)
-    return EngineSet("engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
+        model = dataclasses.replace(model, path=str(cfg.run_dir / ENGINE_DIR))
+    return EngineSet("rollout", "engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
                      routed_experts=arr.actor.router_replay.enabled,
                      lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None)
 
@@ -403,7 +402,8 @@ def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
 def judge_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
     """A generative judge's engines (``reward_model.judge``), on its own pool."""
     judge = cfg.reward_model.judge
-    return EngineSet("judge engine", plan.judge_engines, judge.rollout, judge.model, SEED_STREAM_JUDGE_ENGINE)
+    return EngineSet("judge", "judge engine", plan.judge_engines, judge.rollout, judge.model,
+                     SEED_STREAM_JUDGE_ENGINE)
 
 
 def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
@@ -414,8 +414,7 @@ def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: flo
     engine spanning nodes serves on its node_rank 0). On failure nothing is left running."""
     rollout, model = engine_set.rollout, engine_set.model
     slots = engine_server_slots(engine_set.engines, gpus)
-    role = "rollout" if engine_set.label == "engine" else "judge"
-    group = _group(cfg, EngineServerWorker, pool, share, role=role, bundles=[s.bundle for s in slots])
+    group = _group(cfg, EngineServerWorker, pool, share, role=engine_set.role, bundles=[s.bundle for s in slots])
     host = "127.0.0.1" if on_this_machine_only() else None  # nothing listens beyond what must reach it
     try:
         seeds = [derive_seed(cfg.rollout_seed, engine_set.seed_stream, i) for i in range(len(engine_set.engines))]

@@ -42,10 +42,6 @@ FAILURES = ("timeout", "garbage", "too_long", "error")
 ``score_range``); a prompt longer than ``rollout.prompt_length``; the request failed (the engine or router answered
 an error, a template field the row lacks)."""
 
-JUDGE_KEYS = ("judge_verdict", "judge_score", "judge_error", "judge_answer")
-"""The per-row extras a judged batch carries (``judge_error``: None, or ``"<kind>: <why>"``)."""
-
-
 class JudgeError(RuntimeError):
     """Too many rows of a step could not be judged (``reward_model.judge.max_failure_share``)."""
 
@@ -153,11 +149,11 @@ class Judge:
         return self.verdict_of(self.tokenizer.decode(output.output_ids, skip_special_tokens=True))
 
 
-def judge_rows(batch: Batch, tokenizer: Any, mask_BT: torch.Tensor) -> list[JudgeRow]:
+def judge_rows(batch: Batch, tokenizer: Any, last_B: torch.Tensor) -> list[JudgeRow]:
     """What the judge is asked about each row of a rollout batch: the prompt (the last user message of
     ``raw_prompt`` when the batch has it, else the decoded prompt), the decoded response up to its last token
-    (``mask_BT``), the row's ground truth, data source and extra info."""
-    last_B = last_valid_positions(mask_BT)
+    (``last_B``: :func:`~megarl.reward.manager.last_valid_positions` of its scored tokens), the row's ground truth,
+    data source and extra info."""
     responses = batch["responses"]
     raw = batch.non_tensors.get("raw_prompt")
     prompts = None if raw is not None else tokenizer.batch_decode(batch["prompts"].tolist(), skip_special_tokens=True)
@@ -187,7 +183,8 @@ def _prompt_text(raw: Any) -> str:
 class JudgedReward:
     """The reward function of a run with a judge: ``(token_level_scores [B, T], extras)`` as the rule manager's,
     the judge's score on each response's last token replacing the rule score or added to it (``combine``), the
-    judge's extras (:data:`JUDGE_KEYS`) beside the rule function's."""
+    judge's extras beside the rule function's: ``judge_verdict``, ``judge_score``, ``judge_answer`` and
+    ``judge_error`` (None, or ``"<kind>: <why>"``)."""
 
     def __init__(self, judge: Judge, rules: RewardManager, tokenizer: Any) -> None:
         self.judge, self.rules, self.tokenizer = judge, rules, tokenizer
@@ -195,13 +192,13 @@ class JudgedReward:
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list]]:
         responses_BT = batch["responses"]
-        mask_BT = scored_tokens(batch, responses_BT.shape[1])
+        last_B = last_valid_positions(scored_tokens(batch, responses_BT.shape[1]))
         if self.config.combine == "add":
             scores_BT, extra = self.rules(batch)
         else:
             scores_BT, extra = torch.zeros(responses_BT.shape, dtype=torch.float32, device=responses_BT.device), {}
-        verdicts = self.judge.judge(judge_rows(batch, self.tokenizer, mask_BT))
-        last_B = last_valid_positions(mask_BT).clamp(min=0)
+        verdicts = self.judge.judge(judge_rows(batch, self.tokenizer, last_B))
+        last_B = last_B.clamp(min=0)
         judged_B = torch.tensor([v.score if v.score is not None else 0.0 for v in verdicts], dtype=scores_BT.dtype,
                                 device=scores_BT.device)
         rows = torch.arange(len(verdicts), device=scores_BT.device)

@@ -66,6 +66,12 @@ def fp8_layout(named: Iterable[tuple[str, tuple[int, ...], torch.dtype]], quanti
     return out
 
 
+def layout_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> int:
+    """The bytes a bucket of :func:`fp8_layout` ``layout`` takes (its last tensor's end)."""
+    _, shape, dtype, offset = layout[-1]
+    return offset + math.prod(shape) * _itemsize(dtype)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -77,8 +83,7 @@ def quantize_bucket(bucket: Bucket, quantized: frozenset[str], *, shared_memory:
     memory with ``shared_memory``) whose tensors are views of their own dtypes, what
     :func:`megarl.sync.base.flattened_payload` sends as one payload."""
     layout = fp8_layout([(n, tuple(t.shape), t.dtype) for n, t in zip(bucket.names, bucket.tensors)], quantized)
-    name, shape, dtype, offset = layout[-1]
-    total = offset + math.prod(shape) * _itemsize(dtype)
+    total = layout_bytes(layout)
     device = bucket.flat.device
     if buffer is None or buffer.numel() < total or buffer.device != device:
         buffer = empty_buffer(total, torch.uint8, device, shared_memory=shared_memory)

@@ -44,6 +44,11 @@ def num_blocks(shape: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1])
 
 
+def fp8_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a ``[N, K]`` weight in block FP8: its FP8 values and its fp32 scales."""
+    return math.prod(shape) + 4 * math.prod(num_blocks(tuple(shape)))
+
+
 def _blocks(x_NK: torch.Tensor) -> torch.Tensor:
     """``x`` zero-padded to whole blocks, viewed ``[Nb, 128, Kb, 128]``."""
     n, k = x_NK.shape

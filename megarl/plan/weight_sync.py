@@ -44,6 +44,7 @@ from megarl.convert.param_map import Unit
 from megarl.models.sizes import Architecture
 from megarl.models.weights import Split
 from megarl.plan.all_to_all import ep_link
+from megarl.models.fp8 import fp8_bytes
 from megarl.plan.memory import DTYPE_BYTES
 from megarl.plan.placement import PlacementPlan, engine_replica, megatron_coordinates
 from megarl.plan.report import expert_groups
@@ -290,8 +291,7 @@ class _WeightSync:
         if self.cfg.actor_rollout_ref.rollout.quantization != "fp8":
             return 1.0
         exported = sum(self._full(u) for u in self.units)
-        sent = sum(sum(math.prod(s) + 4 * math.ceil(s[0] / 128) * math.ceil(s[-1] / 128) for s in u.hf_shapes)
-                   if u.rule.block_fp8 else self._full(u) for u in self.units)
+        sent = sum(sum(fp8_bytes(s) for s in u.hf_shapes) if u.rule.block_fp8 else self._full(u) for u in self.units)
         return sent / exported
 
     def memory(self) -> SyncMemory:

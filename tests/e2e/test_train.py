@@ -94,11 +94,8 @@ def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets
         judge_pids = servers.group.call_all(EngineServerWorker.server_pid) + [servers.router.pid]
     finally:
         trainer.shutdown()
-    deadline = time.monotonic() + 10  # the judge's server and router end with the run
-    while judge_pids and time.monotonic() < deadline:
-        judge_pids = [pid for pid in judge_pids if _pid_alive(pid)]
-        time.sleep(0.2)
-    assert not judge_pids, f"judge processes outlived the run: {judge_pids}"
+    alive = _alive_after(judge_pids)  # the judge's server and router end with the run
+    assert not alive, f"judge processes outlived the run: {alive}"
     assert len(trainer.history) == 2
     counted = {key: sum(m[f"judge/{key}"] for _, m in trainer.history) for key in ("num_verdicts", "num_garbage")}
     assert counted["num_verdicts"] > 0 and counted["num_garbage"] > 0, counted  # both kinds of rows occur
@@ -753,12 +750,20 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
     from megarl.rollout import event_loop
 
     assert event_loop._holders == 1  # the run let go of the driver's event loop: only the test session holds it
-    deadline = time.monotonic() + 10
-    alive = pids
+    alive = _alive_after(pids)
+    assert not alive, f"processes outlived the run: {alive}"
+
+
+def _alive_after(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Those of ``pids`` still running once they all ended or ``timeout_s`` passed (a bound for a broken run: the
+    processes are polled until gone, never waited on for a fixed time)."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
     while alive and time.monotonic() < deadline:
         alive = [pid for pid in alive if _pid_alive(pid)]
-        time.sleep(0.2)
-    assert not alive, f"processes outlived the run: {alive}"
+        if alive:
+            time.sleep(0.2)
+    return alive
 
 
 def _pid_alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ from megarl.controller.judge import (FAILURES, Judge, JudgedReward, JudgeError, 
                                      judge_step_metrics)
 from megarl.data.batch import Batch
 from megarl.reward import RewardManager
+from megarl.reward.manager import last_valid_positions
 from megarl.reward.verdicts import (DEFAULT_TEMPLATE, GarbageVerdict, boxed, check_template, fill_template,
                                     last_number, load_parser, score_tag, yes_no)
 from megarl.rollout.event_loop import run_sync
@@ -262,7 +263,7 @@ def test_the_judged_reward_replaces_or_adds_to_the_rule_score(servers, tokenizer
                                "reward_model": [{"ground_truth": "1"}] * rows,
                                "raw_prompt": [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(rows)],
                                "uid": [f"1-{i // 2}" for i in range(rows)]})
-    asked = judge_rows(batch, tokenizer, mask)
+    asked = judge_rows(batch, tokenizer, last_valid_positions(mask))
     assert [r.prompt for r in asked] == [f"What is {i} + 1?" for i in range(rows)]
     assert [r.response for r in asked] == [str(i + 1) for i in range(rows)]
     assert [r.key for r in asked] == ["1-0/0", "1-0/1", "1-1/2", "1-1/3"]
