@@ -19,11 +19,15 @@
 # Everything lives under $MEGARL_SLURM_STATE (default /var/tmp/megarl-slurm): slurm.conf, daemon logs
 # (slurmctld.log, slurmd-n1.log, ...), pid files, spool and state. /etc/slurm is never touched, so a
 # real Slurm configuration on the machine is left alone; clients find this one through SLURM_CONF.
+# Several clusters can run side by side (two test runs on one machine): give each its own
+# MEGARL_SLURM_STATE, MEGARL_SLURM_PORT and MEGARL_SLURM_FIRST_JOB_ID; munged is shared, and `stop` leaves
+# it running while another slurmctld still uses it.
 set -euo pipefail
 
 STATE=${MEGARL_SLURM_STATE:-/var/tmp/megarl-slurm}
 CONF=$STATE/slurm.conf
 CTLD_PORT=${MEGARL_SLURM_PORT:-6817}  # slurmctld; slurmd n<i> listens on CTLD_PORT + 100 + i
+FIRST_JOB_ID=${MEGARL_SLURM_FIRST_JOB_ID:-1}  # job ids name Ray's temp dirs: clusters side by side start apart
 
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $1"; exit "${2:-1}"; }
@@ -70,6 +74,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
 KillWait=10
+FirstJobId=$FIRST_JOB_ID
 StateSaveLocation=$STATE/state
 SlurmdSpoolDir=$STATE/spool-%n
 SlurmctldPidFile=$STATE/slurmctld.pid
@@ -162,11 +167,25 @@ stop_daemons() {
     done
 }
 
+other_state() {  # the state directory of another running slurmctld started by this script, if any
+    local pid conf
+    for pid in $(pgrep -x slurmctld); do
+        conf=$(tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null | sed -n '/^-f$/{n;p;q}')
+        [[ $conf == */slurm.conf && -d ${conf%/slurm.conf} ]] && { echo "${conf%/slurm.conf}"; return; }
+    done
+}
+
 stop() {
+    local other
     stop_daemons
     if [[ -f $STATE/munged.started && -f /run/munge/munged.pid ]]; then
-        kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
-        rm -f "$STATE/munged.started"
+        other=$(other_state)
+        if [[ -n $other ]]; then  # munged still serves that cluster: its stop ends munged
+            mv "$STATE/munged.started" "$other/munged.started"
+        else
+            kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+            rm -f "$STATE/munged.started"
+        fi
     fi
     log "stopped"
 }

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,30 +56,52 @@ class Job:
         return [line for line in self.output.splitlines() if line.startswith(marker)]
 
 
-def _slurm_state() -> str:
-    return os.environ.get("MEGARL_SLURM_STATE", "/var/tmp/megarl-slurm")
+def _free_base_port() -> int:
+    """A slurmctld port P with P, P+101 and P+102 (the two slurmds) free on this machine."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(30000, 32000)
+        try:
+            for port in (base, base + 101, base + 102):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports for a local Slurm in 30000-32102")
 
 
 @pytest.fixture(scope="module")
 def slurm_env():
-    """A running two-node local Slurm; the environment jobs are submitted with."""
+    """A two-node local Slurm of this test run alone; the environment jobs are submitted with.
+
+    Its own state directory, ports and first job id: another test run on the machine (another checkout's CI)
+    with its own Slurm never meets this one's nodes, jobs or Ray temp dirs.
+    """
     if os.geteuid() != 0:
         pytest.skip("the local Slurm needs root (slurmd starts jobs as their users); tools/slurm_local.sh")
-    was_running = subprocess.run(["bash", str(SLURM_LOCAL), "status"], capture_output=True).returncode == 0
+    state = tempfile.mkdtemp(prefix="megarl-slurm-", dir="/var/tmp")
+    own = {"MEGARL_SLURM_STATE": state, "MEGARL_SLURM_PORT": str(_free_base_port()),
+           "MEGARL_SLURM_FIRST_JOB_ID": str(100 * (os.getpid() % 9000 + 1))}
     start = subprocess.run(["bash", str(SLURM_LOCAL), "start", "--nodes", "2"], capture_output=True, text=True,
-                           timeout=900)
-    if start.returncode == 2:  # cannot install or run Slurm here (no root, no apt-get)
-        pytest.skip(f"no local Slurm: {start.stderr.strip() or 'tools/slurm_local.sh start exited 2'}")
-    assert start.returncode == 0, f"tools/slurm_local.sh start failed:\n{start.stderr}"
-    env = dict(os.environ)
-    # The jobs run megarl-train, megarl-plan and ray from this interpreter's environment.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["SLURM_CONF"] = f"{_slurm_state()}/slurm.conf"
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # as a user submits: slurm/env.sh turns token auth on
-        env.pop(name, None)
-    yield env
-    if not was_running:
-        subprocess.run(["bash", str(SLURM_LOCAL), "stop"], capture_output=True, timeout=120)
+                           timeout=900, env={**os.environ, **own})
+    try:
+        if start.returncode == 2:  # cannot install or run Slurm here (no root, no apt-get)
+            pytest.skip(f"no local Slurm: {start.stderr.strip() or 'tools/slurm_local.sh start exited 2'}")
+        assert start.returncode == 0, f"tools/slurm_local.sh start failed:\n{start.stderr}"
+        env = dict(os.environ)
+        # The jobs run megarl-train, megarl-plan and ray from this interpreter's environment.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["SLURM_CONF"] = f"{state}/slurm.conf"
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # as a user submits: slurm/env.sh turns token auth on
+            env.pop(name, None)
+        yield env
+    finally:
+        subprocess.run(["bash", str(SLURM_LOCAL), "stop"], capture_output=True, timeout=120, env={**os.environ, **own})
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
