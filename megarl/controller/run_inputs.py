@@ -67,7 +67,9 @@ def check_same_tokenizer(student, other) -> None:
     ids; a reward model scores them): refuse one (``other``: the teacher's or the reward model's section) whose
     tokenizer maps any token to another id than the policy's (or has other special tokens), or whose vocabulary
     cannot hold the policy's ids, naming both models."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from megarl.models.vision import load_hf_config
 
     names = f"{other.KEY}.path={other.path!r} and the policy's actor_rollout_ref.model.path={student.path!r}"
     ours = AutoTokenizer.from_pretrained(student.local_tokenizer_path, trust_remote_code=student.trust_remote_code)
@@ -84,7 +86,7 @@ def check_same_tokenizer(student, other) -> None:
     odd = {k: v for k, v in specials.items() if v[0] != v[1]}
     if odd:
         raise ValueError(f"{names} have different special tokens: {odd} (policy, {other.KEY})")
-    size = AutoConfig.from_pretrained(other.local_path, trust_remote_code=other.trust_remote_code).vocab_size
+    size = load_hf_config(other.local_path, trust_remote_code=other.trust_remote_code).vocab_size
     if size < len(ours):
         raise ValueError(f"{names}: {other.KEY}'s vocabulary ({size}) cannot read the policy's {len(ours)} token "
                          f"ids")
@@ -225,11 +227,10 @@ def check_lora_policy(cfg: RunConfig) -> None:
     model = cfg.actor_rollout_ref.model
     if not model.lora_rank:
         return
-    from transformers import AutoConfig
-
     from megarl.models import family_for
+    from megarl.models.vision import load_hf_config
 
-    family = family_for(AutoConfig.from_pretrained(model.local_path, trust_remote_code=model.trust_remote_code))
+    family = family_for(load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code))
     if family.moe is not None:
         raise ValueError(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA on mixture-of-experts models is "
                          f"not supported yet (actor_rollout_ref.model.path={model.path!r} is a {family.name} model, "
@@ -242,12 +243,11 @@ def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
     replay = cfg.actor_rollout_ref.actor.router_replay
     if not replay.enabled:
         return None
-    from transformers import AutoConfig
-
     from megarl.models import family_for
+    from megarl.models.vision import load_hf_config
 
     model = cfg.actor_rollout_ref.model
-    hf_config = AutoConfig.from_pretrained(model.local_path, trust_remote_code=model.trust_remote_code)
+    hf_config = load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code)
     family = family_for(hf_config)
     if family.moe is None:
         raise ValueError(f"actor_rollout_ref.actor.router_replay.mode={replay.mode} needs a mixture-of-experts policy; "

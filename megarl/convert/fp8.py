@@ -118,9 +118,8 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     """Write the block-FP8 version of the HF checkpoint at ``source`` (safetensors, any float dtype) to
     ``destination``: its quantized tensors, the others as they are, its config (with the quantization config) and
     tokenizer files. Refuses a checkpoint that does not match its config, or one already quantized."""
-    from transformers import AutoConfig
-
     from megarl.models import family_for
+    from megarl.models.vision import load_hf_config
 
     start = time.perf_counter()
     source, destination = Path(source), Path(destination)
@@ -128,7 +127,7 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     if "quantization_config" in config:
         raise ValueError(f"{source} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          f"give the checkpoint in its training dtype")
-    hf_config = AutoConfig.from_pretrained(source)
+    hf_config = load_hf_config(source)
     family = family_for(hf_config)
     checkpoint = HFCheckpoint(source)
     check_checkpoint(checkpoint, family, hf_config)

@@ -35,6 +35,10 @@ SIDE_FILES = (
     "merges.txt",
     "added_tokens.json",
     "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 # Buffers some checkpoints carry that are recomputed, not loaded.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -191,11 +195,15 @@ def expected_names(family, hf_config) -> list[str]:
 
 def expected_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     """Tensor shapes of the HF model for ``hf_config``, from transformers itself (meta device); a mixture-of-experts
-    model's router and experts as the checkpoint holds them (one tensor per expert)."""
+    model's router and experts as the checkpoint holds them (one tensor per expert); a vision-language model's by
+    the hub's names (:meth:`megarl.models.vision.VisionSpec.checkpoint_shapes`)."""
     from transformers import AutoModelForCausalLM
 
     from megarl.models import family_for
 
+    vision = family_for(hf_config).vision
+    if vision is not None:
+        return vision.checkpoint_shapes(hf_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

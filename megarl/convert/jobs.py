@@ -47,11 +47,11 @@ class ConversionReport:
 
 
 def _load_hf_config(directory: Path, flag: str = "--hf"):
-    from transformers import AutoConfig
+    from megarl.models.vision import load_hf_config
 
     if not (directory / "config.json").exists():
         raise ValueError(f"{flag} {directory} has no config.json: pass an HF model directory")
-    return AutoConfig.from_pretrained(directory)
+    return load_hf_config(directory)
 
 
 def _check_config(family, hf_config, dims: ParallelDims) -> None:
@@ -155,14 +155,13 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
 
 
 def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: str) -> int:
-    from transformers import AutoConfig
-
     from megarl.convert.dist_checkpoint import save_dist_checkpoint
     from megarl.convert.loader import load_hf_into
     from megarl.models import build_model_chunks, family_for
+    from megarl.models.vision import load_hf_config
     from megarl.parallel import destroy_parallel, init_parallel
 
-    hf_config = AutoConfig.from_pretrained(hf_dir)
+    hf_config = load_hf_config(hf_dir)
     family = family_for(hf_config)
     groups = init_parallel(dims)
     config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[dtype])
@@ -297,9 +296,12 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
         if peft:
             num_tensors, num_bytes = _write_peft(tmp, results, source.lora, hf_config, dtype)
         else:
+            from megarl.models.vision import raw_config
+
             copy_side_files(config_dir, tmp)
-            hf_config.dtype = DTYPES[dtype]
-            hf_config.save_pretrained(tmp)
+            saved = raw_config(hf_config)
+            saved.dtype = DTYPES[dtype]
+            saved.save_pretrained(tmp)
             num_tensors, num_bytes = results[0]
     return ConversionReport(str(out), time.monotonic() - started, _world(dims), num_tensors, num_bytes)
 
@@ -321,14 +323,14 @@ def _write_peft(out: Path, results: list, lora, hf_config, dtype: str) -> tuple[
 def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes,
                       lora=None, peft=False, base_dir=None):
     from tqdm import tqdm
-    from transformers import AutoConfig
 
     from megarl.convert.dist_checkpoint import load_dist_checkpoint
     from megarl.convert.export import WeightExporter
     from megarl.models import build_model_chunks, family_for
+    from megarl.models.vision import load_hf_config
     from megarl.parallel import destroy_parallel, init_parallel
 
-    hf_config = AutoConfig.from_pretrained(config_dir)
+    hf_config = load_hf_config(config_dir)
     family = family_for(hf_config)
     groups = init_parallel(dims)
     config = family.transformer_config(hf_config, dims, params_dtype=DTYPES[saved_dtype])

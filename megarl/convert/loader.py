@@ -32,9 +32,9 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     from megarl.models.value_head import value_head_parameter_names
 
     if hf_config is None:
-        from transformers import AutoConfig
+        from megarl.models.vision import load_hf_config
 
-        hf_config = AutoConfig.from_pretrained(hf_dir)
+        hf_config = load_hf_config(hf_dir)
     checkpoint = HFCheckpoint(hf_dir)
     dims = groups.dims
     sizes = ModelSizes.from_config(family, hf_config, dims.tp)

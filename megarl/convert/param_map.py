@@ -81,7 +81,7 @@ def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[st
         if at.layer is not None:
             owner = owners[at.layer]
         else:
-            owner = first if at.rule.megatron.startswith("embedding.") else last
+            owner = first if at.rule.on_first_stage else last
         names = at.hf_names
         units.append(Unit(at.rule, at.layer, *owner, names, tuple(hf_shapes[n] for n in names), expert=at.expert,
                           ep_owner=None if at.expert is None else at.expert // experts_per_rank))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from megarl.models.family import ModelFamily
 from megarl.config.parallel import ParallelDims
 
@@ -19,7 +21,8 @@ def build_gpt_model(
     value_head: bool = False,
     value_head_seed: int = 0,
 ):
-    """One ``GPTModel`` chunk: the embedding if ``pre_process``, the output layer if ``post_process``.
+    """One ``GPTModel`` chunk: the embedding (and a vision-language family's vision tower:
+    :class:`megarl.models.vision.VisionGPTModel`) if ``pre_process``, the output layer if ``post_process``.
 
     ``config`` defaults to ``family.transformer_config(hf_config, dims)``; the layers built
     (and their global offset) follow Megatron's split for this rank's pipeline stage and
@@ -35,7 +38,13 @@ def build_gpt_model(
     kwargs = family.gpt_model_kwargs(hf_config, dims)
     if value_head:
         kwargs["share_embeddings_and_output_weights"] = False
-    model = GPTModel(
+    if family.vision is not None:
+        from megarl.models.vision import build_vision_gpt_model
+
+        make = functools.partial(build_vision_gpt_model, family, hf_config)
+    else:
+        make = GPTModel
+    model = make(
         config=config,
         transformer_layer_spec=family.block_spec(config, vp_stage=vp_stage, use_te=use_te),
         pre_process=pre_process,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.moe import MoESpec
+from megarl.models.vision import VisionSpec
 from megarl.models.weights import RuleAt, WeightRule
 from megarl.config.parallel import ParallelDims
 
@@ -42,6 +43,8 @@ class ModelFamily:
     """How every HF tensor maps to a Megatron tensor (see megarl.models.weights)."""
     moe: MoESpec | None = None
     """The experts of a mixture-of-experts family (None: every MLP is dense)."""
+    vision: VisionSpec | None = None
+    """The vision tower of a vision-language family (None: a text model; :mod:`megarl.models.vision`)."""
 
     @property
     def qkv_bias(self) -> bool:
@@ -56,7 +59,8 @@ class ModelFamily:
     def weight_rules(self, hf_config) -> tuple[WeightRule, ...]:
         """The rules that apply to ``hf_config`` (the output layer only when untied)."""
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        return tuple(rule for rule in self.weights if not (tied and rule.untied_only))
+        text = tuple(rule for rule in self.weights if not (tied and rule.untied_only))
+        return text if self.vision is None else self.vision.weight_rules(hf_config) + text
 
     def sparse_layers(self, hf_config) -> tuple[bool, ...]:
         """Per layer: whether its MLP is a mixture of experts."""
@@ -65,11 +69,12 @@ class ModelFamily:
         return self.moe.sparse_layers(hf_config)
 
     def weight_instances(self, hf_config) -> list[RuleAt]:
-        """Every Megatron tensor of the model, in HF order (embedding, layers in order, final norm, output layer):
+        """Every Megatron tensor of the model, in HF order (embedding and a vision tower, layers in order, final norm,
+        output layer):
         each rule at each layer that has it and, for expert tensors, at each expert."""
         rules = self.weight_rules(hf_config)
         experts = self.moe.num_experts(hf_config) if self.moe is not None else 0
-        out = [RuleAt(r) for r in rules if not r.per_layer and r.megatron.startswith("embedding.")]
+        out = [RuleAt(r) for r in rules if not r.per_layer and r.on_first_stage]
         for layer, sparse in enumerate(self.sparse_layers(hf_config)):
             layer_rules = [r for r in rules if r.per_layer and r.applies_to(sparse)]
             expert_rules = [r for r in layer_rules if r.per_expert]
@@ -80,7 +85,7 @@ class ModelFamily:
                     # Each expert's tensors together (the hub's order): an expert-parallel rank's experts are then
                     # consecutive, so the weight sync packs them into as few buckets as their bytes need.
                     out += [RuleAt(r, layer, e) for e in range(experts) for r in expert_rules]
-        out += [RuleAt(r) for r in rules if not r.per_layer and not r.megatron.startswith("embedding.")]
+        out += [RuleAt(r) for r in rules if not r.per_layer and not r.on_first_stage]
         return out
 
     # ----------------------------------------------------------------------------- config
@@ -156,6 +161,11 @@ class ModelFamily:
             raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
         if self.moe is not None:
             kwargs.update(self._moe_kwargs(hf_config, dims, use_te=use_te))
+        if self.vision is not None:
+            if dims.cp > 1:
+                raise ValueError(f"parallel.cp={dims.cp}: the {self.name} family (multimodal RoPE) runs without "
+                                 "context parallelism; set cp=1 and split the model with tp/pp")
+            kwargs["mrope_section"] = self.vision.mrope_section(hf_config)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
@@ -242,12 +252,12 @@ class ModelFamily:
             params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
         kwargs: dict[str, Any] = {
-            "position_embedding_type": "rope",
+            "position_embedding_type": "rope" if self.vision is None else "mrope",
             "rotary_base": float(params.get("rope_theta", 10000.0)),
         }
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             kwargs["rotary_percent"] = float(params["partial_rotary_factor"])
-        if rope_type == "default":
+        if rope_type in ("default", "mrope"):  # "mrope": Qwen2-VL configs written before rope_parameters
             return kwargs
         if rope_type == "linear":
             kwargs["seq_len_interpolation_factor"] = float(params["factor"])

@@ -115,13 +115,15 @@ def resolve_hf_config(path: str, *, key: str):
     if (local / "config.json").is_file():
         from transformers import AutoConfig
 
+        from megarl.models.vision import model_config
+
         source = str(local / "config.json")
         try:
             fields = json.loads((local / "config.json").read_text())
         except (OSError, ValueError) as error:
             raise ValueError(f"{key}: {source} is not readable JSON: {error}") from error
         check_sizes(fields.get("text_config", fields) if isinstance(fields, dict) else {}, source=source, key=key)
-        return AutoConfig.from_pretrained(str(local)), source
+        return model_config(AutoConfig.from_pretrained(str(local))), source
     name = known_name(str(path))
     if name is None:
         raise ValueError(

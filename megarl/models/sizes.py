@@ -101,6 +101,9 @@ class Architecture:
         }
         if tail in shapes:
             return shapes[tail]
+        vision = self.family.vision
+        if vision is not None and template.startswith(vision.hf_prefix):
+            return vision.tensor_shapes(self.hf_config)[template]
         # A router or an expert tensor: the same at every sparse layer and expert, so the first one's.
         return self._hub_shapes[template.format(i=self.sparse.index(True), e=0)]
 
@@ -181,7 +184,8 @@ class Architecture:
     def rank_param_counts(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
                           padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
                           vpp: int | None = None) -> RankParams:
-        """Parameters one Megatron rank holds: its layers (:meth:`stage_layers`), the embedding on stage 0, the
+        """Parameters one Megatron rank holds: its layers (:meth:`stage_layers`), the embedding (and a vision-language
+        model's vision tower, whole on every TP rank) on stage 0, the
         final norm and LM head (or ``value_head``: ``Linear(h, 1)`` with bias) on the last stage; in a sparse
         layer ``num_experts / ep`` experts, each split over ``etp`` ranks (None: ``tp``). An engine of TP ``t``
         without expert parallelism holds ``ep=1, etp=t``: every expert, each split over its ``t`` GPUs."""
@@ -201,8 +205,8 @@ class Architecture:
         n = dense
         embedding = vocab // tp * self.hidden
         last = pp_rank == pp - 1
-        if pp_rank == 0:
-            n += embedding
+        if pp_rank == 0:  # the embedding and a vision tower (replicated)
+            n += embedding + sum(self._rank_numel(r, tp, vocab) for r in rules if not r.per_layer and r.first_stage)
         if last:
             n += sum(self._rank_numel(r, tp, vocab) for r in rules
                      if not r.per_layer and r.megatron.startswith("decoder."))  # the final norm

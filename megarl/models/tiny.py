@@ -160,6 +160,50 @@ def tiny_qwen3_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int =
     )
 
 
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Qwen2.5-VL's vision special tokens: an image is ``<|vision_start|>``, one ``<|image_pad|>`` per merged patch,
+``<|vision_end|>``."""
+
+
+def build_tiny_vl_tokenizer(vocab_size: int = 512):
+    """The tiny tokenizer (:func:`build_tiny_tokenizer`) with Qwen2.5-VL's vision special tokens after its
+    vocabulary."""
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:] + VISION_TOKENS})
+    return tokenizer
+
+
+def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                           num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512,
+                           vision_depth: int = 2, vision_hidden: int = 32, patch_size: int = 14,
+                           tie_word_embeddings: bool = True):
+    """A Qwen2.5-VL config for ``tokenizer`` (:func:`build_tiny_vl_tokenizer`): a tiny Qwen2 language model with
+    multimodal RoPE (head dimension 16: sections 2, 3, 3) and a tiny vision tower (``vision_depth`` blocks, the
+    last with full attention, the others windowed; 2 × 2 patch merging, two frames per temporal patch)."""
+    from transformers import Qwen2_5_VLConfig
+
+    head_dim = hidden_size // num_heads
+    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+    token = tokenizer.convert_tokens_to_ids
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section},
+        ),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+            out_hidden_size=hidden_size, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=4 * patch_size, fullatt_block_indexes=[vision_depth - 1],
+        ),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+
+
 TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 

@@ -56,6 +56,13 @@ class WeightRule:
     """Present only when input and output embeddings are not tied."""
     layers: str = "all"
     """The layers that have this tensor: ``all``, ``dense`` (a dense MLP) or ``moe`` (a mixture of experts)."""
+    first_stage: bool = False
+    """A tensor of the first pipeline stage besides the embedding (a vision tower's)."""
+
+    @property
+    def on_first_stage(self) -> bool:
+        """Whether the first pipeline stage holds this (non-layer) tensor; else the last one does."""
+        return self.first_stage or self.megatron.startswith("embedding.")
 
     @property
     def per_layer(self) -> bool:

@@ -205,7 +205,8 @@ class Prepared:
     input_ids: torch.Tensor
     """``[b, t]``: the model's input (packed: ``[1, T/cp]``; padded: ``[B', S'/cp]``)."""
     position_ids: torch.Tensor
-    """``[b, t]``: each token's position in its row (Megatron's RoPE numbers positions itself; kept for clarity)."""
+    """``[b, t]``: each token's position in its row (Megatron's RoPE numbers positions itself; kept for clarity); a
+    multimodal model's ``[3, b, t]`` (:data:`megarl.parallel.pipeline.MROPE_POSITIONS`)."""
     labels: torch.Tensor
     """``[b, t]``: the next token of each input token in its row (taken before the CP split)."""
     packed_seq_params: Any

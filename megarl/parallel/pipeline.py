@@ -42,10 +42,26 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
 ValueLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 """``loss_fn(values_BS, micro_batch) -> (loss, metrics)`` for chunks with a value head; normalised."""
 
+MULTIMODAL_INPUTS = "multi_modal_inputs"
+"""The micro-batch field holding each row's vision inputs (verl's name): a dict with ``pixel_values``
+``[patches, C·T·P·P]`` and ``image_grid_thw`` ``[images, 3]``, or None for a text-only row."""
+MROPE_POSITIONS = "mrope_position_ids"
+"""A micro-batch's per-token multimodal positions ``[B, S, 3]`` (temporal, height, width; 0 on padding), which the
+model's multimodal RoPE takes instead of each row's 0, 1, 2, ... (:mod:`megarl.models.vision`)."""
+
 EMITS_VALUES = "emits_values"
 """The attribute that marks a value output layer: a chunk whose ``output_layer`` has it set to True
 returns one value per position ([S, B, 1]) where a language model returns vocabulary logits. The
 model code sets it (``megarl.models.value_head.ValueHead``); this module only reads it."""
+
+
+def vision_inputs(rows: Sequence[dict | None]) -> dict[str, torch.Tensor] | None:
+    """A micro-batch's vision inputs for the model, rows in order (so its images come in the order their
+    placeholder tokens appear): each key's tensors concatenated; None when no row has an image."""
+    present = [r for r in rows if r and r.get("pixel_values") is not None]
+    if not present:
+        return None
+    return {key: torch.cat([r[key] for r in present]) for key in present[0]}
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -219,13 +235,18 @@ def _prepare_micro_batches(micro_batches: Sequence[dict], pp: int, packed: bool,
     split = {"cp": cp, "cp_rank": cp_rank, "cp_group": cp_group}
     if packed:
         pad_to = max(packed_length(mb, seg_align, total_align) for mb in micro_batches) if pp > 1 else None
-        return [(mb, prepare_packed(mb, seg_align=seg_align, total_align=total_align, pad_to=pad_to, **split))
-                for mb in micro_batches]
-    shape = None
-    if pp > 1:
-        shape = (max(mb["input_ids"].shape[0] for mb in micro_batches),
-                 max(mb["input_ids"].shape[1] for mb in micro_batches))
-    return [(mb, prepare_padded(mb, shape=shape, total_align=total_align, **split)) for mb in micro_batches]
+        out = [(mb, prepare_packed(mb, seg_align=seg_align, total_align=total_align, pad_to=pad_to, **split))
+               for mb in micro_batches]
+    else:
+        shape = None
+        if pp > 1:
+            shape = (max(mb["input_ids"].shape[0] for mb in micro_batches),
+                     max(mb["input_ids"].shape[1] for mb in micro_batches))
+        out = [(mb, prepare_padded(mb, shape=shape, total_align=total_align, **split)) for mb in micro_batches]
+    for mb, prepared in out:
+        if MROPE_POSITIONS in mb:  # [B, S, 3] -> the model's [3, b, t]
+            prepared.position_ids = prepared.to_model(mb[MROPE_POSITIONS], 0).permute(2, 0, 1).contiguous()
+    return out
 
 
 def _padding_split(config, groups: ProcessGroups | None) -> tuple[int, int]:
@@ -267,6 +288,8 @@ def _forward_step(loss_func: Callable, routing: Routing | None, moe_split: tuple
             # rank's mean by its share of the micro-batch's tokens, so the sum over ranks is the micro-batch's mean.
             local, total = int((~local_bt).sum()), int(token_mask(micro_batch).sum())
             config.moe_z_loss_coeff = z_coeff * tp * prepared.cp * local / max(total, 1)
+    if MULTIMODAL_INPUTS in micro_batch and getattr(_unwrap(model), "pre_process", False):
+        kwargs["vision_inputs"] = vision_inputs(micro_batch[MULTIMODAL_INPUTS])
     try:
         output = model(prepared.input_ids, prepared.position_ids, None,
                        packed_seq_params=prepared.packed_seq_params, **kwargs)

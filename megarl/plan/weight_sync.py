@@ -327,7 +327,7 @@ def _units(model: Architecture, dims: ParallelDims) -> list[Unit]:
     units = []
     for at in model.family.weight_instances(model.hf_config):
         place = owner(at.layer) if at.layer is not None else \
-            (0, 0) if at.rule.megatron.startswith("embedding.") else last
+            (0, 0) if at.rule.on_first_stage else last
         units.append(Unit(at.rule, at.layer, *place, at.hf_names, tuple(model.hf_shape(t) for t in at.rule.hf),
                           expert=at.expert, ep_owner=None if at.expert is None else at.expert // experts_per_rank))
     return units

@@ -86,15 +86,14 @@ class ShardedModel:
                  router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                  moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
                  lora=None, score_head: bool = False, **transformer_overrides):
-        from transformers import AutoConfig
-
         from megarl.convert import load_hf_into
         from megarl.models import build_model_chunks, family_for
+        from megarl.models.vision import load_hf_config
         from megarl.parallel import init_parallel
 
         self.hf_dir = str(hf_dir)
         self.packed = packed
-        self.hf_config = AutoConfig.from_pretrained(self.hf_dir, trust_remote_code=trust_remote_code)
+        self.hf_config = load_hf_config(self.hf_dir, trust_remote_code=trust_remote_code)
         self.family = family_for(self.hf_config)
         # A second role in the same process (same layout) passes the first one's groups.
         self.groups = init_parallel(dims, seed=seed) if groups is None else groups

@@ -1,0 +1,267 @@
+"""Vision-language families: an HF vision tower in front of Megatron's GPTModel with multimodal RoPE.
+
+A vision-language checkpoint (Qwen2.5-VL: ``Qwen2_5_VLForConditionalGeneration``) is a language model, a vision
+tower and its merger. megarl runs the language model as every other family's, in Megatron's ``GPTModel`` (tensor,
+pipeline and sequence parallel, packed or padded), with Megatron's multimodal rotary positions (``mrope``: each
+token has a temporal, a height and a width position, and the head dimension's frequencies are split into those
+three sections). The vision tower is the transformers module itself, replicated on every tensor-parallel rank of
+the first pipeline stage (:class:`VisionGPTModel`): it turns an image's patches into one embedding per merged
+patch, which replaces the image's placeholder tokens in the word embeddings before the first layer. Its
+parameters are ``vision_model.<name>`` in Megatron and ``visual.<name>`` in the checkpoint (the hub's names,
+which transformers writes), copied whole by loading, export and weight sync (:meth:`VisionSpec.weight_rules`).
+
+Gradients: with or without sequence parallelism, the gradient reaching the merged embeddings is the whole one on
+every tensor-parallel rank (the first layer's column-parallel projections all-reduce their input gradient), so
+the replicated tower's gradients agree across TP ranks without any reduction of their own; Megatron counts them
+once in the gradient norm (they have no ``tensor_model_parallel`` attribute).
+
+Configs. transformers keeps the language model's sizes in ``text_config``; :func:`model_config` gives megarl's
+view of such a config: the text config with the checkpoint's ``architectures``, ``tie_word_embeddings``,
+``vision_config`` and token ids on it, and the whole config as ``multimodal_config`` (every sizing, loading and
+planning path then reads one config as for a text model).
+
+Positions: :meth:`VisionSpec.position_ids` numbers a row's tokens as the checkpoint's model does (text tokens
+consecutively on all three axes; an image's merged patches at (t, h, w) grid positions after the text before it,
+the text after it continuing from the largest), which is what the rollout engines number them by.
+
+Context parallelism is refused: Megatron's multimodal RoPE splits positions into contiguous CP chunks, where
+megarl's CP split is load-balanced (zigzag).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+from collections.abc import Sequence
+import torch
+
+from megarl.models.weights import Split, WeightRule
+
+_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """The vision tower of a vision-language family and how its images reach the language model."""
+
+    tower: str
+    """``module:Class`` of the transformers vision tower (built from the checkpoint's ``vision_config``)."""
+    hf_prefix: str = "visual."
+    """The tower's tensor names in the checkpoint (the hub's spelling)."""
+    megatron_prefix: str = "vision_model."
+    """The tower's parameter names in the Megatron model (:class:`VisionGPTModel`'s attribute)."""
+
+    # ------------------------------------------------------------------------------------------------- tower
+    def tower_class(self):
+        module, name = self.tower.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def build_tower(self, hf_config, dtype: torch.dtype) -> torch.nn.Module:
+        """The vision tower for ``hf_config`` (megarl's view, :func:`model_config`), randomly initialised."""
+        vision = copy.deepcopy(hf_config.vision_config)
+        vision._attn_implementation = "sdpa"
+        tower = self.tower_class()._from_config(vision, dtype=dtype)
+        return tower
+
+    def checkpoint_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the checkpoint (language model and tower) by its hub name, with its shape."""
+        return dict(_checkpoint_shapes(self, hf_config.multimodal_config))
+
+    def tensor_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
+        """Every tower tensor by checkpoint name, with its shape."""
+        return {n: s for n, s in self.checkpoint_shapes(hf_config).items() if n.startswith(self.hf_prefix)}
+
+    def weight_rules(self, hf_config) -> tuple[WeightRule, ...]:
+        """One replicated rule per tower tensor, in the tower's order."""
+        names = [n.removeprefix(self.hf_prefix) for n in self.tensor_shapes(hf_config)]
+        return tuple(WeightRule(self.megatron_prefix + n, (self.hf_prefix + n,), Split.REPLICATED, first_stage=True)
+                     for n in names)
+
+    # ------------------------------------------------------------------------------------------- positions
+    @staticmethod
+    def mrope_section(hf_config) -> list[int]:
+        """The head dimension's rotary frequencies per axis (temporal, height, width), from the text config."""
+        params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+        section = params.get("mrope_section")
+        if not section or len(section) != 3:
+            raise ValueError(f"the vision-language config's rope_parameters has mrope_section={section!r}; "
+                             "it needs three sizes (temporal, height, width)")
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
+        if 2 * sum(section) != head_dim:
+            raise ValueError(f"rope_parameters.mrope_section={section} covers {2 * sum(section)} of the head "
+                             f"dimension {head_dim}: the three sections must cover it exactly")
+        return [int(s) for s in section]
+
+    @staticmethod
+    def position_ids(hf_config, input_ids_S: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """``[S, 3]`` (temporal, height, width) positions of one row's tokens ``input_ids_S`` (no padding), whose
+        images have the patch grids ``grid_thw`` ``[images, 3]`` in order."""
+        image = int(hf_config.image_token_id)
+        merge = int(hf_config.vision_config.spatial_merge_size)
+        ids = input_ids_S.tolist()
+        video = getattr(hf_config, "video_token_id", None)
+        if video is not None and int(video) in ids:
+            raise ValueError(f"the row holds video placeholder tokens ({video}): megarl's vision-language models take "
+                             "images; give videos as frames (images)")
+        grids = [] if grid_thw is None else [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+        out = torch.empty(len(ids), 3, dtype=torch.long)
+        current, i, k = 0, 0, 0
+        while i < len(ids):
+            if ids[i] != image:
+                j = i
+                while j < len(ids) and ids[j] != image:
+                    j += 1
+                out[i:j] = torch.arange(current, current + j - i)[:, None]
+                current += j - i
+                i = j
+                continue
+            run = i
+            while run < len(ids) and ids[run] == image:
+                run += 1
+            first = k
+            while i < run:  # the run holds whole images, in order
+                if k >= len(grids):
+                    raise ValueError(f"the row has more images (placeholder runs of token {image}) than image grids "
+                                     f"({len(grids)})")
+                t, h, w = grids[k][0], grids[k][1] // merge, grids[k][2] // merge
+                n = t * h * w
+                if i + n > run:
+                    raise ValueError(f"the {run - i} placeholder tokens at position {i} do not hold image {k} "
+                                     f"(grid {list(grids[k])}: {n} tokens); images {first}..{k} of the row's grids "
+                                     f"{[list(g) for g in grids]} must match its placeholder runs")
+                tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+                out[i:i + n] = torch.stack([tt, hh, ww], dim=-1).reshape(n, 3) + current
+                current += max(h, w)
+                i, k = i + n, k + 1
+        if k != len(grids):
+            raise ValueError(f"the row has {len(grids)} image grids but {k} images (placeholder runs)")
+        return out
+
+    def batch_position_ids(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+                           vision_inputs: Sequence[dict | None]) -> torch.Tensor:
+        """``[B, S, 3]`` positions of a batch (rows with contiguous tokens; 0 on padding)."""
+        out = torch.zeros(*input_ids_BS.shape, 3, dtype=torch.long)
+        mask = attention_mask_BS.bool().cpu()
+        for row, inputs in enumerate(vision_inputs):
+            grid = None if not inputs else inputs.get("image_grid_thw")
+            out[row, mask[row]] = self.position_ids(hf_config, input_ids_BS[row].cpu()[mask[row]], grid)
+        return out.to(input_ids_BS.device)
+
+
+_SHAPES: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+
+
+def _checkpoint_shapes(spec: VisionSpec, multimodal_config) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every tensor of the checkpoint for ``multimodal_config`` by its hub name, with its shape: transformers'
+    model built once per config on the meta device, its names written as the hub's (``model.language_model.`` →
+    ``model.``, ``model.visual.`` → :attr:`VisionSpec.hf_prefix`)."""
+    from transformers import AutoModelForImageTextToText
+
+    key = multimodal_config.to_json_string(use_diff=False)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(copy.deepcopy(multimodal_config))
+        renames = {"model.language_model.": "model.", "model.visual.": spec.hf_prefix}
+        shapes = []
+        for name, tensor in model.state_dict().items():
+            for old, new in renames.items():
+                if name.startswith(old):
+                    name = new + name.removeprefix(old)
+                    break
+            shapes.append((name, tuple(tensor.shape)))
+        _SHAPES[key] = tuple(shapes)
+    return _SHAPES[key]
+
+
+def is_multimodal(hf_config) -> bool:
+    """Whether ``hf_config`` (megarl's view) is a vision-language model's."""
+    return getattr(hf_config, "multimodal_config", None) is not None
+
+
+def model_config(raw_config):
+    """megarl's view of an HF config: a vision-language config's text config carrying the checkpoint's
+    architectures, tied embeddings, vision config and token ids (and the whole config as ``multimodal_config``);
+    any other config as it is."""
+    text = getattr(raw_config, "text_config", None)
+    if text is None or getattr(raw_config, "vision_config", None) is None or is_multimodal(raw_config):
+        return raw_config
+    view = copy.deepcopy(text)
+    view.architectures = list(getattr(raw_config, "architectures", None) or [])
+    view.tie_word_embeddings = bool(getattr(raw_config, "tie_word_embeddings", False))
+    view.vision_config = raw_config.vision_config
+    for name in _TOKEN_IDS:
+        setattr(view, name, getattr(raw_config, name, None))
+    view.multimodal_config = raw_config
+    return view
+
+
+def raw_config(hf_config):
+    """The HF config as transformers reads and writes it (a vision-language model's whole config, not megarl's view
+    of it: :func:`model_config`)."""
+    return getattr(hf_config, "multimodal_config", None) or hf_config
+
+
+def load_hf_config(path, *, trust_remote_code: bool = False):
+    """The HF config in ``path`` as megarl reads it (:func:`model_config`)."""
+    from transformers import AutoConfig
+
+    return model_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
+
+
+def build_vision_gpt_model(family, hf_config, *, pre_process: bool, **kwargs):
+    """A :class:`VisionGPTModel` chunk (the tower on the first stage only); ``kwargs`` as for ``GPTModel``."""
+    cls = _vision_gpt_class()
+    return cls(family.vision, hf_config, pre_process=pre_process, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _vision_gpt_class():
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    class VisionGPTModel(GPTModel):
+        """Megatron's GPTModel with a vision tower before its embedding (see the module docstring).
+
+        ``forward`` takes the micro-batch's ``vision_inputs`` (:func:`megarl.parallel.pipeline.vision_inputs`) on the
+        first stage:
+        the tower's embeddings replace the image placeholder tokens, in the row-major order of ``input_ids``
+        (packed or padded rows keep their order and their tokens' order). ``position_ids`` are ``[3, b, t]``.
+        """
+
+        def __init__(self, spec: VisionSpec, hf_config, *, pre_process: bool, **kwargs):
+            super().__init__(pre_process=pre_process, **kwargs)
+            self.image_token_id = int(hf_config.image_token_id)
+            self.vision_model = spec.build_tower(hf_config, self.config.params_dtype) if pre_process else None
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args, vision_inputs=None,
+                    **kwargs):
+            if self.pre_process and decoder_input is None and vision_inputs is not None:
+                decoder_input = self._embed_with_images(input_ids, vision_inputs)
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+        def _embed_with_images(self, input_ids_bt: torch.Tensor, vision_inputs: dict) -> torch.Tensor:
+            # The whole [b, t, H] embeddings on every TP rank: with sequence parallelism the vocabulary-parallel
+            # embedding would reduce-scatter its output over the sequence, before the images are in.
+            words = self.embedding.word_embeddings
+            reduce_scatter, words.reduce_scatter_embeddings = words.reduce_scatter_embeddings, False
+            try:
+                embeds_btH = words(input_ids_bt)
+            finally:
+                words.reduce_scatter_embeddings = reduce_scatter
+            pixels = vision_inputs["pixel_values"].to(embeds_btH.device, self.config.params_dtype)
+            grid = vision_inputs["image_grid_thw"].to(embeds_btH.device)
+            images_nH = self.vision_model(pixels, grid_thw=grid).pooler_output.to(embeds_btH.dtype)
+            mask_bt = input_ids_bt == self.image_token_id
+            if int(mask_bt.sum()) != images_nH.shape[0]:
+                raise ValueError(f"the micro-batch has {int(mask_bt.sum())} image placeholder tokens "
+                                 f"({self.image_token_id}) but its {grid.shape[0]} images make {images_nH.shape[0]} "
+                                 "embeddings: each image needs grid t·h·w / merge² placeholders")
+            embeds_btH = embeds_btH.masked_scatter(mask_bt[..., None], images_nH)
+            embeds_tbH = embeds_btH.transpose(0, 1).contiguous()
+            if self.config.sequence_parallel:
+                embeds_tbH = tensor_parallel.scatter_to_sequence_parallel_region(embeds_tbH)
+            return embeds_tbH
+
+    return VisionGPTModel

@@ -1,0 +1,141 @@
+"""Rank-side jobs for the vision-language tests (imported by spawned ranks): a tiny Qwen2.5-VL in Megatron at
+several layouts against transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+PATCH = 3 * 2 * 14 * 14  # channels × temporal patch × patch × patch
+LAYOUTS = {  # name -> (ParallelDims kwargs, packed), on 2 ranks
+    "tp1_padded": (dict(), False),
+    "tp1_packed": (dict(), True),
+    "tp2_padded": (dict(tp=2), False),
+    "tp2_sp_packed": (dict(tp=2, sequence_parallel=True), True),
+    "pp2_padded": (dict(pp=2), False),
+    "pp2_packed": (dict(pp=2), True),
+}
+
+
+def save_tiny_vl(directory, seed: int = 0):
+    """A tiny random Qwen2.5-VL (fp32) and its tokenizer in ``directory``; returns the model."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megarl.models.tiny import build_tiny_vl_tokenizer, tiny_qwen2_5_vl_config
+
+    tokenizer = build_tiny_vl_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(tokenizer)).float().eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+def image_batch(config, seed: int = 3) -> dict:
+    """Three rows, left-padded: two images of different grids (4 × 6 and 6 × 4 patches) in the first, one image
+    (2 × 2 patches) after text in the second, text alone in the third; pixel values random."""
+    gen = torch.Generator().manual_seed(seed)
+    start, end, pad = config.vision_start_token_id, config.vision_end_token_id, config.image_token_id
+
+    def image(h, w):
+        return [start] + [pad] * (h * w // 4) + [end], torch.randn(h * w, PATCH, generator=gen), [1, h, w]
+
+    def text(n):
+        return torch.randint(3, 200, (n,), generator=gen).tolist()
+
+    a, b, c = image(4, 6), image(6, 4), image(2, 2)
+    rows = [text(3) + a[0] + text(2) + b[0] + text(4), text(5) + c[0] + text(3), text(7)]
+    inputs = [{"pixel_values": torch.cat([a[1], b[1]]), "image_grid_thw": torch.tensor([a[2], b[2]])},
+              {"pixel_values": c[1], "image_grid_thw": torch.tensor([c[2]])}, None]
+    S = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    mask = torch.zeros(len(rows), S, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, S - len(row):] = torch.tensor(row)
+        mask[i, S - len(row):] = 1
+    multi = np.empty(len(rows), dtype=object)
+    for i, x in enumerate(inputs):
+        multi[i] = x
+    return {"input_ids": ids, "attention_mask": mask, "multi_modal_inputs": multi,
+            "weights": torch.randn(len(rows), S, generator=gen)}
+
+
+@torch.no_grad()
+def hf_logits_and_positions(model, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each row's logits over its tokens from transformers (one row at a time, no padding), and its positions
+    ``[S_i, 3]`` from transformers' ``get_rope_index``."""
+    logits, positions = [], []
+    image = model.config.image_token_id
+    for i, inputs in enumerate(batch["multi_modal_inputs"]):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
+        kwargs = {} if inputs is None else dict(inputs)
+        types = (ids == image).int()
+        logits.append(model(input_ids=ids, mm_token_type_ids=types, **kwargs).logits[0])
+        grid = None if inputs is None else inputs["image_grid_thw"]
+        positions.append(model.model.get_rope_index(ids, types, grid)[0][:, 0].T)
+    return logits, positions
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token is real (each row's tokens end at the last column)."""
+    valid = mask.float()
+    valid[:, -1] = 0
+    return valid
+
+
+def loss_fn(logp, entropy, mb):
+    """A weighted sum of next-token log-probs (what the gradients are compared on)."""
+    return -(logp * mb["weights"] * _valid(mb["attention_mask"])).sum() / mb["weights"].numel(), {}
+
+
+def hf_tower_grads(model, batch: dict) -> dict[str, torch.Tensor]:
+    """The vision tower's gradients of :func:`loss_fn` from transformers (row by row)."""
+    model.zero_grad()
+    image, total = model.config.image_token_id, 0.0
+    for i, inputs in enumerate(batch["multi_modal_inputs"]):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        kwargs = {} if inputs is None else dict(inputs)
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == image).int(), **kwargs).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        total = total - (logp * batch["weights"][i][keep][:-1]).sum() / batch["weights"].numel()
+    total.backward()
+    return {n: p.grad.clone() for n, p in model.model.visual.named_parameters()}
+
+
+def layouts_job(hf_dir: str) -> dict:
+    """Per layout: this rank's full logits (TP gathered; None off the last stage), and the vision tower's
+    gradients of a weighted log-prob loss (None off the first stage)."""
+    import torch.distributed as dist
+
+    from megarl.convert import load_hf_into
+    from megarl.models import build_model_chunks, family_for
+    from megarl.models.vision import load_hf_config
+    from megarl.parallel import ParallelDims, destroy_parallel, forward_backward, init_parallel
+    from megarl.parallel.pipeline import MROPE_POSITIONS
+
+    cfg = load_hf_config(hf_dir)
+    family = family_for(cfg)
+    batch = torch.load(f"{hf_dir}/batch.pt", weights_only=False)
+    batch[MROPE_POSITIONS] = family.vision.batch_position_ids(cfg, batch["input_ids"], batch["attention_mask"],
+                                                             batch["multi_modal_inputs"])
+    out = {"positions": batch[MROPE_POSITIONS]}
+    for name, (kwargs, packed) in LAYOUTS.items():
+        groups = init_parallel(ParallelDims(**kwargs), seed=5)
+        chunks = build_model_chunks(family, cfg, groups.dims)
+        load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+        result = forward_backward(chunks, [batch], forward_only=True, vocab_size=cfg.vocab_size, groups=groups,
+                                  return_logits=True, packed=packed)
+        logits = None
+        if result:
+            local = result[0]["logits"].contiguous()
+            parts = [torch.empty_like(local) for _ in range(groups.dims.tp)]
+            dist.all_gather(parts, local, group=groups.tp)
+            logits = torch.cat(parts, dim=-1)[..., :cfg.vocab_size]
+        forward_backward(chunks, [batch], loss_fn=loss_fn, vocab_size=cfg.vocab_size, groups=groups, packed=packed)
+        tower = chunks[0].vision_model
+        grads = None if tower is None else {n: p.grad.clone() for n, p in tower.named_parameters()}
+        out[name] = {"logits": logits, "grads": grads, "pp_rank": groups.pp_rank,
+                     "tower_params": sum(p.numel() for p in tower.parameters()) if tower is not None else 0}
+        destroy_parallel()
+    return out

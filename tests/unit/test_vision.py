@@ -1,0 +1,89 @@
+"""Vision-language families (issue 36): megarl's view of a Qwen2.5-VL config, the vision tower's weight rules and
+sizes, multimodal positions, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models import family_for
+from megarl.models.tiny import build_tiny_vl_tokenizer, tiny_qwen2_5_vl_config
+from megarl.models.vision import is_multimodal, model_config, raw_config
+from megarl.parallel import ParallelDims
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return tiny_qwen2_5_vl_config(build_tiny_vl_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def view(raw):
+    return model_config(raw)
+
+
+def test_the_view_is_the_text_config_with_the_checkpoints_vision_settings(raw, view):
+    assert is_multimodal(view) and not is_multimodal(raw)
+    assert view.hidden_size == raw.text_config.hidden_size and view.vocab_size == raw.text_config.vocab_size
+    assert view.architectures == ["Qwen2_5_VLForConditionalGeneration"]
+    assert view.tie_word_embeddings is True and view.image_token_id == raw.image_token_id
+    assert raw_config(view) is raw and model_config(view) is view
+    assert family_for(view).name == "qwen2_5_vl" and family_for(raw).name == "qwen2_5_vl"
+
+
+def test_the_tower_is_replicated_on_the_first_stage_and_counted_like_transformers(view):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megarl.convert.hf_io import expected_shapes
+    from megarl.models.sizes import Architecture
+
+    family = family_for(view)
+    rules = family.weight_rules(view)
+    tower = [r for r in rules if r.megatron.startswith("vision_model.")]
+    assert tower and all(r.first_stage and r.on_first_stage and r.split.value == "replicated" for r in tower)
+    assert all(r.hf[0] == "visual." + r.megatron.removeprefix("vision_model.") for r in tower)
+    instances = family.weight_instances(view)
+    assert [at.rule for at in instances[:len(tower) + 1]] == [*tower, rules[len(tower)]]  # then the embedding
+    shapes = expected_shapes(view)
+    assert {n for at in instances for n in at.hf_names} == set(shapes) - {"lm_head.weight"}  # tied
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(raw_config(view))
+    arch = Architecture.from_hf(view, name="tiny-vl", source="test")
+    assert arch.num_params == sum(p.numel() for p in hf.parameters())
+    tower_params = sum(p.numel() for p in hf.model.visual.parameters())
+    stage0, stage1 = (arch.rank_params(tp=1, pp=2, pp_rank=r) for r in (0, 1))
+    # Tied embeddings: both stages hold the vocabulary once; the last one the final norm too.
+    assert stage0 - stage1 == tower_params - view.hidden_size
+
+
+def test_mrope_sections_and_refusals(view):
+    family = family_for(view)
+    config = family.transformer_config(view, ParallelDims(tp=1))
+    assert config.mrope_section == [2, 3, 3]
+    assert family.gpt_model_kwargs(view, ParallelDims(tp=1))["position_embedding_type"] == "mrope"
+    with pytest.raises(ValueError, match="parallel.cp=2.*context parallelism"):
+        family.transformer_config(view, ParallelDims(cp=2))
+    broken = model_config(tiny_qwen2_5_vl_config(build_tiny_vl_tokenizer()))
+    broken.rope_parameters = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 2, 2]}
+    with pytest.raises(ValueError, match=r"mrope_section=\[2, 2, 2\] covers 12 of the head dimension 16"):
+        family.transformer_config(broken, ParallelDims(tp=1))
+
+
+def test_positions_number_text_then_each_image_on_its_grid(view):
+    spec = family_for(view).vision
+    start, end, pad = view.vision_start_token_id, view.vision_end_token_id, view.image_token_id
+    ids = torch.tensor([5, 6, start] + [pad] * 6 + [end, 7])  # one image of 2 × 3 merged patches (grid 1, 4, 6)
+    positions = spec.position_ids(view, ids, torch.tensor([[1, 4, 6]]))
+    assert positions[:3].tolist() == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    assert positions[3:9].tolist() == [[3, 3 + h, 3 + w] for h in range(2) for w in range(3)]
+    assert positions[9:].tolist() == [[6, 6, 6], [7, 7, 7]]  # after the image: its start + max(h, w)
+    with pytest.raises(ValueError, match=r"the 2 placeholder tokens at position 7 do not hold image 1 \(grid \[1, 4, 4\]"):
+        spec.position_ids(view, ids, torch.tensor([[1, 4, 4], [1, 4, 4]]))
+    with pytest.raises(ValueError, match="more images"):
+        spec.position_ids(view, ids, torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="more images .* than image grids \\(0\\)"):
+        spec.position_ids(view, ids, None)
+    with pytest.raises(ValueError, match="video placeholder tokens"):
+        spec.position_ids(view, torch.tensor([5, view.video_token_id]), None)
+    with pytest.raises(ValueError, match="2 image grids but 1 images"):
+        spec.position_ids(view, ids, torch.tensor([[1, 4, 6], [1, 2, 2]]))
