@@ -52,6 +52,9 @@ class DataConfig:
     with the tokenizer's special tokens (slime without ``--apply-chat-template``; base models)."""
     apply_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keyword arguments of ``tokenizer.apply_chat_template``."""
+    image_key: str | None = default_of(PromptDataset, "image_key")
+    """The column holding each row's images (verl's ``images``: bytes or paths, placed at the prompt's ``<image>``
+    markers; a vision-language model's data). None: read every file as text."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch (seeded by ``trainer.seed``)."""
 
@@ -75,5 +78,5 @@ class DataConfig:
             "data_source_key": self.data_source_key, "data_source": self.data_source,
             "metadata_key": self.metadata_key,
             "apply_chat_template_kwargs": dict(self.apply_chat_template_kwargs),
-            "apply_chat_template": self.apply_chat_template,
+            "apply_chat_template": self.apply_chat_template, "image_key": self.image_key,
         }

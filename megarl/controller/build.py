@@ -498,6 +498,19 @@ def build_rollout_manager(cfg: RunConfig, generator: EngineClient, engines: list
                           routing_shape=routing)
 
 
+def image_processor(cfg: RunConfig, tokenizer):
+    """The policy's :class:`~megarl.data.images.ImageProcessor` when it is a vision-language model, else None."""
+    from megarl.data.images import ImageProcessor
+    from megarl.models.vision import is_multimodal, load_hf_config
+
+    model = cfg.actor_rollout_ref.model
+    hf_config = load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code)
+    if not is_multimodal(hf_config):
+        return None
+    return ImageProcessor.from_pretrained(model.local_path, tokenizer, hf_config,
+                                          trust_remote_code=model.trust_remote_code)
+
+
 def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = None,
                    console=print) -> tuple[PromptDataset, PromptDataset | None]:
     """The training and validation prompt sets (``data.*``); the count of dropped over-long prompts is reported.
@@ -507,11 +520,18 @@ def build_datasets(cfg: RunConfig, tokenizer, plugins: AgentPlugins | None = Non
     kwargs = cfg.data.dataset_kwargs()
     if cfg.actor_rollout_ref.rollout.multi_turn.enable or cfg.reward_model.judge.enable:  # the judge reads the chat
         kwargs["return_raw_chat"] = True
+    kwargs["processor"] = image_processor(cfg, tokenizer)
     schemas = plugins.tool_schemas() if plugins is not None else {}
     counted = f" (the {len(schemas)} tool schemas included)" if schemas else ""
     train = PromptDataset(cfg.data.train_files, tokenizer, tool_schemas=schemas, **kwargs)
     val = PromptDataset(cfg.data.val_files, tokenizer, tool_schemas=schemas, **kwargs) if cfg.data.val_files else None
     for key, ds in (("data.train_files", train), ("data.val_files", val)):
+        if ds is not None and ds.num_skipped:
+            first = ds.skipped[0]
+            console(f"{key}: {ds.num_skipped} of {ds.num_rows_read} rows were skipped for their images (the first: "
+                    f"{first.reason})")
+            if len(ds) == 0:
+                raise ValueError(f"no row of {key} is left: every one was skipped for its images ({first.reason})")
         if ds is None or not ds.num_filtered_overlong:
             continue
         if len(ds) == 0:

@@ -1,7 +1,8 @@
 """Chat messages and the tokenizer's chat template: checking, rendering, encoding.
 
-A prompt is a list of chat messages, each a dict with a ``role`` and a ``content`` string
-(tool-calling messages may carry more keys, e.g. ``tool_calls``). Rendering applies the
+A prompt is a list of chat messages, each a dict with a ``role`` and a ``content`` string, or a list of
+content parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``: a vision-language model's prompt;
+tool-calling messages may carry more keys, e.g. ``tool_calls``). Rendering applies the
 tokenizer's own chat template with the generation prompt; encoding tokenises the rendered text
 without adding special tokens again (the template already placed them), as verl does.
 """
@@ -41,9 +42,15 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         message = {key: value for key, value in message.items() if value is not None}
         if not isinstance(message.get("role"), str):
             raise ValueError(f"{where}: message {position} has no string 'role' (keys {sorted(message)})")
-        if not isinstance(message.get("content", ""), str):
-            raise ValueError(f"{where}: message {position} ({message['role']}) has non-string 'content' of type "
-                             f"{type(message['content']).__name__}; multimodal content is not supported")
+        content = message.get("content", "")
+        if isinstance(content, list):  # content parts: text, and images for a vision-language model
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                    raise ValueError(f"{where}: message {position} ({message['role']}) has a content part "
+                                     f"{part!r}; parts are {{'type': 'text', 'text': ...}} or {{'type': 'image'}}")
+        elif not isinstance(content, str):
+            raise ValueError(f"{where}: message {position} ({message['role']}) has 'content' of type "
+                             f"{type(content).__name__}; give a string or a list of text and image parts")
         checked.append(message)
     return checked
 

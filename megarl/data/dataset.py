@@ -41,6 +41,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.data.chat import check_messages, encode_prompts, render_prompt, row_tool_names
+from megarl.data.images import BadImage, SkippedRow, image_messages, load_images
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 """``data.truncation`` values: raise, keep the last, the first, or the first and last halves."""
 
 PRODUCED_KEYS = ("input_ids", "raw_prompt_ids", "raw_prompt", "full_prompts", "index", "tools_kwargs",
-                 "interaction_kwargs")
+                 "interaction_kwargs", "multi_modal_data", "multi_modal_inputs")
 """Row keys the dataset computes; a data column with one of these names is refused."""
 
 _ENCODE_CHUNK = 1024  # prompts per batched tokenizer call while measuring lengths
@@ -171,6 +172,11 @@ class PromptDataset(torch.utils.data.Dataset):
         data_source: the data source of every row of a file without the ``data_source_key`` column.
         metadata_key: the column that becomes ``extra_info`` (slime's ``--metadata-key``), in place of an
             ``extra_info`` column. None: verl's ``extra_info``.
+        image_key: the column holding each row's images (verl's ``images``; :mod:`megarl.data.images`), whose
+            ``<image>`` markers place them in the prompt; None: no images.
+        processor: the vision-language model's :class:`~megarl.data.images.ImageProcessor` (None: a text model,
+            which refuses files with images). A row whose image is missing or corrupt, or whose markers do not
+            match its images, is skipped: counted (:attr:`num_skipped`), listed (:attr:`skipped`) and reported.
     """
 
     def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, *,
@@ -179,7 +185,8 @@ class PromptDataset(torch.utils.data.Dataset):
                  need_tools_kwargs: bool = False, apply_chat_template_kwargs: Mapping[str, Any] | None = None,
                  tool_schemas: Mapping[str, Mapping[str, Any]] | None = None, label_key: str | None = None,
                  data_source_key: str = "data_source", data_source: str | None = None,
-                 metadata_key: str | None = None, apply_chat_template: bool = True) -> None:
+                 metadata_key: str | None = None, apply_chat_template: bool = True, image_key: str | None = "images",
+                 processor: Any = None) -> None:
         if max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if truncation not in TRUNCATION_MODES:
@@ -203,6 +210,11 @@ class PromptDataset(torch.utils.data.Dataset):
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.tool_schemas = dict(tool_schemas or {})
         self.apply_chat_template = apply_chat_template
+        self.image_key = image_key
+        self.processor = processor
+        if processor is not None and not apply_chat_template:
+            raise ValueError("data.apply_chat_template=False with a vision-language model: images are placed by the "
+                             "chat template; set data.apply_chat_template=True")
         if not apply_chat_template and (self.tool_schemas or self.apply_chat_template_kwargs):
             setting = "multi-turn tools" if self.tool_schemas else "data.apply_chat_template_kwargs"
             raise ValueError(f"data.apply_chat_template=False uses each prompt as plain text, but {setting} "
@@ -217,12 +229,19 @@ class PromptDataset(torch.utils.data.Dataset):
         """Rows in all files, before filtering."""
         self.filtered_overlong: list[OverlongPrompt] = []
         """Rows dropped because their templated prompt is longer than ``max_prompt_length``."""
+        self.skipped: list[SkippedRow] = []
+        """Rows skipped because an image cannot be read or does not match the prompt's markers."""
         self._rows: list[tuple[int, int, int]] = []  # (file number, row in file, row over all files)
         self._select_rows()
         self.num_missing_tools_kwargs = self._count_missing_tools_kwargs()
         """Kept rows that need tools kwargs (``need_tools_kwargs``) but have none."""
         logger.info("PromptDataset: %d rows from %d file(s), %d kept", self.num_rows_read, len(self.data_files),
                     len(self._rows))
+
+    @property
+    def num_skipped(self) -> int:
+        """Number of rows skipped for their images (:attr:`skipped`)."""
+        return len(self.skipped)
 
     @property
     def num_filtered_overlong(self) -> int:
@@ -252,11 +271,27 @@ class PromptDataset(torch.utils.data.Dataset):
         if self.prompt_key not in table.column_names:
             raise ValueError(f"{path}: no column {self.prompt_key!r} (data.prompt_key); its columns are "
                              f"{table.column_names}")
+        if self.processor is None and self._has_images(table):
+            raise ValueError(f"{path}: column {self.image_key!r} (data.image_key) holds images, but the model "
+                             f"(actor_rollout_ref.model.path) is a text model; use a vision-language model, or set "
+                             f"data.image_key=null to read the file as text")
         clashes = sorted(set(table.column_names) & set(PRODUCED_KEYS))
         if clashes:
             raise ValueError(f"{path}: columns {clashes} clash with fields the dataset computes; rename them "
                              f"(put per-row extras under extra_info)")
         return table
+
+    def _has_images(self, table: Any) -> bool:
+        """Whether ``table`` has an image column with an image in some row."""
+        if self.image_key is None or self.image_key not in table.column_names:
+            return False
+        return any(images for images in table.column(self.image_key).to_pylist())
+
+    def _row_images(self, table: Any, row: int, where: str) -> list:
+        """Row ``row``'s images, decoded (none without an image column); :class:`BadImage` when one is unreadable."""
+        if self.processor is None or self.image_key is None or self.image_key not in table.column_names:
+            return []
+        return load_images(table.column(self.image_key)[row].as_py(), where)
 
     def _map_columns(self, table: Any, path: str) -> Any:
         """``table`` with verl's ``data_source``, ``reward_model`` and ``extra_info`` columns made from the
@@ -318,21 +353,43 @@ class PromptDataset(torch.utils.data.Dataset):
         for file_number, (path, table) in enumerate(zip(self.data_files, self._tables, strict=True)):
             prompts = table.column(self.prompt_key).to_pylist()
             checked = [self._checked_prompt(m, f"{path} row {r}") for r, m in enumerate(prompts)]
+            # Rows with images: each image decoded now (an unreadable one skips its row, before any training), and
+            # counted at the tokens it will take.
+            image_tokens: list[int | None] = [0] * len(checked)
+            if self._has_images(table):
+                for r in range(len(checked)):
+                    where = f"{path} row {r}"
+                    try:
+                        images = self._row_images(table, r, where)
+                        checked[r] = image_messages(checked[r], len(images), where)
+                    except (BadImage, ValueError) as error:
+                        self.skipped.append(SkippedRow(path, r, str(error)))
+                        image_tokens[r] = None
+                        continue
+                    image_tokens[r] = sum(self.processor.image_tokens(image) - 1 for image in images)
             if self.filter_overlong_prompts:
                 infos = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else None
                 lengths = []
                 for start in range(0, len(checked), _ENCODE_CHUNK):
                     rows = range(start, min(start + _ENCODE_CHUNK, len(checked)))
                     texts = [self._templated(checked[r], self._row_tools(infos, r, f"{path} row {r}")) for r in rows]
-                    lengths.extend(len(ids) for ids in self._encode(texts))
+                    lengths.extend(len(ids) + (image_tokens[r] or 0)
+                                   for r, ids in zip(rows, self._encode(texts), strict=True))
             else:
                 lengths = [0] * len(checked)
             for row, num_tokens in enumerate(lengths):
+                if image_tokens[row] is None:
+                    continue
                 if num_tokens > self.max_prompt_length:
                     self.filtered_overlong.append(OverlongPrompt(path, row, num_tokens))
                 else:
                     self._rows.append((file_number, row, global_row + row))
             global_row += table.num_rows
+        if self.skipped:
+            shown = "; ".join(skip.reason for skip in self.skipped[:10])
+            more = "" if len(self.skipped) <= 10 else f"; and {len(self.skipped) - 10} more"
+            logger.warning("PromptDataset: skipped %d of %d rows whose images cannot be used: %s%s",
+                           self.num_skipped, self.num_rows_read, shown, more)
         if self.filtered_overlong:
             shown = ", ".join(f"{p.file} row {p.row} ({p.num_tokens} tokens)" for p in self.filtered_overlong[:10])
             more = "" if len(self.filtered_overlong) <= 10 else f", and {len(self.filtered_overlong) - 10} more"
@@ -378,24 +435,45 @@ class PromptDataset(torch.utils.data.Dataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         """One row: the file's columns (except the prompt column, after the column mapping) plus computed fields.
 
-        Computed: ``input_ids`` (1-D long tensor, templated and truncated, not padded),
-        ``raw_prompt_ids`` (the same ids as a list, for the rollout engine), ``index``
+        Computed: ``input_ids`` (1-D long tensor, templated and truncated, not padded; an image's placeholder
+        expanded to one per merged patch), ``raw_prompt_ids`` (the same ids as a list, for the rollout engine; one
+        placeholder per image, which the engine expands), ``index``
         (``extra_info.index``, else the row's number over all files), ``tools_kwargs`` and
         ``interaction_kwargs`` (from ``extra_info``, ``{}`` when absent), and, when enabled,
         ``raw_prompt`` (the messages; the text when the chat template is off) and ``full_prompts`` (the
-        templated text).
+        templated text). With a vision-language model's processor every row also has ``multi_modal_data``
+        (``{"image": [PIL images]}``, for the engine) and ``multi_modal_inputs`` (``pixel_values``,
+        ``image_grid_thw``, for the model), None for a row without images.
         """
         file_number, row, global_row = self._rows[item]
         where = f"{self.data_files[file_number]} row {row}"
-        record = self._tables[file_number].slice(row, 1).to_pylist()[0]
+        table = self._tables[file_number]
+        record = table.slice(row, 1).to_pylist()[0]
         messages = self._checked_prompt(record.pop(self.prompt_key), where)
+        images = self._row_images(table, row, where)
+        if self.processor is not None and self.image_key in record:
+            record.pop(self.image_key)
+        if images:
+            messages = image_messages(messages, len(images), where)
         text = self._templated(messages, self._row_tools([record.get("extra_info")], 0, where))
-        ids = truncate_ids(self._encode([text])[0], self.max_prompt_length, self.truncation, where)
+        if images:
+            raw_ids = self._encode([text])[0]
+            pixels = self.processor.pixels(images)
+            ids = self.processor.expand(raw_ids, pixels["image_grid_thw"])
+            if len(ids) > self.max_prompt_length:
+                raise ValueError(f"{where}: the templated prompt and its images take {len(ids)} tokens, more than "
+                                 f"data.max_prompt_length={self.max_prompt_length}, and a prompt's images cannot be "
+                                 f"truncated: set data.filter_overlong_prompts=True or raise max_prompt_length")
+        else:
+            ids = raw_ids = truncate_ids(self._encode([text])[0], self.max_prompt_length, self.truncation, where)
+        if self.processor is not None:  # every row of a vision-language dataset: its images, or None
+            record["multi_modal_data"] = {"image": images} if images else None
+            record["multi_modal_inputs"] = pixels if images else None
         extra_info = _extra_info(record.get("extra_info"), where)
         index = extra_info.get("index")
         record.update(
             input_ids=torch.tensor(ids, dtype=torch.long),
-            raw_prompt_ids=ids,
+            raw_prompt_ids=raw_ids,
             index=global_row if index is None else int(index),
             tools_kwargs=_clean_tools_kwargs(extra_info.get("tools_kwargs"), where),
             interaction_kwargs={k: v for k, v in (extra_info.get("interaction_kwargs") or {}).items()

@@ -165,12 +165,41 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 ``<|vision_end|>``."""
 
 
+# The chat template with content parts (Qwen2.5-VL's): an image part is <|vision_start|><|image_pad|><|vision_end|>.
+_RENDER_CONTENT = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+VL_CHAT_TEMPLATE = _RENDER_CONTENT + (
+    CHAT_TEMPLATE.replace("messages[0].content", "render(messages[0].content)")
+    .replace("+ message.content", "+ render(message.content)")
+    .replace("message.content +", "render(message.content) +")
+)
+
+
 def build_tiny_vl_tokenizer(vocab_size: int = 512):
     """The tiny tokenizer (:func:`build_tiny_tokenizer`) with Qwen2.5-VL's vision special tokens after its
-    vocabulary."""
+    vocabulary, and a chat template that renders image parts."""
     tokenizer = build_tiny_tokenizer(vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:] + VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
     return tokenizer
+
+
+def tiny_image_processor(*, patch_size: int = 14, max_patches: int = 64):
+    """Qwen2-VL's image processor (transformers' PIL backend) for the tiny vision tower: ``patch_size`` pixels per
+    patch, 2 × 2 merging, at most ``max_patches`` patches per image (images are resized to whole merged patches
+    within that)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    unit = (2 * patch_size) ** 2
+    return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": unit, "longest_edge": unit * max_patches // 4})
 
 
 def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
@@ -216,6 +245,20 @@ def build_tiny_model(tokenizer, *, seed: int = 0, arch: str = "qwen2", **sizes):
         raise ValueError(f"tiny model architecture {arch!r} is unknown; use one of {sorted(TINY_ARCHS)}")
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(TINY_ARCHS[arch](tokenizer, **sizes)).float().eval()
+
+
+def save_tiny_vl(directory: str | os.PathLike, *, seed: int = 0, **sizes) -> Path:
+    """Write a tiny random Qwen2.5-VL (fp32), its tokenizer and its image processor as an HF directory."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    directory = Path(directory)
+    tokenizer = build_tiny_vl_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(tokenizer, **sizes)).float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    tiny_image_processor(patch_size=model.config.vision_config.patch_size).save_pretrained(directory)
+    return directory
 
 
 def save_tiny(directory: str | os.PathLike, *, seed: int = 0, arch: str = "qwen2", **sizes) -> Path:
