@@ -88,8 +88,8 @@ class RunInputError(ValueError):
     raised before anything is placed, with the key to change."""
 
 ACTOR_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages",
-              "ref_log_prob", "rollout_log_probs", "rollout_routed_experts", "rollout_is_weights")
-CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns")
+              "ref_log_prob", "rollout_log_probs", "rollout_routed_experts", "rollout_is_weights", "multi_modal_inputs")
+CRITIC_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "values", "returns", "multi_modal_inputs")
 """The columns each role's workers receive; ``response_mask`` (the tokens that train, as the rollout emits it) is
 the one loss mask of every role."""
 

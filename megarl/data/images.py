@@ -84,6 +84,13 @@ def load_images(images: Any, where: str) -> list:
     return [load_image(image, f"{where} image {i}") for i, image in enumerate(images)]
 
 
+def image_uri(image) -> str:
+    """An RGB image as a base64 PNG data URI (how the rollout engines receive images: SGLang's ``image_data``)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def image_messages(messages: list[dict[str, Any]], num_images: int, where: str) -> list[dict[str, Any]]:
     """``messages`` with each ``<image>`` in a string content made an image item of a content list (text around it
     as text items), as vision-language chat templates take them; content lists are kept. The markers (and image

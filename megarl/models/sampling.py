@@ -39,8 +39,10 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
+    from megarl.models.vision import model_config
+
     generation_config = model.generation_config
-    for configured in (model.config.eos_token_id,
+    for configured in (getattr(model_config(model.config), "eos_token_id", None),
                        None if generation_config is None else generation_config.eos_token_id):
         for eos in [] if configured is None else [configured] if isinstance(configured, int) else configured:
             if int(eos) not in ids:
@@ -112,14 +114,27 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
 
 
 def last_logits(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                position_ids_BL: torch.Tensor, cache: Any) -> torch.Tensor:
+                position_ids_BL: torch.Tensor, cache: Any, **inputs: torch.Tensor) -> torch.Tensor:
     """``logits_BV`` (fp32) at the last position of one forward that extends the KV ``cache``.
 
     ``attention_mask_BL`` covers the cached tokens plus ``input_ids_BL``; ``position_ids_BL`` only
-    the new ones.
+    the new ones (a vision-language model's ``[3, B, L]``); ``inputs``: more model inputs (pixel values).
     """
     return model(input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL,
-                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                 past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1].float()
+
+
+@dataclasses.dataclass
+class VisionPrompts:
+    """A batch's images for a vision-language model (:class:`megarl.models.vision.VisionSpec`): each prompt's
+    ``[L_i, 3]`` multimodal positions and the rows' vision inputs (``pixel_values`` and ``image_grid_thw`` of every
+    image, rows in order; None when no row has one), which the prefill (and a rebuild) feeds the model."""
+
+    positions: list[torch.Tensor]
+    inputs: dict[str, torch.Tensor] | None
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {} if self.inputs is None else {k: v.to(device) for k, v in self.inputs.items()}
 
 
 class RoutingCapture:
@@ -200,7 +215,7 @@ class _Decoder:
     the routing capture, giving the next logits after a prefill, a one-token step or a rebuild."""
 
     def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], pad_token_id: int,
-                 routing: RoutingCapture | None) -> None:
+                 routing: RoutingCapture | None, vision: VisionPrompts | None = None) -> None:
         from transformers import DynamicCache
 
         self._new_cache = lambda: DynamicCache(config=model.config)
@@ -210,11 +225,22 @@ class _Decoder:
         self.num_rows, self.width = self.input_ids_BL.shape
         self.fed_BT = self.input_ids_BL.new_zeros((self.num_rows, 0))
         self.next_position_B1 = self.position_ids_BL[:, -1:] + 1
+        self.vision_inputs = {}
+        if vision is not None:  # multimodal positions [3, B, L]; a row's text goes on from its largest position
+            self.position_ids_BL = torch.zeros((3, self.num_rows, self.width), dtype=torch.long, device=self.device)
+            for row, positions in enumerate(vision.positions):
+                self.position_ids_BL[:, row, self.width - len(positions):] = positions.T.to(self.device)
+            self.next_position_B1 = torch.stack([p.max() + 1 for p in vision.positions])[:, None].to(self.device)
+            self.vision_inputs = vision.model_inputs(self.device)
         self.cache = self._new_cache()
+
+    def _positions(self, positions_B1: torch.Tensor) -> torch.Tensor:
+        """``positions_B1`` as the model takes them (every multimodal axis alike for generated text)."""
+        return positions_B1 if self.position_ids_BL.dim() == 2 else positions_B1[None].expand(3, -1, -1)
 
     def prefill(self) -> torch.Tensor:
         logits_BV = last_logits(self.model, self.input_ids_BL, self.attention_mask_BL, self.position_ids_BL,
-                                self.cache)
+                                self.cache, **self.vision_inputs)
         if self.routing is not None:
             self.routing.collect(self.num_rows, self.width, restart=True)
         return logits_BV
@@ -226,15 +252,16 @@ class _Decoder:
                                             self.attention_mask_BL.new_ones((self.num_rows, 1))], dim=1)
         if rebuild:
             self.cache = self._new_cache()
-            steps_T = torch.arange(1, self.fed_BT.shape[1] + 1, device=self.device)
-            positions_BL = torch.cat([self.position_ids_BL, self.position_ids_BL[:, -1:] + steps_T], dim=1)
+            steps_T = torch.arange(self.fed_BT.shape[1], device=self.device)
+            generated_BT = self._positions(self.next_position_B1 - self.fed_BT.shape[1] + 1 + steps_T)
+            positions_BL = torch.cat([self.position_ids_BL, generated_BT], dim=-1)
             logits_BV = last_logits(self.model, torch.cat([self.input_ids_BL, self.fed_BT], dim=1),
-                                    self.attention_mask_BL, positions_BL, self.cache)
+                                    self.attention_mask_BL, positions_BL, self.cache, **self.vision_inputs)
             if self.routing is not None:
                 self.routing.collect(self.num_rows, self.width + self.fed_BT.shape[1], restart=True)
         else:
-            logits_BV = last_logits(self.model, tokens_B[:, None], self.attention_mask_BL, self.next_position_B1,
-                                    self.cache)
+            logits_BV = last_logits(self.model, tokens_B[:, None], self.attention_mask_BL,
+                                    self._positions(self.next_position_B1), self.cache)
             if self.routing is not None:
                 self.routing.collect(self.num_rows, 1)
         self.next_position_B1 = self.next_position_B1 + 1
@@ -279,7 +306,8 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
                          max_new_tokens: Sequence[int], row_seeds: Sequence[int], stop_token_ids: Collection[int],
                          pad_token_id: int, temperature: float, top_k: int = -1,
                          top_p: float = 1.0, control: Callable[[], Any] | None = None,
-                         routing: RoutingCapture | None = None) -> list[Continuation]:
+                         routing: RoutingCapture | None = None, vision: VisionPrompts | None = None
+                         ) -> list[Continuation]:
     """The sampling loop: one continuation per prompt, the prompts sampled together.
 
     One prefill over the batch left-padded with ``pad_token_id`` (:func:`left_pad`), then one
@@ -297,8 +325,10 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     ``routing`` (an entered :class:`RoutingCapture`): each row's routed experts are filed in its
     ``routed_experts`` (after a REBUILD, the rebuilt forward's: every token routed by the current weights).
     Finished rows keep being fed (their outputs are ignored) so the batch stays rectangular.
+
+    ``vision`` (a vision-language model): the prompts' multimodal positions and images (:class:`VisionPrompts`).
     """
-    decoder = _Decoder(model, prompts, pad_token_id, routing)
+    decoder = _Decoder(model, prompts, pad_token_id, routing, vision)
     generators = None
     if temperature != 0:
         generators = [torch.Generator(device=decoder.device).manual_seed(int(seed)) for seed in row_seeds]

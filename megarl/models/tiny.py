@@ -205,10 +205,11 @@ def tiny_image_processor(*, patch_size: int = 14, max_patches: int = 64):
 def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                            num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512,
                            vision_depth: int = 2, vision_hidden: int = 32, patch_size: int = 14,
-                           tie_word_embeddings: bool = True):
+                           tie_word_embeddings: bool = True, initializer_range: float = 0.02):
     """A Qwen2.5-VL config for ``tokenizer`` (:func:`build_tiny_vl_tokenizer`): a tiny Qwen2 language model with
     multimodal RoPE (head dimension 16: sections 2, 3, 3) and a tiny vision tower (``vision_depth`` blocks, the
-    last with full attention, the others windowed; 2 × 2 patch merging, two frames per temporal patch)."""
+    last with full attention, the others windowed; 2 × 2 patch merging, two frames per temporal patch).
+    ``initializer_range``: the random weights' scale (larger: a random model's greedy outputs vary)."""
     from transformers import Qwen2_5_VLConfig
 
     head_dim = hidden_size // num_heads
@@ -221,11 +222,12 @@ def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int 
             max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, bos_token_id=None,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section},
+            initializer_range=initializer_range,
         ),
         vision_config=dict(
             depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
             out_hidden_size=hidden_size, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
-            window_size=4 * patch_size, fullatt_block_indexes=[vision_depth - 1],
+            window_size=4 * patch_size, fullatt_block_indexes=[vision_depth - 1], initializer_range=initializer_range,
         ),
         image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),

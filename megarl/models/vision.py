@@ -163,14 +163,7 @@ def _checkpoint_shapes(spec: VisionSpec, multimodal_config) -> tuple[tuple[str, 
     if key not in _SHAPES:
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(copy.deepcopy(multimodal_config))
-        renames = {"model.language_model.": "model.", "model.visual.": spec.hf_prefix}
-        shapes = []
-        for name, tensor in model.state_dict().items():
-            for old, new in renames.items():
-                if name.startswith(old):
-                    name = new + name.removeprefix(old)
-                    break
-            shapes.append((name, tuple(tensor.shape)))
+        shapes = [(hub_name(name, spec), tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
         _SHAPES[key] = tuple(shapes)
     return _SHAPES[key]
 
@@ -195,6 +188,15 @@ def model_config(raw_config):
         setattr(view, name, getattr(raw_config, name, None))
     view.multimodal_config = raw_config
     return view
+
+
+def hub_name(name: str, spec: VisionSpec) -> str:
+    """A transformers vision-language model's parameter name as the hub's checkpoints (and SGLang) spell it
+    (``model.language_model.`` → ``model.``, ``model.visual.`` → the tower's checkpoint prefix)."""
+    for old, new in (("model.language_model.", "model."), ("model.visual.", spec.hf_prefix)):
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
 
 
 def raw_config(hf_config):

@@ -263,14 +263,20 @@ class EngineClient:
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
                              seed: int | None = None, return_logprob: bool = False,
-                             routing_shape: tuple[int, int] | None = None) -> list[GenerateOutput]:
+                             routing_shape: tuple[int, int] | None = None,
+                             image_data: Sequence[list[str] | None] | None = None) -> list[GenerateOutput]:
         """One continuation per row, in one request with one ``sampling_params`` (what sglang-router
         forwards; the server runs the rows as one batch). With ``seed``, megarl's CPU server samples
-        row ``i`` from ``derive_row_seed(seed, i)``. ``routing_shape``: as :meth:`generate`."""
+        row ``i`` from ``derive_row_seed(seed, i)``. ``routing_shape``: as :meth:`generate`. ``image_data``: each
+        row's images (base64 data URIs, :func:`megarl.data.images.image_uri`; None for none), a vision-language
+        model's, placed at the row's image placeholders."""
+        if image_data is not None and not any(image_data):
+            image_data = None
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s,
                                  input_ids=[list(ids) for ids in input_ids],
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
-                                 return_routed_experts=True if routing_shape else None, lora_path=self.lora_name)
+                                 return_routed_experts=True if routing_shape else None, lora_path=self.lora_name,
+                                 image_data=None if image_data is None else list(image_data))
         if not isinstance(answer, list) or len(answer) != len(input_ids):
             raise EngineError(f"{self.name} at {self.url}: /generate returned {type(answer).__name__} for a batch "
                               f"of {len(input_ids)}", engine=self.name, url=self.url, route="/generate")

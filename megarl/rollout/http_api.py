@@ -89,7 +89,7 @@ ROUTES: Mapping[str, Route] = {route.path: route for route in (
     Route("/model_info", "GET", reads=("model_path", "is_generation", "weight_version"), idempotent=True),
     Route("/generate", "POST", "GenerateReqInput", sends=("input_ids", "sampling_params", "return_logprob", "rid",
                                                           "return_routed_experts", "routed_experts_start_len",
-                                                          "lora_path"),
+                                                          "lora_path", "image_data"),
           reads=("output_ids", "meta_info")),
     Route("/begin_weight_update", "POST", "BeginWeightUpdateReqInput", reads=("success", "message"), admin=True),
     Route("/end_weight_update", "POST", "EndWeightUpdateReqInput", reads=("success", "message"), admin=True),

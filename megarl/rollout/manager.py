@@ -187,6 +187,9 @@ class RolloutManager:
         if self.config.name != "hf":
             call_seed = None  # SGLang would give every row of a request one seed (module docstring)
         if self.config.multi_turn.enable:
+            if prompt_images(batch) is not None:
+                raise ValueError("actor_rollout_ref.rollout.multi_turn.enable=true with image prompts: multi-turn "
+                                 "rollouts of a vision-language model are not supported yet; run it single-turn")
             generated = await self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:
             generated = await self._generate_batch_level(batch, params, n=n, call_seed=call_seed,
@@ -231,25 +234,28 @@ class RolloutManager:
     async def _generate_batch_level(self, batch: Batch, params: SamplingParams, *, n: int, call_seed: int | None,
                                     routing_shape: tuple[int, int] | None = None) -> Batch:
         prompts = self._prompt_ids(batch)
+        images = prompt_images(batch)
         jobs = []
         for start, end in self._shares(len(prompts)):
             if start == end:
                 continue
             rows = [prompt for prompt in prompts[start:end] for _ in range(n)]
+            row_images = None if images is None else [image for image in images[start:end] for _ in range(n)]
             # Every share gets its own seed so that no two rows share a sampling stream.
-            jobs.append((rows, None if call_seed is None else derive_row_seed(call_seed, start * n)))
+            jobs.append((rows, None if call_seed is None else derive_row_seed(call_seed, start * n), row_images))
         logprob = self.config.calculate_log_probs
 
         async def run_all() -> list[list[GenerateOutput]]:
             if routing_shape is None:
                 return list(await asyncio.gather(*(self.generator.generate_batch(rows, params, seed=seed,
-                                                                                   return_logprob=logprob)
-                                                   for rows, seed in jobs)))
-            return list(await asyncio.gather(*(self._direct(rows, params, seed, logprob, routing_shape)
-                                               for rows, seed in jobs)))
+                                                                                   return_logprob=logprob,
+                                                                                   image_data=row_images)
+                                                   for rows, seed, row_images in jobs)))
+            return list(await asyncio.gather(*(self._direct(rows, params, seed, logprob, routing_shape, row_images)
+                                               for rows, seed, row_images in jobs)))
 
         outputs: list[GenerateOutput] = []
-        for (rows, _), share in zip(jobs, await self._naming_failures(run_all()), strict=True):  # in share order
+        for (rows, _, _), share in zip(jobs, await self._naming_failures(run_all()), strict=True):  # in share order
             if len(share) != len(rows):
                 raise RuntimeError(f"{self.generator.name} returned {len(share)} outputs for {len(rows)} inputs")
             outputs.extend(share)
@@ -257,14 +263,14 @@ class RolloutManager:
         return self.assemble(rows, outputs, routed=routing_shape is not None)
 
     async def _direct(self, rows: list[list[int]], params: SamplingParams, seed: int | None, logprob: bool,
-                      routing_shape: tuple[int, int]) -> list[GenerateOutput]:
+                      routing_shape: tuple[int, int], image_data: list | None = None) -> list[GenerateOutput]:
         """``rows`` on the engine with the fewest rows in flight (every rollout of the manager counts), bypassing
         the router (see the class docstring)."""
         index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
         self._in_flight[index] += len(rows)
         try:
             return await self.engines[index].generate_batch(rows, params, seed=seed, return_logprob=logprob,
-                                                            routing_shape=routing_shape)
+                                                            routing_shape=routing_shape, image_data=image_data)
         finally:
             self._in_flight[index] -= len(rows)
 
@@ -413,6 +419,18 @@ class RolloutManager:
         return agent_loop.batch_from_requests(finished, prompt_length=self.prompt_length,
                                               response_length=self.response_length,
                                               pad_token_id=self.pad_token_id)
+
+
+def prompt_images(batch: Batch) -> list[list[str] | None] | None:
+    """Each prompt's images as the engines take them (``image_data``: base64 data URIs, None for a prompt
+    without), from its ``multi_modal_data`` (:class:`megarl.data.PromptDataset`); None when no prompt has one."""
+    if "multi_modal_data" not in batch:
+        return None
+    from megarl.data.images import image_uri
+
+    out = [None if not data or not data.get("image") else [image_uri(image) for image in data["image"]]
+           for data in batch["multi_modal_data"]]
+    return out if any(out) else None
 
 
 def routed_experts_tensor(prompts: list[list[int]], outputs: list[GenerateOutput], *, prompt_width: int,

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megarl.data.batch import Batch
+from megarl.parallel.pipeline import MULTIMODAL_INPUTS
 from megarl.seeds import mini_batch_order_seed
 
 
@@ -86,6 +87,9 @@ def take(batch: Batch, keys: Sequence[str], start: int, end: int, p: int, r: int
     out = {}
     for key in keys:
         x = batch[key][start:end]
+        if not torch.is_tensor(x):  # per-row objects (a vision-language model's images)
+            out[key] = list(x)
+            continue
         if x.dim() >= 2 and x.shape[1] == P + R:
             x = x[:, P - p:P + r]
         elif x.dim() >= 2 and x.shape[1] == R:
@@ -97,7 +101,10 @@ def take(batch: Batch, keys: Sequence[str], start: int, end: int, p: int, r: int
 def micro_batches(batch: Batch, keys: Sequence[str], *, size: int | None = None, max_tokens: int | None = None,
                   multiple_of: int = 1, packed_align: int | None = None,
                   cp: int = 1) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """The micro-batches (trimmed dicts of ``keys``) and each one's response width ``r`` (:func:`plan`)."""
+    """The micro-batches (trimmed dicts of ``keys``, and a vision-language batch's per-row vision inputs) and each
+    one's response width ``r`` (:func:`plan`)."""
+    if MULTIMODAL_INPUTS in batch and MULTIMODAL_INPUTS not in keys:
+        keys = [*keys, MULTIMODAL_INPUTS]
     parts = plan(batch, size=size, max_tokens=max_tokens, multiple_of=multiple_of, packed_align=packed_align, cp=cp)
     return [take(batch, keys, *part) for part in parts], [part[3] for part in parts]
 

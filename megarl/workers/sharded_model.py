@@ -47,6 +47,21 @@ hysteresis and floor are Megatron's defaults; the initial scale is torch.amp's (
 few optimizer steps per rollout would discard several rollouts' updates."""
 
 
+def with_positions(micro_batches: Sequence[dict], family, hf_config) -> list[dict]:
+    """A vision-language model's micro-batches with their multimodal positions
+    (:data:`~megarl.parallel.pipeline.MROPE_POSITIONS`, from each row's tokens and image grids); others as they are."""
+    if family.vision is None:
+        return list(micro_batches)
+    from megarl.parallel.pipeline import MROPE_POSITIONS, MULTIMODAL_INPUTS
+
+    out = []
+    for mb in micro_batches:
+        rows = mb.get(MULTIMODAL_INPUTS) or [None] * mb["input_ids"].shape[0]
+        out.append({**mb, MROPE_POSITIONS: family.vision.batch_position_ids(hf_config, mb["input_ids"],
+                                                                            mb["attention_mask"], rows)})
+    return out
+
+
 def to_device(micro_batch: dict, device: torch.device) -> dict:
     """``micro_batch`` with its tensors on ``device`` (micro-batches are cut on the host from the batch that came
     over Ray; the model takes its inputs where its parameters are). Other values pass as they are."""
@@ -252,7 +267,7 @@ class ShardedModel:
         if self.value_head:
             raise ValueError("forward_logprobs on a critic (value_head=True): use forward_values")
         device = self.device
-        micro_batches = [to_device(mb, device) for mb in micro_batches]
+        micro_batches = [to_device(mb, device) for mb in with_positions(micro_batches, self.family, self.hf_config)]
         routing = self._routing(replay_routing, measure_routing)
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, temperature=temperature,
@@ -275,7 +290,8 @@ class ShardedModel:
 
         if not self.value_head:
             raise ValueError("forward_values needs a critic: build the ShardedModel with value_head=True")
-        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        micro_batches = [to_device(mb, self.device)
+                         for mb in with_positions(micro_batches, self.family, self.hf_config)]
         with torch.no_grad():
             out = forward_backward(self.chunks, micro_batches, forward_only=True, groups=self.groups,
                                    packed=self.packed)
@@ -305,7 +321,8 @@ class ShardedModel:
 
         if self.optimizer is None:
             raise ValueError("train_step on a frozen role: build the ShardedModel with optim=OptimConfig(...)")
-        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        micro_batches = [to_device(mb, self.device)
+                         for mb in with_positions(micro_batches, self.family, self.hf_config)]
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -139,3 +139,83 @@ def layouts_job(hf_dir: str) -> dict:
                      "tower_params": sum(p.numel() for p in tower.parameters()) if tower is not None else 0}
         destroy_parallel()
     return out
+
+
+def write_image_prompts(path, seed: int = 0) -> None:
+    """A parquet file of image prompts in verl's format: two images in one row, one in another, text in a third."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+
+    def png(h, w):
+        buffer = io.BytesIO()
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(buffer, format="PNG")
+        return {"bytes": buffer.getvalue(), "path": None}
+
+    rows = [("<image>How many? <image>", [png(60, 90), png(90, 60)]), ("What is in <image>?", [png(56, 56)]),
+            ("What is 2 + 3?", None)]
+    pq.write_table(pa.table({"data_source": ["squares"] * 3,
+                             "prompt": [[{"role": "user", "content": text}] for text, _ in rows],
+                             "images": [images for _, images in rows],
+                             "reward_model": [{"ground_truth": "1", "style": "rule"}] * 3}), path)
+
+
+def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperature: float,
+                  response_length: int = 8):
+    """The image prompts of ``data_file`` rolled out by a CPU engine server behind sglang-router (seed 3), with
+    GRPO advantages from a fake reward (1 when the first response token id is even)."""
+    from transformers import AutoTokenizer
+
+    from megarl.algo.advantages import compute
+    from megarl.config import RolloutConfig
+    from megarl.data.dataset import PromptDataset
+    from megarl.data.images import ImageProcessor
+    from megarl.models.vision import load_hf_config
+    from megarl.rollout import RolloutManager
+    from tests.engine_servers import engine_servers
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    processor = ImageProcessor.from_pretrained(hf_dir, tokenizer, load_hf_config(hf_dir))
+    dataset = PromptDataset(data_file, tokenizer, processor=processor, max_prompt_length=48)
+    prompts = dataset.collate([dataset[i] for i in range(len(dataset))])
+    config = RolloutConfig(n=n, temperature=temperature, seed=3)
+    if temperature == 0:
+        config = RolloutConfig(n=1, do_sample=False, seed=3)
+    with engine_servers(hf_dir, log_dir, num_engines=1, seeds=[3], router=True) as servers:
+        batch = RolloutManager(servers.generator, servers.engines, tokenizer, config, prompt_length=48,
+                               response_length=response_length).generate(prompts)
+    batch["uid"] = np.repeat(np.arange(len(dataset)), config.n if temperature else 1).astype(object)
+    scores = torch.zeros_like(batch["rollout_log_probs"])
+    lengths = batch["response_mask"].sum(-1)
+    scores[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = (batch["responses"][:, 0] % 2 == 0).float()
+    batch["token_level_rewards"] = scores
+    compute("grpo", batch)
+    return batch
+
+
+def actor_job(hf_dir: str, batch, temperature: float) -> dict:
+    """The Megatron actor (TP=2 × PP=2, packed) recomputes the rollout's log-probs, then takes PPO steps."""
+    from megarl.algo.mismatch import mismatch_metrics
+    from megarl.config import ActorConfig, OptimConfig
+    from megarl.parallel import ParallelDims
+    from megarl.workers.actor import ActorRole
+    from megarl.workers.sharded_model import ShardedModel
+
+    sharded = ShardedModel(hf_dir, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=2e-3, clip_grad=1.0), packed=True)
+    actor = ActorRole(sharded, ActorConfig(ppo_mini_batch_size=len(batch) // 2, ppo_micro_batch_size_per_gpu=2,
+                                          ppo_epochs=1, entropy_coeff=0.0))
+    before = actor.compute_log_prob(batch, temperature=temperature)
+    old = before["log_probs"] if before is not None else torch.zeros_like(batch["rollout_log_probs"])
+    src = torch.distributed.get_global_rank(sharded.groups.pp, sharded.groups.dims.pp - 1)
+    torch.distributed.broadcast(old, src=src, group=sharded.groups.pp)
+    batch["old_log_probs"] = old
+    steps = actor.update(batch, temperature=temperature)
+    out = {"steps": [(s.applied, s.loss, s.grad_norm) for s in steps], "output_rank": before is not None}
+    if before is not None:
+        out["mismatch"] = mismatch_metrics(batch["rollout_log_probs"], before["log_probs"],
+                                           batch["response_mask"].float())
+    return out

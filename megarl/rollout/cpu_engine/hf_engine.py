@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
-from megarl.models.sampling import RoutingCapture, eos_token_ids, sample_continuations
+from megarl.data.images import ImageProcessor
+from megarl.models.sampling import RoutingCapture, VisionPrompts, eos_token_ids, sample_continuations
+from megarl.models.vision import hub_name, is_multimodal, load_hf_config, model_config
 from megarl.rollout.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
 from megarl.rollout.cpu_engine.lora import applied as lora_applied
 from megarl.seeds import MAX_SEED, derive_row_seed
@@ -70,14 +72,19 @@ class HFEngine:
 
     def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, image_processor: Any = None) -> None:
         if isinstance(model_path_or_model, (str, os.PathLike)):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=dtype,
-                                                         trust_remote_code=trust_remote_code)
+            multimodal = is_multimodal(load_hf_config(model_path_or_model, trust_remote_code=trust_remote_code))
+            auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+            model = auto.from_pretrained(model_path_or_model, dtype=dtype, trust_remote_code=trust_remote_code)
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(model_path_or_model, trust_remote_code=trust_remote_code)
+            if multimodal and image_processor is None:
+                image_processor = ImageProcessor.from_pretrained(model_path_or_model, tokenizer,
+                                                                 model_config(model.config),
+                                                                 trust_remote_code=trust_remote_code)
         elif isinstance(model_path_or_model, torch.nn.Module):
             model = model_path_or_model
         else:
@@ -89,7 +96,13 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(self.model, tokenizer)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.max_model_len = int(self.model.config.max_position_embeddings)
+        self.hf_config = model_config(self.model.config)
+        self.max_model_len = int(self.hf_config.max_position_embeddings)
+        self.vision = _vision_spec(self.hf_config)
+        """A vision-language model's :class:`~megarl.models.vision.VisionSpec` (None: a text model)."""
+        self.image_processor = image_processor
+        if self.vision is not None and image_processor is None:
+            raise ValueError("HFEngine on a vision-language model needs its image processor (image_processor=)")
         self._pad_id = self.eos_token_ids[0]
         self._params = self._weights()
         self.fp8: Fp8Weights | None = None
@@ -184,7 +197,8 @@ class HFEngine:
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None,
                       control: Callable[[], Any] | None = None,
-                      return_routed_experts: bool = False, adapter: Any = None) -> list[GenerateOutput]:
+                      return_routed_experts: bool = False, adapter: Any = None,
+                      images: Sequence[list | None] | None = None) -> list[GenerateOutput]:
         """Run one batch through :func:`~megarl.models.sampling.sample_continuations`, under the engine lock.
 
         ``row_seeds`` seed each row's sampling stream; ``row_max_new_tokens`` (default: all
@@ -195,8 +209,13 @@ class HFEngine:
         a paused batch lets weight updates and memory calls through; aborted rows finish with
         :attr:`FinishReason.ABORT`. ``return_routed_experts`` (mixture-of-experts models): each output carries
         the experts every token was routed to (:attr:`GenerateOutput.routed_experts`). ``adapter``: a LoRA adapter
-        (:class:`megarl.rollout.cpu_engine.lora.Adapter`) every row runs with.
+        (:class:`megarl.rollout.cpu_engine.lora.Adapter`) every row runs with. ``images``: each row's images (RGB
+        images, None for none; a vision-language model's), placed at the row's image placeholders (one per image,
+        or already one per merged patch).
         """
+        vision = self._vision_prompts(prompts, images)
+        if vision is not None:
+            prompts = vision[0]
         limits = row_max_new_tokens or [params.max_new_tokens] * len(prompts)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
 
@@ -218,13 +237,38 @@ class HFEngine:
                                         stop_token_ids=stop_ids, pad_token_id=self._pad_id,
                                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                         control=None if control is None else unlocked_control,
-                                        routing=capture if return_routed_experts else None)
+                                        routing=capture if return_routed_experts else None,
+                                        vision=None if vision is None else vision[1])
         return [GenerateOutput(output_ids=row.token_ids,
                                finish_reason=(FinishReason.ABORT if row.aborted else
                                               FinishReason.STOP if row.stopped else FinishReason.LENGTH),
                                output_logprobs=row.logprobs if return_logprob else None,
                                routed_experts=row.routed_experts)
                 for row in rows]
+
+    def _vision_prompts(self, prompts: list[list[int]], images: Sequence[list | None] | None
+                        ) -> tuple[list[list[int]], VisionPrompts] | None:
+        """A vision-language model's prompts with each image's placeholder expanded to its merged patches, their
+        multimodal positions and the images' pixel values (None for a text model given no images)."""
+        if self.vision is None:
+            if images is not None and any(images):
+                raise ValueError("HFEngine: images were given, but the model is not a vision-language model")
+            return None
+        images = list(images) if images is not None else [None] * len(prompts)
+        expanded, positions, inputs = [], [], []
+        for row, (ids, row_images) in enumerate(zip(prompts, images, strict=True)):
+            grid = None
+            if row_images:
+                pixels = self.image_processor.pixels(row_images)
+                grid = pixels["image_grid_thw"]
+                ids = self.image_processor.expand(_collapse(ids, self.image_processor.image_token_id), grid)
+                inputs.append(pixels)
+            elif self.image_processor.image_token_id in ids:
+                raise ValueError(f"HFEngine: prompt {row} has image placeholders but no images")
+            expanded.append(ids)
+            positions.append(self.vision.position_ids(self.hf_config, torch.tensor(ids), grid))
+        merged = None if not inputs else {key: torch.cat([x[key] for x in inputs]) for key in inputs[0]}
+        return expanded, VisionPrompts(positions, merged)
 
     # ----------------------------------------------------------------------------- weights
 
@@ -364,7 +408,23 @@ class HFEngine:
         the checkpoint-named views into its fused experts (views of the parameters' current storage)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(_hub_views(self.model, params))
+        if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
+            params.update({hub_name(name, self.vision): param for name, param in list(params.items())})
         return params
+
+
+def _collapse(ids: list[int], placeholder: int) -> list[int]:
+    """``ids`` with each run of image placeholders made one (SGLang's reading: a run is one image)."""
+    return [t for i, t in enumerate(ids) if t != placeholder or i == 0 or ids[i - 1] != placeholder]
+
+
+def _vision_spec(hf_config):
+    """The vision spec of a vision-language model of a family megarl maps, else None."""
+    from megarl.models import family_for
+
+    if not is_multimodal(hf_config):
+        return None
+    return family_for(hf_config).vision
 
 
 def _moe_spec(model):

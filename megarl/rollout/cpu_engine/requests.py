@@ -63,6 +63,34 @@ def per_row(value: Any, num: int, key: str) -> list[Any]:
     return [value] * num
 
 
+def row_images(image_data: Any, num: int, batched: bool, multimodal: bool) -> list[list | None]:
+    """Each row's images from SGLang's ``image_data`` (a batched request's: one entry per row; an entry is an image
+    or a list of them, each a base64 data URI, raw base64 or a file path; None for none) as decoded RGB images."""
+    from megarl.data.images import BadImage, load_image
+
+    if image_data is None:
+        return [None] * num
+    rows = per_row(image_data, num, "image_data") if batched else [image_data]
+    if any(rows) and not multimodal:
+        raise RequestError("/generate: image_data was given, but this engine's model is not a vision-language model")
+    out = []
+    for i, images in enumerate(rows):
+        if images is None:
+            out.append(None)
+            continue
+        images = images if isinstance(images, list) else [images]
+        decoded = []
+        for k, image in enumerate(images):
+            if isinstance(image, str) and not image.startswith("data:") and "/" not in image[:256]:
+                image = base64.b64decode(image)  # raw base64, as SGLang accepts it
+            try:
+                decoded.append(load_image(image, f"image_data[{i}][{k}]"))
+            except BadImage as error:
+                raise RequestError(f"/generate: {error}") from error
+        out.append(decoded or None)
+    return out
+
+
 def memory_tags(tags: Any, route: str) -> set[str]:
     if tags is None:
         return set(MEMORY_TAGS)

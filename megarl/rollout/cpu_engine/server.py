@@ -32,7 +32,8 @@ from megarl.models.sampling import ABORT, REBUILD
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.cpu_engine.requests import (RequestError, errors, generate_answer, is_control, json_body,
-                                               memory_tags, per_row, result, sampling_params, while_connected)
+                                               memory_tags, per_row, result, row_images, sampling_params,
+                                               while_connected)
 from megarl.rollout.cpu_engine.lora import LoraRoutes
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
 from megarl.rollout.http_api import PAUSE_MODES
@@ -61,6 +62,8 @@ class _Row:
     """SGLang's ``WeightVersionEvent``s: the version that ended and the tokens this row had then."""
     adapter: Any = None
     """The LoRA adapter it runs with (``lora_path``; :mod:`megarl.rollout.cpu_engine.lora`), None: the base."""
+    images: list | None = None
+    """Its images (``image_data``, decoded), None: none."""
 
 
 class EngineServer:
@@ -226,6 +229,7 @@ class EngineServer:
         if self.lora is None and any(name is not None for name in lora):
             raise RequestError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         adapters = self.lora.resolve(lora) if self.lora is not None else [None] * num
+        images = row_images(body.get("image_data"), num, batched, self.engine.vision is not None)
         missing = self._missing_tags()
         if missing:
             raise RequestError(f"/generate: memory {missing} is released; /resume_memory_occupation first")
@@ -242,7 +246,7 @@ class EngineServer:
                                        f"(the input's tokens)")
             rows.append(_Row(prompt=[int(t) for t in prompts[i]], params=params, return_logprob=bool(logprob[i]),
                              row_seed=seed, rid=str(rids[i] or uuid.uuid4().hex), future=loop.create_future(),
-                             routed_experts_start=start, adapter=adapters[i]))
+                             routed_experts_start=start, adapter=adapters[i], images=images[i]))
         for row in rows:
             self._use_adapter(row, True)
         self._queue.extend(rows)
@@ -291,7 +295,7 @@ class EngineServer:
                         outputs = await loop.run_in_executor(
                             self.engine._executor, self.engine.generate_rows, [r.prompt for r in rows], params,
                             return_logprob, [r.row_seed for r in rows], [r.params.max_new_tokens for r in rows],
-                            self._control, return_routed, adapter)
+                            self._control, return_routed, adapter, [r.images for r in rows])
                     except Exception as error:  # noqa: BLE001 - handed to every request of the batch
                         for row in rows:
                             if not row.future.done():
