@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from megarl.parallel.launch import run_ranks
+from megarl.sync import merge_stats
 from tests.distributed import vision_jobs
+from tests.engine_servers import engine_servers
 
 TEMPERATURE = 0.8
 
@@ -59,9 +61,20 @@ def test_actor_recomputes_the_engines_log_probs_and_learns(tiny):
     image = load_hf_config(hf_dir).image_token_id
     grids = batch["multi_modal_inputs"][0]["image_grid_thw"]
     assert batch["prompts"][0].tolist().count(image) == int(grids.prod(-1).sum()) // 4  # expanded for the trainer
-    results = run_ranks(vision_jobs.actor_job, 4, hf_dir, batch, TEMPERATURE, timeout_s=600)
+    with engine_servers(hf_dir, root / "sync_logs", num_engines=1, tp_size=2) as servers:
+        engine = {"index": 0, "url": servers.processes[0].url, "tp": 2}
+        cases = [("tensor", [{**engine, "host_ranks": (0, 1)}]), ("distributed", [{**engine, "replica": 0}])]
+        results = run_ranks(vision_jobs.actor_job, 4, hf_dir, batch, TEMPERATURE, cases, timeout_s=600)
     (output,) = [r for r in results if r["output_rank"]]
     assert output["mismatch"]["mismatch/abs_logp_diff_max"] <= 1e-5
     for r in results:
         assert len(r["steps"]) == 2 and all(applied and math.isfinite(loss) for applied, loss, _ in r["steps"])
     assert any(norm > 0 for _, _, norm in output["steps"])
+    # Both transports took every weight to the engine, the vision tower's (checkpoint names) among them, and read
+    # each one back equal (the transport's verification).
+    for transport in ("tensor", "distributed"):
+        cases = [case for r in results for case in r["sync"] if case[0] == transport]
+        names, tower = cases[0][2], cases[0][3]
+        merged = merge_stats([stats for _, stats, _, _ in cases if stats])
+        assert tower > 0 and merged["weight_sync/verified_tensors"] == names, transport
+        assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == 1

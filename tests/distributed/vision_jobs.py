@@ -197,8 +197,10 @@ def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperat
     return batch
 
 
-def actor_job(hf_dir: str, batch, temperature: float) -> dict:
-    """The Megatron actor (TP=2 × PP=2, packed) recomputes the rollout's log-probs, then takes PPO steps."""
+def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
+    """The Megatron actor (TP=2 × PP=2, packed) recomputes the rollout's log-probs, takes PPO steps, then syncs its
+    weights (the vision tower's included) into a CPU engine server by each transport of ``sync_cases``
+    (``(transport, engine fields)``), every tensor read back and verified by the transport."""
     from megarl.algo.mismatch import mismatch_metrics
     from megarl.config import ActorConfig, OptimConfig
     from megarl.parallel import ParallelDims
@@ -214,7 +216,19 @@ def actor_job(hf_dir: str, batch, temperature: float) -> dict:
     torch.distributed.broadcast(old, src=src, group=sharded.groups.pp)
     batch["old_log_probs"] = old
     steps = actor.update(batch, temperature=temperature)
-    out = {"steps": [(s.applied, s.loss, s.grad_norm) for s in steps], "output_rank": before is not None}
+    out = {"steps": [(s.applied, s.loss, s.grad_norm) for s in steps], "output_rank": before is not None,
+           "sync": []}
+    from megarl.rollout.client import EngineAddress
+    from megarl.sync import make_transport
+
+    exporter = sharded.exporter(torch.float32)
+    names = [n for unit in exporter.units for n in unit.hf_names]
+    for index, (name, fields) in enumerate(sync_cases):
+        transport = make_transport(name, sharded.groups, [EngineAddress(**f) for f in fields], device="cpu")
+        stats = transport.sync(exporter, bucket_bytes=1 << 16, version=f"v{index}", verify_names=names)
+        out["sync"].append((name, stats, len(names), sum(n.startswith("visual.") for n in names)))
+        transport.close()
+        torch.distributed.barrier()
     if before is not None:
         out["mismatch"] = mismatch_metrics(batch["rollout_log_probs"], before["log_probs"],
                                            batch["response_mask"].float())
