@@ -63,8 +63,26 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the hub: Qwen2's 7B language model (q/k/v biases, untied) with
+    # multimodal RoPE (sections 16, 24, 24 of the 128-wide heads), and a 32-block vision tower (1280 wide, windowed
+    # attention but in blocks 7, 15, 23, 31; 2 x 2 patch merging into the 3584-wide language model).
+    "Qwen2.5-VL-7B": dict(
+        model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], tie_word_embeddings=False,
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        text_config=dict(
+            hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+            intermediate_size=18944, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        ),
+        vision_config=dict(
+            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+            tokens_per_second=2, hidden_act="silu",
+        ),
+    ),
 }
-"""Base-model name -> the size-deciding fields of its HF ``config.json`` (Qwen2.5: q/k/v biases, which
+"""Base-model name -> the size-deciding fields of its HF ``config.json`` (a vision-language model's language sizes
+in its ``text_config``) (Qwen2.5: q/k/v biases, which
 the ``qwen2`` family adds; Llama 3.1: none; a reward model: its sequence-classification architecture; Qwen3-30B-A3B: a mixture of experts in every layer, no shared
 expert)."""
 
@@ -87,8 +105,10 @@ def known_config(name: str):
     """The HF config of the known architecture ``name`` (a key of :data:`KNOWN_ARCHITECTURES`)."""
     from transformers import AutoConfig
 
+    from megarl.models.vision import model_config
+
     fields = dict(KNOWN_ARCHITECTURES[name])
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return model_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
 
 
 def check_sizes(fields: dict[str, Any], *, source: str, key: str) -> None:

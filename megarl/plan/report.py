@@ -102,7 +102,8 @@ def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
     for stage in range(dims.pp):
         gpus = [r for r in range(dims.world_size) if megatron_coordinates(r, dims)[3] == stage]
         nodes = sorted({pool.node_of(g) for g in gpus})
-        ends = (["embedding"] if stage == 0 else []) + (
+        first = ["vision tower (whole on each TP rank)", "embedding"] if sizes.family.vision else ["embedding"]
+        ends = (first if stage == 0 else []) + (
             ["final norm", "value head" if role == "critic" else "LM head"] if stage == dims.pp - 1 else [])
         node_word = "nodes" if len(nodes) > 1 else "node"
         lines.append(f"  stage {stage}: GPUs {ranges(gpus)} ({node_word} {ranges(nodes)}): layers "

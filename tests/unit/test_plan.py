@@ -407,7 +407,7 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     one = tied.rank_params(tp=1)
     assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
-                                        "Llama-3.1-70B", "Qwen3-30B-A3B"}
+                                        "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -885,3 +885,18 @@ def test_an_fp8_sync_moves_the_quantized_bytes_and_holds_two_more_buffers():
     added = {gpu.rows["sync_buffers"] - next(g for g in bf16.gpus if g.gpus == gpu.gpus).rows["sync_buffers"]
              for gpu in fp8.gpus}
     assert len(added) == 1 and added.pop() == pytest.approx(2 * 128256 * 8192 * 2, rel=1e-4)
+
+
+def test_the_vision_language_recipe_plans_its_tower_on_the_first_stage(capsys):
+    """Qwen2.5-VL-7B (the hub's 8.29 B parameters): its 0.68 B-parameter vision tower sits whole on every TP rank
+    of the actor's first stage, besides the language model's share."""
+    arch = Architecture.from_hf(known_config("Qwen2.5-VL-7B"), name="vl", source="t")
+    assert round(arch.num_params / 1e9, 2) == 8.29
+    text = Architecture.from_hf(known_config("Qwen2.5-7B"), name="t", source="t")
+    tower = arch.num_params - text.num_params
+    assert round(tower / 1e9, 2) == 0.68
+    assert arch.rank_params(tp=2, pp=2, pp_rank=0) - text.rank_params(tp=2, pp=2, pp_rank=0) == tower
+    assert arch.rank_params(tp=2, pp=2, pp_rank=1) == text.rank_params(tp=2, pp=2, pp_rank=1)
+    assert plan_main(["recipe=qwen2_5_vl_7b_grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-27 + vision tower (whole on each TP rank), embedding" in out and "fits:" in out
