@@ -27,6 +27,12 @@ from megarl.data.dataset import missing_scoring_columns
 from megarl.data.files import data_format, read_columns
 from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
 from megarl.warmstart.sft import ensure_tiny_sft
+from megarl.warmstart.squares_data import SQUARES_DATA_DIR, SQUARES_DATA_FILES, ensure_squares_data
+
+TINY_DATA = {ADDITION_DATA_DIR: (ADDITION_DATA_FILES, ensure_addition_data),
+             SQUARES_DATA_DIR: (SQUARES_DATA_FILES, ensure_squares_data)}
+"""The tiny recipes' own data (addition; red squares, with images): written where their recipes look for it when
+missing, never anywhere else."""
 
 
 def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
@@ -116,15 +122,18 @@ def _check_data(cfg: RunConfig, scoring: bool = True) -> list[Path]:
     val = [Path(f).expanduser() for f in data.val_files]
     missing = [(key, p) for key, files in (("data.train_files", train), ("data.val_files", val))
                for p in files if not p.is_file()]
-    defaults = {(Path(ADDITION_DATA_DIR) / name).resolve() for name in ADDITION_DATA_FILES}
     tiny = cfg.actor_rollout_ref.model.init == "tiny_sft"
-    if missing and tiny and all(p.resolve() in defaults for _, p in missing):
-        ensure_addition_data(ADDITION_DATA_DIR)
-    elif missing:
+    written = None
+    for directory, (names, ensure) in TINY_DATA.items():
+        defaults = {(Path(directory) / name).resolve() for name in names}
+        if missing and tiny and all(p.resolve() in defaults for _, p in missing):
+            written = ensure(directory)
+    if missing and written is None:
         key, path = missing[0]
+        where = " or ".join(f"{d}/{{{','.join(names)}}}" for d, (names, _) in TINY_DATA.items())
         raise ValueError(f"{key}: {path} does not exist ({len(missing)} missing data file(s)); give existing data "
-                         f"files: .parquet, .json or .jsonl (tools/ converts GSM8K; the tiny recipe writes its own only "
-                         f"at {ADDITION_DATA_DIR}/{{{','.join(ADDITION_DATA_FILES)}}})")
+                         f"files: .parquet, .json or .jsonl (tools/ converts GSM8K; the tiny recipes write their own "
+                         f"only at {where})")
     for key, files in (("data.train_files", train), ("data.val_files", val)):
         for path in files:
             _check_data_columns(cfg, key, path, scoring)

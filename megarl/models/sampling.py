@@ -254,9 +254,16 @@ class _Decoder:
             self.cache = self._new_cache()
             steps_T = torch.arange(self.fed_BT.shape[1], device=self.device)
             generated_BT = self._positions(self.next_position_B1 - self.fed_BT.shape[1] + 1 + steps_T)
-            positions_BL = torch.cat([self.position_ids_BL, generated_BT], dim=-1)
-            logits_BV = last_logits(self.model, torch.cat([self.input_ids_BL, self.fed_BT], dim=1),
-                                    self.attention_mask_BL, positions_BL, self.cache, **self.vision_inputs)
+            if self.vision_inputs:
+                # The prompt with its images, then the tokens so far: a generated placeholder token is text, which
+                # the model reads as such only without the images' pixel values.
+                last_logits(self.model, self.input_ids_BL, self.attention_mask_BL[:, :self.width],
+                            self.position_ids_BL, self.cache, **self.vision_inputs)
+                logits_BV = last_logits(self.model, self.fed_BT, self.attention_mask_BL, generated_BT, self.cache)
+            else:
+                positions_BL = torch.cat([self.position_ids_BL, generated_BT], dim=-1)
+                logits_BV = last_logits(self.model, torch.cat([self.input_ids_BL, self.fed_BT], dim=1),
+                                        self.attention_mask_BL, positions_BL, self.cache)
             if self.routing is not None:
                 self.routing.collect(self.num_rows, self.width + self.fed_BT.shape[1], restart=True)
         else:
@@ -350,25 +357,28 @@ def sample_continuations(model: torch.nn.Module, prompts: Sequence[Sequence[int]
 
 
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-             seed: int, stop_token_ids: Sequence[int]) -> list[list[int]]:
+             seed: int, stop_token_ids: Sequence[int], vision: VisionPrompts | None = None) -> list[list[int]]:
     """One continuation per prompt (token ids, ending with the stop token when one was sampled).
 
     :func:`sample_continuations` with every row limited to ``max_new_tokens``, padding with
     ``stop_token_ids[0]`` and row ``i`` seeded with ``derive_row_seed(seed, i)``: the tokens
     ``HFEngine.generate`` returns for ``SamplingParams(max_new_tokens, temperature, seed)`` with
-    these stop ids as its EOS ids. ``temperature=0`` is greedy.
+    these stop ids as its EOS ids. ``temperature=0`` is greedy. ``vision``: a vision-language model's images
+    (:class:`VisionPrompts`).
     """
     if max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"generate needs max_new_tokens >= 1 and temperature >= 0, got {max_new_tokens} and "
                          f"{temperature}")
     if not prompts or not all(prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
-    context = int(model.config.max_position_embeddings)
+    from megarl.models.vision import model_config
+
+    context = int(model_config(model.config).max_position_embeddings)
     if max(len(p) for p in prompts) + max_new_tokens > context:
         raise ValueError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens plus max_new_tokens="
                          f"{max_new_tokens} exceeds the model's context of {context} (max_position_embeddings)")
     continuations = sample_continuations(
         model, prompts, max_new_tokens=[max_new_tokens] * len(prompts),
         row_seeds=[derive_row_seed(seed, row) for row in range(len(prompts))], stop_token_ids=stop_token_ids,
-        pad_token_id=stop_token_ids[0], temperature=temperature)
+        pad_token_id=stop_token_ids[0], temperature=temperature, vision=vision)
     return [continuation.token_ids for continuation in continuations]

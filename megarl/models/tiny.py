@@ -235,18 +235,29 @@ def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int 
     )
 
 
-TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config}
+TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config, "qwen2_5_vl": tiny_qwen2_5_vl_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 
 
 def build_tiny_model(tokenizer, *, seed: int = 0, arch: str = "qwen2", **sizes):
     """A randomly initialised tiny model of architecture ``arch`` (:data:`TINY_ARCHS`) in fp32."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"tiny model architecture {arch!r} is unknown; use one of {sorted(TINY_ARCHS)}")
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(TINY_ARCHS[arch](tokenizer, **sizes)).float().eval()
+    auto = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
+    return auto.from_config(TINY_ARCHS[arch](tokenizer, **sizes)).float().eval()
+
+
+VISION_ARCHS = ("qwen2_5_vl",)
+"""The tiny architectures that read images (their tokenizer: :func:`build_tiny_vl_tokenizer`; their image
+processor: :func:`tiny_image_processor`)."""
+
+
+def tiny_tokenizer(arch: str):
+    """The tokenizer of the tiny architecture ``arch``."""
+    return build_tiny_vl_tokenizer() if arch in VISION_ARCHS else build_tiny_tokenizer()
 
 
 def save_tiny_vl(directory: str | os.PathLike, *, seed: int = 0, **sizes) -> Path:

@@ -95,23 +95,24 @@ class VisionSpec:
         return [int(s) for s in section]
 
     @staticmethod
-    def position_ids(hf_config, input_ids_S: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """``[S, 3]`` (temporal, height, width) positions of one row's tokens ``input_ids_S`` (no padding), whose
-        images have the patch grids ``grid_thw`` ``[images, 3]`` in order."""
+    def layout(hf_config, input_ids_S: torch.Tensor, grid_thw: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([S, 3] positions, [S] image mask)`` of one row's tokens ``input_ids_S`` (no padding), whose images have
+        the patch grids ``grid_thw`` ``[images, 3]`` in order: the row's first runs of placeholder tokens hold its
+        images, whole; a placeholder after the last image (one the model generated) is text, as the engines read
+        it. Positions: text tokens consecutively on all three axes, an image's merged patches at their (t, h, w)
+        grid positions after the text before it, the text after it going on from its start + max(h, w)."""
         image = int(hf_config.image_token_id)
         merge = int(hf_config.vision_config.spatial_merge_size)
         ids = input_ids_S.tolist()
-        video = getattr(hf_config, "video_token_id", None)
-        if video is not None and int(video) in ids:
-            raise ValueError(f"the row holds video placeholder tokens ({video}): megarl's vision-language models take "
-                             "images; give videos as frames (images)")
         grids = [] if grid_thw is None else [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         out = torch.empty(len(ids), 3, dtype=torch.long)
+        is_image = torch.zeros(len(ids), dtype=torch.bool)
         current, i, k = 0, 0, 0
         while i < len(ids):
-            if ids[i] != image:
-                j = i
-                while j < len(ids) and ids[j] != image:
+            if ids[i] != image or k == len(grids):  # text
+                j = i + 1
+                while j < len(ids) and (ids[j] != image or k == len(grids)):
                     j += 1
                 out[i:j] = torch.arange(current, current + j - i)[:, None]
                 current += j - i
@@ -122,9 +123,10 @@ class VisionSpec:
                 run += 1
             first = k
             while i < run:  # the run holds whole images, in order
-                if k >= len(grids):
-                    raise ValueError(f"the row has more images (placeholder runs of token {image}) than image grids "
-                                     f"({len(grids)})")
+                if k == len(grids):
+                    raise ValueError(f"the {run - i} placeholder tokens (token {image}) at position {i} are left over "
+                                     f"after the row's {len(grids)} image(s); each image needs grid t·h·w / "
+                                     f"{merge}² placeholders")
                 t, h, w = grids[k][0], grids[k][1] // merge, grids[k][2] // merge
                 n = t * h * w
                 if i + n > run:
@@ -133,21 +135,47 @@ class VisionSpec:
                                      f"{[list(g) for g in grids]} must match its placeholder runs")
                 tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
                 out[i:i + n] = torch.stack([tt, hh, ww], dim=-1).reshape(n, 3) + current
+                is_image[i:i + n] = True
                 current += max(h, w)
                 i, k = i + n, k + 1
         if k != len(grids):
             raise ValueError(f"the row has {len(grids)} image grids but {k} images (placeholder runs)")
-        return out
+        return out, is_image
 
-    def batch_position_ids(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
-                           vision_inputs: Sequence[dict | None]) -> torch.Tensor:
-        """``[B, S, 3]`` positions of a batch (rows with contiguous tokens; 0 on padding)."""
-        out = torch.zeros(*input_ids_BS.shape, 3, dtype=torch.long)
+    @classmethod
+    def position_ids(cls, hf_config, input_ids_S: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """``[S, 3]`` positions of one row's tokens (:meth:`layout`)."""
+        return cls.layout(hf_config, input_ids_S, grid_thw)[0]
+
+    def prompts(self, hf_config, prompts: Sequence[Sequence[int]], row_inputs: Sequence[dict | None]):
+        """The :class:`~megarl.models.sampling.VisionPrompts` of ``prompts`` (each image's placeholders expanded),
+        whose rows have the vision inputs ``row_inputs`` (``pixel_values``, ``image_grid_thw``; None: none)."""
+        from megarl.models.sampling import VisionPrompts
+
+        positions = [self.position_ids(hf_config, torch.as_tensor(list(ids)),
+                                       None if not inputs else inputs["image_grid_thw"])
+                     for ids, inputs in zip(prompts, row_inputs, strict=True)]
+        present = [inputs for inputs in row_inputs if inputs]
+        merged = None if not present else {key: torch.cat([x[key] for x in present]) for key in present[0]}
+        return VisionPrompts(positions, merged)
+
+    def batch_layout(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+                     vision_inputs: Sequence[dict | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, S, 3] positions, [B, S] image mask)`` of a batch (rows with contiguous tokens; 0 / False on
+        padding; :meth:`layout`)."""
+        positions = torch.zeros(*input_ids_BS.shape, 3, dtype=torch.long)
+        images = torch.zeros(input_ids_BS.shape, dtype=torch.bool)
         mask = attention_mask_BS.bool().cpu()
         for row, inputs in enumerate(vision_inputs):
             grid = None if not inputs else inputs.get("image_grid_thw")
-            out[row, mask[row]] = self.position_ids(hf_config, input_ids_BS[row].cpu()[mask[row]], grid)
-        return out.to(input_ids_BS.device)
+            positions[row, mask[row]], images[row, mask[row]] = self.layout(hf_config, input_ids_BS[row].cpu()[mask[row]],
+                                                                            grid)
+        return positions.to(input_ids_BS.device), images.to(input_ids_BS.device)
+
+    def batch_position_ids(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+                           vision_inputs: Sequence[dict | None]) -> torch.Tensor:
+        """``[B, S, 3]`` positions of a batch (:meth:`batch_layout`)."""
+        return self.batch_layout(hf_config, input_ids_BS, attention_mask_BS, vision_inputs)[0]
 
 
 _SHAPES: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
@@ -255,7 +283,10 @@ def _vision_gpt_class():
             pixels = vision_inputs["pixel_values"].to(embeds_btH.device, self.config.params_dtype)
             grid = vision_inputs["image_grid_thw"].to(embeds_btH.device)
             images_nH = self.vision_model(pixels, grid_thw=grid).pooler_output.to(embeds_btH.dtype)
-            mask_bt = input_ids_bt == self.image_token_id
+            # The placeholders that hold images (a placeholder the model generated is text): the pipeline's mask,
+            # else every placeholder.
+            mask_bt = vision_inputs.get("image_mask")
+            mask_bt = input_ids_bt == self.image_token_id if mask_bt is None else mask_bt.to(input_ids_bt.device)
             if int(mask_bt.sum()) != images_nH.shape[0]:
                 raise ValueError(f"the micro-batch has {int(mask_bt.sum())} image placeholder tokens "
                                  f"({self.image_token_id}) but its {grid.shape[0]} images make {images_nH.shape[0]} "

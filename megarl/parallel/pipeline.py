@@ -48,6 +48,9 @@ MULTIMODAL_INPUTS = "multi_modal_inputs"
 MROPE_POSITIONS = "mrope_position_ids"
 """A micro-batch's per-token multimodal positions ``[B, S, 3]`` (temporal, height, width; 0 on padding), which the
 model's multimodal RoPE takes instead of each row's 0, 1, 2, ... (:mod:`megarl.models.vision`)."""
+IMAGE_TOKENS = "image_token_mask"
+"""A micro-batch's ``[B, S]`` mask of the placeholder tokens that hold its images (a placeholder token the model
+generated is text), which the first stage's vision model fills with image embeddings."""
 
 EMITS_VALUES = "emits_values"
 """The attribute that marks a value output layer: a chunk whose ``output_layer`` has it set to True
@@ -290,6 +293,8 @@ def _forward_step(loss_func: Callable, routing: Routing | None, moe_split: tuple
             config.moe_z_loss_coeff = z_coeff * tp * prepared.cp * local / max(total, 1)
     if MULTIMODAL_INPUTS in micro_batch and getattr(_unwrap(model), "pre_process", False):
         kwargs["vision_inputs"] = vision_inputs(micro_batch[MULTIMODAL_INPUTS])
+        if kwargs["vision_inputs"] is not None and IMAGE_TOKENS in micro_batch:
+            kwargs["vision_inputs"]["image_mask"] = prepared.to_model(micro_batch[IMAGE_TOKENS], False)
     try:
         output = model(prepared.input_ids, prepared.position_ids, None,
                        packed_seq_params=prepared.packed_seq_params, **kwargs)

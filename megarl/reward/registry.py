@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megarl.reward import addition, geometry, gsm8k, hendrycks_math, math_dapo, prime_math, search_qa
+from megarl.reward import addition, geometry, gsm8k, hendrycks_math, math_dapo, prime_math, search_qa, squares
 
 Scorer = Callable[..., float | dict]
 """``scorer(solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict``."""
@@ -45,6 +45,7 @@ PREFIX = "*"
 BUILTIN_SCORERS: Mapping[str, Scorer] = MappingProxyType({
     gsm8k.DATA_SOURCE: gsm8k.score_response,
     addition.DATA_SOURCE: addition.score_response,
+    squares.DATA_SOURCE: squares.score_response,
     **dict.fromkeys(hendrycks_math.DATA_SOURCES, hendrycks_math.score_response),
     **dict.fromkeys(math_dapo.DATA_SOURCES, math_dapo.score_response),
     **{prefix + PREFIX: math_dapo.score_response for prefix in math_dapo.DATA_SOURCE_PREFIXES},

@@ -53,8 +53,10 @@ from typing import Any
 import torch
 
 from megarl.data.files import read_columns, read_table
+from megarl.data.images import image_messages, load_images
+from megarl.parallel.pipeline import vision_inputs
 from megarl.models.sampling import eos_token_ids, generate
-from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
+from megarl.models.tiny import VISION_ARCHS, build_tiny_model, tiny_image_processor, tiny_tokenizer
 from megarl.reward.registry import default_compute_score
 from megarl.seeds import sft_probe_seed
 
@@ -69,6 +71,9 @@ MARKER_FORMAT = 1
 DEFAULT_MODEL_SIZES: Mapping[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                                           "intermediate_size": 256}
 """Sizes of the warm-started model (keyword arguments of :func:`megarl.models.tiny.tiny_qwen2_config`)."""
+DEFAULT_VL_SIZES: Mapping[str, int] = {**DEFAULT_MODEL_SIZES, "vision_hidden": 64}
+"""Sizes of the warm-started tiny Qwen2.5-VL (:func:`megarl.models.tiny.tiny_qwen2_5_vl_config`): the dense
+model's language sizes, a 2-block vision tower 64 wide."""
 DEFAULT_MOE_SIZES: Mapping[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                                         "head_dim": 32, "moe_intermediate_size": 64, "num_experts": 8,
                                         "num_experts_per_tok": 2}
@@ -106,10 +111,19 @@ class SFTRow:
     """The target response (``reward_model.ground_truth``)."""
     data_source: str
     """Picks the reward scorer (``data_source`` column)."""
+    images: tuple = ()
+    """The row's images (RGB, from the ``images`` column; a vision-language model's data), placed at the
+    prompt's ``<image>`` markers."""
+
+    def key(self) -> list:
+        """What identifies the row in the cache's data hash (an image by its pixels)."""
+        pixels = [hashlib.sha256(image.tobytes()).hexdigest() for image in self.images]
+        return [self.messages, self.answer, self.data_source, pixels]
 
 
 SFT_COLUMNS = ("data_source", "prompt", "reward_model")
-"""The columns of the training files the warm start reads."""
+"""The columns of the training files the warm start reads (and ``images`` where a file has it)."""
+IMAGE_COLUMN = "images"
 
 
 def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> list[SFTRow]:
@@ -126,7 +140,8 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
             raise ValueError(f"{path}: no column(s) {missing}; the tiny_sft warm start reads {list(SFT_COLUMNS)} "
                              f"of megarl's row schema (data.train_files; build the file with "
                              f"tools/make_addition_data.py)")
-        table = read_table(path).select(list(SFT_COLUMNS))
+        columns = list(SFT_COLUMNS) + ([IMAGE_COLUMN] if IMAGE_COLUMN in read_columns(path) else [])
+        table = read_table(path).select(columns)
         for index, row in enumerate(table.to_pylist()):
             ground_truth = (row["reward_model"] or {}).get("ground_truth")
             if not row["prompt"] or ground_truth is None:
@@ -134,23 +149,41 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
                                  f"warm start trains on prompt -> ground truth (build the file with "
                                  f"tools/make_addition_data.py)")
             messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-            rows.append(SFTRow(messages, str(ground_truth), row["data_source"]))
+            images = load_images(row.get(IMAGE_COLUMN), f"{file} row {index}")
+            if images:
+                messages = image_messages(messages, len(images), f"{file} row {index}")
+            rows.append(SFTRow(messages, str(ground_truth), row["data_source"], tuple(images)))
     return rows
 
 
-def encode_prompt_ids(rows: Sequence[SFTRow], tokenizer: Any) -> list[list[int]]:
-    """The chat-templated prompt (with the generation prompt) of each row, as token ids."""
-    return [list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)) for row in rows]
+def encode_prompt_ids(rows: Sequence[SFTRow], tokenizer: Any, processor: Any = None) -> list[list[int]]:
+    """The chat-templated prompt (with the generation prompt) of each row, as token ids (with ``processor``, an
+    :class:`~megarl.data.images.ImageProcessor`: each image's placeholder expanded to its merged patches)."""
+    out = []
+    for row in rows:
+        ids = list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        if row.images:
+            ids = processor.expand(ids, processor.pixels(list(row.images))["image_grid_thw"])
+        out.append(ids)
+    return out
 
 
-def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids_NS, attention_mask_NS, labels_NS)``: templated prompt, answer + EOS, right-padded.
+def vision_rows(rows: Sequence[SFTRow], processor: Any) -> list[dict | None] | None:
+    """Each row's vision inputs (``pixel_values``, ``image_grid_thw``; None without images); None for text rows."""
+    if not any(row.images for row in rows):
+        return None
+    return [processor.pixels(list(row.images)) if row.images else None for row in rows]
+
+
+def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any, processor: Any = None) -> tuple:
+    """``(input_ids_NS, attention_mask_NS, labels_NS)``: templated prompt, answer + EOS, right-padded; rows with
+    images add each row's vision inputs (:func:`vision_rows`) as a fourth item.
 
     Labels are the input ids on the answer and EOS tokens and ``-100`` elsewhere (the model
     shifts them by one).
     """
-    prompts = encode_prompt_ids(rows, tokenizer)
+    prompts = encode_prompt_ids(rows, tokenizer, processor)
     targets = [tokenizer.encode(row.answer + tokenizer.eos_token, add_special_tokens=False) for row in rows]
     width = max(len(p) + len(t) for p, t in zip(prompts, targets))
     input_ids_NS = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -161,32 +194,43 @@ def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any) -> tuple[torch.T
         input_ids_NS[n, :length] = torch.tensor(prompt + target)
         attention_mask_NS[n, :length] = 1
         labels_NS[n, len(prompt):length] = torch.tensor(target)
-    return input_ids_NS, attention_mask_NS, labels_NS
+    vision = vision_rows(rows, processor)
+    return (input_ids_NS, attention_mask_NS, labels_NS) + (() if vision is None else (vision,))
 
 
 # -------------------------------------------------------------------------------------- rewards
 
 
 def sample_responses(model: torch.nn.Module, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *,
-                     temperature: float, seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+                     temperature: float, seed: int, max_new_tokens: int = MAX_NEW_TOKENS,
+                     vision: Sequence[dict | None] | None = None) -> list[list[int]]:
     """One response (token ids) per prompt, sampled from ``model`` as it is, seeded by ``seed``.
 
     The tokens megarl's HF engine returns for ``SamplingParams(max_new_tokens, temperature, seed)``
-    (see :mod:`megarl.models.sampling`); ``temperature=0`` is greedy.
+    (see :mod:`megarl.models.sampling`); ``temperature=0`` is greedy. ``vision``: each prompt's vision inputs
+    (:func:`vision_rows`), a vision-language model's.
     """
+    prompts = None
+    if vision is not None:
+        from megarl.models import family_for
+        from megarl.models.vision import model_config
+
+        config = model_config(model.config)
+        prompts = family_for(config).vision.prompts(config, prompt_ids, vision)
     return generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                    stop_token_ids=eos_token_ids(model, tokenizer))
+                    stop_token_ids=eos_token_ids(model, tokenizer), vision=prompts)
 
 
 def mean_reward(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], prompt_ids: Sequence[Sequence[int]],
-                *, temperature: float, seed: int, max_new_tokens: int = MAX_NEW_TOKENS) -> float:
+                *, temperature: float, seed: int, max_new_tokens: int = MAX_NEW_TOKENS,
+                vision: Sequence[dict | None] | None = None) -> float:
     """Mean reward of one response per row, sampled from ``model`` by :func:`sample_responses`.
 
     Responses are decoded without special tokens and scored by the reward registry's scorer
     for the row's ``data_source``, as the trainer's reward manager does.
     """
     responses = sample_responses(model, tokenizer, prompt_ids, temperature=temperature, seed=seed,
-                                 max_new_tokens=max_new_tokens)
+                                 max_new_tokens=max_new_tokens, vision=vision)
     total = 0.0
     for row, output_ids in zip(rows, responses):
         response = tokenizer.decode(output_ids, skip_special_tokens=True)
@@ -195,18 +239,20 @@ def mean_reward(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], 
     return total / len(rows)
 
 
-def reward_probe(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], *, seed: int
-                 ) -> Callable[[int], float]:
+def reward_probe(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], *, seed: int,
+                 processor: Any = None) -> Callable[[int], float]:
     """``probe(step)``: the sampled (T=1) mean reward of ``model``, as it is now, on ``rows``.
 
     Sampling is seeded by ``seed`` and ``step``, so a run reproduces its measurements.
     """
-    prompt_ids = encode_prompt_ids(rows, tokenizer)
+    prompt_ids = encode_prompt_ids(rows, tokenizer, processor)
+    vision = vision_rows(rows, processor)
 
     def probe(step: int) -> float:
         model.eval()
         try:
-            return mean_reward(model, tokenizer, rows, prompt_ids, temperature=1.0, seed=sft_probe_seed(seed, step))
+            return mean_reward(model, tokenizer, rows, prompt_ids, temperature=1.0, seed=sft_probe_seed(seed, step),
+                               vision=vision)
         finally:
             model.train()
 
@@ -267,11 +313,12 @@ class SFTResult:
         return sum(window) / len(window)
 
 
-def train_sft(model: torch.nn.Module, examples: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, steps: int,
+def train_sft(model: torch.nn.Module, examples: tuple, *, steps: int,
               lr: float, batch_size: int, seed: int, stop_reward: float | None = None,
               probe: Callable[[int], float] | None = None, progress: bool = True) -> SFTResult:
     """Fine-tune ``model`` in place for up to ``steps`` AdamW steps.
 
+    ``examples``: :func:`encode_sft_examples`'s (with images: their vision inputs fed with each batch).
     The learning rate follows :func:`lr_factor` over ``steps``. Batches are drawn from
     reshuffled epochs of ``examples`` with a generator seeded by ``seed``; the loss is the
     mean over the batch's answer tokens; gradients are clipped to norm 1. With ``stop_reward``,
@@ -282,7 +329,8 @@ def train_sft(model: torch.nn.Module, examples: tuple[torch.Tensor, torch.Tensor
 
     if stop_reward is not None and probe is None:
         raise ValueError("train_sft: stop_reward needs a probe to measure the reward with")
-    input_ids_NS, attention_mask_NS, labels_NS = examples
+    input_ids_NS, attention_mask_NS, labels_NS, *vision = examples
+    vision = vision[0] if vision else None
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
@@ -291,8 +339,12 @@ def train_sft(model: torch.nn.Module, examples: tuple[torch.Tensor, torch.Tensor
     bar = tqdm(total=steps, desc="tiny SFT", unit="step", disable=not progress)
     for rows_B in _batch_order(input_ids_NS.shape[0], steps, batch_size, generator):
         width = int(attention_mask_NS[rows_B].sum(dim=1).max())  # drop the all-padding tail
+        inputs = {}
+        if vision is not None:  # the batch's images, rows in order, and where their placeholders are
+            inputs = vision_inputs([vision[i] for i in rows_B.tolist()]) or {}
+            inputs["mm_token_type_ids"] = (input_ids_NS[rows_B, :width] == model.config.image_token_id).int()
         loss = model(input_ids=input_ids_NS[rows_B, :width], attention_mask=attention_mask_NS[rows_B, :width],
-                     labels=labels_NS[rows_B, :width]).loss
+                     labels=labels_NS[rows_B, :width], **inputs).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -329,7 +381,7 @@ def tiny_sft_settings(*, steps: int, lr: float, seed: int, batch_size: int, stop
         "model_sizes": dict(sorted(model_sizes.items())),
         "tokenizer_sha256": hashlib.sha256((tokenizer.backend_tokenizer.to_str() + str(tokenizer.chat_template))
                                            .encode()).hexdigest(),
-        "data_sha256": _sha256_json([dataclasses.astuple(row) for row in rows]),
+        "data_sha256": _sha256_json([row.key() for row in rows]),
         "num_examples": len(rows),
     }
 
@@ -410,10 +462,14 @@ def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.Path
         raise ValueError(f"model.sft_stop_reward must be in (0, 1] (or None to run all sft_steps), got {stop_reward}")
     path = Path(path).expanduser().absolute()
     if model_sizes is None:
-        model_sizes = DEFAULT_MOE_SIZES if arch == "qwen3_moe" else DEFAULT_MODEL_SIZES
+        model_sizes = {"qwen3_moe": DEFAULT_MOE_SIZES, "qwen2_5_vl": DEFAULT_VL_SIZES}.get(arch, DEFAULT_MODEL_SIZES)
     sizes = {**model_sizes, **({"arch": arch} if arch != "qwen2" else {})}
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = tiny_tokenizer(arch)
     rows = read_sft_rows(train_files)
+    if any(row.images for row in rows) != (arch in VISION_ARCHS):
+        raise ValueError(f"model.tiny_arch={arch}: the training data {'has' if arch not in VISION_ARCHS else 'has no'} "
+                         f"images; a vision-language tiny model ({', '.join(VISION_ARCHS)}) trains on image data "
+                         f"(data/squares), a text one on text")
     settings = tiny_sft_settings(steps=steps, lr=lr, seed=seed, batch_size=batch_size, stop_reward=stop_reward,
                                  model_sizes=sizes, tokenizer=tokenizer, rows=rows)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,10 +498,16 @@ def _build(directory: Path, tokenizer: Any, rows: Sequence[SFTRow], settings: Ma
     stop_reward = settings["stop_reward"]
     with _torch_threads(num_threads):
         model = build_tiny_model(tokenizer, seed=settings["seed"], **sizes)
-        examples = encode_sft_examples(rows, tokenizer)
+        processor = image_processor = None
+        if sizes.get("arch") in VISION_ARCHS:
+            from megarl.data.images import ImageProcessor
+
+            image_processor = tiny_image_processor(patch_size=model.config.vision_config.patch_size)
+            processor = ImageProcessor(image_processor, tokenizer, image_token_id=model.config.image_token_id)
+        examples = encode_sft_examples(rows, tokenizer, processor)
         probe = None
         if stop_reward is not None:
-            probe = reward_probe(model, tokenizer, rows[:NUM_PROBE_ROWS], seed=settings["seed"])
+            probe = reward_probe(model, tokenizer, rows[:NUM_PROBE_ROWS], seed=settings["seed"], processor=processor)
         result = train_sft(model, examples, steps=settings["steps"], lr=settings["lr"],
                            batch_size=settings["batch_size"], seed=settings["seed"], stop_reward=stop_reward,
                            probe=probe, progress=progress)
@@ -464,6 +526,8 @@ def _build(directory: Path, tokenizer: Any, rows: Sequence[SFTRow], settings: Ma
                        reward, settings["steps"], stop_reward)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+    if image_processor is not None:
+        image_processor.save_pretrained(directory)
     marker = {"settings": dict(settings), "steps_taken": len(result.losses), "first_loss": result.losses[0],
               "final_loss": result.final_loss, "rewards": result.rewards, "seconds": round(seconds, 2)}
     (directory / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
@@ -479,12 +543,19 @@ def tiny_sft_accuracy(path: str | os.PathLike, test_file: str | os.PathLike, *, 
     One response per row at ``temperature`` (0: greedy) seeded by ``seed``, sampled and scored
     as in :func:`mean_reward` (fp32 on CPU: what megarl's HF engine would return).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     rows = read_sft_rows([test_file])[:num]
     if not rows:
         raise ValueError(f"{test_file} has no rows to measure accuracy on")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return mean_reward(model, tokenizer, rows, encode_prompt_ids(rows, tokenizer), temperature=temperature,
-                       seed=seed, max_new_tokens=max_new_tokens)
+    processor = None
+    if any(row.images for row in rows):
+        from megarl.data.images import ImageProcessor
+        from megarl.models.vision import load_hf_config
+
+        processor = ImageProcessor.from_pretrained(path, tokenizer, load_hf_config(path))
+    auto = AutoModelForCausalLM if processor is None else AutoModelForImageTextToText
+    model = auto.from_pretrained(path, dtype=torch.float32).eval()
+    return mean_reward(model, tokenizer, rows, encode_prompt_ids(rows, tokenizer, processor), temperature=temperature,
+                       seed=seed, max_new_tokens=max_new_tokens, vision=vision_rows(rows, processor))

@@ -48,17 +48,19 @@ few optimizer steps per rollout would discard several rollouts' updates."""
 
 
 def with_positions(micro_batches: Sequence[dict], family, hf_config) -> list[dict]:
-    """A vision-language model's micro-batches with their multimodal positions
-    (:data:`~megarl.parallel.pipeline.MROPE_POSITIONS`, from each row's tokens and image grids); others as they are."""
+    """A vision-language model's micro-batches with their multimodal positions and image tokens
+    (:data:`~megarl.parallel.pipeline.MROPE_POSITIONS`, :data:`~megarl.parallel.pipeline.IMAGE_TOKENS`, from each
+    row's tokens and image grids); others as they are."""
     if family.vision is None:
         return list(micro_batches)
-    from megarl.parallel.pipeline import MROPE_POSITIONS, MULTIMODAL_INPUTS
+    from megarl.parallel.pipeline import IMAGE_TOKENS, MROPE_POSITIONS, MULTIMODAL_INPUTS
 
     out = []
     for mb in micro_batches:
-        rows = mb.get(MULTIMODAL_INPUTS) or [None] * mb["input_ids"].shape[0]
-        out.append({**mb, MROPE_POSITIONS: family.vision.batch_position_ids(hf_config, mb["input_ids"],
-                                                                            mb["attention_mask"], rows)})
+        rows = mb.get(MULTIMODAL_INPUTS)
+        rows = [None] * mb["input_ids"].shape[0] if rows is None else list(rows)
+        positions, images = family.vision.batch_layout(hf_config, mb["input_ids"], mb["attention_mask"], rows)
+        out.append({**mb, MROPE_POSITIONS: positions, IMAGE_TOKENS: images})
     return out
 
 

@@ -32,8 +32,10 @@ def save_tiny_vl(directory, seed: int = 0):
 
 
 def image_batch(config, seed: int = 3) -> dict:
-    """Three rows, left-padded: two images of different grids (4 × 6 and 6 × 4 patches) in the first, one image
-    (2 × 2 patches) after text in the second, text alone in the third; pixel values random."""
+    """Four rows, left-padded: two images of different grids (4 × 6 and 6 × 4 patches) in the first, one image
+    (2 × 2 patches) after text in the second, text alone in the third, and in the fourth an image whose response
+    holds a placeholder token the model generated (text: ``generated_from`` is where the response starts); pixel
+    values random."""
     gen = torch.Generator().manual_seed(seed)
     start, end, pad = config.vision_start_token_id, config.vision_end_token_id, config.image_token_id
 
@@ -43,10 +45,13 @@ def image_batch(config, seed: int = 3) -> dict:
     def text(n):
         return torch.randint(3, 200, (n,), generator=gen).tolist()
 
-    a, b, c = image(4, 6), image(6, 4), image(2, 2)
-    rows = [text(3) + a[0] + text(2) + b[0] + text(4), text(5) + c[0] + text(3), text(7)]
+    a, b, c, d = image(4, 6), image(6, 4), image(2, 2), image(4, 4)
+    prompt = text(2) + d[0] + text(2)
+    rows = [text(3) + a[0] + text(2) + b[0] + text(4), text(5) + c[0] + text(3), text(7),
+            prompt + text(2) + [pad] + text(2)]
     inputs = [{"pixel_values": torch.cat([a[1], b[1]]), "image_grid_thw": torch.tensor([a[2], b[2]])},
-              {"pixel_values": c[1], "image_grid_thw": torch.tensor([c[2]])}, None]
+              {"pixel_values": c[1], "image_grid_thw": torch.tensor([c[2]])}, None,
+              {"pixel_values": d[1], "image_grid_thw": torch.tensor([d[2]])}]
     S = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), S, dtype=torch.long)
     mask = torch.zeros(len(rows), S, dtype=torch.long)
@@ -57,7 +62,7 @@ def image_batch(config, seed: int = 3) -> dict:
     for i, x in enumerate(inputs):
         multi[i] = x
     return {"input_ids": ids, "attention_mask": mask, "multi_modal_inputs": multi,
-            "weights": torch.randn(len(rows), S, generator=gen)}
+            "weights": torch.randn(len(rows), S, generator=gen), "generated_from": [None, None, None, len(prompt)]}
 
 
 @torch.no_grad()
@@ -69,10 +74,28 @@ def hf_logits_and_positions(model, batch: dict) -> tuple[list[torch.Tensor], lis
     for i, inputs in enumerate(batch["multi_modal_inputs"]):
         ids = batch["input_ids"][i][batch["attention_mask"][i].bool()][None]
         kwargs = {} if inputs is None else dict(inputs)
-        types = (ids == image).int()
-        logits.append(model(input_ids=ids, mm_token_type_ids=types, **kwargs).logits[0])
-        grid = None if inputs is None else inputs["image_grid_thw"]
-        positions.append(model.model.get_rope_index(ids, types, grid)[0][:, 0].T)
+        start = batch["generated_from"][i]
+        if start is None:
+            types = (ids == image).int()
+            logits.append(model(input_ids=ids, mm_token_type_ids=types, **kwargs).logits[0])
+            grid = None if inputs is None else inputs["image_grid_thw"]
+            positions.append(model.model.get_rope_index(ids, types, grid)[0][:, 0].T)
+            continue
+        # The prompt with its image, then the response on the cache without pixel values (as an engine decodes):
+        # the generated placeholder is read as text.
+        from transformers import DynamicCache
+
+        prompt = ids[:, :start]
+        types = (prompt == image).int()
+        prompt_positions, _ = model.model.get_rope_index(prompt, types, inputs["image_grid_thw"])
+        after = prompt_positions.max() + 1 + torch.arange(ids.shape[1] - start)
+        cache = DynamicCache(config=model.config)
+        head = model(input_ids=prompt, mm_token_type_ids=types, position_ids=prompt_positions, past_key_values=cache,
+                     use_cache=True, **kwargs).logits[0]
+        tail = model(input_ids=ids[:, start:], position_ids=after.view(1, 1, -1).expand(3, 1, -1),
+                     past_key_values=cache, use_cache=True).logits[0]
+        logits.append(torch.cat([head, tail]))
+        positions.append(torch.cat([prompt_positions[:, 0].T, after[:, None].expand(-1, 3)]))
     return logits, positions
 
 
@@ -93,6 +116,8 @@ def hf_tower_grads(model, batch: dict) -> dict[str, torch.Tensor]:
     model.zero_grad()
     image, total = model.config.image_token_id, 0.0
     for i, inputs in enumerate(batch["multi_modal_inputs"]):
+        if batch["generated_from"][i] is not None:  # weighted 0 (image_batch's caller): no gradient
+            continue
         keep = batch["attention_mask"][i].bool()
         ids = batch["input_ids"][i][keep][None]
         kwargs = {} if inputs is None else dict(inputs)
@@ -113,12 +138,12 @@ def layouts_job(hf_dir: str) -> dict:
     from megarl.models.vision import load_hf_config
     from megarl.parallel import ParallelDims, destroy_parallel, forward_backward, init_parallel
     from megarl.parallel.pipeline import MROPE_POSITIONS
+    from megarl.workers.sharded_model import with_positions
 
     cfg = load_hf_config(hf_dir)
     family = family_for(cfg)
     batch = torch.load(f"{hf_dir}/batch.pt", weights_only=False)
-    batch[MROPE_POSITIONS] = family.vision.batch_position_ids(cfg, batch["input_ids"], batch["attention_mask"],
-                                                             batch["multi_modal_inputs"])
+    batch = with_positions([batch], family, cfg)[0]  # as the workers add them: positions, the image tokens
     out = {"positions": batch[MROPE_POSITIONS]}
     for name, (kwargs, packed) in LAYOUTS.items():
         groups = init_parallel(ParallelDims(**kwargs), seed=5)

