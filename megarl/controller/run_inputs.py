@@ -230,20 +230,31 @@ def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
                              f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
 
 
-def check_lora_policy(cfg: RunConfig) -> None:
-    """With LoRA on (``actor_rollout_ref.model.lora_rank``), refuse a policy it cannot adapt yet (a mixture of
-    experts), naming the key, before anything is placed."""
+def check_policy_support(cfg: RunConfig) -> None:
+    """Refuse, naming the key, before anything is placed, what the policy's family cannot do yet: LoRA on a mixture
+    of experts; with a vision-language model, LoRA, multi-turn rollouts, context parallelism, and a teacher or a
+    reward model (they would read the image placeholders without the images)."""
     model = cfg.actor_rollout_ref.model
-    if not model.lora_rank:
-        return
     from megarl.models import family_for
     from megarl.models.vision import load_hf_config
 
     family = family_for(load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code))
-    if family.moe is not None:
+    if model.lora_rank and family.moe is not None:
         raise ValueError(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA on mixture-of-experts models is "
                          f"not supported yet (actor_rollout_ref.model.path={model.path!r} is a {family.name} model, "
                          f"whose experts are grouped linears): set lora_rank=0")
+    if family.vision is None:
+        return
+    refused = {"actor_rollout_ref.model.lora_rank": model.lora_rank,
+               "actor_rollout_ref.rollout.multi_turn.enable": cfg.actor_rollout_ref.rollout.multi_turn.enable,
+               "actor_rollout_ref.actor.parallel.cp": cfg.actor_rollout_ref.actor.parallel.cp > 1,
+               "critic.parallel.cp": cfg.critic.enable and cfg.critic.parallel.cp > 1,
+               "teacher.enable": cfg.teacher.enable, "reward_model.enable": cfg.reward_model.enable}
+    for key, on in refused.items():
+        if on:
+            raise ValueError(f"{key}: not supported yet with a vision-language policy (actor_rollout_ref.model.path="
+                             f"{model.path!r} is a {family.name} model); turn it off (docs/training.md, "
+                             f"'Vision-language models')")
 
 
 def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:

@@ -60,7 +60,7 @@ from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_s
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import (
-    check_lora_policy,
+    check_policy_support,
     check_resume_layout,
     check_run_inputs,
     prepare_policy,
@@ -158,7 +158,7 @@ class Trainer:
                                                    cfg.trainer.resume_from_path)
                 check_resume_layout(cfg, self._resume_from)
                 prepare_policy(cfg)
-                check_lora_policy(cfg)
+                check_policy_support(cfg)
                 self.routing_shape = routing_shape(cfg)
                 self.plugins = load_agent_plugins(cfg)
         except ValueError as error:

@@ -220,15 +220,35 @@ def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
 
 
 def test_lora_on_a_mixture_of_experts_policy_is_refused_before_ray(tmp_path):
-    from megarl.controller.run_inputs import check_lora_policy
+    from megarl.controller.run_inputs import check_policy_support
     from megarl.models.tiny import save_tiny
 
     moe = save_tiny(tmp_path / "moe", arch="qwen3_moe")
     dense = save_tiny(tmp_path / "dense")
-    check_lora_policy(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={dense}",
-                                    "actor_rollout_ref.model.init=pretrained", "actor_rollout_ref.model.lora_rank=8"]))
+    check_policy_support(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={dense}",
+                                       "actor_rollout_ref.model.init=pretrained",
+                                       "actor_rollout_ref.model.lora_rank=8"]))
     with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=8: LoRA on mixture-of-experts models is "
                                          r"not supported yet .* is a qwen3_moe model"):
-        check_lora_policy(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={moe}",
-                                        "actor_rollout_ref.model.init=pretrained",
-                                        "actor_rollout_ref.model.lora_rank=8"]))
+        check_policy_support(_load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={moe}",
+                                           "actor_rollout_ref.model.init=pretrained",
+                                           "actor_rollout_ref.model.lora_rank=8"]))
+
+
+@pytest.mark.parametrize("setting", ["actor_rollout_ref.model.lora_rank=8",
+                                     "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                     "actor_rollout_ref.actor.parallel.cp=2", "reward_model.enable=true"])
+def test_what_a_vision_language_policy_cannot_do_yet_is_refused_before_ray(tmp_path, setting):
+    from megarl.controller.run_inputs import check_policy_support
+    from megarl.models.tiny import save_tiny_vl
+
+    model = save_tiny_vl(tmp_path / "vl")
+    base = ["recipe=tiny_cpu_vl_grpo", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.init=pretrained"]
+    check_policy_support(_load_config(base))
+    extra = {"reward_model": ["reward_model.model.path=" + str(model)],
+             "actor_rollout_ref.rollout.multi_turn": ["data.return_raw_chat=true"],
+             "actor_rollout_ref.actor.parallel.cp": ["actor_rollout_ref.actor.parallel.tp=1"]}
+    extra = next((more for prefix, more in extra.items() if setting.startswith(prefix)), [])
+    key = setting.split("=")[0]
+    with pytest.raises(ValueError, match=f"{key}: not supported yet with a vision-language policy .* a qwen2_5_vl model"):
+        check_policy_support(_load_config([*base, setting, *extra]))
