@@ -166,6 +166,16 @@ class ModelFamily:
                 raise ValueError(f"parallel.cp={dims.cp}: the {self.name} family (multimodal RoPE) runs without "
                                  "context parallelism; set cp=1 and split the model with tp/pp")
             kwargs["mrope_section"] = self.vision.mrope_section(hf_config)
+            deepstack = self.vision.deepstack_layers(hf_config)
+            per_chunk = sizes["num_layers"] // (dims.pp * (dims.vpp or 1))
+            if deepstack > per_chunk:
+                raise ValueError(f"parallel.pp={dims.pp}: the first pipeline stage holds {per_chunk} layer(s), and "
+                                 f"the {self.name} family adds its vision features to the first {deepstack} "
+                                 "(DeepStack): lower pp (or vpp) so that the first stage holds them")
+            if deepstack and overrides.get("recompute_granularity") == "full":
+                raise ValueError(f"recompute_granularity=full: the {self.name} family's DeepStack layers take this "
+                                 "micro-batch's vision features, which a recomputed layer would not see; use "
+                                 "recompute_granularity=selective or null")
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 

@@ -50,7 +50,7 @@ def _adapted_modules(chunk: Any, targets: Sequence[str]) -> Iterator[tuple[str, 
     module = chunk.module if hasattr(chunk, "module") else chunk
     for name, sub in module.named_modules():
         last = name.rsplit(".", 1)[-1]
-        if last not in targets:
+        if last not in targets or not name.startswith("decoder."):  # the language model's (not a vision tower's)
             continue
         if not isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
             raise ValueError(f"LoRA: {name} is a {type(sub).__name__}, not Megatron's local Column/RowParallelLinear; "

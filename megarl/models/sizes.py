@@ -90,9 +90,15 @@ class Architecture:
         """Shape of the HF tensor named ``template`` (``{i}`` for the layer, ``{e}`` for the expert)."""
         h, f, hd = self.hidden, self.ffn, self.head_dim
         q, kv = self.heads * hd, self.kv_heads * hd
+        vision = self.family.vision
+        if vision is not None and template.startswith(vision.hf_prefix):
+            return vision.tensor_shapes(self.hf_config)[template]
         tail = template.rsplit("{i}.", 1)[-1]
+        if "{i}" not in template:  # the embedding, final norm and LM head, wherever the checkpoint keeps them
+            tail = next((t for t in ("embed_tokens.weight", "lm_head.weight") if template.endswith(t)),
+                        "norm.weight" if template.endswith(".norm.weight") else tail)
         shapes = {
-            "model.embed_tokens.weight": (self.vocab, h), "lm_head.weight": (self.vocab, h), "model.norm.weight": (h,),
+            "embed_tokens.weight": (self.vocab, h), "lm_head.weight": (self.vocab, h), "norm.weight": (h,),
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
@@ -101,9 +107,6 @@ class Architecture:
         }
         if tail in shapes:
             return shapes[tail]
-        vision = self.family.vision
-        if vision is not None and template.startswith(vision.hf_prefix):
-            return vision.tensor_shapes(self.hf_config)[template]
         # A router or an expert tensor: the same at every sparse layer and expert, so the first one's.
         return self._hub_shapes[template.format(i=self.sparse.index(True), e=0)]
 

@@ -235,6 +235,39 @@ def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int 
     )
 
 
+def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4,
+                         num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
+                         max_position_embeddings: int = 512, vision_depth: int = 3, vision_hidden: int = 32,
+                         patch_size: int = 16, deepstack: tuple[int, ...] = (0, 1), tie_word_embeddings: bool = True,
+                         initializer_range: float = 0.02):
+    """A Qwen3-VL config for ``tokenizer`` (:func:`build_tiny_vl_tokenizer`): a tiny Qwen3 language model (q/k norms)
+    with interleaved multimodal RoPE, and a tiny vision tower (``vision_depth`` blocks, learned position embeddings
+    on an 8 × 8 grid, DeepStack features of blocks ``deepstack`` into the first ``len(deepstack)`` layers)."""
+    from transformers import Qwen3VLConfig
+
+    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+    token = tokenizer.convert_tokens_to_ids
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section,
+                             "mrope_interleaved": True},
+            initializer_range=initializer_range,
+        ),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+            out_hidden_size=hidden_size, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
+            deepstack_visual_indexes=list(deepstack), num_position_embeddings=64, initializer_range=initializer_range,
+        ),
+        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen3VLForConditionalGeneration"],
+    )
+
+
 TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config, "qwen2_5_vl": tiny_qwen2_5_vl_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 
@@ -260,14 +293,16 @@ def tiny_tokenizer(arch: str):
     return build_tiny_vl_tokenizer() if arch in VISION_ARCHS else build_tiny_tokenizer()
 
 
-def save_tiny_vl(directory: str | os.PathLike, *, seed: int = 0, **sizes) -> Path:
-    """Write a tiny random Qwen2.5-VL (fp32), its tokenizer and its image processor as an HF directory."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def save_tiny_vl(directory: str | os.PathLike, *, seed: int = 0, arch: str = "qwen2_5_vl", **sizes) -> Path:
+    """Write a tiny random Qwen2.5-VL (``arch="qwen3_vl"``: Qwen3-VL) in fp32, its tokenizer and its image processor
+    as an HF directory."""
+    from transformers import AutoModelForImageTextToText
 
     directory = Path(directory)
     tokenizer = build_tiny_vl_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(tokenizer, **sizes)).float().eval()
+    config = (tiny_qwen3_vl_config if arch == "qwen3_vl" else tiny_qwen2_5_vl_config)(tokenizer, **sizes)
+    model = AutoModelForImageTextToText.from_config(config).float().eval()
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     tiny_image_processor(patch_size=model.config.vision_config.patch_size).save_pretrained(directory)

@@ -52,6 +52,21 @@ class VisionSpec:
     """The tower's tensor names in the checkpoint (the hub's spelling)."""
     megatron_prefix: str = "vision_model."
     """The tower's parameter names in the Megatron model (:class:`VisionGPTModel`'s attribute)."""
+    checkpoint_renames: tuple[tuple[str, str], ...] = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    """transformers' parameter-name prefixes and the checkpoint's (Qwen2.5-VL's hub checkpoints predate
+    transformers' ``model.language_model.`` layout; Qwen3-VL's use it: no renames)."""
+    mrope: str = "sections"
+    """How the head dimension's rotary frequencies are shared by the three axes: ``sections`` (Qwen2/2.5-VL: the
+    first ``mrope_section[0]`` frequencies temporal, the next height, the last width) or ``interleaved`` (Qwen3-VL:
+    frequency ``j`` height when ``j % 3 == 1`` and ``j < 3 · mrope_section[1]``, width when ``j % 3 == 2`` and
+    ``j < 3 · mrope_section[2]``, else temporal)."""
+    deepstack: bool = False
+    """Qwen3-VL's DeepStack: the tower also returns features of some inner blocks (``deepstack_visual_indexes``),
+    the ``k``-th added to the image tokens' hidden states after language-model layer ``k``."""
+
+    def deepstack_layers(self, hf_config) -> int:
+        """How many first language-model layers take DeepStack features (0 without DeepStack)."""
+        return len(getattr(hf_config.vision_config, "deepstack_visual_indexes", None) or []) if self.deepstack else 0
 
     # ------------------------------------------------------------------------------------------------- tower
     def tower_class(self):
@@ -183,8 +198,7 @@ _SHAPES: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}
 
 def _checkpoint_shapes(spec: VisionSpec, multimodal_config) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Every tensor of the checkpoint for ``multimodal_config`` by its hub name, with its shape: transformers'
-    model built once per config on the meta device, its names written as the hub's (``model.language_model.`` →
-    ``model.``, ``model.visual.`` → :attr:`VisionSpec.hf_prefix`)."""
+    model built once per config on the meta device, its names written as the hub's (:func:`hub_name`)."""
     from transformers import AutoModelForImageTextToText
 
     key = multimodal_config.to_json_string(use_diff=False)
@@ -220,8 +234,8 @@ def model_config(raw_config):
 
 def hub_name(name: str, spec: VisionSpec) -> str:
     """A transformers vision-language model's parameter name as the hub's checkpoints (and SGLang) spell it
-    (``model.language_model.`` → ``model.``, ``model.visual.`` → the tower's checkpoint prefix)."""
-    for old, new in (("model.language_model.", "model."), ("model.visual.", spec.hf_prefix)):
+    (:attr:`VisionSpec.checkpoint_renames`)."""
+    for old, new in spec.checkpoint_renames:
         if name.startswith(old):
             return new + name.removeprefix(old)
     return name
@@ -264,12 +278,21 @@ def _vision_gpt_class():
             super().__init__(pre_process=pre_process, **kwargs)
             self.image_token_id = int(hf_config.image_token_id)
             self.vision_model = spec.build_tower(hf_config, self.config.params_dtype) if pre_process else None
+            if spec.mrope == "interleaved":
+                self.rotary_pos_emb.__class__ = _interleaved_mrope_class()
+            self._deepstack: list[torch.Tensor] | None = None  # this forward's DeepStack additions, layer by layer
+            for layer in range(spec.deepstack_layers(hf_config) if pre_process else 0):
+                self.decoder.layers[layer].register_forward_hook(functools.partial(_add_deepstack, self, layer))
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args, vision_inputs=None,
                     **kwargs):
+            self._deepstack = None
             if self.pre_process and decoder_input is None and vision_inputs is not None:
                 decoder_input = self._embed_with_images(input_ids, vision_inputs)
-            return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+            try:
+                return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+            finally:
+                self._deepstack = None
 
         def _embed_with_images(self, input_ids_bt: torch.Tensor, vision_inputs: dict) -> torch.Tensor:
             # The whole [b, t, H] embeddings on every TP rank: with sequence parallelism the vocabulary-parallel
@@ -282,7 +305,8 @@ def _vision_gpt_class():
                 words.reduce_scatter_embeddings = reduce_scatter
             pixels = vision_inputs["pixel_values"].to(embeds_btH.device, self.config.params_dtype)
             grid = vision_inputs["image_grid_thw"].to(embeds_btH.device)
-            images_nH = self.vision_model(pixels, grid_thw=grid).pooler_output.to(embeds_btH.dtype)
+            tower = self.vision_model(pixels, grid_thw=grid)
+            images_nH = tower.pooler_output.to(embeds_btH.dtype)
             # The placeholders that hold images (a placeholder the model generated is text): the pipeline's mask,
             # else every placeholder.
             mask_bt = vision_inputs.get("image_mask")
@@ -295,6 +319,48 @@ def _vision_gpt_class():
             embeds_tbH = embeds_btH.transpose(0, 1).contiguous()
             if self.config.sequence_parallel:
                 embeds_tbH = tensor_parallel.scatter_to_sequence_parallel_region(embeds_tbH)
+            deepstack = getattr(tower, "deepstack_features", None)
+            if deepstack:  # each layer's additions, as the hidden states are laid out (split by SP like them)
+                self._deepstack = []
+                for features_nH in deepstack:
+                    added_btH = torch.zeros_like(embeds_btH).masked_scatter(mask_bt[..., None],
+                                                                            features_nH.to(embeds_btH.dtype))
+                    added_tbH = added_btH.transpose(0, 1).contiguous()
+                    if self.config.sequence_parallel:
+                        added_tbH = tensor_parallel.scatter_to_sequence_parallel_region(added_tbH)
+                    self._deepstack.append(added_tbH)
             return embeds_tbH
 
     return VisionGPTModel
+
+
+def _add_deepstack(model, layer: int, module, args, output):
+    """Forward hook of language-model layer ``layer``: add this forward's DeepStack features for it (Qwen3-VL) to
+    the layer's output hidden states (zeros off the image tokens)."""
+    if model._deepstack is None or layer >= len(model._deepstack):
+        return output
+    hidden, context = output
+    return hidden + model._deepstack[layer], context
+
+
+@functools.lru_cache(maxsize=1)
+def _interleaved_mrope_class():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+        """Megatron's multimodal RoPE with Qwen3-VL's interleaved axes (:attr:`VisionSpec.mrope`)."""
+
+        def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
+            if self.rotary_interleaved:
+                raise ValueError("interleaved multimodal RoPE takes rotate-half frequencies (rotary_interleaved=False)")
+            seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+            if self.seq_len_interpolation_factor is not None:
+                seq = seq / self.seq_len_interpolation_factor
+            freqs = seq[..., None].float() * self.inv_freq  # [3, b, s, dim / 2]
+            mixed = freqs[0].clone()
+            for axis in (1, 2):
+                mixed[..., axis:3 * mrope_section[axis]:3] = freqs[axis, ..., axis:3 * mrope_section[axis]:3]
+            emb = torch.cat((mixed, mixed), dim=-1)  # [b, s, dim]
+            return emb[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, dim]
+
+    return InterleavedMultimodalRotaryEmbedding

@@ -112,14 +112,15 @@ class RuleAt:
         return self.rule.hf_names(self.layer, self.expert)
 
 
-def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None) -> tuple[WeightRule, ...]:
-    """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming); with ``moe`` (a
+def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "model.") -> tuple[WeightRule, ...]:
+    """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
+    checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
     :class:`~megarl.models.moe.MoESpec`) the sparse layers' router and experts too (Megatron's SequentialMLP names;
     TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``)."""
-    layer, attn, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    layer, attn, mlp = f"{prefix}layers.{{i}}.", f"{prefix}layers.{{i}}.self_attn.", f"{prefix}layers.{{i}}.mlp."
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
     rules = [
-        WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB),
+        WeightRule("embedding.word_embeddings.weight", (f"{prefix}embed_tokens.weight",), Split.VOCAB),
         WeightRule(
             m_layer + "input_layernorm.weight", (layer + "input_layernorm.weight",), Split.REPLICATED,
             te_megatron=m_attn + "linear_qkv.layer_norm_weight",
@@ -154,7 +155,7 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None) -> tuple[WeightR
         WeightRule(m_mlp + "linear_fc2.weight", (mlp + "down_proj.weight",), Split.ROW, layers=dense),
     ]
     if moe is not None:
-        block = f"model.layers.{{i}}.{moe.block}."
+        block = f"{prefix}layers.{{i}}.{moe.block}."
         expert = block + "experts.{e}."
         gate, up, down = (expert + f"{name}.weight" for name in moe.expert_tensors)
         m_expert = m_mlp + "experts.local_experts.{e}."
@@ -169,7 +170,7 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None) -> tuple[WeightR
                        te_megatron=m_mlp + "experts.linear_fc2.weight{e}", layers="moe"),
         ]
     rules += [
-        WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
+        WeightRule("decoder.final_layernorm.weight", (f"{prefix}norm.weight",), Split.REPLICATED),
         WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, untied_only=True),
     ]
     return tuple(rules)

@@ -1,4 +1,5 @@
-"""Vision-language models (issue 36): a tiny Qwen2.5-VL in Megatron equals transformers.
+"""Vision-language models (issue 36): a tiny Qwen2.5-VL and a tiny Qwen3-VL (interleaved multimodal RoPE, DeepStack)
+in Megatron equal transformers.
 
 One 2-rank job runs every layout (TP=1, TP=2, TP=2 with sequence parallelism, PP=2; padded and packed) on a batch
 of image+text rows (two images of different grids in one row, one in another, a text-only row, left padding):
@@ -19,21 +20,42 @@ from megarl.parallel.launch import run_ranks
 from tests.distributed import vision_jobs
 
 
-@pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_vl")
-    model = vision_jobs.save_tiny_vl(directory)
-    batch = vision_jobs.image_batch(model.config)
-    batch["weights"][3] = 0  # the row with a generated placeholder: in the logits, not the gradients
-    torch.save(batch, directory / "batch.pt")
-    logits, positions = vision_jobs.hf_logits_and_positions(model, batch)
-    grads = vision_jobs.hf_tower_grads(model, batch)
-    return directory, batch, logits, positions, grads
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module")
-def layouts(tiny_vl):
-    return run_ranks(vision_jobs.layouts_job, 2, str(tiny_vl[0]), timeout_s=600)
+def models(tmp_path_factory):
+    out = {}
+    for arch in ARCHS:
+        directory = tmp_path_factory.mktemp(arch)
+        model = vision_jobs.save_tiny_vl(directory, arch=arch)
+        batch = vision_jobs.image_batch(model.config)
+        batch["weights"][3] = 0  # the row with a generated placeholder: in the logits, not the gradients
+        torch.save(batch, directory / "batch.pt")
+        logits, positions = vision_jobs.hf_logits_and_positions(model, batch)
+        out[arch] = directory, batch, logits, positions, vision_jobs.hf_tower_grads(model, batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_layouts(models):
+    ranks = run_ranks(vision_jobs.layouts_jobs, 2, [str(models[arch][0]) for arch in ARCHS], timeout_s=900)
+    return {arch: [rank[i] for rank in ranks] for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_vl(models, arch):
+    return models[arch]
+
+
+@pytest.fixture
+def layouts(all_layouts, arch):
+    return all_layouts[arch]
 
 
 def test_positions_equal_transformers(tiny_vl, layouts):
@@ -68,7 +90,7 @@ def test_vision_tower_gradients_equal_transformers(tiny_vl, layouts, layout):
             assert (holder["grads"][name] - grad).abs().max().item() / scale < 1e-4, (layout, name)
 
 
-def test_convert_round_trip_is_bit_exact(tiny_vl, tmp_path):
+def test_convert_round_trip_is_bit_exact(tiny_vl, arch, tmp_path):
     from safetensors.torch import load_file
 
     from megarl.convert.jobs import hf_to_mcore, mcore_to_hf
@@ -78,6 +100,6 @@ def test_convert_round_trip_is_bit_exact(tiny_vl, tmp_path):
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", dtype="fp32", timeout_s=300)
     before, after = load_file(directory / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert before.keys() == after.keys()
-    assert any(name.startswith("visual.") for name in before)
+    assert any(name.startswith(("visual.", "model.visual.")) for name in before)
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((directory / "config.json").read_text())

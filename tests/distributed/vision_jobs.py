@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-PATCH = 3 * 2 * 14 * 14  # channels × temporal patch × patch × patch
 LAYOUTS = {  # name -> (ParallelDims kwargs, packed), on 2 ranks
     "tp1_padded": (dict(), False),
     "tp1_packed": (dict(), True),
@@ -17,18 +16,14 @@ LAYOUTS = {  # name -> (ParallelDims kwargs, packed), on 2 ranks
 }
 
 
-def save_tiny_vl(directory, seed: int = 0):
-    """A tiny random Qwen2.5-VL (fp32) and its tokenizer in ``directory``; returns the model."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def save_tiny_vl(directory, seed: int = 0, arch: str = "qwen2_5_vl"):
+    """A tiny random Qwen2.5-VL or Qwen3-VL (fp32) and its tokenizer in ``directory``; returns the model."""
+    from transformers import AutoModelForImageTextToText
 
-    from megarl.models.tiny import build_tiny_vl_tokenizer, tiny_qwen2_5_vl_config
+    from megarl.models.tiny import save_tiny_vl as save
 
-    tokenizer = build_tiny_vl_tokenizer()
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(tokenizer)).float().eval()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return model
+    save(directory, seed=seed, arch=arch)
+    return AutoModelForImageTextToText.from_pretrained(directory).float().eval()
 
 
 def image_batch(config, seed: int = 3) -> dict:
@@ -38,9 +33,11 @@ def image_batch(config, seed: int = 3) -> dict:
     values random."""
     gen = torch.Generator().manual_seed(seed)
     start, end, pad = config.vision_start_token_id, config.vision_end_token_id, config.image_token_id
+    vision = config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2  # channels × temporal patch × patch × patch
 
     def image(h, w):
-        return [start] + [pad] * (h * w // 4) + [end], torch.randn(h * w, PATCH, generator=gen), [1, h, w]
+        return [start] + [pad] * (h * w // 4) + [end], torch.randn(h * w, patch, generator=gen), [1, h, w]
 
     def text(n):
         return torch.randint(3, 200, (n,), generator=gen).tolist()
@@ -125,7 +122,7 @@ def hf_tower_grads(model, batch: dict) -> dict[str, torch.Tensor]:
         logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
         total = total - (logp * batch["weights"][i][keep][:-1]).sum() / batch["weights"].numel()
     total.backward()
-    return {n: p.grad.clone() for n, p in model.model.visual.named_parameters()}
+    return {n: p.grad.clone() for n, p in model.model.visual.named_parameters() if p.grad is not None}
 
 
 def layouts_job(hf_dir: str) -> dict:
@@ -159,7 +156,8 @@ def layouts_job(hf_dir: str) -> dict:
             logits = torch.cat(parts, dim=-1)[..., :cfg.vocab_size]
         forward_backward(chunks, [batch], loss_fn=loss_fn, vocab_size=cfg.vocab_size, groups=groups, packed=packed)
         tower = chunks[0].vision_model
-        grads = None if tower is None else {n: p.grad.clone() for n, p in tower.named_parameters()}
+        grads = None if tower is None else {n: p.grad.clone() for n, p in tower.named_parameters()
+                                            if p.grad is not None}
         out[name] = {"logits": logits, "grads": grads, "pp_rank": groups.pp_rank,
                      "tower_params": sum(p.numel() for p in tower.parameters()) if tower is not None else 0}
         destroy_parallel()
@@ -258,3 +256,8 @@ def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
         out["mismatch"] = mismatch_metrics(batch["rollout_log_probs"], before["log_probs"],
                                            batch["response_mask"].float())
     return out
+
+
+def layouts_jobs(hf_dirs: list[str]) -> list[dict]:
+    """:func:`layouts_job` for each model directory, in one spawn."""
+    return [layouts_job(hf_dir) for hf_dir in hf_dirs]

@@ -53,7 +53,7 @@ def _sharded_model_on_device(*, value_head: bool):
             self.value_head, self.packed, self.moe_losses = value_head, True, (0.0, 0.0)
             self.hf_config = SimpleNamespace(vocab_size=8)
             self.groups = SimpleNamespace(is_last_stage=True, dims=SimpleNamespace(dp=1, pp=1))
-            self.family = SimpleNamespace(moe=None)
+            self.family = SimpleNamespace(moe=None, vision=None)
             self.chunks = []
             self.optimizer = SimpleNamespace(zero_grad=lambda: None, param_groups=[{"lr": 0.5}])
 

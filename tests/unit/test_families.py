@@ -24,7 +24,7 @@ def test_registry_is_keyed_by_architecture():
     }
     # Each causal LM's body also serves its sequence-classification model (a reward model's score head).
     classifiers = {a.replace("ForCausalLM", "ForSequenceClassification"): f for a, f in causal.items()}
-    multimodal = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+    multimodal = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
     assert {a: f.name for a, f in FAMILIES.items()} == causal | classifiers | multimodal
     assert family_for(Qwen2Config()).name == "qwen2"  # no architectures: model_type decides
     assert family_for(MistralConfig()).name == "llama"

@@ -89,3 +89,52 @@ def test_positions_number_text_then_each_image_on_its_grid(view):
     assert spec.position_ids(view, ids, None)[:, 0].tolist() == list(range(11))  # no image: all text
     with pytest.raises(ValueError, match="2 image grids but 1 images"):
         spec.position_ids(view, ids, torch.tensor([[1, 4, 6], [1, 2, 2]]))
+
+
+def test_qwen3_vl_keeps_transformers_names_and_counts_like_it():
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from megarl.models.sizes import Architecture
+    from megarl.models.tiny import tiny_qwen3_vl_config
+
+    view = model_config(tiny_qwen3_vl_config(build_tiny_vl_tokenizer()))
+    family = family_for(view)
+    assert family.name == "qwen3_vl" and family.vision.mrope == "interleaved"
+    assert family.vision.deepstack_layers(view) == 2
+    names = {n for at in family.weight_instances(view) for n in at.hf_names}
+    assert "model.language_model.layers.0.self_attn.q_norm.weight" in names
+    assert any(n.startswith("model.visual.deepstack_merger_list.1.") for n in names)
+    with torch.device("meta"):
+        hf = Qwen3VLForConditionalGeneration(raw_config(view))
+    assert Architecture.from_hf(view, name="tiny", source="t").num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_deepstack_layers_stay_on_the_first_stage_and_are_not_recomputed():
+    from megarl.models.tiny import tiny_qwen3_vl_config
+
+    view = model_config(tiny_qwen3_vl_config(build_tiny_vl_tokenizer(), num_layers=4, deepstack=(0, 1, 2)))
+    family = family_for(view)
+    family.transformer_config(view, ParallelDims(pp=1))
+    with pytest.raises(ValueError, match="parallel.pp=2: the first pipeline stage holds 2 layer.* the first 3"):
+        family.transformer_config(view, ParallelDims(pp=2))
+    with pytest.raises(ValueError, match="recompute_granularity=full: .* DeepStack"):
+        family.transformer_config(view, ParallelDims(pp=1), recompute_granularity="full")
+
+
+def test_interleaved_mrope_equals_transformers():
+    """Qwen3-VL's rotary frequencies: megarl's interleaved multimodal RoPE against transformers' for positions that
+    differ on every axis."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from megarl.models.tiny import tiny_qwen3_vl_config
+    from megarl.models.vision import _interleaved_mrope_class
+    from megarl.parallel.cpu_support import cpu_support
+
+    view = model_config(tiny_qwen3_vl_config(build_tiny_vl_tokenizer(), head_dim=32))
+    positions = torch.randint(0, 50, (3, 2, 7))
+    cos, sin = Qwen3VLTextRotaryEmbedding(view)(torch.zeros(1, dtype=torch.float32), positions)
+    with cpu_support():
+        rope = _interleaved_mrope_class()(kv_channels=32, rotary_percent=1.0, rotary_base=1000000.0)
+    emb = rope(positions, family_for(view).vision.mrope_section(view))  # [s, b, 1, dim]
+    angles = emb[:, :, 0].transpose(0, 1)  # [b, s, dim]
+    assert torch.allclose(angles.cos(), cos, atol=1e-6) and torch.allclose(angles.sin(), sin, atol=1e-6)
