@@ -56,6 +56,8 @@ class ScriptedEngine:
         self.scripts = {key: [turn if isinstance(turn, Turn) else Turn(turn) for turn in turns]
                         for key, turns in scripts.items()}
         self.calls: list[tuple[list[int], SamplingParams]] = []
+        self.images: list[list[str] | None] = []
+        """Per :meth:`async_generate` call: the images it was given (None: none)."""
         self.in_weight_update = False
 
     def _turn(self, input_ids: Sequence[int]) -> Turn:
@@ -84,10 +86,11 @@ class ScriptedEngine:
         return GenerateOutput(ids, finish, fake_logprobs(len(ids)) if return_logprob else None)
 
     async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
-                             return_logprob: bool = False) -> GenerateOutput:
-        """The scripted turn for this conversation."""
+                             return_logprob: bool = False, image_data: Sequence[str] | None = None) -> GenerateOutput:
+        """The scripted turn for this conversation (``image_data``: recorded in :attr:`images`)."""
         assert not self.in_weight_update, "generate during a weight update"
         self.calls.append((list(input_ids), sampling_params))
+        self.images.append(None if image_data is None else list(image_data))
         turn = self._turn(input_ids)
         if turn.delay_s:
             await asyncio.sleep(turn.delay_s)

@@ -495,7 +495,7 @@ def build_rollout_manager(cfg: RunConfig, generator: EngineClient, engines: list
     prompt_length, response_length = cfg.rollout_widths()
     return RolloutManager(generator, engines, tokenizer, cfg.actor_rollout_ref.rollout, prompt_length=prompt_length,
                           response_length=response_length, tools=plugins.tools, interactions=plugins.interactions,
-                          routing_shape=routing)
+                          routing_shape=routing, image_processor=image_processor(cfg, tokenizer))
 
 
 def image_processor(cfg: RunConfig, tokenizer):

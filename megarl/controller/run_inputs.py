@@ -232,8 +232,8 @@ def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
 
 def check_policy_support(cfg: RunConfig) -> None:
     """Refuse, naming the key, before anything is placed, what the policy's family cannot do yet: LoRA on a mixture
-    of experts; with a vision-language model, LoRA, multi-turn rollouts, context parallelism, and a teacher or a
-    reward model (they would read the image placeholders without the images)."""
+    of experts; with a vision-language model, LoRA, context parallelism, and a teacher or a reward model (they
+    would read the image placeholders without the images)."""
     model = cfg.actor_rollout_ref.model
     from megarl.models import family_for
     from megarl.models.vision import load_hf_config
@@ -246,7 +246,6 @@ def check_policy_support(cfg: RunConfig) -> None:
     if family.vision is None:
         return
     refused = {"actor_rollout_ref.model.lora_rank": model.lora_rank,
-               "actor_rollout_ref.rollout.multi_turn.enable": cfg.actor_rollout_ref.rollout.multi_turn.enable,
                "actor_rollout_ref.actor.parallel.cp": cfg.actor_rollout_ref.actor.parallel.cp > 1,
                "critic.parallel.cp": cfg.critic.enable and cfg.critic.parallel.cp > 1,
                "teacher.enable": cfg.teacher.enable, "reward_model.enable": cfg.reward_model.enable}

@@ -69,7 +69,9 @@ def load_image(image: Any, where: str):
             raise BadImage(f"{where}: an image is a {type(source).__name__}; give bytes, a path or a base64 data URI")
         opened.load()
         return opened.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
+    except UnidentifiedImageError as error:
+        raise BadImage(f"{where}: the image cannot be decoded (not an image format PIL reads)") from error
+    except (OSError, ValueError, SyntaxError) as error:
         if isinstance(error, BadImage):
             raise
         raise BadImage(f"{where}: the image cannot be decoded ({type(error).__name__}: {error})") from error
@@ -122,10 +124,12 @@ class ImageProcessor:
     """The model's image processor and tokenizer: pixel values, patch grids and expanded token ids of a prompt's
     images (see the module docstring)."""
 
-    def __init__(self, image_processor: Any, tokenizer: Any, *, image_token_id: int):
+    def __init__(self, image_processor: Any, tokenizer: Any, *, image_token_id: int,
+                 vision_start_token_id: int | None = None):
         self.image_processor = image_processor
         self.tokenizer = tokenizer
         self.image_token_id = int(image_token_id)
+        self.vision_start_token_id = None if vision_start_token_id is None else int(vision_start_token_id)
         self.merge = int(getattr(image_processor, "merge_size", 1))
 
     @classmethod
@@ -138,7 +142,8 @@ class ImageProcessor:
             raise ValueError(f"{path} has no preprocessor_config.json: a vision-language model needs its image "
                              "processor next to its weights")
         return cls(AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code), tokenizer,
-                   image_token_id=hf_config.image_token_id)
+                   image_token_id=hf_config.image_token_id,
+                   vision_start_token_id=getattr(hf_config, "vision_start_token_id", None))
 
     def image_tokens(self, image) -> int:
         """Placeholder tokens an image takes in the model's input (its merged patches)."""
@@ -150,18 +155,32 @@ class ImageProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
+    def image_runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        """``(start, end)`` of each image's placeholders in ``ids``: a run of placeholder tokens right after a
+        vision-start token (SGLang's reading; a placeholder the model generated elsewhere is text), every run
+        without a vision-start token configured."""
+        runs, i = [], 0
+        while i < len(ids):
+            if ids[i] == self.image_token_id and (self.vision_start_token_id is None
+                                                  or (i > 0 and ids[i - 1] == self.vision_start_token_id)):
+                end = i
+                while end < len(ids) and ids[end] == self.image_token_id:
+                    end += 1
+                runs.append((i, end))
+                i = end
+            else:
+                i += 1
+        return runs
+
     def expand(self, ids: list[int], grid_thw: torch.Tensor) -> list[int]:
-        """``ids`` (one placeholder per image) with image ``k``'s placeholder repeated ``t·h·w / merge²`` times."""
+        """``ids`` with image ``k``'s placeholder run (:meth:`image_runs`: one placeholder, or already expanded)
+        made ``t·h·w / merge²`` placeholders."""
         counts = (grid_thw.prod(-1) // self.merge ** 2).tolist()
-        out, k = [], 0
-        for token in ids:
-            if token != self.image_token_id:
-                out.append(token)
-                continue
-            if k >= len(counts):
-                raise ValueError(f"the prompt has more image placeholders than its {len(counts)} image(s)")
-            out.extend([token] * int(counts[k]))
-            k += 1
-        if k != len(counts):
-            raise ValueError(f"the prompt has {k} image placeholders for its {len(counts)} image(s)")
-        return out
+        runs = self.image_runs(ids)
+        if len(runs) != len(counts):
+            raise ValueError(f"the prompt has {len(runs)} image placeholder(s) for its {len(counts)} image(s)")
+        out, last = [], 0
+        for (start, end), count in zip(runs, counts, strict=True):
+            out += ids[last:start] + [self.image_token_id] * int(count)
+            last = end
+        return out + ids[last:]

@@ -39,10 +39,8 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     ids: list[int] = []
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
-    from megarl.models.vision import model_config
-
     generation_config = model.generation_config
-    for configured in (getattr(model_config(model.config), "eos_token_id", None),
+    for configured in (getattr(model.config.get_text_config(), "eos_token_id", None),
                        None if generation_config is None else generation_config.eos_token_id):
         for eos in [] if configured is None else [configured] if isinstance(configured, int) else configured:
             if int(eos) not in ids:
@@ -371,9 +369,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
                          f"{temperature}")
     if not prompts or not all(prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
-    from megarl.models.vision import model_config
-
-    context = int(model_config(model.config).max_position_embeddings)
+    context = int(model.config.get_text_config().max_position_embeddings)  # a vision-language model's: its text's
     if max(len(p) for p in prompts) + max_new_tokens > context:
         raise ValueError(f"generate: a prompt of {max(len(p) for p in prompts)} tokens plus max_new_tokens="
                          f"{max_new_tokens} exceeds the model's context of {context} (max_position_embeddings)")

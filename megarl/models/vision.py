@@ -113,21 +113,26 @@ class VisionSpec:
     def layout(hf_config, input_ids_S: torch.Tensor, grid_thw: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([S, 3] positions, [S] image mask)`` of one row's tokens ``input_ids_S`` (no padding), whose images have
-        the patch grids ``grid_thw`` ``[images, 3]`` in order: the row's first runs of placeholder tokens hold its
-        images, whole; a placeholder after the last image (one the model generated) is text, as the engines read
-        it. Positions: text tokens consecutively on all three axes, an image's merged patches at their (t, h, w)
+        the patch grids ``grid_thw`` ``[images, 3]`` in order: each run of placeholder tokens right after a
+        vision-start token holds an image, whole; any other placeholder (one the model generated) is text, as SGLang
+        reads it. Positions: text tokens consecutively on all three axes, an image's merged patches at their (t, h, w)
         grid positions after the text before it, the text after it going on from its start + max(h, w)."""
         image = int(hf_config.image_token_id)
+        start = getattr(hf_config, "vision_start_token_id", None)
         merge = int(hf_config.vision_config.spatial_merge_size)
         ids = input_ids_S.tolist()
         grids = [] if grid_thw is None else [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         out = torch.empty(len(ids), 3, dtype=torch.long)
         is_image = torch.zeros(len(ids), dtype=torch.bool)
+
+        def opens_image(i: int) -> bool:  # a run of placeholders right after a vision-start token (SGLang's reading)
+            return ids[i] == image and (start is None or (i > 0 and ids[i - 1] == int(start)))
+
         current, i, k = 0, 0, 0
         while i < len(ids):
-            if ids[i] != image or k == len(grids):  # text
+            if not opens_image(i):  # text
                 j = i + 1
-                while j < len(ids) and (ids[j] != image or k == len(grids)):
+                while j < len(ids) and not opens_image(j):
                     j += 1
                 out[i:j] = torch.arange(current, current + j - i)[:, None]
                 current += j - i

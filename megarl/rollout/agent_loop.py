@@ -74,7 +74,7 @@ from megarl.rollout.request import (
     output_text,
 )
 from megarl.rollout.tool_parser import ToolCall, ToolCallError, ToolCallParser
-from megarl.rollout.tools.base import BaseTool
+from megarl.rollout.tools.base import BaseTool, ToolResponse
 from megarl.seeds import turn_seed
 
 logger = logging.getLogger(__name__)
@@ -101,12 +101,15 @@ class AgentLoop:
         hooks: runs the tool and interaction hooks (shared by the loops of one rollout manager,
             so a tool's hooks stay on one event loop across steps); None: each :meth:`run` uses
             a runner of its own with ``multi_turn.tool_timeout_s``.
+        image_processor: a vision-language policy's :class:`~megarl.data.images.ImageProcessor`: the prompt's
+            images and those tools return (:class:`~megarl.rollout.tools.base.ToolResponse`) are placed in the
+            conversation and sent to the engine with every turn (``image_data``).
     """
 
     def __init__(self, engine: AsyncGenerator, tokenizer: Any, config: RolloutConfig, *, prompt_length: int,
                  response_length: int, tools: Mapping[str, BaseTool] | None = None,
                  interactions: Mapping[str, BaseInteraction] | None = None,
-                 hooks: HookRunner | None = None) -> None:
+                 hooks: HookRunner | None = None, image_processor: Any = None) -> None:
         if prompt_length < 1 or response_length < 1:
             raise ValueError(f"rollout prompt_length and response_length must be >= 1, got {prompt_length} and "
                              f"{response_length}")
@@ -133,6 +136,7 @@ class AgentLoop:
         self.parser = ToolCallParser(config.multi_turn.format,
                                      {name: tool.get_openai_tool_schema() for name, tool in self.tools.items()})
         self.hooks = hooks
+        self.image_processor = image_processor
         self._noted_ignored: set[str] = set()
 
     # ------------------------------------------------------------------------------ entry
@@ -228,6 +232,7 @@ class AgentLoop:
     async def _run_request(self, request: AsyncRolloutRequest, sampling: SamplingParams, hooks: HookRunner,
                            releases: list[asyncio.Future]) -> AsyncRolloutRequest:
         request.tool_schemas = [self.tools[name].get_openai_tool_schema() for name in self._tool_names(request)]
+        request.image_processor = self.image_processor
         request.initialize(self.tokenizer, max_prompt_len=self.prompt_length, max_response_len=self.response_length,
                            max_model_len=self.max_model_len)
         finish: FinishReasonType | None = None
@@ -284,8 +289,9 @@ class AgentLoop:
             sampling, max_new_tokens=min(sampling.max_new_tokens, budget),
             seed=None if sampling.seed is None else turn_seed(sampling.seed, request.batch_data_id, request.rollout_offset,
                                                                   request.num_assistant_turns))
+        images = {"image_data": self._image_data(request)} if request.images else {}
         output = await self.engine.async_generate(request.generation_prompt_ids(self.tokenizer), params,
-                                                  return_logprob=self.config.calculate_log_probs)
+                                                  return_logprob=self.config.calculate_log_probs, **images)
         if output.finish_reason is FinishReason.ABORT:
             request.fail(f"the engine aborted turn {request.num_assistant_turns + 1}")
             return FinishReasonType.ABORT
@@ -313,6 +319,14 @@ class AgentLoop:
             return None
         return FinishReasonType.STOP
 
+    @staticmethod
+    def _image_data(request: AsyncRolloutRequest) -> list[str]:
+        """The conversation's images as the engine takes them (base64 PNGs, each encoded once)."""
+        from megarl.data.images import image_uri
+
+        request.image_uris.extend(image_uri(image) for image in request.images[len(request.image_uris):])
+        return list(request.image_uris)
+
     async def _call_tools(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
         """TOOL_CALLING: answer every call of the last turn (calls run concurrently)."""
         calls, request.pending_tool_calls = request.pending_tool_calls, []
@@ -327,8 +341,9 @@ class AgentLoop:
         return None
 
     async def _answer_call(self, request: AsyncRolloutRequest, call: ToolCall | ToolCallError,
-                           hooks: HookRunner) -> str:
-        """The tool response to one call: the tool's text, or an error message for the model."""
+                           hooks: HookRunner) -> str | tuple[str, list]:
+        """The tool response to one call: the tool's text (with its images: ``(text, images)``), or an error
+        message for the model."""
         request.count("num_tool_calls")
         if isinstance(call, ToolCallError):
             request.count("num_tool_call_parse_errors")
@@ -350,6 +365,11 @@ class AgentLoop:
             logger.debug("tool %r raised for request %s", call.name, request.request_id, exc_info=True)
             return f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
         request.tool_metrics.setdefault(call.name, []).append({"step_reward": step_reward, **metrics})
+        images = []
+        if isinstance(text, ToolResponse):
+            text, images = text.text, self._tool_images(request, call.name, text.images)
+            if isinstance(images, str):  # why they cannot be shown
+                return images
         if not isinstance(text, str):
             if not isinstance(text, (dict, list, int, float, bool, type(None))):
                 request.count("num_tool_bad_responses")
@@ -361,7 +381,23 @@ class AgentLoop:
         if len(text) > limit:
             request.count("num_tool_responses_truncated")
             text = truncate_text(text, limit, side)
-        return text
+        return (text, images) if images else text
+
+    def _tool_images(self, request: AsyncRolloutRequest, name: str, images: list) -> list | str:
+        """A tool's images decoded for the conversation, or the error message the model gets instead (a text
+        policy, or an image that cannot be read)."""
+        from megarl.data.images import BadImage, load_image
+
+        if not images:
+            return []
+        if self.image_processor is None:
+            request.count("num_tool_images_refused")
+            return f"Error: tool {name!r} returned images, which this model cannot read."
+        try:
+            return [load_image(image, f"tool {name!r} image {k}") for k, image in enumerate(images)]
+        except BadImage as error:
+            request.count("num_tool_bad_images")
+            return f"Error: {error}"
 
     async def _interact(self, request: AsyncRolloutRequest, hooks: HookRunner) -> FinishReasonType | None:
         """INTERACTING: the simulated user judges the last turn and replies or ends the conversation."""
@@ -456,20 +492,23 @@ def requests_from_batch(batch: Batch, n: int, *, prompt_key: str = "raw_prompt")
         raise ValueError(f"multi-turn rollout needs the chat messages of each prompt in the non-tensor field "
                          f"{prompt_key!r}; build the dataset with return_raw_chat=True "
                          f"(batch has {sorted(batch.non_tensors)})")
-    columns = {key: batch.non_tensors.get(key) for key in ("tools_kwargs", "interaction_kwargs", "index")}
+    columns = {key: batch.non_tensors.get(key) for key in ("tools_kwargs", "interaction_kwargs", "index",
+                                                             "multi_modal_data")}
     requests = []
     for row in range(len(batch)):
         raw = batch.non_tensors[prompt_key][row]
         messages = check_messages(raw if isinstance(raw, str) else list(raw), f"batch row {row} ({prompt_key})")
         tools_kwargs = columns["tools_kwargs"][row] if columns["tools_kwargs"] is not None else None
         interaction_kwargs = columns["interaction_kwargs"][row] if columns["interaction_kwargs"] is not None else None
+        data = columns["multi_modal_data"][row] if columns["multi_modal_data"] is not None else None
+        images = list((data or {}).get("image") or [])
         for offset in range(n):
             requests.append(AsyncRolloutRequest(
                 batch_data_id=row, rollout_offset=offset,
                 messages=[Message.from_dict(message) for message in messages],
                 index=None if columns["index"] is None else columns["index"][row],
                 tools_kwargs=copy.deepcopy(dict(tools_kwargs or {})),
-                interaction_kwargs=copy.deepcopy(dict(interaction_kwargs or {}))))
+                interaction_kwargs=copy.deepcopy(dict(interaction_kwargs or {})), images=list(images)))
     return requests
 
 
@@ -537,7 +576,12 @@ def batch_from_requests(requests: Sequence[AsyncRolloutRequest], prompt_length: 
             array[i] = value
         return array
 
-    non_tensors = {
+    non_tensors = {}
+    if any(request.images for request in requests):  # a vision-language policy's conversations with images
+        non_tensors["multi_modal_inputs"] = column([request.vision_inputs() for request in requests])
+        non_tensors["multi_modal_data"] = column([{"image": list(request.images)} if request.images else None
+                                                  for request in requests])
+    non_tensors |= {
         "messages": column([request.message_dicts() for request in requests]),
         "reward_scores": column([dict(request.reward_scores) for request in requests]),
         "finish_reason": column([(request.finish_reason or FinishReasonType.ABORT).value for request in requests]),

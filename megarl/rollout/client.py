@@ -251,14 +251,15 @@ class EngineClient:
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams, *, seed: int | None = None,
                        return_logprob: bool = False, rid: str | None = None,
-                       routing_shape: tuple[int, int] | None = None) -> GenerateOutput:
+                       routing_shape: tuple[int, int] | None = None,
+                       image_data: Sequence[str] | None = None) -> GenerateOutput:
         """One continuation of ``input_ids``; with ``seed`` (``sampling_seed``) megarl's CPU server samples it
         from ``derive_row_seed(seed, 0)``. ``routing_shape`` (``(num_hidden_layers, top_k)`` of a
         mixture-of-experts model): also the routed experts of every token (``return_routed_experts``)."""
         answer = await self.call("/generate", timeout_s=self.generate_timeout_s, input_ids=list(input_ids),
                                  sampling_params=sampling_params_dict(params, seed), return_logprob=return_logprob,
                                  rid=rid, return_routed_experts=True if routing_shape else None,
-                                 lora_path=self.lora_name)
+                                 lora_path=self.lora_name, image_data=list(image_data) if image_data else None)
         return generate_output(answer, return_logprob, routing_shape, source=f"{self.name} at {self.url}")
 
     async def generate_batch(self, input_ids: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -284,9 +285,11 @@ class EngineClient:
                 for result in answer]
 
     async def async_generate(self, input_ids: Sequence[int], params: SamplingParams,
-                             return_logprob: bool = False) -> GenerateOutput:
-        """The agent loop's engine call: :meth:`generate` seeded by ``params.seed``."""
-        return await self.generate(input_ids, params, seed=params.seed, return_logprob=return_logprob)
+                             return_logprob: bool = False, image_data: Sequence[str] | None = None) -> GenerateOutput:
+        """The agent loop's engine call: :meth:`generate` seeded by ``params.seed`` (``image_data``: the
+        conversation's images)."""
+        return await self.generate(input_ids, params, seed=params.seed, return_logprob=return_logprob,
+                                   image_data=image_data)
 
     # ------------------------------------------------------------------------ weights
 

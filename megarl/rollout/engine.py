@@ -115,7 +115,8 @@ NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 class AsyncGenerator(Protocol):
     """What the agent loop needs: one continuation per call (an :class:`~megarl.rollout.client.EngineClient`
-    of the router or of an engine; a scripted engine in tests)."""
+    of the router or of an engine; a scripted engine in tests). A conversation with images also passes
+    ``image_data=`` (its images as base64 data URIs, in order)."""
 
     async def async_generate(self, input_ids: Sequence[int], sampling_params: SamplingParams,
                              return_logprob: bool = False) -> GenerateOutput:

@@ -102,7 +102,8 @@ class RolloutManager:
 
     def __init__(self, generator: EngineClient, engines: Sequence[EngineClient], tokenizer: Any,
                  config: RolloutConfig, *, prompt_length: int, response_length: int, tools: dict | None = None,
-                 interactions: dict | None = None, routing_shape: tuple[int, int] | None = None) -> None:
+                 interactions: dict | None = None, routing_shape: tuple[int, int] | None = None,
+                 image_processor: Any = None) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if prompt_length < 1 or response_length < 1:
@@ -115,6 +116,9 @@ class RolloutManager:
         self.prompt_length, self.response_length = prompt_length, response_length
         self.tools = tools
         self.interactions = interactions
+        self.image_processor = image_processor
+        """A vision-language policy's :class:`~megarl.data.images.ImageProcessor` (multi-turn conversations with
+        images); None: a text policy."""
         self._hooks: HookRunner | None = None
         """Runs the tool and interaction hooks of every multi-turn call (one event loop for the run)."""
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -187,15 +191,14 @@ class RolloutManager:
         if self.config.name != "hf":
             call_seed = None  # SGLang would give every row of a request one seed (module docstring)
         if self.config.multi_turn.enable:
-            if prompt_images(batch) is not None:
-                raise ValueError("actor_rollout_ref.rollout.multi_turn.enable=true with image prompts: multi-turn "
-                                 "rollouts of a vision-language model are not supported yet; run it single-turn")
             generated = await self._generate_multi_turn(batch, dataclasses.replace(params, seed=call_seed), n=n)
         else:
             generated = await self._generate_batch_level(batch, params, n=n, call_seed=call_seed,
                                                          routing_shape=None if validate else self.routing_shape)
         self._num_calls += 1
-        repeated = Batch(non_tensors=dict(batch.non_tensors)).repeat(n, interleave=True)
+        # A conversation's images (the prompt's and its tools') come with the generated rows.
+        inputs = {k: v for k, v in batch.non_tensors.items() if k not in generated.non_tensors}
+        repeated = Batch(non_tensors=inputs).repeat(n, interleave=True)
         output = repeated.union(generated)
         output.meta = {**batch.meta, "temperature": 1.0 if params.greedy else params.temperature,
                        "do_sample": do_sample, "validate": validate}
@@ -408,7 +411,8 @@ class RolloutManager:
             self._hooks = HookRunner(self.config.multi_turn.tool_timeout_s)
         loop = agent_loop.AgentLoop(self.generator, self.tokenizer, self.config, prompt_length=self.prompt_length,
                                     response_length=self.response_length, tools=self.tools,
-                                    interactions=self.interactions, hooks=self._hooks)
+                                    interactions=self.interactions, hooks=self._hooks,
+                                    image_processor=self.image_processor)
         finished = sorted(await self._naming_failures(loop.run(requests, sampling_params=params)),
                           key=lambda r: (r.batch_data_id, r.rollout_offset))
         expected = [(i, j) for i in range(len(batch)) for j in range(n)]

@@ -37,6 +37,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from megarl.config.rollout import SANITY_CHECK_MODES
 from megarl.data.chat import encode_prompt, render_prompt
 from megarl.rollout.tool_parser import ToolCall, ToolCallError
@@ -83,7 +85,8 @@ class Message:
     """A chat message; ``tool_calls`` only on assistant messages with structured calls."""
 
     role: str
-    content: str
+    content: str | list[dict[str, Any]]
+    """Text, or content parts (``{"type": "image"}`` / ``{"type": "text", "text"}``: a message with images)."""
     tool_calls: list[ToolCall] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Other keys of a prompt message (e.g. ``name``), passed to the template unchanged."""
@@ -159,6 +162,15 @@ class AsyncRolloutRequest:
     num_assistant_turns: int = 0
     num_user_turns: int = 0
     """Tool-response turns plus interaction (simulated user) turns."""
+
+    images: list = dataclasses.field(default_factory=list)
+    """The conversation's images in order (RGB): the prompt's, then those tools returned."""
+    image_inputs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The model's inputs of those images (``pixel_values``, ``image_grid_thw``), one dict per tokenised chunk."""
+    image_processor: Any = None
+    """A vision-language policy's :class:`~megarl.data.images.ImageProcessor` (expands each image's placeholder)."""
+    image_uris: list[str] = dataclasses.field(default_factory=list)
+    """Those images as the engine takes them (base64 PNGs), encoded once each."""
 
     _text: str = dataclasses.field(default="", init=False, repr=False)
     """The template's rendering of ``messages`` without a generation prompt."""
@@ -245,6 +257,24 @@ class AsyncRolloutRequest:
         rendered = self._delta(tokenizer, [Message("assistant", _SENTINEL)])
         return rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
 
+    def _encode(self, tokenizer: Any, text: str, images: Sequence = ()) -> list[int]:
+        """Token ids of rendered ``text`` whose image placeholders are those of ``images`` (new to the
+        conversation): each expanded to its merged patches, their inputs kept for the model."""
+        ids = encode_prompt(tokenizer, text)
+        if not images:
+            return ids
+        if self.image_processor is None:
+            raise ValueError(f"request {self.request_id} has images but no image processor (a text policy)")
+        pixels = self.image_processor.pixels(list(images))
+        self.image_inputs.append(pixels)
+        return self.image_processor.expand(ids, pixels["image_grid_thw"])
+
+    def vision_inputs(self) -> dict[str, Any] | None:
+        """The model's inputs of every image of the conversation (None without images)."""
+        if not self.image_inputs:
+            return None
+        return {key: torch.cat([x[key] for x in self.image_inputs]) for key in self.image_inputs[0]}
+
     def _append(self, ids: Sequence[int], loss: int, log_probs: Sequence[float] | None = None) -> None:
         """Append response ids with their masks, positions and log-probs (0 where none)."""
         self._extend(ids, loss)
@@ -283,7 +313,7 @@ class AsyncRolloutRequest:
             raise ValueError(f"request {self.request_id} (batch row {self.batch_data_id}) has no prompt messages")
         self.max_prompt_len, self.max_response_len, self.max_model_len = max_prompt_len, max_response_len, max_model_len
         self._text = self._render(tokenizer, self.messages, add_generation_prompt=False)
-        ids = encode_prompt(tokenizer, self._text + self._generation_prompt_text(tokenizer))
+        ids = self._encode(tokenizer, self._text + self._generation_prompt_text(tokenizer), self.images)
         self.prompt_len = min(len(ids), max_prompt_len)
         self._extend(ids[len(ids) - self.prompt_len:], loss=0)
         self._generation_prompt_in_ids = True
@@ -366,22 +396,30 @@ class AsyncRolloutRequest:
         self.num_assistant_turns += 1
         return chosen
 
-    def _add_messages(self, tokenizer: Any, new_messages: list[Message]) -> None:
+    def _add_messages(self, tokenizer: Any, new_messages: list[Message], images: Sequence = ()) -> None:
         """Append non-model messages (loss mask 0) with the template's scaffolding."""
         if self._generation_prompt_in_ids:
             raise ValueError(f"request {self.request_id}: {new_messages[0].role} messages cannot follow an "
                              f"unanswered generation prompt; add the assistant turn first")
         delta = self._delta(tokenizer, new_messages)
-        self._append(encode_prompt(tokenizer, delta), loss=0)
+        self._append(self._encode(tokenizer, delta, images), loss=0)
         self.messages.extend(new_messages)
+        self.images.extend(images)
         self._text += delta
         self.num_user_turns += 1
 
-    def add_tool_response_messages(self, tokenizer: Any, contents: Sequence[str]) -> None:
-        """Append one ``tool`` message per call of the last turn, in call order (loss mask 0)."""
+    def add_tool_response_messages(self, tokenizer: Any, contents: Sequence[str | tuple[str, list]]) -> None:
+        """Append one ``tool`` message per call of the last turn, in call order (loss mask 0); a content
+        ``(text, images)`` puts the images (RGB) before the text, as content parts."""
         if not contents:
             raise ValueError(f"request {self.request_id}: add_tool_response_messages needs at least one response")
-        self._add_messages(tokenizer, [Message("tool", str(content)) for content in contents])
+        messages, images = [], []
+        for content in contents:
+            text, shown = content if isinstance(content, tuple) else (str(content), [])
+            parts = [{"type": "image"} for _ in shown] + [{"type": "text", "text": text}]
+            messages.append(Message("tool", parts if shown else text))
+            images.extend(shown)
+        self._add_messages(tokenizer, messages, images)
 
     def add_user_message(self, tokenizer: Any, content: str) -> None:
         """Append a (simulated) user turn from an interaction (loss mask 0)."""
@@ -400,6 +438,8 @@ class AsyncRolloutRequest:
         """
         text = self._render(tokenizer, self.messages, add_generation_prompt=self._generation_prompt_in_ids)
         reference = encode_prompt(tokenizer, text)
+        if self.images:
+            reference = self.image_processor.expand(reference, self.vision_inputs()["image_grid_thw"])
         ids = self.input_ids
         if self._cut_turn_start is not None:
             ids, reference = ids[:self._cut_turn_start], reference[:self._cut_turn_start]
@@ -444,7 +484,21 @@ class AsyncRolloutRequest:
         limit = min(self.prompt_len + self.max_response_len, self.max_model_len)
         if len(self.input_ids) <= limit:
             return
+        if self.images:  # never inside an image: cut before it (and its vision-start token), and drop the images after
+            runs = self.image_processor.image_runs(self.input_ids)
+            kept = sum(1 for _, end in runs if end <= limit)
+            if kept < len(runs):
+                limit = min(limit, runs[kept][0] - 1)
+                self._keep_images(kept)
         self.count("response_truncated")
         del self.input_ids[limit:], self.attention_mask[limit:], self.position_ids[limit:], self.loss_mask[limit:]
         if self.response_log_probs is not None:
             del self.response_log_probs[limit - self.prompt_len:]
+
+    def _keep_images(self, count: int) -> None:
+        """Keep the conversation's first ``count`` images (their inputs too)."""
+        inputs = self.vision_inputs()
+        grids = inputs["image_grid_thw"][:count]
+        del self.images[count:]
+        self.image_inputs = [] if count == 0 else [{"pixel_values": inputs["pixel_values"][:int(grids.prod(-1).sum())],
+                                                    "image_grid_thw": grids}]

@@ -236,7 +236,6 @@ def test_lora_on_a_mixture_of_experts_policy_is_refused_before_ray(tmp_path):
 
 
 @pytest.mark.parametrize("setting", ["actor_rollout_ref.model.lora_rank=8",
-                                     "actor_rollout_ref.rollout.multi_turn.enable=true",
                                      "actor_rollout_ref.actor.parallel.cp=2", "reward_model.enable=true"])
 def test_what_a_vision_language_policy_cannot_do_yet_is_refused_before_ray(tmp_path, setting):
     from megarl.controller.run_inputs import check_policy_support
@@ -246,7 +245,6 @@ def test_what_a_vision_language_policy_cannot_do_yet_is_refused_before_ray(tmp_p
     base = ["recipe=tiny_cpu_vl_grpo", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.init=pretrained"]
     check_policy_support(_load_config(base))
     extra = {"reward_model": ["reward_model.model.path=" + str(model)],
-             "actor_rollout_ref.rollout.multi_turn": ["data.return_raw_chat=true"],
              "actor_rollout_ref.actor.parallel.cp": ["actor_rollout_ref.actor.parallel.tp=1"]}
     extra = next((more for prefix, more in extra.items() if setting.startswith(prefix)), [])
     key = setting.split("=")[0]

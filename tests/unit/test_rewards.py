@@ -90,7 +90,7 @@ def test_registry_dispatches_by_data_source():
     assert default_compute_score("addition", "6", "5")["score"] == 0.0
     with pytest.raises(ValueError, match=r"no reward scorer is registered for data_source 'math500'; "
                                          r"registered: \['DigitalLearningGmbH/MATH-lighteval', .*'addition', "
-                                         r"'aime\*', .*'openai/gsm8k', .*'searchR1_triviaqa'\]"):
+                                         r"'aime\*', .*'openai/gsm8k', .*'searchR1_triviaqa', 'squares'\]"):
         registry.get("math500")
 
 

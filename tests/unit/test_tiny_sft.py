@@ -192,7 +192,7 @@ def test_refuses_to_overwrite_a_directory_that_is_not_a_warm_start(tmp_path, dat
 def test_training_stops_once_the_sampled_reward_reaches_the_target(tmp_path, data, monkeypatch, count_trainings):
     measured = []
 
-    def fake_probe(model, tokenizer, rows, *, seed):
+    def fake_probe(model, tokenizer, rows, *, seed, processor=None):
         assert len(rows) == 64 and seed == 0  # every training row (fewer than NUM_PROBE_ROWS)
 
         def probe(step):
@@ -254,7 +254,7 @@ def test_accuracy_scores_responses_like_the_reward(tmp_path, data, monkeypatch):
     answers = [row["reward_model"]["ground_truth"] for row in pq.read_table(data[1]).to_pylist()]
     tokenizer = build_tiny_tokenizer()
 
-    def answer_right_for_even_rows(model, tok, prompt_ids, *, temperature, seed, max_new_tokens):
+    def answer_right_for_even_rows(model, tok, prompt_ids, *, temperature, seed, max_new_tokens, vision=None):
         assert temperature == 0.0 and len(prompt_ids) == 8
         texts = [answers[i] if i % 2 == 0 else "12" for i in range(len(prompt_ids))]
         return [tokenizer.encode(t + "<|im_end|>", add_special_tokens=False) for t in texts]

@@ -86,7 +86,12 @@ def test_positions_number_text_then_each_image_on_its_grid(view):
     positions, is_image = spec.layout(view, generated, torch.tensor([[1, 4, 6]]))
     assert positions[:11].tolist() == spec.position_ids(view, ids, torch.tensor([[1, 4, 6]])).tolist()
     assert positions[11:].tolist() == [[8, 8, 8], [9, 9, 9]] and is_image.tolist() == [False] * 3 + [True] * 6 + [False] * 4
-    assert spec.position_ids(view, ids, None)[:, 0].tolist() == list(range(11))  # no image: all text
+    # Only a run right after <|vision_start|> is an image: a stray placeholder is text, an image without a grid an
+    # error.
+    stray = torch.tensor([5, pad, 6])
+    assert spec.position_ids(view, stray, None)[:, 0].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="left over after the row's 0 image"):
+        spec.position_ids(view, ids, None)
     with pytest.raises(ValueError, match="2 image grids but 1 images"):
         spec.position_ids(view, ids, torch.tensor([[1, 4, 6], [1, 2, 2]]))
 

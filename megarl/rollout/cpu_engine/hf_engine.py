@@ -260,9 +260,8 @@ class HFEngine:
             pixels = None
             if row_images:
                 pixels = self.image_processor.pixels(row_images)
-                ids = self.image_processor.expand(_collapse(ids, self.image_processor.image_token_id),
-                                                  pixels["image_grid_thw"])
-            elif self.image_processor.image_token_id in ids:
+                ids = self.image_processor.expand(ids, pixels["image_grid_thw"])
+            elif self.image_processor.image_runs(ids):
                 raise ValueError(f"HFEngine: prompt {row} has image placeholders but no images")
             expanded.append(ids)
             inputs.append(pixels)
@@ -409,11 +408,6 @@ class HFEngine:
         if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
             params.update({hub_name(name, self.vision): param for name, param in list(params.items())})
         return params
-
-
-def _collapse(ids: list[int], placeholder: int) -> list[int]:
-    """``ids`` with each run of image placeholders made one (SGLang's reading: a run is one image)."""
-    return [t for i, t in enumerate(ids) if t != placeholder or i == 0 or ids[i - 1] != placeholder]
 
 
 def _vision_spec(hf_config):

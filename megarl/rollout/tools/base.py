@@ -22,12 +22,23 @@ from __future__ import annotations
 
 import abc
 import copy
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-ToolResult = tuple[str, float, dict[str, Any]]
-"""``(response_text, step_reward, metrics)`` of one ``execute``."""
+@dataclasses.dataclass
+class ToolResponse:
+    """A tool's answer with images (verl's ``ToolResponse``): ``execute`` may return it in place of text. The images
+    (PIL images, encoded bytes, paths or base64 data URIs) go before the text in the tool message, for a
+    vision-language policy to see."""
+
+    text: str = ""
+    images: list = dataclasses.field(default_factory=list)
+
+
+ToolResult = tuple[str | ToolResponse, float, dict[str, Any]]
+"""``(response, step_reward, metrics)`` of one ``execute``: the response is text, or a :class:`ToolResponse`."""
 
 
 def check_tool_schema(schema: Any, where: str) -> dict[str, Any]:
