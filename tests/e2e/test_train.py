@@ -907,3 +907,34 @@ def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
     assert sum(scores[-5:]) / 5 - sum(scores[:5]) / 5 >= 0.1, scores
     assert max(row["mismatch/abs_logp_diff_mean"] for row in steps) < 1e-5
     assert all(row["weight_sync/verified_engines"] == 2 for row in steps)
+
+
+def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
+    """Issue 36: multi-turn GRPO of a tiny Qwen2.5-VL on image prompts (a tool that answers with an image offered):
+    every turn's request carries the conversation's images to the engines, and the actor recomputes the engines'
+    log-probs on the conversations, images at their placeholders."""
+    import yaml
+
+    from megarl.models.tiny import save_tiny_vl
+    from megarl.warmstart.squares_data import ensure_squares_data
+
+    model = save_tiny_vl(tmp_path / "vl", seed=1, initializer_range=0.3)
+    train, _ = ensure_squares_data(tmp_path / "squares", num_train=8, num_test=1)
+    tools = tmp_path / "image_tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{
+        "class_name": "tests.e2e.image_tool.ImageTool", "config": {},
+        "tool_schema": {"type": "function", "function": {"name": "look", "description": "Shows an image.",
+                                                         "parameters": {"type": "object", "properties": {}}}}}]}))
+    trainer = _run(_config(assets, "vl_multi_turn", "recipe=tiny_cpu_vl_grpo", "trainer.total_steps=1",
+                           f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.init=pretrained",
+                           f"data.train_files=[{train}]", "data.val_files=[]", "data.max_prompt_length=320",
+                           "data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           "actor_rollout_ref.rollout.multi_turn.format=qwen25",
+                           f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+                           "reward_model.custom_reward_function.path=null",
+                           "reward_model.custom_reward_function.name=compute_score"))
+    (_, metrics), = trainer.history
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert "rollout/finish_abort_frac" not in metrics and metrics["response_length/mean"] > 0
+    assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
+    assert metrics["weight_sync/verified_engines"] == 2
