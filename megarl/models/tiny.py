@@ -202,6 +202,18 @@ def tiny_image_processor(*, patch_size: int = 14, max_patches: int = 64):
                                     size={"shortest_edge": unit, "longest_edge": unit * max_patches // 4})
 
 
+def _mrope_section(head_dim: int) -> list[int]:
+    """Rotary frequencies per axis (temporal, height, width) for a tiny head: an eighth, three sixteenths, the rest."""
+    return [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+
+
+def _vision_token_ids(tokenizer) -> dict[str, int]:
+    """The vision special tokens' ids in ``tokenizer`` (:func:`build_tiny_vl_tokenizer`), as configs name them."""
+    token = tokenizer.convert_tokens_to_ids
+    return {"image_token_id": token("<|image_pad|>"), "video_token_id": token("<|video_pad|>"),
+            "vision_start_token_id": token("<|vision_start|>"), "vision_end_token_id": token("<|vision_end|>")}
+
+
 def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                            num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512,
                            vision_depth: int = 2, vision_hidden: int = 32, patch_size: int = 14,
@@ -212,9 +224,7 @@ def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int 
     ``initializer_range``: the random weights' scale (larger: a random model's greedy outputs vary)."""
     from transformers import Qwen2_5_VLConfig
 
-    head_dim = hidden_size // num_heads
-    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
-    token = tokenizer.convert_tokens_to_ids
+    section = _mrope_section(hidden_size // num_heads)
     return Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -229,9 +239,8 @@ def tiny_qwen2_5_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int 
             out_hidden_size=hidden_size, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
             window_size=4 * patch_size, fullatt_block_indexes=[vision_depth - 1], initializer_range=initializer_range,
         ),
-        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
-        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen2_5_VLForConditionalGeneration"],
+        **_vision_token_ids(tokenizer), tie_word_embeddings=tie_word_embeddings,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
     )
 
 
@@ -245,8 +254,7 @@ def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 
     on an 8 × 8 grid, DeepStack features of blocks ``deepstack`` into the first ``len(deepstack)`` layers)."""
     from transformers import Qwen3VLConfig
 
-    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
-    token = tokenizer.convert_tokens_to_ids
+    section = _mrope_section(head_dim)
     return Qwen3VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -262,9 +270,8 @@ def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 
             out_hidden_size=hidden_size, patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
             deepstack_visual_indexes=list(deepstack), num_position_embeddings=64, initializer_range=initializer_range,
         ),
-        image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
-        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen3VLForConditionalGeneration"],
+        **_vision_token_ids(tokenizer), tie_word_embeddings=tie_word_embeddings,
+        architectures=["Qwen3VLForConditionalGeneration"],
     )
 
 

@@ -51,11 +51,17 @@ def score_response(solution_str: str, ground_truth: Any, extra_info: dict | None
     ``score`` and ``acc`` are 1.0 for an exact match of the final integer, else 0.0; ``pred``
     is that integer as text, ``""`` when the response has none. ``extra_info`` is not used.
     """
+    return score_last_integer(solution_str, ground_truth, task="addition", rebuild="tools/make_addition_data.py")
+
+
+def score_last_integer(solution_str: str, ground_truth: Any, *, task: str, rebuild: str) -> dict[str, Any]:
+    """``{"score", "acc", "pred"}``: 1.0 when the response's last integer is the (integer) ground truth of ``task``;
+    ``rebuild`` says how to remake data whose ground truth is not an integer."""
     try:
         reference = int(str(ground_truth).strip())
     except ValueError as err:
-        raise ValueError(f"addition ground truth {ground_truth!r} is not an integer; rebuild the data with "
-                         f"tools/make_addition_data.py") from err
+        raise ValueError(f"{task} ground truth {ground_truth!r} is not an integer; rebuild the data with "
+                         f"{rebuild}") from err
     prediction = extract_answer(solution_str)
     correct = float(prediction is not None and prediction == reference)
     return {"score": correct, "acc": correct, "pred": "" if prediction is None else str(prediction)}

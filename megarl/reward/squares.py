@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.reward.addition import extract_answer
+from megarl.reward.addition import score_last_integer
 
 DATA_SOURCE = "squares"
 """``data_source`` of the counting rows."""
@@ -31,11 +31,4 @@ COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
 def score_response(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
     """Registered scorer for :data:`DATA_SOURCE`: ``{"score", "acc", "pred"}`` (1.0 when the last integer of the
     response is the number of red squares, else 0.0)."""
-    try:
-        reference = int(str(ground_truth).strip())
-    except ValueError as err:
-        raise ValueError(f"squares ground truth {ground_truth!r} is not an integer; rebuild the data with "
-                         f"megarl.warmstart.squares_data") from err
-    prediction = extract_answer(solution_str)
-    correct = float(prediction is not None and prediction == reference)
-    return {"score": correct, "acc": correct, "pred": "" if prediction is None else str(prediction)}
+    return score_last_integer(solution_str, ground_truth, task="squares", rebuild="megarl.warmstart.squares_data")

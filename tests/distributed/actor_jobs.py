@@ -14,7 +14,6 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8, log_dir:
 
     from transformers import AutoTokenizer
 
-    from megarl.algo.advantages import compute
     from megarl.data.dataset import collate
     from megarl.config import RolloutConfig
     from megarl.rollout import RolloutManager
@@ -34,8 +33,17 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8, log_dir:
         servers = stack.enter_context(engine_servers(hf_dir, log_dir, num_engines=1, seeds=[3]))
         batch = RolloutManager(servers.generator, servers.engines, tokenizer, config, prompt_length=24,
                                response_length=10).generate(prompts)
-    batch["uid"] = __import__("numpy").repeat(__import__("numpy").arange(4), n).astype(object)
-    # A fake outcome reward: 1 when the first response token id is even.
+    return fake_grpo(batch, prompts=4, n=n)
+
+
+def fake_grpo(batch, *, prompts: int, n: int):
+    """``batch`` (``prompts`` × ``n`` rollouts) with GRPO advantages from a fake outcome reward: 1 when the first
+    response token id is even."""
+    import numpy as np
+
+    from megarl.algo.advantages import compute
+
+    batch["uid"] = np.repeat(np.arange(prompts), n).astype(object)
     scores = torch.zeros_like(batch["rollout_log_probs"])
     lengths = batch["response_mask"].sum(-1)
     scores[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = (batch["responses"][:, 0] % 2 == 0).float()

@@ -193,12 +193,12 @@ def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperat
     GRPO advantages from a fake reward (1 when the first response token id is even)."""
     from transformers import AutoTokenizer
 
-    from megarl.algo.advantages import compute
     from megarl.config import RolloutConfig
     from megarl.data.dataset import PromptDataset
     from megarl.data.images import ImageProcessor
     from megarl.models.vision import load_hf_config
     from megarl.rollout import RolloutManager
+    from tests.distributed.actor_jobs import fake_grpo
     from tests.engine_servers import engine_servers
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -211,13 +211,7 @@ def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperat
     with engine_servers(hf_dir, log_dir, num_engines=1, seeds=[3], router=True) as servers:
         batch = RolloutManager(servers.generator, servers.engines, tokenizer, config, prompt_length=48,
                                response_length=response_length).generate(prompts)
-    batch["uid"] = np.repeat(np.arange(len(dataset)), config.n if temperature else 1).astype(object)
-    scores = torch.zeros_like(batch["rollout_log_probs"])
-    lengths = batch["response_mask"].sum(-1)
-    scores[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = (batch["responses"][:, 0] % 2 == 0).float()
-    batch["token_level_rewards"] = scores
-    compute("grpo", batch)
-    return batch
+    return fake_grpo(batch, prompts=len(dataset), n=config.n if temperature else 1)
 
 
 def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
