@@ -44,6 +44,12 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
           buffer on GPU) and read back. Pass: every quantized weight and scale the engine holds equals the
           actor's weights quantized here, bit for bit, and the engine's log-probs are finite (their gap to the
           actor's, FP8's, is reported next to the engine stage's bf16 bound).
+  vl      a vision-language policy (a random Qwen2.5-VL: the shape's language model, a 4-block vision tower): an
+          engine server started from it generates from image prompts (``image_data``: the tower and multimodal
+          RoPE on this device in transformers), the actor (the tower on its first stage, Megatron's multimodal
+          RoPE) recomputes the log-probs, takes one update, and the ``tensor`` transport takes every weight, the
+          tower's ``visual.*`` too, into the server. Pass: the gap within the engine stage's bound (finite without
+          parity), the update applied, every tensor verified by the transport.
   mfu     train steps of a Qwen2.5-1.5B-shaped random model (``ActorRole.update``, one micro-batch): tokens/s and
           MFU (6 N + causal attention flops per token against the chip's dense bf16 peak), against HF
           transformers' step (sdpa, AdamW, the same log-softmax) on the same chip in this run. Printed, not
@@ -79,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_co
 import bench_convert as common
 import torch
 
-STAGES = ("parity", "engine", "ppo", "sync", "lora", "fp8", "mfu")
+STAGES = ("parity", "engine", "ppo", "sync", "lora", "fp8", "vl", "mfu")
 REQUIRES = {"sync": ("ppo",)}
 """Stages a picked stage needs run before it (added to ``--stages``)."""
 
@@ -92,6 +98,14 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936),
 }
 """Qwen2.5 shapes, random weights (the tokenizer is megarl's tiny one: only its special ids matter)."""
+VL_SHAPES = {
+    "tiny": dict(vision_hidden=32, vision_depth=2),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                 vision_hidden=256, vision_depth=4),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                 vision_hidden=256, vision_depth=4),
+}
+"""The ``vl`` stage's Qwen2.5-VL per ``--shape`` (:func:`megarl.models.tiny.tiny_qwen2_5_vl_config` sizes)."""
 INIT_RANGE = 0.05
 """Qwen's is 0.02; wider weights make attention and logits peaked, so a wrong position, mask or norm shows."""
 
@@ -595,6 +609,81 @@ def run_fp8(ctx: Context, out: dict) -> None:
     out["ok"] = not differ and report["verified_checks"] == 2 * len(quantized) > 0 and math.isfinite(gap["max"])
 
 
+def run_vl(ctx: Context, out: dict) -> None:
+    """A vision-language policy on this device (see the module docstring)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from megarl.data.batch import Batch
+    from megarl.data.images import ImageProcessor, image_uri
+    from megarl.models.tiny import save_tiny_vl
+    from megarl.models.vision import load_hf_config
+    from megarl.rollout.client import EngineAddress, run_sync
+    from megarl.rollout.engine import SamplingParams
+    from megarl.sync.tensor import TensorTransport
+
+    ctx.drop_actor()
+    model_dir = ctx.work / f"qwen2_5_vl_{ctx.args.shape}"
+    if not (model_dir / "config.json").exists():
+        save_tiny_vl(model_dir, seed=1, initializer_range=INIT_RANGE, **VL_SHAPES[ctx.args.shape])
+    actor = build_actor(model_dir, rows=ENGINE_ROWS, micro_rows=ENGINE_ROWS // 2)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = ImageProcessor.from_pretrained(model_dir, tokenizer, load_hf_config(model_dir))
+    rng = np.random.default_rng(5)
+    images = [Image.fromarray((rng.random((28 * (1 + row % 3), 56, 3)) * 255).astype("uint8"))
+              for row in range(ENGINE_ROWS)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+    template = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    inputs = [processor.pixels([image]) for image in images]
+    prompts = [processor.expand(template, x["image_grid_thw"]) for x in inputs]
+    client = ctx.engine(model_dir=model_dir)
+    try:
+        params = SamplingParams(max_new_tokens=ENGINE_RESPONSE, temperature=1.0, ignore_eos=True)
+        outputs = run_sync(client.generate_batch(prompts, params, seed=5, return_logprob=True,
+                                                 image_data=[[image_uri(image)] for image in images]))
+        P, R = max(map(len, prompts)), ENGINE_RESPONSE
+        ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        engine_logp = torch.zeros(len(prompts), R)
+        for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+            n = len(output.output_ids)
+            ids[row, P - len(prompt):P + n] = torch.tensor(prompt + list(output.output_ids))
+            mask[row, P - len(prompt):P + n] = 1
+            engine_logp[row, :n] = torch.tensor(output.output_logprobs)
+        batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
+                                 "response_mask": mask[:, P:], "multi_modal_inputs": inputs},
+                                meta={"temperature": 1.0})
+        recomputed = actor.compute_log_prob(batch)["log_probs"].float().cpu()
+        response = mask[:, P:].bool()
+        gap = {"tokens": int(response.sum()), **stats((recomputed - engine_logp)[response])}
+        sign_N = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0)
+        batch["old_log_probs"] = recomputed
+        batch["advantages"] = sign_N[:, None] * mask[:, P:].float()
+        (result,) = actor.update(batch)
+        model = actor.model
+        names = [n for unit in model.exporter(DTYPE).units for n in unit.hf_names]
+        transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1,
+                                                                 host_ranks=(0,))])
+        try:
+            report, seconds = timed(lambda: transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 26, version="vl",
+                                                           verify_names=names))
+        finally:
+            transport.close()
+            model.release_export_buffers()
+    finally:
+        ctx.stop_engine()
+    bound = gap_bound(ctx)
+    tower = sum(n.startswith("visual.") for n in names)
+    out.update(gap=gap, bound=bound, image_tokens=int((ids == processor.image_token_id).sum()), applied=result.applied,
+               grad_norm=result.grad_norm, tensors=len(names), tower_tensors=tower,
+               verified_by_transport=report["verified_checks"], sync_seconds=round(seconds, 4))
+    out["ok"] = (gap["tokens"] > 0 and math.isfinite(gap["max"]) and (bound is None or gap["mean"] <= bound)
+                 and result.applied and math.isfinite(result.grad_norm) and tower > 0
+                 and report["verified_checks"] == len(names))
+
+
 def train_flops_per_token(hf_config, seq: int) -> tuple[int, float]:
     """The matmul parameters N (layers and LM head; a tied embedding's lookup is free) and the training flops per
     token: 6 N, plus causal attention over rows of ``seq`` tokens (QK and AV: 4 seq h per layer forward, half of
@@ -694,7 +783,7 @@ def run_mfu(ctx: Context, out: dict) -> None:
 
 
 RUNNERS = {"parity": run_parity, "engine": run_engine, "ppo": run_ppo, "sync": run_sync_stage, "lora": run_lora,
-           "fp8": run_fp8, "mfu": run_mfu}
+           "fp8": run_fp8, "vl": run_vl, "mfu": run_mfu}
 
 
 # ----------------------------------------------------------------------------------------------------- main

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["parity", "engine", "ppo", "sync", "lora", "fp8", "mfu"]
+STAGES = ["parity", "engine", "ppo", "sync", "lora", "fp8", "vl", "mfu"]
 BLOCKED = ("ray", "hydra", "sglang_router", "pyarrow")
 """Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
@@ -174,6 +174,16 @@ def test_fp8_stage_checks_the_quantized_sync(check):
     assert fp8["gap"]["tokens"] > 0 and finite(fp8["gap"]["mean"])
 
 
+def test_vl_stage_serves_images_and_syncs_the_vision_tower(check):
+    """A vision-language policy on the device: an engine generates from image prompts, the actor recomputes the
+    log-probs within the engine stage's bound and takes an update, and every weight, the tower's too, reaches the
+    server verified."""
+    vl = check["records"]["vl"]
+    assert vl["gap"]["tokens"] > 0 and finite(vl["gap"]["mean"]) and vl["image_tokens"] > 0
+    assert vl["bound"] is None or vl["gap"]["mean"] <= vl["bound"]
+    assert vl["applied"] and vl["tower_tensors"] > 0 and vl["verified_by_transport"] == vl["tensors"]
+
+
 def test_mfu_line_has_both_sides_and_a_ratio(check):
     mfu = check["records"]["mfu"]
     for side in ("megarl", "hf_sdpa"):
@@ -186,8 +196,8 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
 
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
-    # The tool, its server, the lora stage's server serving LoRA, the fp8 stage's serving FP8.
-    assert len(starts) == 4 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 3, starts
+    # The tool, its server, the lora stage's server serving LoRA, the fp8 stage's serving FP8, the vl stage's.
+    assert len(starts) == 5 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 4, starts
     imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
     assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
     names = {name for name, _, _ in imported}
