@@ -1,5 +1,6 @@
 """Vision-language rollouts (issue 36): image prompts in verl's format go through sglang-router to megarl's CPU
-engine server (``image_data``), which generates what transformers generates, token for token (greedy); the
+engine server (``image_data``), which generates what transformers generates, token for token (greedy; Qwen2.5-VL
+and Qwen3-VL); the
 Megatron actor (TP=2 × PP=2, packed) recomputes the sampled tokens' log-probs within 1e-5 of the engine's and
 takes PPO steps on them, the images reaching its first stage."""
 
@@ -29,14 +30,18 @@ def tiny(tmp_path_factory):
     return root, str(hf_dir), str(data)
 
 
-def test_greedy_rollout_equals_transformers_generate(tiny):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_greedy_rollout_equals_transformers_generate(tiny, arch):
     from transformers import AutoModelForImageTextToText
 
     from megarl.data.images import ImageProcessor
+    from megarl.models.tiny import save_tiny_vl
     from megarl.models.vision import load_hf_config
 
     root, hf_dir, data = tiny
-    batch = vision_jobs.image_rollout(hf_dir, data, str(root / "greedy_logs"), n=1, temperature=0.0)
+    if arch != "qwen2_5_vl":
+        hf_dir = str(save_tiny_vl(root / arch, seed=1, arch=arch, initializer_range=0.3))
+    batch = vision_jobs.image_rollout(hf_dir, data, str(root / f"greedy_logs_{arch}"), n=1, temperature=0.0)
     model = AutoModelForImageTextToText.from_pretrained(hf_dir).eval()
     processor = ImageProcessor.from_pretrained(hf_dir, None, load_hf_config(hf_dir))
     assert [x is not None for x in batch["multi_modal_inputs"]] == [True, True, False]

@@ -938,3 +938,28 @@ def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
     assert "rollout/finish_abort_frac" not in metrics and metrics["response_length/mean"] > 0
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert metrics["weight_sync/verified_engines"] == 2
+
+
+def test_ppo_of_a_vision_language_policy_with_a_critic_reading_the_images(assets, tmp_path):
+    """Issue 36: PPO (GAE) on image prompts: the critic (a value head on the same vision-language model, its tower on
+    its first stage) trains on the rows' images, the actor's micro-batches padded where the critic's are packed
+    (multimodal positions either way), the weights reaching the engines by broadcast."""
+    from megarl.models.tiny import save_tiny_vl
+    from megarl.warmstart.squares_data import ensure_squares_data
+
+    model = save_tiny_vl(tmp_path / "vl", seed=1, initializer_range=0.3)
+    train, _ = ensure_squares_data(tmp_path / "squares", num_train=8, num_test=1)
+    trainer = _run(_config(assets, "vl_ppo", "recipe=tiny_cpu_vl_grpo", "trainer.total_steps=1",
+                           f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.init=pretrained",
+                           f"data.train_files=[{train}]", "data.val_files=[]", "algorithm.adv_estimator=gae",
+                           "critic.enable=true", "critic.parallel.tp=2", "critic.ppo_mini_batch_size=2",
+                           "critic.ppo_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=8",
+                           "actor_rollout_ref.model.use_remove_padding=false",
+                           "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.pool_nodes=[2]"))
+    (_, metrics), = trainer.history
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and "actor/pg_loss" in metrics
+    assert trainer.roles.weight_transport == "distributed"
+    assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+    assert any(name.startswith("visual.") for name in trainer.roles.weight_names)
+    assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
