@@ -13,6 +13,7 @@ Columns are the union of all rows' keys in first-seen order (a key missing from 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -101,7 +102,16 @@ def write_rows(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
 
         pq.write_table(pa.Table.from_pylist(rows), tmp)
     elif path.suffix.lower() == ".json":
-        tmp.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+        tmp.write_text(json.dumps(rows, ensure_ascii=False, default=_bytes_as_uri), encoding="utf-8")
     else:
-        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False, default=_bytes_as_uri) + "\n" for row in rows),
+                       encoding="utf-8")
     tmp.replace(path)
+
+
+def _bytes_as_uri(value: Any) -> str:
+    """JSON for a value it has no type for: bytes (an image column's encoded images) as a base64 data URI, which
+    megarl's image loader (and SGLang's) reads back."""
+    if isinstance(value, (bytes, bytearray)):
+        return "data:image;base64," + base64.b64encode(bytes(value)).decode("ascii")
+    raise TypeError(f"a row holds a {type(value).__name__}, which JSON cannot hold; write .parquet instead")

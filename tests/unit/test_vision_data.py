@@ -119,3 +119,17 @@ def test_a_text_model_refuses_a_file_with_images(data_file, processor):
     with pytest.raises(ValueError, match="column 'images' \\(data.image_key\\) holds images, but the model"):
         PromptDataset(str(data_file), processor.tokenizer, max_prompt_length=256)
     assert len(PromptDataset(str(data_file), processor.tokenizer, max_prompt_length=256, image_key=None)) == 6
+
+
+def test_image_rows_written_as_json_read_back_with_their_images(data_file, processor, tmp_path):
+    """``megarl-generate`` writes its prompt rows back with the responses: to JSON, an image's bytes become a base64
+    data URI, which the dataset reads as the same image."""
+    from megarl.data.files import read_table, write_rows
+
+    rows = read_table(data_file).to_pylist()[:2]
+    write_rows(rows, tmp_path / "out.jsonl")
+    back = _dataset(tmp_path / "out.jsonl", processor, max_prompt_length=256)
+    original = _dataset(data_file, processor, max_prompt_length=256)
+    for i in range(2):
+        assert back[i]["input_ids"].tolist() == original[i]["input_ids"].tolist()
+        assert torch.equal(back[i]["multi_modal_inputs"]["pixel_values"], original[i]["multi_modal_inputs"]["pixel_values"])
