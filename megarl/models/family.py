@@ -201,6 +201,8 @@ class ModelFamily:
             moe_permute_fusion=False,
             expert_model_parallel_size=dims.ep,
             expert_tensor_parallel_size=dims.expert_tp,
+            moe_shared_expert_intermediate_size=moe.shared_ffn_size(hf_config) or None,
+            moe_shared_expert_gate=moe.shared_expert_gate and bool(moe.shared_ffn_size(hf_config)),
         )
 
     def _sizes(self, hf_config) -> dict[str, int]:

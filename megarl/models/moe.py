@@ -39,6 +39,17 @@ class MoESpec:
     """HF config key: every n-th layer is sparse (Qwen3-MoE's ``decoder_sparse_step``)."""
     dense_layers_key: str | None = None
     """HF config key: the layers that keep a dense MLP (Qwen3-MoE's ``mlp_only_layers``)."""
+    shared_expert_key: str | None = None
+    """HF config key of the shared expert's FFN size (Qwen2-MoE's ``shared_expert_intermediate_size``: one dense
+    SwiGLU MLP every token goes through beside its routed experts, ``shared_expert.{gate,up,down}_proj``); None: no
+    shared expert."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE; Megatron's
+    ``moe_shared_expert_gate``)."""
+
+    def shared_ffn_size(self, hf_config) -> int:
+        """The shared expert's FFN size (0 without one)."""
+        return int(getattr(hf_config, self.shared_expert_key, 0) or 0) if self.shared_expert_key else 0
 
     def num_experts(self, hf_config) -> int:
         return int(getattr(hf_config, self.experts_key))
@@ -74,6 +85,13 @@ class MoESpec:
                 for e in range(experts):
                     out[f"{block}experts.{e}.{gate}.weight"] = out[f"{block}experts.{e}.{up}.weight"] = (ffn, hidden)
                     out[f"{block}experts.{e}.{down}.weight"] = (hidden, ffn)
+                shared = self.shared_ffn_size(hf_config)
+                if shared:
+                    out[f"{block}shared_expert.gate_proj.weight"] = (shared, hidden)
+                    out[f"{block}shared_expert.up_proj.weight"] = (shared, hidden)
+                    out[f"{block}shared_expert.down_proj.weight"] = (hidden, shared)
+                    if self.shared_expert_gate:
+                        out[f"{block}shared_expert_gate.weight"] = (1, hidden)
         return out
 
     def hub_views(self, params: dict[str, "torch.Tensor"], hf_config) -> dict[str, "torch.Tensor"]:
@@ -107,6 +125,6 @@ class MoESpec:
             raise ValueError(f"router_jitter_noise={jitter} in the HF config multiplies the hidden states by noise "
                              f"in training, which Megatron's router does not do; set it to 0")
         for key in ("shared_expert_intermediate_size", "n_shared_experts"):
-            if getattr(hf_config, key, None):
+            if key != self.shared_expert_key and getattr(hf_config, key, None):
                 raise ValueError(f"{key}={getattr(hf_config, key)} in the HF config: shared experts are not mapped "
                                  f"for this family")

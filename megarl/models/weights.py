@@ -169,6 +169,16 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
             WeightRule(m_expert + "linear_fc2.weight", (down,), Split.ROW,
                        te_megatron=m_mlp + "experts.linear_fc2.weight{e}", layers="moe"),
         ]
+        if moe.shared_expert_key is not None:  # Megatron's SharedExpertMLP, split by tensor parallelism
+            shared, m_shared = block + "shared_expert.", m_mlp + "shared_experts."
+            rules += [
+                WeightRule(m_shared + "linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                           Split.COLUMN, Fuse.GATE_UP, layers="moe"),
+                WeightRule(m_shared + "linear_fc2.weight", (shared + "down_proj.weight",), Split.ROW, layers="moe"),
+            ]
+            if moe.shared_expert_gate:
+                rules.append(WeightRule(m_shared + "gate_weight", (block + "shared_expert_gate.weight",),
+                                        Split.REPLICATED, layers="moe"))
     rules += [
         WeightRule("decoder.final_layernorm.weight", (f"{prefix}norm.weight",), Split.REPLICATED),
         WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, untied_only=True),

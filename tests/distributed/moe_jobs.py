@@ -11,7 +11,7 @@ VOCAB = 250
 
 def tiny_moe_config(name: str):
     """Tiny MoE configs with the features each family must get right (random weights, saved with save_pretrained)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
@@ -22,13 +22,20 @@ def tiny_moe_config(name: str):
     if name == "qwen3_moe_softmax":  # top-k weights of the full softmax (not renormalised)
         return Qwen3MoeConfig(**common, head_dim=12, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                               num_experts_per_tok=2, norm_topk_prob=False, architectures=["Qwen3MoeForCausalLM"])
+    if name == "qwen2_moe":  # a gated shared expert beside the routed ones, plain top-k weights, one dense layer
+        return Qwen2MoeConfig(**common, intermediate_size=40, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=False, mlp_only_layers=[0], architectures=["Qwen2MoeForCausalLM"])
     if name == "mixtral":
         return MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              architectures=["MixtralForCausalLM"])
     raise ValueError(name)
 
 
-MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral")
+MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe")
+FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_moe_softmax": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
+SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3}
+"""Each config's family and sparse layers (of 4)."""
 
 
 def save_tiny_moe(name: str, directory, seed: int = 0):
@@ -172,7 +179,8 @@ def _hf_shapes(family, cfg):
     return names, [shapes[n] for n in names]
 
 
-EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "mixtral": ["ep2", "tp2_ep2_sp"]}
+EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "mixtral": ["ep2", "tp2_ep2_sp"],
+             "qwen2_moe": ["ep2", "tp2_ep2_sp"]}
 """The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all but EP4: the same
 code as EP2 with a larger group, measured equal in feasibility A; left out for the suite's time)."""
 

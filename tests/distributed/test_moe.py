@@ -1,4 +1,5 @@
-"""Mixture-of-experts families (issue 17): Qwen3-MoE and Mixtral in Megatron equal HF transformers.
+"""Mixture-of-experts families (issue 17, issue 37): Qwen3-MoE, Mixtral and Qwen2-MoE (a gated shared expert) in
+Megatron equal HF transformers.
 
 One spawned rank builds each tiny config (a dense layer among sparse ones, renormalised and plain top-k weights,
 Mixtral's names) from its HF checkpoint (one tensor per expert, as the hub holds them) and compares logits,
@@ -95,7 +96,7 @@ def test_megatron_moe_equals_hf(ep, name):
     """EP=1: parameter count, logits and the streaming export (names and bits) equal HF's, for a dense layer among
     sparse ones, renormalised and plain top-k weights, and Mixtral's names."""
     result = ep[0][0]["ep1"][name]
-    assert result["family"] == ("mixtral" if name == "mixtral" else "qwen3_moe")
+    assert result["family"] == moe_jobs.FAMILY[name]
     assert result["params"] == result["hf_params"]
     assert result["logits_diff"] <= 1e-4
     assert result["names_equal"] and result["bit_exact"]
@@ -110,7 +111,7 @@ def test_expert_parallel_logits_equal_hf(ep, name, layout):
     assert diffs and max(diffs) <= 1e-4
     ep_size = moe_jobs.EP_LAYOUTS[layout]["ep"]
     pp = moe_jobs.EP_LAYOUTS[layout].get("pp", 1)
-    sparse_layers = 3 if name == "qwen3_moe" else 4  # qwen3_moe's layer 1 is dense
+    sparse_layers = moe_jobs.SPARSE_LAYERS[name]  # qwen3_moe's layer 1 and qwen2_moe's layer 0 are dense
     # Every rank holds 4 / ep experts of each of its stage's sparse layers (fc1 and fc2 each).
     for r in results:
         assert r["local_expert_params"] % (2 * 4 // ep_size) == 0
@@ -136,7 +137,7 @@ def test_te_grouped_gemm_expert_names_load_and_export_the_right_global_experts(e
     parameter map finds every one at its global expert (as under the local spec's names), the loader fills them with
     the same weights and the export is bit-exact."""
     results = [rank[f"{name}/{layout}"]["te_grouped"] for rank in ep[0]]
-    sparse_layers = 3 if name == "qwen3_moe" else 4
+    sparse_layers = moe_jobs.SPARSE_LAYERS[name]
     ep_size, pp = moe_jobs.EP_LAYOUTS[layout]["ep"], moe_jobs.EP_LAYOUTS[layout].get("pp", 1)
     assert sum(r["renamed"] for r in results) == 4 // ep_size * 2 * sparse_layers * 4 // pp
     assert all(r["same_params"] and r["reloaded"] and r["export_names_equal"] and r["export_bit_exact"]
