@@ -388,6 +388,18 @@ def engine_gap(actor, client, seed: int) -> dict:
     prompts = [torch.randint(0, 500, (32 + 3 * row,), generator=g).tolist() for row in range(ENGINE_ROWS)]
     params = SamplingParams(max_new_tokens=ENGINE_RESPONSE, temperature=1.0, ignore_eos=True)
     outputs = run_sync(client.generate_batch(prompts, params, seed=seed, return_logprob=True))
+    ids, mask, engine_logp = rollout_rows(prompts, outputs)
+    P = ids.shape[1] - ENGINE_RESPONSE
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:]}, meta={"temperature": 1.0})
+    recomputed = actor.compute_log_prob(batch)["log_probs"].float().cpu()
+    response = mask[:, P:].bool()
+    return {"tokens": int(response.sum()), **stats((recomputed - engine_logp)[response]),
+            "engine_mean_logp": float(engine_logp[response].mean())}
+
+
+def rollout_rows(prompts: list[list[int]], outputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [N, P+R], mask, engine log-probs [N, R])`` of generated rows: prompts left-padded to the longest,
+    responses of up to :data:`ENGINE_RESPONSE` tokens after them."""
     P, R = max(map(len, prompts)), ENGINE_RESPONSE
     ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -397,11 +409,7 @@ def engine_gap(actor, client, seed: int) -> dict:
         ids[row, P - len(prompt):P + n] = torch.tensor(prompt + list(output.output_ids))
         mask[row, P - len(prompt):P + n] = 1
         engine_logp[row, :n] = torch.tensor(output.output_logprobs)
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:]}, meta={"temperature": 1.0})
-    recomputed = actor.compute_log_prob(batch)["log_probs"].float().cpu()
-    response = mask[:, P:].bool()
-    return {"tokens": int(response.sum()), **stats((recomputed - engine_logp)[response]),
-            "engine_mean_logp": float(engine_logp[response].mean())}
+    return ids, mask, engine_logp
 
 
 def gap_bound(ctx: Context) -> float | None:
@@ -643,15 +651,8 @@ def run_vl(ctx: Context, out: dict) -> None:
         params = SamplingParams(max_new_tokens=ENGINE_RESPONSE, temperature=1.0, ignore_eos=True)
         outputs = run_sync(client.generate_batch(prompts, params, seed=5, return_logprob=True,
                                                  image_data=[[image_uri(image)] for image in images]))
-        P, R = max(map(len, prompts)), ENGINE_RESPONSE
-        ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        engine_logp = torch.zeros(len(prompts), R)
-        for row, (prompt, output) in enumerate(zip(prompts, outputs)):
-            n = len(output.output_ids)
-            ids[row, P - len(prompt):P + n] = torch.tensor(prompt + list(output.output_ids))
-            mask[row, P - len(prompt):P + n] = 1
-            engine_logp[row, :n] = torch.tensor(output.output_logprobs)
+        ids, mask, engine_logp = rollout_rows(prompts, outputs)
+        P = ids.shape[1] - ENGINE_RESPONSE
         batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
                                  "response_mask": mask[:, P:], "multi_modal_inputs": inputs},
                                 meta={"temperature": 1.0})
