@@ -125,3 +125,48 @@ def test_a_text_policy_is_told_a_tool_image_cannot_be_shown(parts):
     (request,) = _run(loop, requests_from_batch(prompts, n=1))
     assert request.metrics["num_tool_images_refused"] == 1 and engine.images == [None, None]
     assert "returned images, which this model cannot read" in request.message_dicts()[2]["content"]
+
+
+def test_zoom_box_clips_and_grows_to_the_minimum():
+    from megarl.rollout.tools.image_zoom import zoom_box
+
+    assert zoom_box([10, 10, 20, 20], 100, 80, 28) == (1, 1, 29, 29)  # grown around its centre to 28
+    assert zoom_box([90, 70, 200, 300], 100, 80, 28) == (72, 52, 100, 80)  # clipped, then grown inside
+    assert zoom_box([0, 0, 100, 80], 100, 80, 28) == (0, 0, 100, 80)
+    assert zoom_box([5, 5, 60, 40], 50, 30, 8) == (5, 5, 50, 30)
+    for bad in ([1, 2, 3], "0,0,10,10", [0, 0, "x", 1], [200, 200, 300, 300]):
+        assert zoom_box(bad, 100, 80, 28) is None
+
+
+def test_the_zoom_tool_shows_the_model_a_region_of_its_image(parts):
+    from pathlib import Path
+
+    from megarl.rollout.tools import load_tools
+
+    tokenizer, _, processor, _ = parts
+    png = _png(56, 112, 4)  # 2 x 4 merged patches
+    tools = load_tools(Path(__file__).resolve().parents[2] / "configs" / "tools" / "image_zoom_tool_config.yaml")
+    call = '<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [60, 10, 100, 50]}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2]}}\n</tool_call>'
+    engine = ScriptedEngine(tokenizer, {QUESTION: [call, bad, FINAL]})
+    config = RolloutConfig(multi_turn=MultiTurnConfig(enable=True, format="qwen25", tokenization_sanity_check="strict"))
+    loop = AgentLoop(engine, tokenizer, config, prompt_length=512, response_length=512, tools=tools,
+                     image_processor=processor)
+    prompts = Batch(non_tensors={
+        "raw_prompt": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]],
+        "multi_modal_data": [{"image": [processor_image(png)]}],
+        "tools_kwargs": [{"image_zoom_in_tool": {"create_kwargs": {"image": {"bytes": png}}}}]})
+    (request,) = _run(loop, requests_from_batch(prompts, n=1))
+    assert request.state is RequestState.COMPLETED, request.error
+    assert [image.size for image in request.images] == [(112, 56), (40, 40)]  # the prompt's, then the crop
+    assert "Zoomed in on the image to the region [60, 10, 100, 50]" in request.message_dicts()[2]["content"][1]["text"]
+    assert "Error: bbox_2d must be four numbers" in request.message_dicts()[4]["content"]
+    assert request.tool_metrics["image_zoom_in_tool"] == [{"step_reward": 0.0, "invalid_box": 0.0},
+                                                          {"step_reward": -0.05, "invalid_box": 1.0}]
+    assert [len(images) for images in engine.images] == [1, 2, 2]
+
+
+def processor_image(png: bytes):
+    from megarl.data.images import load_image
+
+    return load_image({"bytes": png}, "prompt")
