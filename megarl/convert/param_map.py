@@ -182,7 +182,10 @@ def local_parameters(model_chunks, rules) -> dict[str, torch.nn.Parameter]:
     for chunk in model_chunks:
         module = chunk.module if hasattr(chunk, "module") else chunk  # unwrap Megatron DDP
         offset, expert_offset = layer_offset(module), _expert_offset(module)
-        for name, param in module.named_parameters():
+        # A router's expert bias is a buffer (aux-loss-free balancing), a weight of the checkpoint all the same.
+        tensors = [*module.named_parameters(),
+                   *((n, b) for n, b in module.named_buffers() if n.endswith(".router.expert_bias"))]
+        for name, param in tensors:
             if is_lora_parameter(name):  # adapters are not HF weights (exported merged or as PEFT's)
                 continue
             match = _LAYER.match(name)

@@ -46,10 +46,41 @@ class MoESpec:
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE; Megatron's
     ``moe_shared_expert_gate``)."""
+    shared_experts_count_key: str | None = None
+    """HF config key of how many shared experts of the routed experts' size there are (GLM-4.5's
+    ``n_shared_experts``: one MLP of that many times the size)."""
+    shared_expert_module: str = "shared_expert"
+    """The shared expert's HF module in a sparse layer's MLP (GLM-4.5: ``shared_experts``)."""
+    score_function: str = "softmax"
+    """The router's scores: ``softmax`` over all experts, or ``sigmoid`` per expert (GLM-4.5; the top-k weights then
+    renormalised, Megatron's ``moe_router_score_function``)."""
+    expert_bias: bool = False
+    """The router adds a per-expert bias to the scores it picks the top-k by, not to the weights (aux-loss-free
+    balancing: HF's ``gate.e_score_correction_bias``, Megatron's ``router.expert_bias`` buffer)."""
+    scaling_key: str | None = None
+    """HF config key of the factor the routed experts' weights are multiplied by (``routed_scaling_factor``)."""
+    first_dense_key: str | None = None
+    """HF config key: the first that many layers keep a dense MLP (``first_k_dense_replace``)."""
+    group_keys: tuple[str, str] | None = None
+    """HF config keys of group-limited routing: the number of expert groups and of groups a token picks
+    (``n_group``, ``topk_group``: Megatron's ``moe_router_num_groups`` / ``moe_router_group_topk``)."""
 
     def shared_ffn_size(self, hf_config) -> int:
         """The shared expert's FFN size (0 without one)."""
+        if self.shared_experts_count_key:
+            return int(getattr(hf_config, self.shared_experts_count_key, 0) or 0) * self.ffn_size(hf_config)
         return int(getattr(hf_config, self.shared_expert_key, 0) or 0) if self.shared_expert_key else 0
+
+    def scaling(self, hf_config) -> float:
+        """The routed weights' factor (1 without one)."""
+        return float(getattr(hf_config, self.scaling_key, 1.0) or 1.0) if self.scaling_key else 1.0
+
+    def groups(self, hf_config) -> tuple[int, int] | None:
+        """``(groups, groups picked)`` of group-limited routing; None when every expert is one group."""
+        if self.group_keys is None:
+            return None
+        groups, picked = (int(getattr(hf_config, key, 1) or 1) for key in self.group_keys)
+        return None if groups <= 1 else (groups, picked)
 
     def num_experts(self, hf_config) -> int:
         return int(getattr(hf_config, self.experts_key))
@@ -69,8 +100,9 @@ class MoESpec:
         layers = int(hf_config.num_hidden_layers)
         step = int(getattr(hf_config, self.sparse_step_key, 1) or 1) if self.sparse_step_key else 1
         dense = set(getattr(hf_config, self.dense_layers_key, None) or []) if self.dense_layers_key else set()
+        first = int(getattr(hf_config, self.first_dense_key, 0) or 0) if self.first_dense_key else 0
         experts = self.num_experts(hf_config)
-        return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+        return tuple(experts > 0 and i not in dense and i >= first and (i + 1) % step == 0 for i in range(layers))
 
     def hub_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
         """Shapes of the router and expert tensors as the checkpoint holds them (one tensor per expert), by HF name
@@ -85,11 +117,13 @@ class MoESpec:
                 for e in range(experts):
                     out[f"{block}experts.{e}.{gate}.weight"] = out[f"{block}experts.{e}.{up}.weight"] = (ffn, hidden)
                     out[f"{block}experts.{e}.{down}.weight"] = (hidden, ffn)
-                shared = self.shared_ffn_size(hf_config)
+                if self.expert_bias:
+                    out[block + "gate.e_score_correction_bias"] = (experts,)
+                shared, module = self.shared_ffn_size(hf_config), f"{block}{self.shared_expert_module}."
                 if shared:
-                    out[f"{block}shared_expert.gate_proj.weight"] = (shared, hidden)
-                    out[f"{block}shared_expert.up_proj.weight"] = (shared, hidden)
-                    out[f"{block}shared_expert.down_proj.weight"] = (hidden, shared)
+                    out[f"{module}gate_proj.weight"] = (shared, hidden)
+                    out[f"{module}up_proj.weight"] = (shared, hidden)
+                    out[f"{module}down_proj.weight"] = (hidden, shared)
                     if self.shared_expert_gate:
                         out[f"{block}shared_expert_gate.weight"] = (1, hidden)
         return out
@@ -124,7 +158,26 @@ class MoESpec:
         if jitter:
             raise ValueError(f"router_jitter_noise={jitter} in the HF config multiplies the hidden states by noise "
                              f"in training, which Megatron's router does not do; set it to 0")
+        if self.score_function == "sigmoid" and topk > 1 and not self.renormalises(hf_config):
+            raise ValueError(f"{self.norm_topk_key}=false in the HF config: Megatron renormalises a sigmoid router's "
+                             f"top-k weights; this checkpoint is not supported")
         for key in ("shared_expert_intermediate_size", "n_shared_experts"):
-            if key != self.shared_expert_key and getattr(hf_config, key, None):
+            if key not in (self.shared_expert_key, self.shared_experts_count_key) and getattr(hf_config, key, None):
                 raise ValueError(f"{key}={getattr(hf_config, key)} in the HF config: shared experts are not mapped "
                                  f"for this family")
+
+
+def keep_expert_bias(model) -> int:
+    """Routers of ``model`` that add an expert bias keep the checkpoint's (megarl sets Megatron's
+    ``moe_router_bias_update_rate`` to 0): their token counting for bias updates is turned off, which in
+    Megatron-Core 0.16.1 also fails on packed or padded micro-batches (``_apply_expert_bias`` masks the ``[T, E]``
+    routing map with the ``[T]`` padding mask, which does not broadcast). Returns how many routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.enable_expert_bias and \
+                not module.config.moe_router_bias_update_rate:
+            module._apply_expert_bias = lambda routing_map, padding_mask=None: None
+            count += 1
+    return count

@@ -169,8 +169,12 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
             WeightRule(m_expert + "linear_fc2.weight", (down,), Split.ROW,
                        te_megatron=m_mlp + "experts.linear_fc2.weight{e}", layers="moe"),
         ]
-        if moe.shared_expert_key is not None:  # Megatron's SharedExpertMLP, split by tensor parallelism
-            shared, m_shared = block + "shared_expert.", m_mlp + "shared_experts."
+        if moe.expert_bias:  # a buffer in both: not trained, routing's aux-loss-free balance
+            rules.append(WeightRule(m_mlp + "router.expert_bias", (block + "gate.e_score_correction_bias",),
+                                    Split.REPLICATED, layers="moe"))
+        if moe.shared_expert_key is not None or moe.shared_experts_count_key is not None:
+            # Megatron's SharedExpertMLP, split by tensor parallelism
+            shared, m_shared = f"{block}{moe.shared_expert_module}.", m_mlp + "shared_experts."
             rules += [
                 WeightRule(m_shared + "linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
                            Split.COLUMN, Fuse.GATE_UP, layers="moe"),

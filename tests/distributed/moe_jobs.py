@@ -11,7 +11,7 @@ VOCAB = 250
 
 def tiny_moe_config(name: str):
     """Tiny MoE configs with the features each family must get right (random weights, saved with save_pretrained)."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
@@ -26,15 +26,23 @@ def tiny_moe_config(name: str):
         return Qwen2MoeConfig(**common, intermediate_size=40, moe_intermediate_size=16,
                               shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                               norm_topk_prob=False, mlp_only_layers=[0], architectures=["Qwen2MoeForCausalLM"])
+    if name == "glm4_moe":  # sigmoid routing with a bias, scaled weights, shared experts, partial rotary, 1 dense layer
+        return Glm4MoeConfig(**common, head_dim=16, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
+                             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, n_group=1, topk_group=1, attention_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5},
+                             architectures=["Glm4MoeForCausalLM"])
     if name == "mixtral":
         return MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              architectures=["MixtralForCausalLM"])
     raise ValueError(name)
 
 
-MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe")
-FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_moe_softmax": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
-SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3}
+MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe", "glm4_moe")
+FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_moe_softmax": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
+          "glm4_moe": "glm4_moe"}
+SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3, "glm4_moe": 3}
 """Each config's family and sparse layers (of 4)."""
 
 
@@ -51,6 +59,9 @@ def save_tiny_moe(name: str, directory, seed: int = 0):
                 param.copy_(torch.randn_like(param) * 0.5 + 1.0)
             elif param_name.endswith("gate.weight"):
                 param.copy_(torch.randn_like(param))
+        for buffer_name, buffer in model.named_buffers():  # a sigmoid router's bias: it must change the routing
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
@@ -129,6 +140,9 @@ class _TeGroupedNames:
     def named_modules(self):
         return self.chunk.named_modules()
 
+    def named_buffers(self):
+        return self.chunk.named_buffers()
+
 
 def _te_grouped_checks(chunks, family, cfg, groups, hf_dir: str, original) -> dict:
     """The experts under TE's grouped-GEMM names: the parameter map finds each at its global expert (this rank's
@@ -163,6 +177,8 @@ def _hf_space(chunks, family, cfg, groups, tensor_of) -> dict[str, list]:
     shapes = {n: s for n, s in zip(*_hf_shapes(family, cfg))}
     out = []
     for name, param in local_parameters(chunks, family.weight_rules(cfg)).items():
+        if not isinstance(param, torch.nn.Parameter):  # a router's expert bias (a buffer): no gradient, not stepped
+            continue
         at = index[name]
         rank, size = (groups.etp_rank, groups.dims.expert_tp) if at.rule.per_expert else (groups.tp_rank, groups.dims.tp)
         wheres = hf_slices(at.rule, [shapes[n] for n in at.hf_names], sizes, rank, size)
@@ -180,7 +196,7 @@ def _hf_shapes(family, cfg):
 
 
 EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "mixtral": ["ep2", "tp2_ep2_sp"],
-             "qwen2_moe": ["ep2", "tp2_ep2_sp"]}
+             "qwen2_moe": ["ep2", "tp2_ep2_sp"], "glm4_moe": ["ep2", "tp2_ep2_sp"]}
 """The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all but EP4: the same
 code as EP2 with a larger group, measured equal in feasibility A; left out for the suite's time)."""
 

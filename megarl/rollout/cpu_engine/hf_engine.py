@@ -404,6 +404,8 @@ class HFEngine:
         """The tensors weight updates write, by name: the model's parameters and, for a mixture-of-experts model,
         the checkpoint-named views into its fused experts (views of the parameters' current storage)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        # A router's expert bias (aux-loss-free balancing) is a buffer, which weight updates write all the same.
+        params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("gate.e_score_correction_bias"))
         params.update(_hub_views(self.model, params))
         if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
             params.update({hub_name(name, self.vision): param for name, param in list(params.items())})

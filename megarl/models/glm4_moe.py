@@ -1,0 +1,25 @@
+"""GLM-4.5 / GLM-4.6 MoE family (``Glm4MoeForCausalLM``): attention with q/k/v biases and partial rotary embeddings
+(``partial_rotary_factor``: Megatron's ``rotary_percent``), the first ``first_k_dense_replace`` layers dense, then
+mixture-of-experts MLPs with a sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``,
+weights renormalised and scaled by ``routed_scaling_factor``, group-limited when ``n_group > 1``) and
+``n_shared_experts`` shared experts every token goes through."""
+
+from megarl.models.family import ModelFamily, register
+from megarl.models.moe import MoESpec
+from megarl.models.weights import decoder_weights
+
+GLM4_MOE_EXPERTS = MoESpec(experts_key="n_routed_experts", ffn_key="moe_intermediate_size",
+                           norm_topk_key="norm_topk_prob", first_dense_key="first_k_dense_replace",
+                           shared_experts_count_key="n_shared_experts", shared_expert_module="shared_experts",
+                           score_function="sigmoid", expert_bias=True, scaling_key="routed_scaling_factor",
+                           group_keys=("n_group", "topk_group"))
+
+GLM4_MOE = register(
+    ModelFamily(
+        name="glm4_moe",
+        architectures=("Glm4MoeForCausalLM",),
+        bias_settings=("use_qk_norm",),
+        weights=decoder_weights(qkv_bias=True, qk_norm=False, moe=GLM4_MOE_EXPERTS),
+        moe=GLM4_MOE_EXPERTS,
+    )
+)
