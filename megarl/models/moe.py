@@ -158,6 +158,12 @@ class MoESpec:
         if jitter:
             raise ValueError(f"router_jitter_noise={jitter} in the HF config multiplies the hidden states by noise "
                              f"in training, which Megatron's router does not do; set it to 0")
+        groups = self.groups(hf_config)
+        if groups is not None and (experts % groups[0] or topk // groups[1] != 2):
+            raise ValueError(f"{self.group_keys[0]}={groups[0]}, {self.group_keys[1]}={groups[1]} with "
+                             f"{self.topk_key}={topk} in the HF config: megarl maps group-limited routing where the "
+                             f"groups split the {experts} experts evenly and each group is scored by its top 2 "
+                             f"(Megatron's top {self.topk_key} / {self.group_keys[1]}), as DeepSeek-V3's 8 of 4 groups")
         if self.score_function == "sigmoid" and topk > 1 and not self.renormalises(hf_config):
             raise ValueError(f"{self.norm_topk_key}=false in the HF config: Megatron renormalises a sigmoid router's "
                              f"top-k weights; this checkpoint is not supported")

@@ -205,3 +205,33 @@ def test_moe_checkpoint_shapes_follow_megatrons_layout():
     assert shapes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == (8, 48, 64)
     assert shapes["decoder.layers.1.mlp.linear_fc1.weight"] == (192, 64)
     assert "decoder.layers.1.mlp.router.weight" not in shapes and "decoder.layers.linear_qkv.weight" not in shapes
+
+
+def _glm(**kw):
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**{"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+                            "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 2,
+                            "num_experts_per_tok": 4, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                            "n_group": 1, "topk_group": 1, "architectures": ["Glm4MoeForCausalLM"], **kw})
+
+
+def test_glm4_moe_maps_sigmoid_routing_its_bias_scaling_groups_and_shared_experts():
+    cfg = _glm(n_group=2, topk_group=2)
+    family = family_for(cfg)
+    config = family.transformer_config(cfg, ParallelDims(tp=1, pp=1))
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert config.moe_router_bias_update_rate == 0.0 and config.moe_router_topk_scaling_factor == 2.5
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 2)
+    assert config.moe_shared_expert_intermediate_size == 2 * 24 and not config.moe_shared_expert_gate
+    assert config.moe_layer_freq == [0, 1, 1, 1]  # first_k_dense_replace=1
+    assert family.gpt_model_kwargs(cfg, ParallelDims(tp=1))["rotary_percent"] == 0.5
+    names = {at.megatron_name: at.hf_names for at in family.weight_instances(cfg)}
+    assert names["decoder.layers.1.mlp.router.expert_bias"] == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (
+        "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight")
+    with pytest.raises(ValueError, match="n_group=2, topk_group=1 with num_experts_per_tok=4 .* top 2"):
+        family.transformer_config(_glm(n_group=2, topk_group=1), ParallelDims(tp=1, pp=1))
+    with pytest.raises(ValueError, match="norm_topk_prob=false in the HF config: Megatron renormalises a sigmoid"):
+        family.transformer_config(_glm(norm_topk_prob=False), ParallelDims(tp=1, pp=1))
