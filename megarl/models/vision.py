@@ -77,8 +77,7 @@ class VisionSpec:
         """The vision tower for ``hf_config`` (megarl's view, :func:`model_config`), randomly initialised."""
         vision = copy.deepcopy(hf_config.vision_config)
         vision._attn_implementation = "sdpa"
-        tower = self.tower_class()._from_config(vision, dtype=dtype)
-        return tower
+        return self.tower_class()._from_config(vision, dtype=dtype)
 
     def checkpoint_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
         """Every tensor of the checkpoint (language model and tower) by its hub name, with its shape."""
@@ -171,13 +170,12 @@ class VisionSpec:
         """The :class:`~megarl.models.sampling.VisionPrompts` of ``prompts`` (each image's placeholders expanded),
         whose rows have the vision inputs ``row_inputs`` (``pixel_values``, ``image_grid_thw``; None: none)."""
         from megarl.models.sampling import VisionPrompts
+        from megarl.parallel.pipeline import vision_inputs
 
         positions = [self.position_ids(hf_config, torch.as_tensor(list(ids)),
                                        None if not inputs else inputs["image_grid_thw"])
                      for ids, inputs in zip(prompts, row_inputs, strict=True)]
-        present = [inputs for inputs in row_inputs if inputs]
-        merged = None if not present else {key: torch.cat([x[key] for x in present]) for key in present[0]}
-        return VisionPrompts(positions, merged)
+        return VisionPrompts(positions, vision_inputs(row_inputs))
 
     def batch_layout(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
                      vision_inputs: Sequence[dict | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +189,6 @@ class VisionSpec:
             positions[row, mask[row]], images[row, mask[row]] = self.layout(hf_config, input_ids_BS[row].cpu()[mask[row]],
                                                                             grid)
         return positions.to(input_ids_BS.device), images.to(input_ids_BS.device)
-
-    def batch_position_ids(self, hf_config, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
-                           vision_inputs: Sequence[dict | None]) -> torch.Tensor:
-        """``[B, S, 3]`` positions of a batch (:meth:`batch_layout`)."""
-        return self.batch_layout(hf_config, input_ids_BS, attention_mask_BS, vision_inputs)[0]
 
 
 _SHAPES: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {}

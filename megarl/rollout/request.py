@@ -37,8 +37,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from megarl.config.rollout import SANITY_CHECK_MODES
 from megarl.data.chat import encode_prompt, render_prompt
 from megarl.rollout.tool_parser import ToolCall, ToolCallError
@@ -271,9 +269,9 @@ class AsyncRolloutRequest:
 
     def vision_inputs(self) -> dict[str, Any] | None:
         """The model's inputs of every image of the conversation (None without images)."""
-        if not self.image_inputs:
-            return None
-        return {key: torch.cat([x[key] for x in self.image_inputs]) for key in self.image_inputs[0]}
+        from megarl.parallel.pipeline import vision_inputs
+
+        return vision_inputs(self.image_inputs)
 
     def _append(self, ids: Sequence[int], loss: int, log_probs: Sequence[float] | None = None) -> None:
         """Append response ids with their masks, positions and log-probs (0 where none)."""

@@ -156,24 +156,28 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
     return rows
 
 
-def encode_prompt_ids(rows: Sequence[SFTRow], tokenizer: Any, processor: Any = None) -> list[list[int]]:
-    """The chat-templated prompt (with the generation prompt) of each row, as token ids (with ``processor``, an
-    :class:`~megarl.data.images.ImageProcessor`: each image's placeholder expanded to its merged patches)."""
-    out = []
-    for row in rows:
-        ids = list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
-        if row.images:
-            ids = processor.expand(ids, processor.pixels(list(row.images))["image_grid_thw"])
-        out.append(ids)
-    return out
-
-
 def vision_rows(rows: Sequence[SFTRow], processor: Any) -> list[dict | None] | None:
     """Each row's vision inputs (``pixel_values``, ``image_grid_thw``; None without images); None for text rows."""
     if not any(row.images for row in rows):
         return None
     return [processor.pixels(list(row.images)) if row.images else None for row in rows]
+
+
+def encode_prompt_ids(rows: Sequence[SFTRow], tokenizer: Any, processor: Any = None,
+                      vision: Sequence[dict | None] | None = None) -> list[list[int]]:
+    """The chat-templated prompt (with the generation prompt) of each row, as token ids (with ``processor``, an
+    :class:`~megarl.data.images.ImageProcessor`: each image's placeholder expanded to its merged patches, by the
+    rows' ``vision`` inputs when given, else :func:`vision_rows`'s)."""
+    if vision is None and processor is not None:
+        vision = vision_rows(rows, processor)
+    out = []
+    for n, row in enumerate(rows):
+        ids = list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        if row.images:
+            ids = processor.expand(ids, vision[n]["image_grid_thw"])
+        out.append(ids)
+    return out
 
 
 def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any, processor: Any = None) -> tuple:
@@ -183,7 +187,8 @@ def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any, processor: Any =
     Labels are the input ids on the answer and EOS tokens and ``-100`` elsewhere (the model
     shifts them by one).
     """
-    prompts = encode_prompt_ids(rows, tokenizer, processor)
+    vision = vision_rows(rows, processor) if processor is not None else None
+    prompts = encode_prompt_ids(rows, tokenizer, processor, vision)
     targets = [tokenizer.encode(row.answer + tokenizer.eos_token, add_special_tokens=False) for row in rows]
     width = max(len(p) + len(t) for p, t in zip(prompts, targets))
     input_ids_NS = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -194,7 +199,6 @@ def encode_sft_examples(rows: Sequence[SFTRow], tokenizer: Any, processor: Any =
         input_ids_NS[n, :length] = torch.tensor(prompt + target)
         attention_mask_NS[n, :length] = 1
         labels_NS[n, len(prompt):length] = torch.tensor(target)
-    vision = vision_rows(rows, processor)
     return (input_ids_NS, attention_mask_NS, labels_NS) + (() if vision is None else (vision,))
 
 
@@ -245,8 +249,8 @@ def reward_probe(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow],
 
     Sampling is seeded by ``seed`` and ``step``, so a run reproduces its measurements.
     """
-    prompt_ids = encode_prompt_ids(rows, tokenizer, processor)
-    vision = vision_rows(rows, processor)
+    vision = vision_rows(rows, processor) if processor is not None else None
+    prompt_ids = encode_prompt_ids(rows, tokenizer, processor, vision)
 
     def probe(step: int) -> float:
         model.eval()
@@ -557,5 +561,6 @@ def tiny_sft_accuracy(path: str | os.PathLike, test_file: str | os.PathLike, *, 
         processor = ImageProcessor.from_pretrained(path, tokenizer, load_hf_config(path))
     auto = AutoModelForCausalLM if processor is None else AutoModelForImageTextToText
     model = auto.from_pretrained(path, dtype=torch.float32).eval()
-    return mean_reward(model, tokenizer, rows, encode_prompt_ids(rows, tokenizer, processor), temperature=temperature,
-                       seed=seed, max_new_tokens=max_new_tokens, vision=vision_rows(rows, processor))
+    vision = vision_rows(rows, processor) if processor is not None else None
+    return mean_reward(model, tokenizer, rows, encode_prompt_ids(rows, tokenizer, processor, vision),
+                       temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, vision=vision)
