@@ -53,7 +53,9 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
   mfu     train steps of a Qwen2.5-1.5B-shaped random model (``ActorRole.update``, one micro-batch): tokens/s and
           MFU (6 N + causal attention flops per token against the chip's dense bf16 peak), against HF
           transformers' step (sdpa, AdamW, the same log-softmax) on the same chip in this run. Printed, not
-          judged: ok when both ran and every step was finite.
+          judged: ok when both ran and every step was finite. ``--profile``: one more step of each side under
+          torch's profiler, the operators and kernels by their own device time (CPU time without CUDA) written to
+          ``profile_megarl.txt`` and ``profile_hf.txt`` beside ``gpu_check.jsonl``.
 
 Output: one JSON line per stage as it finishes (``{"stage", "ok", "seconds", ...}``, a failed stage with its
 ``error`` and ``where``), on stdout and appended to ``$OUT/gpu_check.jsonl`` (``--out``), so a run cut short
@@ -710,9 +712,26 @@ def median_after_first(seconds: list[float]) -> float:
     return rest[len(rest) // 2]
 
 
-def hf_train_steps(model_dir: Path, batch, P: int, steps: int, device: torch.device) -> list[float]:
+def profile_step(step: Callable[[], object], path: Path | None, device: torch.device) -> None:
+    """Run ``step`` once more under torch's profiler and write its operators and kernels, by their own device time
+    (CPU time without CUDA), to ``path``; nothing without a path."""
+    if path is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as profiler:
+        timed(step)
+    table = profiler.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=60, max_name_column_width=100)
+    path.write_text(table)
+
+
+def hf_train_steps(model_dir: Path, batch, P: int, steps: int, device: torch.device,
+                   profile_path: Path | None = None) -> list[float]:
     """HF transformers' training step on the same rows: sdpa forward, fp32 log-softmax of the response tokens,
-    backward, AdamW (bf16 parameters and states, fused on CUDA)."""
+    backward, AdamW (bf16 parameters and states, fused on CUDA); one more under the profiler with
+    ``profile_path``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE, attn_implementation="sdpa").to(device).train()
@@ -727,22 +746,29 @@ def hf_train_steps(model_dir: Path, batch, P: int, steps: int, device: torch.dev
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return [timed(step)[1] for _ in range(steps)]
+    seconds = [timed(step)[1] for _ in range(steps)]
+    profile_step(step, profile_path, device)
+    return seconds
 
 
-def megarl_train_steps(model_dir: Path, rows: int, half_seq: int, steps: int) -> dict:
+def megarl_train_steps(model_dir: Path, rows: int, half_seq: int, steps: int, device: torch.device,
+                       profile_path: Path | None = None) -> dict:
     """megarl's training step (``ActorRole.update``: one micro-batch of ``rows`` full rows, the PPO loss) ``steps``
-    times, and one log-prob recompute, on a fresh actor: the step results, seconds, the batch and the config."""
+    times, and a log-prob recompute (timed the second time: the first compiles Megatron's fused functions), on a
+    fresh actor: the step results, seconds, the batch and the config; one more step under the profiler with
+    ``profile_path``."""
     actor = build_actor(model_dir, rows=rows, micro_rows=rows)  # one micro-batch: one forward and backward
     batch = rl_batch(rows, half_seq, half_seq, actor.model.hf_config.vocab_size, seed=5, min_prompt=half_seq,
                      min_response=half_seq)
-    batch["old_log_probs"], logprob_seconds = timed(lambda: actor.compute_log_prob(batch)["log_probs"])
+    for _ in range(2):
+        batch["old_log_probs"], logprob_seconds = timed(lambda: actor.compute_log_prob(batch)["log_probs"])
     batch["advantages"] = batch["response_mask"].float()
     results, seconds = [], []
     for _ in range(steps):
         (result,), step_seconds = timed(lambda: actor.update(batch))
         results.append(result)
         seconds.append(step_seconds)
+    profile_step(lambda: actor.update(batch), profile_path, device)
     return {"results": results, "seconds": seconds, "logprob_seconds": logprob_seconds, "batch": batch,
             "hf_config": actor.model.hf_config}
 
@@ -755,11 +781,14 @@ def run_mfu(ctx: Context, out: dict) -> None:
     model_dir = ctx.model_dir(args.mfu_shape, seed=1)
     seq = 2 * args.mfu_half_seq
     rows = max(1, args.mfu_tokens // seq)
-    megarl = megarl_train_steps(model_dir, rows, args.mfu_half_seq, args.mfu_steps)
+    profiles = {side: ctx.out / f"profile_{side}.txt" if args.profile else None for side in ("megarl", "hf")}
+    megarl = megarl_train_steps(model_dir, rows, args.mfu_half_seq, args.mfu_steps, ctx.device,
+                                profiles["megarl"])
     results, seconds, cfg = megarl["results"], megarl["seconds"], megarl["hf_config"]
     peak_memory = torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None
     release_memory()
-    hf_seconds = hf_train_steps(model_dir, megarl["batch"], args.mfu_half_seq, args.mfu_steps, ctx.device)
+    hf_seconds = hf_train_steps(model_dir, megarl["batch"], args.mfu_half_seq, args.mfu_steps, ctx.device,
+                                profiles["hf"])
     release_memory()
     tokens = rows * seq
     params, flops = train_flops_per_token(cfg, seq)
@@ -802,6 +831,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mfu-half-seq", type=int, default=None,
                         help="prompt and response width of the mfu rows (default 512 on CUDA, 64 without)")
     parser.add_argument("--mfu-steps", type=int, default=4 if cuda else 2, help="steps per side (the first is warm-up)")
+    parser.add_argument("--profile", action="store_true",
+                        help="mfu: profile one more step of each side (profile_megarl.txt, profile_hf.txt in --out)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
     parser.add_argument("--work", default="/tmp/megarl_gpu_check", help="where the random models are written (kept)")
     parser.add_argument("--out", default=os.environ.get("OUT") or None,

@@ -73,11 +73,15 @@ class VisionSpec:
         module, name = self.tower.split(":")
         return getattr(importlib.import_module(module), name)
 
-    def build_tower(self, hf_config, dtype: torch.dtype) -> torch.nn.Module:
-        """The vision tower for ``hf_config`` (megarl's view, :func:`model_config`), randomly initialised."""
+    def build_tower(self, hf_config, dtype: torch.dtype, device: torch.device | str | int | None = None
+                    ) -> torch.nn.Module:
+        """The vision tower for ``hf_config`` (megarl's view, :func:`model_config`), randomly initialised, built on
+        ``device`` (default: torch's): its buffers too (the rotary's ``inv_freq``), which nothing moves later
+        (Megatron's DDP moves parameters into its CUDA buffers, not buffers)."""
         vision = copy.deepcopy(hf_config.vision_config)
         vision._attn_implementation = "sdpa"
-        return self.tower_class()._from_config(vision, dtype=dtype)
+        with torch.device(torch.get_default_device() if device is None else device):
+            return self.tower_class()._from_config(vision, dtype=dtype)
 
     def checkpoint_shapes(self, hf_config) -> dict[str, tuple[int, ...]]:
         """Every tensor of the checkpoint (language model and tower) by its hub name, with its shape."""
@@ -275,7 +279,9 @@ def _vision_gpt_class():
         def __init__(self, spec: VisionSpec, hf_config, *, pre_process: bool, **kwargs):
             super().__init__(pre_process=pre_process, **kwargs)
             self.image_token_id = int(hf_config.image_token_id)
-            self.vision_model = spec.build_tower(hf_config, self.config.params_dtype) if pre_process else None
+            # On the device Megatron builds every other parameter on (CUDA unless use_cpu_initialization).
+            device = "cpu" if self.config.use_cpu_initialization else torch.cuda.current_device()
+            self.vision_model = spec.build_tower(hf_config, self.config.params_dtype, device) if pre_process else None
             if spec.mrope == "interleaved":
                 self.rotary_pos_emb.__class__ = _interleaved_mrope_class()
             self._deepstack: list[torch.Tensor] | None = None  # this forward's DeepStack additions, layer by layer

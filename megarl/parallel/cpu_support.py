@@ -33,7 +33,9 @@ export ~17 % on CPU).
    device and in the dtype of the model's other parameters (CUDA without TE included).
 8. :func:`core_attention` replaces Megatron's local core attention (which refuses both) with one that runs packed
    sequences (THD, per segment) and context parallelism (an all-gather of keys and values): TransformerEngine's
-   attention does these with TE. Its plans (index tensors) live on the queries' device.
+   attention does these with TE. Its plans (index tensors) live on the queries' device. It computes with torch's
+   ``scaled_dot_product_attention`` (flash attention on CUDA: no ``[b, heads, s, s]`` scores stored), Megatron's math
+   where that is not the same function (softmax offset, sliding window, attention dropout while training).
 9. Megatron's unfused RoPE for packed sequences (what runs unless TE's fused RoPE does) selects its frequencies
    with one index per pack instead of a loop over the sequences with a host sync (``.tolist()``) per layer
    (:func:`_patch_thd_rope`; same numbers, far fewer operations). Installed on every machine.
@@ -546,7 +548,7 @@ def core_attention():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            base = super().forward
+            base = self._attend
             if packed_seq_params is None:
                 if self.cp == 1:
                     return base(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
@@ -555,6 +557,31 @@ def core_attention():
                 keys, values = self._gather(key, value, [length])
                 return base(query, keys, values, self._causal(length, query.device), attn_mask_type=attn_mask_type)
             return _packed_attention(self, base, query, key, value, packed_seq_params, attn_mask_type)
+
+        def _attend(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None):
+            """Megatron's local attention (``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out; ``attention_mask``
+            True where masked, else causal) computed by torch's ``scaled_dot_product_attention``: one kernel that
+            stores no ``[b, heads, s, s]`` scores (flash attention on CUDA), the same function. Megatron's own math
+            where SDPA is not the same: a softmax offset, a sliding window, an attention bias, or attention dropout
+            while training (whose randomness Megatron draws from its TP-aware RNG tracker)."""
+            from megatron.core.transformer.enums import AttnMaskType
+
+            softmax = self.scale_mask_softmax
+            if (attention_bias is not None or self.softmax_offset is not None or softmax.window_size is not None
+                    or (self.training and self.attention_dropout.p > 0)):
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+            groups = q.shape[1] // k.shape[1]
+            if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads, in order
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            # Megatron's mask type is the layer's (the argument is unused there too); causal needs no mask tensor.
+            causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and q.shape[2] > 1
+            keep = None if attention_mask is None else ~attention_mask.to(torch.bool)
+            scale = self.softmax_scale * (softmax.scale or 1.0)  # query-key layer scaling: divided, then multiplied
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal,
+                                                                   scale=scale)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
         def _gather(self, key, value, lengths):
             """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""

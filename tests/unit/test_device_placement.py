@@ -197,7 +197,8 @@ def _attention(cp: int):
 @pytest.mark.parametrize("cp", [1, 2])
 def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_device, cp):
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megarl.parallel.cpu_support import core_attention
 
     masks = []
 
@@ -206,7 +207,7 @@ def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_devi
         with fake_device:  # Megatron's [Lq, n, heads·dim], fake (pad_sequence's output of fake inputs is not)
             return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * query.shape[3], device=query.device)
 
-    monkeypatch.setattr(DotProductAttention, "forward", base)
+    monkeypatch.setattr(core_attention(), "_attend", base)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     attention = _attention(cp)
     attention._gather = lambda key, value, lengths: [torch.cat([key] * cp), torch.cat([value] * cp)]
@@ -223,7 +224,7 @@ def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_devi
 
 
 def test_padded_context_parallel_attention_mask_is_on_the_queries_device(monkeypatch, fake_device):
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megarl.parallel.cpu_support import core_attention
 
     masks = []
 
@@ -232,7 +233,7 @@ def test_padded_context_parallel_attention_mask_is_on_the_queries_device(monkeyp
         with fake_device:
             return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * query.shape[3], device=query.device)
 
-    monkeypatch.setattr(DotProductAttention, "forward", base)
+    monkeypatch.setattr(core_attention(), "_attend", base)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
     attention = _attention(2)
     attention._gather = lambda key, value, lengths: [torch.cat([key] * 2), torch.cat([value] * 2)]
@@ -260,3 +261,76 @@ def test_install_prepares_megatron_for_the_local_spec_on_cuda_too(monkeypatch):
     assert moe_utils.te_general_gemm is None
     assert rope_utils._apply_rotary_pos_emb_thd.megatron is megatron_rope
     assert torch.cuda.current_device is current_device  # the CPU patches stay off
+
+
+# ------------------------------------------------------------------------------ S: the local spec's attention kernel
+@pytest.mark.parametrize("layer_scaling", [False, True])
+def test_local_attention_by_sdpa_equals_megatrons_math(monkeypatch, layer_scaling):
+    """The local spec's core attention computes with torch's scaled_dot_product_attention (flash attention on CUDA,
+    no [b, heads, s, s] scores kept): Megatron's own DotProductAttention math, causal, grouped-query, with a
+    boolean mask (True: masked) and query-key layer scaling; Megatron's math itself where SDPA is not the same
+    function (attention dropout while training)."""
+    import contextlib
+    import types
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megarl.parallel.cpu_support import cpu_support
+
+    class Buffer:
+        def get_tensor(self, shape, dtype, name):
+            return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: Buffer())
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker",
+                        lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
+    with cpu_support():  # Megatron's causal mask is made on "cuda"
+        _compare_attention(layer_scaling)
+
+
+def _compare_attention(layer_scaling: bool) -> None:
+    import types
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarl.parallel.cpu_support import core_attention
+
+    tp = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
+    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                               kv_channels=8, use_cpu_initialization=True, attention_softmax_in_fp32=True,
+                               apply_query_key_layer_scaling=layer_scaling, fp16=False, bf16=False)
+    attention = core_attention()(config, 3, AttnMaskType.causal, "self", pg_collection=tp).eval()
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 8, 8, generator=generator)
+    k, v = (torch.randn(12, 2, 2, 8, generator=generator) for _ in range(2))
+    q.requires_grad_(True)
+    expected = DotProductAttention.forward(attention, q, k, v, None)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    torch.nn.functional.scaled_dot_product_attention = lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw)
+    try:
+        got = attention(q, k, v, None)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    assert [c["is_causal"] for c in calls] == [True]  # SDPA's own causal kernel, no mask tensor
+    assert got.shape == expected.shape == (12, 2, 64)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    # The gradient too (what a train step uses).
+    (grad_expected,) = torch.autograd.grad(expected.square().sum(), q)
+    (grad_got,) = torch.autograd.grad(attention(q, k, v, None).square().sum(), q)
+    torch.testing.assert_close(grad_got, grad_expected, atol=1e-5, rtol=1e-4)
+    # A boolean mask (True: masked), as context parallelism and batched packed segments pass: each query sees
+    # some keys (its own position at least).
+    mask = torch.rand(2, 1, 12, 12, generator=generator) > 0.5
+    mask &= ~torch.eye(12, dtype=torch.bool)
+    torch.testing.assert_close(attention(q, k, v, mask), DotProductAttention.forward(attention, q, k, v, mask),
+                               atol=1e-6, rtol=1e-5)
+    # Attention dropout while training: Megatron's math (and its RNG tracker), so both draw the same mask.
+    attention.attention_dropout.p = 0.5
+    attention.train()
+    torch.manual_seed(1)
+    dropped = attention(q, k, v, None)
+    torch.manual_seed(1)
+    torch.testing.assert_close(dropped, DotProductAttention.forward(attention, q, k, v, None))
+    assert not torch.allclose(dropped, expected)

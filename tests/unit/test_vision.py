@@ -143,3 +143,19 @@ def test_interleaved_mrope_equals_transformers():
     emb = rope(positions, family_for(view).vision.mrope_section(view))  # [s, b, 1, dim]
     angles = emb[:, :, 0].transpose(0, 1)  # [b, s, dim]
     assert torch.allclose(angles.cos(), cos, atol=1e-6) and torch.allclose(angles.sin(), sin, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_tower_is_built_whole_on_the_models_device(name):
+    """Megatron's DDP moves a CUDA model's parameters into its buffers, never its buffers: the tower (the rotary's
+    ``inv_freq`` buffer included) is built on the device Megatron builds on, which ``meta`` stands for here."""
+    from megarl.models.tiny import tiny_qwen3_vl_config
+
+    make = tiny_qwen2_5_vl_config if name == "qwen2_5_vl" else tiny_qwen3_vl_config
+    view = model_config(make(build_tiny_vl_tokenizer()))
+    tower = family_for(view).vision.build_tower(view, torch.bfloat16, "meta")
+    tensors = dict(tower.named_parameters()) | dict(tower.named_buffers())
+    assert any(n.endswith("inv_freq") for n in tensors)
+    assert {t.device.type for t in tensors.values()} == {"meta"}
+    assert {t.dtype for t in tower.parameters()} == {torch.bfloat16}
+    assert {t.device.type for t in family_for(view).vision.build_tower(view, torch.float32).buffers()} == {"cpu"}
