@@ -71,11 +71,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -131,13 +133,33 @@ ENGINE_START_S = 300.0
 
 
 # ----------------------------------------------------------------------------------------------------- output
-class Recorder:
-    """One JSON line per stage on stdout and in ``path`` (appended and flushed line by line)."""
+class StageTimeout(Exception):
+    """A stage ran past ``--stage-timeout``."""
 
-    def __init__(self, path: Path) -> None:
+
+class Recorder:
+    """One JSON line per stage on stdout and in ``path`` (appended and flushed line by line); a stage running past
+    ``stage_timeout`` seconds has every thread's stack printed and is stopped as failed (SIGALRM, main thread)."""
+
+    def __init__(self, path: Path, stage_timeout: float | None = None) -> None:
         self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.results: dict[str, bool] = {}
+        self.stage_timeout = stage_timeout
+        self._stage: tuple[str, float] | None = None
+
+    def note(self, what: str) -> None:
+        """A progress line of the running stage, with its seconds so far."""
+        if self._stage is not None:
+            name, start = self._stage
+            print(f"[{name} +{time.perf_counter() - start:.1f} s] {what}", flush=True)
+
+    def _alarm(self, signum, frame) -> None:
+        name = self._stage[0] if self._stage else "?"
+        print(f"[{name}] past --stage-timeout {self.stage_timeout:g} s; every thread's stack:", file=sys.stderr,
+              flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        raise StageTimeout(f"stage {name} ran past --stage-timeout {self.stage_timeout:g} s (stacks in the log)")
 
     def record(self, stage: str, ok: bool, seconds: float, **fields) -> None:
         line = json.dumps({"stage": stage, "ok": bool(ok), "seconds": round(seconds, 2), **fields}, default=str)
@@ -152,11 +174,21 @@ class Recorder:
         is this stage's finding: it is recorded (type, message, megarl/Megatron frames) and the run goes on."""
         fields: dict = {}
         start = time.perf_counter()
+        self._stage = (name, start)
+        timer = self.stage_timeout is not None and hasattr(signal, "setitimer")
+        if timer:
+            previous = signal.signal(signal.SIGALRM, self._alarm)
+            signal.setitimer(signal.ITIMER_REAL, self.stage_timeout)
         try:
             yield fields
         except Exception as error:  # noqa: BLE001 - any failure is the stage's result; later stages still run
             traceback.print_exc()
             fields = {"ok": False, "error": f"{type(error).__name__}: {error}"[:1500], "where": _where(error)}
+        finally:
+            if timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            self._stage = None
         self.record(name, fields.pop("ok"), time.perf_counter() - start, **fields)
 
 
@@ -260,6 +292,12 @@ class Context:
         """Where the JSON lines and the engine's log go (``$OUT`` on the lent machine: they come back)."""
         self.floor: float | None = None
         """Parity's mean |HF bf16 - HF fp32|: how far bf16 alone moves log-probs on this model and data."""
+        self.recorder: Recorder | None = None
+
+    def note(self, what: str) -> None:
+        """A progress line of the running stage (its seconds so far)."""
+        if self.recorder is not None:
+            self.recorder.note(what)
 
     def model_dir(self, shape: str, seed: int = 0) -> Path:
         return save_model(self.work / f"qwen2_{shape}_seed{seed}", shape, self.device, seed)
@@ -594,7 +632,9 @@ def run_fp8(ctx: Context, out: dict) -> None:
     fp8_dir = ctx.work / f"qwen2_{ctx.args.shape}_fp8"
     if not (fp8_dir / "config.json").exists():
         write_fp8_checkpoint(ctx.model_dir(ctx.args.shape), fp8_dir)
+    ctx.note("FP8 checkpoint written")
     client = ctx.engine(model_dir=fp8_dir)
+    ctx.note("engine started")
     quantized = fp8_names(model.family, model.hf_config)
     expected = {}
     for bucket in model.exporter(DTYPE).iter_full(1 << 26, reuse_buffer=False):
@@ -607,7 +647,9 @@ def run_fp8(ctx: Context, out: dict) -> None:
     try:
         report, seconds = timed(lambda: transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 26, version="fp8",
                                                        verify_names=sorted(quantized)))
+        ctx.note(f"synced in {seconds:.1f} s")
         differ, compared = read_back(client, expected, set(expected))
+        ctx.note("read back")
         gap = engine_gap(actor, client, seed=7)
     finally:
         transport.close()
@@ -637,7 +679,9 @@ def run_vl(ctx: Context, out: dict) -> None:
     model_dir = ctx.work / f"qwen2_5_vl_{ctx.args.shape}"
     if not (model_dir / "config.json").exists():
         save_tiny_vl(model_dir, seed=1, initializer_range=INIT_RANGE, **VL_SHAPES[ctx.args.shape])
+    ctx.note("model written")
     actor = build_actor(model_dir, rows=ENGINE_ROWS, micro_rows=ENGINE_ROWS // 2)
+    ctx.note("actor built")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = ImageProcessor.from_pretrained(model_dir, tokenizer, load_hf_config(model_dir))
     rng = np.random.default_rng(5)
@@ -649,22 +693,26 @@ def run_vl(ctx: Context, out: dict) -> None:
     inputs = [processor.pixels([image]) for image in images]
     prompts = [processor.expand(template, x["image_grid_thw"]) for x in inputs]
     client = ctx.engine(model_dir=model_dir)
+    ctx.note("engine started")
     try:
         params = SamplingParams(max_new_tokens=ENGINE_RESPONSE, temperature=1.0, ignore_eos=True)
         outputs = run_sync(client.generate_batch(prompts, params, seed=5, return_logprob=True,
                                                  image_data=[[image_uri(image)] for image in images]))
+        ctx.note("generated")
         ids, mask, engine_logp = rollout_rows(prompts, outputs)
         P = ids.shape[1] - ENGINE_RESPONSE
         batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P:],
                                  "response_mask": mask[:, P:], "multi_modal_inputs": inputs},
                                 meta={"temperature": 1.0})
         recomputed = actor.compute_log_prob(batch)["log_probs"].float().cpu()
+        ctx.note("log-probs recomputed")
         response = mask[:, P:].bool()
         gap = {"tokens": int(response.sum()), **stats((recomputed - engine_logp)[response])}
         sign_N = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0)
         batch["old_log_probs"] = recomputed
         batch["advantages"] = sign_N[:, None] * mask[:, P:].float()
         (result,) = actor.update(batch)
+        ctx.note("updated")
         model = actor.model
         names = [n for unit in model.exporter(DTYPE).units for n in unit.hf_names]
         transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1,
@@ -831,6 +879,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mfu-half-seq", type=int, default=None,
                         help="prompt and response width of the mfu rows (default 512 on CUDA, 64 without)")
     parser.add_argument("--mfu-steps", type=int, default=4 if cuda else 2, help="steps per side (the first is warm-up)")
+    parser.add_argument("--stage-timeout", type=float, default=None,
+                        help="seconds a stage may run before every thread's stack is printed and it is stopped as "
+                             "failed (the next stage runs); default: no limit")
     parser.add_argument("--profile", action="store_true",
                         help="mfu: profile one more step of each side (profile_megarl.txt, profile_hf.txt in --out)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's dense bf16 peak (default: by name)")
@@ -858,7 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = Context(args, device)
-    recorder = Recorder(ctx.out / "gpu_check.jsonl")
+    recorder = ctx.recorder = Recorder(ctx.out / "gpu_check.jsonl", args.stage_timeout)
+    if hasattr(signal, "SIGTERM"):  # killed by an outer time limit: where every thread was, then the default exit
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     import megatron.core
     import transformers
 

@@ -89,18 +89,24 @@ def check(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(sglang_min), str(ROOT)]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--shape", "tiny",
-                           "--work", str(tmp / "work"), "--out", str(tmp / "out")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--shape", "tiny", "--profile",
+                           "--stage-timeout", "250", "--work", str(tmp / "work"), "--out", str(tmp / "out")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    imports = log.read_text().splitlines()  # this run's (the next one appends its own)
+    # A stage past --stage-timeout is stopped as failed, every thread's stack printed, and the next stage runs.
+    stopped = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--shape", "tiny",
+                              "--stages", "parity,ppo", "--stage-timeout", "0.001", "--work", str(tmp / "work"),
+                              "--out", str(tmp / "stopped")], env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     records = {r["stage"]: r for r in map(json.loads, lines)}
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             results.update({k: float(v) for k, v in (item.split("=", 1) for item in line.split()[1:])})
-    return {"records": records, "lines": lines, "results": results, "imports": log.read_text().splitlines(),
-            "jsonl": (tmp / "out" / "gpu_check.jsonl").read_text().splitlines(), "sglang_min": sglang_min}
+    return {"records": records, "lines": lines, "results": results, "imports": imports,
+            "jsonl": (tmp / "out" / "gpu_check.jsonl").read_text().splitlines(), "sglang_min": sglang_min,
+            "out": tmp / "out", "stopped": stopped}
 
 
 def finite(*values) -> bool:
@@ -192,6 +198,25 @@ def test_mfu_line_has_both_sides_and_a_ratio(check):
     assert mfu["params"] > 0 and mfu["flops_per_token"] > 6 * mfu["params"]
     assert finite(mfu["mfu_vs_hf"]) and mfu["mfu_vs_hf"] > 0
     assert check["results"]["mfu_vs_hf"] == pytest.approx(mfu["mfu_vs_hf"], rel=1e-3)
+
+
+def test_profile_names_each_sides_operators(check):
+    """``--profile``: one more step of each side under torch's profiler, its operators by their own time."""
+    megarl, hf = ((check["out"] / f"profile_{side}.txt").read_text() for side in ("megarl", "hf"))
+    for table in (megarl, hf):
+        assert "Self CPU" in table and "aten::mm" in table
+    assert "scaled_dot_product" in megarl  # the local spec's attention by SDPA
+    assert "Optimizer.step" in hf
+
+
+def test_a_stage_past_its_time_limit_is_stopped_and_the_next_one_runs(check):
+    stopped = check["stopped"]
+    assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    records = {r["stage"]: r for r in map(json.loads, (x for x in stopped.stdout.splitlines() if x.startswith("{")))}
+    assert list(records) == ["env", "parity", "ppo", "summary"]
+    assert not records["parity"]["ok"] and records["parity"]["error"].startswith("StageTimeout: stage parity")
+    assert records["summary"]["failed"] == ["parity", "ppo"]
+    assert "past --stage-timeout" in stopped.stderr and "most recent call first" in stopped.stderr
 
 
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
