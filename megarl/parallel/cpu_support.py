@@ -162,6 +162,20 @@ def _backward_under(mode: TorchFunctionMode, func, args, kwargs):
         torch._C._pop_torch_function_stack()
 
 
+def _thd_positions_on(bounds: tuple[int, ...], cp: int, rank: int, offsets: bool, device: torch.device
+                      ) -> torch.Tensor:
+    """:func:`_thd_positions` on ``device``, copied there once per layout (not once per layer and application)."""
+    if device.type == "cpu":
+        return _thd_positions(bounds, cp, rank, offsets)
+    return _thd_positions_device(bounds, cp, rank, offsets, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _thd_positions_device(bounds: tuple[int, ...], cp: int, rank: int, offsets: bool, device: torch.device
+                          ) -> torch.Tensor:
+    return _thd_positions(bounds, cp, rank, offsets).to(device)
+
+
 @functools.lru_cache(maxsize=64)
 def _thd_positions(bounds: tuple[int, ...], cp: int, rank: int, offsets: bool) -> torch.Tensor:
     """Megatron's THD RoPE positions of this CP rank's tokens: within each sequence (``bounds``: its global
@@ -184,9 +198,11 @@ def _patch_thd_rope() -> None:
                   cp_group=None):
         if cp_group is None:
             raise ValueError("cp_group must be provided for THD format RoPE")
-        bounds = tuple(int(b) for b in cu_seqlens.tolist())
+        from megarl.parallel.packing import host_bounds
+
+        bounds = host_bounds(cu_seqlens)  # no device sync per layer: the host copy recorded with the pack
         offsets = freqs.dim() >= 1 and freqs.size(0) == bounds[-1]
-        index = _thd_positions(bounds, cp_group.size(), cp_group.rank(), offsets).to(freqs.device)
+        index = _thd_positions_on(bounds, cp_group.size(), cp_group.rank(), offsets, freqs.device)
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs.index_select(0, index), rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
@@ -474,16 +490,17 @@ def _packed_attention(attention, base, query, key, value, packed_seq_params, att
     attention) run on batches of segments of like length; with CP, the keys and values gathered first."""
     if packed_seq_params.qkv_format != "thd":
         raise ValueError(f"CpuCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}; use 'thd'")
+    from torch.nn.utils.rnn import pad_sequence
+
+    from megarl.parallel.packing import host_bounds, segment_batches
+
     bounds = packed_seq_params.cu_seqlens_q_padded
     if bounds is None:
         bounds = packed_seq_params.cu_seqlens_q
-    bounds = [int(b) for b in bounds.tolist()]
+    bounds = host_bounds(bounds)  # no device sync per layer: the host copy recorded with the pack
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     # Attention.forward squeezed the batch dimension of THD: [t, heads, dim]. Views per segment (a split's
     # backward is one concatenation; a slice's, a zero tensor of the whole pack per segment).
-    from torch.nn.utils.rnn import pad_sequence
-
-    from megarl.parallel.packing import segment_batches
 
     rank = torch.distributed.get_rank(attention.cp_group) if attention.cp > 1 else 0
     if attention.cp > 1:
@@ -589,7 +606,7 @@ def core_attention():
 
             from megarl.parallel.packing import cp_inverse
 
-            inverse = cp_inverse(lengths, self.cp).to(key.device)
+            inverse = cp_inverse(lengths, self.cp, key.device)
             return [gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group).index_select(0, inverse)
                     for t in (key, value)]
 

@@ -98,9 +98,35 @@ def _inverse(lengths: tuple[int, ...], cp: int) -> torch.Tensor:
     return torch.argsort(order)
 
 
-def cp_inverse(lengths: Sequence[int], cp: int) -> torch.Tensor:
-    """The index that puts the CP ranks' tokens, gathered rank after rank, back in stream order."""
-    return _inverse(tuple(int(n) for n in lengths), int(cp))
+def cp_inverse(lengths: Sequence[int], cp: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The index that puts the CP ranks' tokens, gathered rank after rank, back in stream order (on ``device``:
+    copied there once per layout, not per call)."""
+    if device is None or torch.device(device).type == "cpu":
+        return _inverse(tuple(int(n) for n in lengths), int(cp))
+    return _inverse_on(tuple(int(n) for n in lengths), int(cp), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_on(lengths: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
+    return _inverse(lengths, cp).to(device)
+
+
+_HOST_BOUNDS = "_megarl_host_bounds"
+
+
+def record_host_bounds(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    """Keep the host's copy of ``cu_seqlens`` (a device tensor of ``PackedSeqParams``) on the tensor, for
+    :func:`host_bounds`; returns the tensor."""
+    setattr(cu_seqlens, _HOST_BOUNDS, tuple(int(b) for b in bounds))
+    return cu_seqlens
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as host integers: the copy :func:`prepare_packed` recorded, else read from the tensor (on a
+    GPU a device-to-host copy, which waits for every kernel queued before it: done once per layer for RoPE and
+    attention, it idles the GPU while the host queues each layer's kernels)."""
+    bounds = getattr(cu_seqlens, _HOST_BOUNDS, None)
+    return bounds if bounds is not None else tuple(int(b) for b in cu_seqlens.tolist())
 
 
 # What one call of the CPU core attention costs in attention scores of one head (its fixed per-operation cost
@@ -323,8 +349,11 @@ def prepare_packed(micro_batch: dict, *, seg_align: int = 1, total_align: int = 
     cu_real = torch.tensor([0, *kept]).cumsum(0).to(torch.int32)
     cu_padded = starts.to(torch.int32)
     device = input_ids.device
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real.to(device), cu_seqlens_kv=cu_real.to(device),
-                             cu_seqlens_q_padded=cu_padded.to(device), cu_seqlens_kv_padded=cu_padded.to(device),
+    real, padded_bounds = cu_real.tolist(), cu_padded.tolist()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=record_host_bounds(cu_real.to(device), real),
+                             cu_seqlens_kv=record_host_bounds(cu_real.to(device), real),
+                             cu_seqlens_q_padded=record_host_bounds(cu_padded.to(device), padded_bounds),
+                             cu_seqlens_kv_padded=record_host_bounds(cu_padded.to(device), padded_bounds),
                              max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
     keep = keep.to(device)
     return Prepared(input_ids=ids[keep][None], position_ids=positions.to(device)[keep][None],

@@ -194,6 +194,51 @@ def _attention(cp: int):
     return attention
 
 
+def _device_bounds(fake_device, lengths: list[int]) -> torch.Tensor:
+    """A pack's ``cu_seqlens`` on the (fake) device, unreadable there (a fake tensor's values raise when read, as a
+    read of a CUDA tensor would sync), with the host copy :func:`megarl.parallel.packing.prepare_packed` records."""
+    import itertools
+
+    from megarl.parallel.packing import record_host_bounds
+
+    with fake_device:
+        bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=DEVICE)
+    return record_host_bounds(bounds, [0, *itertools.accumulate(lengths)])
+
+
+def test_the_pack_keeps_its_bounds_on_the_host_too():
+    from megarl.parallel.packing import host_bounds, prepare_packed
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    prepared = prepare_packed({"input_ids": torch.ones(3, 4, dtype=torch.long), "attention_mask": mask},
+                              seg_align=2, total_align=4)
+    params = prepared.packed_seq_params
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        tensor = getattr(params, name)
+        assert host_bounds(tensor) == tuple(tensor.tolist()) and tensor._megarl_host_bounds == tuple(tensor.tolist())
+    assert host_bounds(params.cu_seqlens_q) == (0, 3, 5, 9) and host_bounds(params.cu_seqlens_q_padded) == (0, 4, 6, 12)
+    assert host_bounds(torch.tensor([0, 2, 7])) == (0, 2, 7)  # no recorded copy: read
+
+
+def test_packed_rope_reads_no_bounds_from_the_device(fake_device):
+    """Megatron's THD RoPE (megarl's one-index version) runs twice per layer: it takes the pack's host bounds, so
+    it queues no device-to-host copy (which would wait for the GPU each time)."""
+    import types
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.parallel.cpu_support import cpu_support
+
+    lengths = [6, 4, 10]
+    bounds = _device_bounds(fake_device, lengths)
+    group = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    with cpu_support(), fake_device:
+        t = torch.zeros(20, 2, 8, device=DEVICE)
+        freqs = torch.zeros(10, 1, 1, 8, device=DEVICE)
+        out = rope_utils._apply_rotary_pos_emb_thd(t, bounds, freqs, cp_group=group)
+    assert (tuple(out.shape), out.device) == ((20, 2, 8), DEVICE)
+
+
 @pytest.mark.parametrize("cp", [1, 2])
 def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_device, cp):
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -212,7 +257,7 @@ def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_devi
     attention = _attention(cp)
     attention._gather = lambda key, value, lengths: [torch.cat([key] * cp), torch.cat([value] * cp)]
     lengths = [8, 4, 4, 2 * cp * 5, 160]  # rows of one pack: a long one alone, short ones batched
-    bounds = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)  # (read on the host: .tolist())
+    bounds = _device_bounds(fake_device, lengths)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                              cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds, max_seqlen_q=160,
                              max_seqlen_kv=160)
