@@ -122,3 +122,65 @@ def _original(hf_dir: str) -> dict:
 
         _ORIGINAL[hf_dir] = load_file(f"{hf_dir}/model.safetensors")
     return _ORIGINAL[hf_dir]
+
+
+def fp8_transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
+    """For each ``(transport, engines)`` case, into engines serving block FP8: perturb the weights and sync them
+    quantized (``quantization=fp8``), every tensor and scale verified by the transport; rank 0 then reads every
+    quantized weight and scale back from every engine against the full export quantized here."""
+    from megarl.rollout import event_loop
+
+    with event_loop.holding():
+        return _fp8_transports(hf_dir, cases)
+
+
+def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megarl.convert import WeightExporter
+    from megarl.convert.fp8 import fp8_names
+    from megarl.convert.loader import load_hf_into
+    from megarl.models import build_model_chunks, family_for
+    from megarl.models.fp8 import quantize_block_fp8, scale_name
+    from megarl.parallel import ParallelDims, init_parallel
+    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
+    from megarl.sync import make_transport
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    family = family_for(cfg)
+    groups = init_parallel(ParallelDims(tp=TP, pp=PP))
+    chunks = build_model_chunks(family, cfg, groups.dims)
+    load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
+    exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+    quantized = fp8_names(family, cfg)
+    out: dict = {"rank": dist.get_rank(), "cases": []}
+    for index, (name, engine_fields) in enumerate(cases):
+        engines = [EngineAddress(**fields) for fields in engine_fields]
+        transport = make_transport(name, groups, engines, device="cpu", quantization="fp8")
+        perturb(chunks, 10 + index)
+        truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+        stats = transport.sync(exporter, bucket_bytes=BUCKET_BYTES, version=f"fp8.{index}", verify_names=list(truth))
+        transport.close()
+        case = {"transport": name, "stats": stats, "names": len(truth), "quantized": len(quantized)}
+        dist.barrier()
+        if dist.get_rank() == 0:
+            expected = {}
+            for tensor_name in sorted(quantized):
+                weight, scale = quantize_block_fp8(truth[tensor_name])
+                expected[tensor_name], expected[scale_name(tensor_name)] = weight.float(), scale.float()
+            differ, values = [], 0
+            for engine in engines:
+                client = EngineClient(engine.url, name=engine.name)
+                for tensor_name, tensor in expected.items():
+                    got = gather_sync([client.get_weights_by_name(tensor_name, truncate_size=tensor.shape[0])])[0]
+                    values += tensor.numel()
+                    if not torch.equal(torch.tensor(got, dtype=torch.float32).reshape(tensor.shape), tensor):
+                        differ.append((engine.name, tensor_name))
+            original = _original(hf_dir)
+            case.update(differ=differ, values=values, read=len(expected) * len(engines),
+                        moved=[n for n in quantized if not torch.equal(quantize_block_fp8(original[n].float())[0]
+                                                                       .float(), expected[n])])
+        out["cases"].append(case)
+        dist.barrier()
+    return out
