@@ -122,9 +122,6 @@ class RewardConfig:
             if not self.model.path:
                 raise ValueError("reward_model.enable=true needs reward_model.model.path: the reward model's HF "
                                  "sequence-classification directory")
-            if self.model.init != "pretrained":
-                raise ValueError(f"reward_model.model.init={self.model.init!r}: a reward model is loaded from its "
-                                 f"checkpoint; set reward_model.model.init=pretrained")
             if self.micro_batch_size_per_gpu is None and not self.use_dynamic_bsz:
                 raise ValueError("reward_model.micro_batch_size_per_gpu=null: set it to a positive number of rows, "
                                  "or turn on reward_model.use_dynamic_bsz")

@@ -54,12 +54,13 @@ MODEL = "actor_rollout_ref.model"
 
 
 def pretrained_when_path_given(overrides: Sequence[str]) -> list[str]:
-    """An override of ``model.path`` names a model to load: without an override of ``model.init`` it adds
-    ``model.init=pretrained``, so a recipe's tiny warm start (``init: tiny_sft``) never writes over that path."""
+    """An override of a model's ``path`` (the policy's, the teacher's, the reward model's) names a model to load:
+    without an override of its ``init`` it adds ``<section>.init=pretrained``, so a recipe's tiny warm start
+    (``init: tiny_sft`` or ``tiny_rm``) never writes over that path."""
     keys = {override.lstrip("+~").split("=", 1)[0].strip() for override in overrides}
-    if f"{MODEL}.path" in keys and f"{MODEL}.init" not in keys:
-        return [*overrides, f"{MODEL}.init=pretrained"]
-    return list(overrides)
+    added = [f"{section}.init=pretrained" for section in (MODEL, "teacher.model", "reward_model.model")
+             if f"{section}.path" in keys and f"{section}.init" not in keys]
+    return [*overrides, *added]
 
 
 def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFIG_DIR,

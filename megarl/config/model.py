@@ -13,6 +13,7 @@ from omegaconf import MISSING
 from megarl.config.common import DTYPES, check_choice, check_positive
 
 MODEL_INITS = ("pretrained", "tiny_sft")
+REWARD_MODEL_INITS = ("pretrained", "tiny_rm")
 TINY_ARCHS = ("qwen2", "qwen3_moe", "qwen2_5_vl")
 """``model.tiny_arch`` values (megarl.models.tiny.TINY_ARCHS; config sits below models, so the names are listed here
 and a test checks they agree)."""
@@ -25,6 +26,7 @@ class ModelSource:
     model's (:class:`ScoringModelConfig`). ``KEY``: the section's key, which its errors name."""
 
     KEY: ClassVar[str] = "actor_rollout_ref.model"
+    INITS: ClassVar[tuple[str, ...]] = MODEL_INITS
     path: str = MISSING
     """HF model directory (or hub id already in the local cache); with ``init=tiny_sft``, where the tiny model is cached."""
     tokenizer_path: str | None = None
@@ -53,7 +55,7 @@ class ModelSource:
 
     def __post_init__(self) -> None:
         p = self.KEY
-        check_choice(f"{p}.init", self.init, MODEL_INITS)
+        check_choice(f"{p}.init", self.init, self.INITS)
         check_choice(f"{p}.tiny_arch", self.tiny_arch, TINY_ARCHS)
         check_choice(f"{p}.dtype", self.dtype, DTYPES)
         check_positive(f"{p}.sft_steps", self.sft_steps)
@@ -122,9 +124,24 @@ class ScoringModelConfig(ModelSource):
 @dataclasses.dataclass(kw_only=True)
 class RewardModelSource(ScoringModelConfig):
     """A reward model's checkpoint (``reward_model.model.*``): an HF sequence-classification model with one label
-    (``*ForSequenceClassification`` of a family megarl serves)."""
+    (``*ForSequenceClassification`` of a family megarl serves); ``init=tiny_rm`` trains the tiny recipe's own
+    (:mod:`megarl.warmstart.reward_model`) and caches it at ``path``."""
 
     KEY: ClassVar[str] = "reward_model.model"
+    INITS: ClassVar[tuple[str, ...]] = REWARD_MODEL_INITS
+    body_path: str | None = None
+    """``init=tiny_rm``: where the model its classifier starts from is cached, a tiny SFT warm start built with
+    ``sft_steps`` and ``sft_lr`` (a recipe's teacher cache is reused when the settings agree); None: the policy
+    (``actor_rollout_ref.model.path``)."""
+    rm_steps: int = 1500
+    """``init=tiny_rm``: training steps of the classifier (batches of 64 labelled responses)."""
+    rm_lr: float = 3e-4
+    """``init=tiny_rm``: its learning rate (AdamW, warm-up and decay as the SFT warm start's)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive(f"{self.KEY}.rm_steps", self.rm_steps)
+        check_positive(f"{self.KEY}.rm_lr", self.rm_lr)
 
 
 @dataclasses.dataclass(kw_only=True)

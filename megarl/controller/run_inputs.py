@@ -35,6 +35,19 @@ TINY_DATA = {ADDITION_DATA_DIR: (ADDITION_DATA_FILES, ensure_addition_data),
 missing, never anywhere else."""
 
 
+def _ensure_tiny_reward_model(cfg: RunConfig, source, train: list[str]) -> None:
+    """``reward_model.model.init=tiny_rm``: the classifier's starting model (``body_path``: a tiny SFT warm start,
+    built or reused) and the reward model trained from it on the policy's samples (built or reused)."""
+    from megarl.warmstart.reward_model import ensure_tiny_reward_model
+
+    body = None
+    if source.body_path is not None:
+        body = ensure_tiny_sft(Path(source.body_path).expanduser(), train, steps=source.sft_steps, lr=source.sft_lr,
+                               seed=cfg.trainer.seed)
+    ensure_tiny_reward_model(source.local_path, train, base=cfg.actor_rollout_ref.model.local_path, body=body,
+                             steps=source.rm_steps, lr=source.rm_lr, seed=cfg.trainer.seed)
+
+
 def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     """Make sure the policy's HF directory and the data exist, before anything is placed: check a pretrained
     model's directories (and the critic's, the teacher's, the reward model's and the judge's), refuse missing data
@@ -55,7 +68,9 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
             ensure_tiny_sft(source.local_path, [str(p) for p in train], steps=source.sft_steps, lr=source.sft_lr,
                             seed=cfg.trainer.seed, stop_reward=source.sft_stop_reward, arch=source.tiny_arch)
     reward_model = cfg.reward_model.model if cfg.reward_model.enable and scoring else None
-    if reward_model is not None:
+    if reward_model is not None and reward_model.init == "tiny_rm":
+        _ensure_tiny_reward_model(cfg, reward_model, [str(p) for p in train])
+    elif reward_model is not None:
         check_model_directory(reward_model.local_path, "reward_model.model.path")
     for other in (teacher, reward_model):
         if other is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from megarl.controller.judge import judge_step_metrics
 from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
 from megarl.config.schema import RunConfig
@@ -36,11 +38,23 @@ def score_step(cfg: RunConfig, roles, batch: Batch, timing: dict[str, float], *,
         with around("reward_model"), timer("reward_model", timing):
             scores = roles.reward_model.call_dp(RewardModelWorker.compute_rm_score, selected)["rm_scores"]
         rm = cfg.reward_model
+        metrics |= rule_agreement(batch["token_level_scores"].sum(-1), scores)
         batch["token_level_scores"] = combine_model_scores(batch["token_level_scores"], batch["response_mask"], scores,
                                                            combine=rm.combine, coef=rm.rm_coef)
         metrics |= {"reward_model/score/mean": float(scores.mean()), "reward_model/score/max": float(scores.max()),
                     "reward_model/score/min": float(scores.min())}
     return batch, metrics
+
+
+def rule_agreement(rule_N: torch.Tensor, scores_N: torch.Tensor) -> dict[str, float]:
+    """How the reward model's scores of a step's rows agree with their rule rewards (the rule scorers' sum per
+    row, zero where there is none): ``reward_model/rule_score/mean``, and their Pearson correlation
+    ``reward_model/rule_corr`` where both vary (a reward model being gamed shows as a falling correlation)."""
+    rule, score = rule_N.double(), scores_N.reshape(-1).double()
+    out = {"reward_model/rule_score/mean": float(rule.mean())}
+    if len(rule) > 1 and float(rule.std()) > 0 and float(score.std()) > 0:
+        out["reward_model/rule_corr"] = float(torch.corrcoef(torch.stack([rule, score]))[0, 1])
+    return out
 
 
 class TeacherSignal:

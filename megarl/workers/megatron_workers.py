@@ -154,6 +154,12 @@ class ActorWorker(_MegatronWorker):
                                  megatron_overrides=self.actor.config.megatron.override_transformer_config)
         self.ref = LogProbRole(sharded, **_log_prob_batches(ref))
 
+    def reference_model(self) -> str | None:
+        """What the reference computes with in this process: ``"actor"`` (the actor's own model, its LoRA adapters
+        off: no second model held), ``"own"`` (a second Megatron model), None (no reference)."""
+        ref = getattr(self, "ref", None)
+        return None if ref is None else "actor" if ref.model is self.sharded else "own"
+
     @busy
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float = 1.0) -> Batch | None:
         """``ref_log_prob`` [N, R] under the reference policy (replaying the rollout's routing with

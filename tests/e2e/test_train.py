@@ -819,6 +819,10 @@ def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lo
                            f"actor_rollout_ref.rollout.lora_sync={lora_sync}",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=4"))  # one update a step
     (_, first), (_, second) = trainer.history
+    from megarl.workers.megatron_workers import ActorWorker
+
+    # No reference model: each actor rank's reference is its own model with the adapters off.
+    assert trainer.roles.actor.call_all(ActorWorker.reference_model) == ["actor"] * trainer.roles.actor.world_size
     # The adapters start at B = 0: the actor is its reference (up to the rounding of other micro-batch shapes);
     # after one update they differ.
     assert abs(first["actor/kl_loss"]) < 1e-7 and second["actor/kl_loss"] > 1e-5, (first["actor/kl_loss"],

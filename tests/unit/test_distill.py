@@ -101,9 +101,17 @@ def test_the_reward_model_settings_name_what_is_wrong():
         load_config(["recipe=tiny_cpu_grpo", "reward_model.enable=true"])
     with pytest.raises(ValueError, match=r"reward_model.combine"):
         load_config(base + ["reward_model.combine=mean"])
-    with pytest.raises(ValueError, match=r"reward_model.model.init='tiny_sft': a reward model is loaded from its "
-                                         r"checkpoint"):
+    with pytest.raises(ValueError, match=r"reward_model.model.init='tiny_sft' is unknown; use one of "
+                                         r"\['pretrained', 'tiny_rm'\]"):
         load_config(base + ["reward_model.model.init=tiny_sft"])
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.init='tiny_rm' is unknown"):
+        load_config(base + ["actor_rollout_ref.model.init=tiny_rm"])
+    with pytest.raises(ValueError, match=r"reward_model.model.rm_steps"):
+        load_config(base + ["reward_model.model.rm_steps=0"])
+    # A path given on the command line is a model to load, never a cache to (re)build.
+    assert load_config(["recipe=tiny_cpu_rm_grpo", "reward_model.model.path=/models/rm"]).reward_model.model.init == \
+        "pretrained"
+    assert load_config(["recipe=tiny_cpu_rm_grpo"]).reward_model.model.init == "tiny_rm"
     with pytest.raises(ValueError, match=r"algorithm.filter_groups.enable=true keeps or drops groups by their rule "
                                          r"rewards"):
         load_config(base + ["algorithm.filter_groups.enable=true"])
