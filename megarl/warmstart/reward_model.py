@@ -25,8 +25,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,7 +33,7 @@ from typing import Any
 import torch
 
 from megarl.reward.registry import default_compute_score
-from megarl.warmstart.sft import (_batch_order, _file_lock, _move_into_place, _sha256_json, _torch_threads,
+from megarl.warmstart.sft import (_batch_order, _file_lock, _sha256_json, _torch_threads, build_in_place,
                                   encode_prompt_ids, lr_factor, read_marker, read_sft_rows, sample_responses)
 
 logger = logging.getLogger(__name__)
@@ -108,14 +106,8 @@ def ensure_tiny_reward_model(path: str | os.PathLike, train_files: Sequence[str 
             logger.info("tiny_rm: reusing the reward model at %s (held-out accuracy %.3f)", path, marker["accuracy"])
             return path
         _check_replaceable(path)
-        built = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
-        try:
-            with _torch_threads(num_threads):
-                _build(built, base, rows, settings)
-            _move_into_place(built, path)
-        except BaseException:
-            shutil.rmtree(built, ignore_errors=True)
-            raise
+        with _torch_threads(num_threads):
+            build_in_place(path, lambda built: _build(built, base, rows, settings))
     return path
 
 

@@ -485,14 +485,21 @@ def ensure_tiny_sft(path: str | os.PathLike, train_files: Sequence[str | os.Path
         _check_replaceable(path)
         if marker is not None:
             logger.info("tiny_sft: the warm start at %s was made with other settings; retraining", path)
-        built = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
-        try:
-            _build(built, tokenizer, rows, settings, sizes, num_threads=num_threads, progress=progress)
-            _move_into_place(built, path)
-        except BaseException:
-            shutil.rmtree(built, ignore_errors=True)
-            raise
+        build_in_place(path, lambda built: _build(built, tokenizer, rows, settings, sizes, num_threads=num_threads,
+                                                  progress=progress))
     return path
+
+
+def build_in_place(path: Path, build: Callable[[Path], None]) -> None:
+    """``build(directory)`` into a temporary sibling of ``path``, then renamed to ``path`` (replacing an outdated
+    one); nothing is left behind when it fails. Call it holding ``path``'s lock."""
+    built = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    try:
+        build(built)
+        _move_into_place(built, path)
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
 
 
 def _build(directory: Path, tokenizer: Any, rows: Sequence[SFTRow], settings: Mapping[str, Any],

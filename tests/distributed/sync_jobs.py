@@ -32,23 +32,30 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
         return _transports(hf_dir, cases)
 
 
-def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
-    import torch.distributed as dist
+def _actor(hf_dir: str):
+    """``(family, hf_config, groups, chunks, exporter)``: the TP×PP actor of ``hf_dir`` on this rank, its fp32 export."""
     from transformers import AutoConfig
 
     from megarl.convert import WeightExporter
     from megarl.convert.loader import load_hf_into
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import ParallelDims, init_parallel
-    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
-    from megarl.sync import make_transport
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     family = family_for(cfg)
     groups = init_parallel(ParallelDims(tp=TP, pp=PP))
     chunks = build_model_chunks(family, cfg, groups.dims)
     load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
-    exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+    return family, cfg, groups, chunks, WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+
+
+def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
+    import torch.distributed as dist
+
+    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
+    from megarl.sync import make_transport
+
+    _, _, groups, chunks, exporter = _actor(hf_dir)
     out: dict = {"rank": dist.get_rank(), "cases": []}
     # Buckets for TP rank 0 only (the distributed transport's senders): the other TP ranks join the all-gathers.
     full = {n: t.clone() for bucket in exporter.iter_full(1 << 30) for n, t in bucket}
@@ -136,23 +143,13 @@ def fp8_transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict
 
 def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     import torch.distributed as dist
-    from transformers import AutoConfig
 
-    from megarl.convert import WeightExporter
     from megarl.convert.fp8 import fp8_names
-    from megarl.convert.loader import load_hf_into
-    from megarl.models import build_model_chunks, family_for
     from megarl.models.fp8 import quantize_block_fp8, scale_name
-    from megarl.parallel import ParallelDims, init_parallel
     from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
     from megarl.sync import make_transport
 
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    family = family_for(cfg)
-    groups = init_parallel(ParallelDims(tp=TP, pp=PP))
-    chunks = build_model_chunks(family, cfg, groups.dims)
-    load_hf_into(chunks, hf_dir, family, groups, hf_config=cfg)
-    exporter = WeightExporter(chunks, family, cfg, groups, dtype=torch.float32)
+    family, cfg, groups, chunks, exporter = _actor(hf_dir)
     quantized = fp8_names(family, cfg)
     out: dict = {"rank": dist.get_rank(), "cases": []}
     for index, (name, engine_fields) in enumerate(cases):
