@@ -252,3 +252,19 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
     q, scale = quantize_block_fp8(dict(named)[layer + "mlp.up_proj.weight"])
     assert torch.equal(sent[layer + "mlp.up_proj.weight"].float(), q.float())
     assert torch.equal(sent[layer + "mlp.up_proj.weight_scale_inv"], scale)
+
+
+def test_the_engines_fp8_weights_live_on_their_parameters_device():
+    """A CUDA engine keeps its FP8 weights and scales on the GPU, beside the parameters they make: an update is
+    stored there and dequantized there (``meta`` stands for the GPU here; the checkpoint is read on the host)."""
+    from megarl.models.fp8 import quantize_block_fp8
+    from megarl.rollout.cpu_engine.fp8 import Fp8Weights
+
+    weight, scale = quantize_block_fp8(torch.randn(256, 128))
+    param = torch.nn.Parameter(torch.empty(256, 128, device="meta"))
+    held = Fp8Weights({"w": param}, {"w": weight}, {"w": scale})
+    assert held.weights["w"].device.type == held.scales["w"].device.type == "meta"
+    assert held.weights["w"].dtype == weight.dtype and held.scales["w"].shape == scale.shape
+    on_host = Fp8Weights({"w": torch.nn.Parameter(torch.empty(256, 128))}, {"w": weight}, {"w": scale})
+    on_host.refresh_all()
+    assert on_host.read("w").device.type == "cpu" and torch.equal(on_host.read("w").float(), weight.float())

@@ -46,7 +46,10 @@ class Fp8Weights:
         problems = [name for name in weights if name not in params or name not in scales]
         if problems:
             raise ValueError(f"FP8 checkpoint: weights without a parameter or a scale: {problems[:10]}")
-        self.params, self.weights, self.scales = params, weights, scales
+        # On each parameter's device (a CUDA engine's GPU): updates arrive there and are dequantized there.
+        self.params = params
+        self.weights = {name: weight.to(params[name].device) for name, weight in weights.items()}
+        self.scales = {name: scales[name].to(params[name].device) for name in weights}
         self._changed: set[str] = set()
 
     @classmethod
