@@ -53,6 +53,11 @@ export ~17 % on CPU).
    had 24 such threads (2,400 wake-ups a second) and 24 listening ports. With a core per process (a CPU run),
    those wake-ups preempt the compute thread: the actor's update ran about 8 % slower beside a busy engine.
    Groups keep their own pairs and contexts; only the device (its loop thread and listener) is shared.
+13. Megatron's fused elementwise functions (``megatron.core.jit.jit_fuser``: bias-dropout-add, SwiGLU, the
+   routers' and RoPE's helpers) are ``torch.compile``d. RL micro-batches change length every call (and packing
+   changes strides), so each new shape recompiles them until dynamo's recompile limit, after which they run eager
+   anyway: on an H200 a 0.5B model's first PPO steps took 5-6 s, and dynamo reported the limit hit. They run eager
+   here from the start (:func:`_eager_fusions`, every machine): the same math, no compilation.
 
 Measured cost of the mode: about 8 % of a tiny model's training step.
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
@@ -64,6 +69,7 @@ import contextlib
 import functools
 import os
 import threading
+import types
 import warnings
 
 import torch
@@ -184,6 +190,38 @@ def _thd_positions(bounds: tuple[int, ...], cp: int, rank: int, offsets: bool) -
 
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     return zigzag_index(lengths, cp, rank) if offsets else zigzag_positions(lengths, cp, rank)
+
+
+def _eager_fusions() -> None:
+    """13. Megatron's ``jit_fuser`` off: modules imported from now on decorate with a no-op, and the functions it
+    already compiled (``megatron.core`` modules imported before) are put back as the plain functions they wrap."""
+    import sys
+
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("megatron.core"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if _compiled(value):
+                setattr(module, attr, value.__dict__["_torchdynamo_orig_callable"])
+
+
+def _compiled(value) -> bool:
+    """Whether ``value`` is a function ``torch.compile`` made (it keeps the one it wraps in its ``__dict__``;
+    stand-ins that answer every attribute, such as Megatron's for a missing TE, are not)."""
+    return isinstance(value, types.FunctionType) and "_torchdynamo_orig_callable" in vars(value)
+
+
+def compiled_megatron_functions() -> list[str]:
+    """``module.name`` of every ``torch.compile``d function still bound in a loaded ``megatron.core`` module (none
+    after :func:`install`)."""
+    import sys
+
+    return [f"{name}.{attr}" for name, module in list(sys.modules.items())
+            if module is not None and name.startswith("megatron.core")
+            for attr, value in list(vars(module).items()) if _compiled(value)]
 
 
 def _patch_thd_rope() -> None:
@@ -380,6 +418,7 @@ def install() -> None:
     """
     global _PATCHED, _PATCHED_LOCAL_SPEC
     if not _PATCHED_LOCAL_SPEC:
+        _eager_fusions()
         _patch_thd_rope()
         _patch_te_general_gemm()
         _patch_gloo_device()

@@ -379,3 +379,26 @@ def _compare_attention(layer_scaling: bool) -> None:
     torch.manual_seed(1)
     torch.testing.assert_close(dropped, DotProductAttention.forward(attention, q, k, v, None))
     assert not torch.allclose(dropped, expected)
+
+
+def test_megatrons_fused_functions_run_eager():
+    """RL micro-batches change shape every call, so Megatron's torch.compile'd fused functions (jit_fuser) would
+    recompile for each until dynamo gives up: after megarl's set-up none is compiled, those imported before it
+    and those imported after alike, and a new one is not."""
+    import megatron.core  # noqa: F401  (its package imports some fused functions, compiled then)
+    from megatron.core import jit
+
+    from megarl.parallel import cpu_support
+
+    cpu_support.install()
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.transformer.attention  # noqa: F401
+    import megatron.core.transformer.moe.router  # noqa: F401
+    from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
+
+    assert cpu_support.compiled_megatron_functions() == []
+    assert jit.jit_fuser(len) is len  # a no-op from now on
+    x = torch.randn(3, 4)
+    out = fused_bias_dropout.bias_dropout_add_fused_inference((x.clone(), None), x.clone(), 0.0)
+    assert torch.equal(out, 2 * x)
+    assert "_torchdynamo_orig_callable" not in vars(fused_bias_swiglu.bias_swiglu)
