@@ -220,7 +220,7 @@ def gather_cp(x_bt: torch.Tensor, lengths: Sequence[int], cp: int, group) -> tor
 
     gathered = gather_from_sequence_parallel_region(x_bt.transpose(0, 1).contiguous(),
                                                     tensor_parallel_output_grad=False, group=group)
-    inverse = cp_inverse(lengths, cp).to(x_bt.device)
+    inverse = cp_inverse(lengths, cp, x_bt.device)
     return gathered.index_select(0, inverse).transpose(0, 1)
 
 
@@ -349,12 +349,10 @@ def prepare_packed(micro_batch: dict, *, seg_align: int = 1, total_align: int = 
     cu_real = torch.tensor([0, *kept]).cumsum(0).to(torch.int32)
     cu_padded = starts.to(torch.int32)
     device = input_ids.device
-    real, padded_bounds = cu_real.tolist(), cu_padded.tolist()
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=record_host_bounds(cu_real.to(device), real),
-                             cu_seqlens_kv=record_host_bounds(cu_real.to(device), real),
-                             cu_seqlens_q_padded=record_host_bounds(cu_padded.to(device), padded_bounds),
-                             cu_seqlens_kv_padded=record_host_bounds(cu_padded.to(device), padded_bounds),
-                             max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
+    # Queries and keys share their bounds (self-attention): one device copy each, its host copy recorded.
+    real, padded_bounds = (record_host_bounds(cu.to(device), cu.tolist()) for cu in (cu_real, cu_padded))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded_bounds,
+                             cu_seqlens_kv_padded=padded_bounds, max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
     keep = keep.to(device)
     return Prepared(input_ids=ids[keep][None], position_ids=positions.to(device)[keep][None],
                     labels=labels[keep][None], packed_seq_params=params, seq_length=total, micro_batch_size=1,

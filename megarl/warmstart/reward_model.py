@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from megarl.reward.registry import default_compute_score
 from megarl.warmstart.sft import (_batch_order, _file_lock, _sha256_json, _torch_threads, build_in_place,
-                                  encode_prompt_ids, lr_factor, read_marker, read_sft_rows, sample_responses)
+                                  encode_prompt_ids, lr_factor, read_marker, read_sft_rows, rule_score,
+                                  sample_responses)
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,17 @@ NUM_HELD_OUT = 128
 KEY = "reward_model.model.path"
 
 
-def tiny_rm_settings(*, base: Path, steps: int, lr: float, seed: int, batch_size: int, num_prompts: int,
-                     samples_per_prompt: int, near_misses: int, rows: Sequence) -> dict[str, Any]:
-    """What a cached reward model must have been trained with to be reused (the marker's ``settings``)."""
-    return {"format": MARKER_FORMAT, "steps": int(steps), "lr": float(lr), "seed": int(seed),
-            "batch_size": int(batch_size), "num_prompts": int(num_prompts),
-            "samples_per_prompt": int(samples_per_prompt), "near_misses": int(near_misses),
-            "base": read_marker(base) or str(base),
-            "data_sha256": _sha256_json([row.key() for row in rows])}
+def tiny_rm_settings(*, base: Path, body: Path | None, steps: int, lr: float, seed: int, batch_size: int,
+                     num_prompts: int, samples_per_prompt: int, near_misses: int, rows: Sequence) -> dict[str, Any]:
+    """What a cached reward model must have been trained with to be reused (the marker's ``settings``; the base's
+    and the body's own markers, so a retrained one retrains this)."""
+    settings = {"format": MARKER_FORMAT, "steps": int(steps), "lr": float(lr), "seed": int(seed),
+                "batch_size": int(batch_size), "num_prompts": int(num_prompts),
+                "samples_per_prompt": int(samples_per_prompt), "near_misses": int(near_misses),
+                "base": read_marker(base) or str(base), "data_sha256": _sha256_json([row.key() for row in rows])}
+    if body is not None:
+        settings.update(body_path=str(body), body=read_marker(body) or str(body))
+    return settings
 
 
 def ensure_tiny_reward_model(path: str | os.PathLike, train_files: Sequence[str | os.PathLike], *,
@@ -88,17 +91,15 @@ def ensure_tiny_reward_model(path: str | os.PathLike, train_files: Sequence[str 
         raise ValueError(f"the tiny_rm reward model needs reward_model.model.rm_steps >= 1 and rm_lr > 0; got "
                          f"{steps} and {lr}")
     path, base = Path(path).expanduser().absolute(), Path(base).expanduser().absolute()
+    body = None if body is None else Path(body).expanduser().absolute()
     rows = read_sft_rows(train_files)
     if len(rows) < num_prompts + NUM_HELD_OUT:
         raise ValueError(f"the tiny_rm reward model trains on {num_prompts} prompts and measures on {NUM_HELD_OUT} "
                          f"more; data.train_files has {len(rows)} rows")
     rows = rows[:num_prompts + NUM_HELD_OUT]
-    settings = tiny_rm_settings(base=base, steps=steps, lr=lr, seed=seed, batch_size=batch_size,
+    settings = tiny_rm_settings(base=base, body=body, steps=steps, lr=lr, seed=seed, batch_size=batch_size,
                                 num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
                                 near_misses=near_misses, rows=rows)
-    if body is not None:
-        body = Path(body).expanduser().absolute()
-        settings.update(body_path=str(body), body=read_marker(body) or str(body))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(path.with_name(path.name + ".lock")):
         marker = _read(path)
@@ -134,17 +135,14 @@ def labelled_samples(policy: torch.nn.Module, tokenizer: Any, rows: Sequence, *,
     for k in range(samples):
         responses = sample_responses(policy, tokenizer, prompts, temperature=1.0, seed=seed * 1000 + k)
         for row, prompt, response in zip(rows, prompts, responses):
-            result = default_compute_score(row.data_source, tokenizer.decode(response, skip_special_tokens=True),
-                                           row.answer, {})
             sequences.append(prompt + list(response))
-            labels.append(float(result["score"] if isinstance(result, dict) else result))
+            labels.append(rule_score(row, tokenizer.decode(response, skip_special_tokens=True)))
     generator = torch.Generator().manual_seed(seed)
     for row, prompt in zip(rows, prompts):
         answers = [row.answer] + near_misses(row.answer, near, generator)
         for answer in answers:
-            result = default_compute_score(row.data_source, answer, row.answer, {})
             sequences.append(prompt + tokenizer.encode(answer + tokenizer.eos_token, add_special_tokens=False))
-            labels.append(float(result["score"] if isinstance(result, dict) else result))
+            labels.append(rule_score(row, answer))
     return sequences, labels
 
 
@@ -219,7 +217,7 @@ def _build(directory: Path, base: Path, rows: Sequence, settings: Mapping[str, A
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"the tiny_rm reward model diverged; lower reward_model.model.rm_lr="
                                  f"{settings['lr']}")

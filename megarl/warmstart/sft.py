@@ -235,12 +235,16 @@ def mean_reward(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], 
     """
     responses = sample_responses(model, tokenizer, prompt_ids, temperature=temperature, seed=seed,
                                  max_new_tokens=max_new_tokens, vision=vision)
-    total = 0.0
-    for row, output_ids in zip(rows, responses):
-        response = tokenizer.decode(output_ids, skip_special_tokens=True)
-        result = default_compute_score(row.data_source, response, row.answer, {})
-        total += float(result["score"] if isinstance(result, dict) else result)
+    total = sum(rule_score(row, tokenizer.decode(output_ids, skip_special_tokens=True))
+                for row, output_ids in zip(rows, responses))
     return total / len(rows)
+
+
+def rule_score(row: SFTRow, response: str) -> float:
+    """The reward registry's score of ``response`` (decoded text) to ``row``, as the trainer's reward manager
+    scores it."""
+    result = default_compute_score(row.data_source, response, row.answer, {})
+    return float(result["score"] if isinstance(result, dict) else result)
 
 
 def reward_probe(model: torch.nn.Module, tokenizer: Any, rows: Sequence[SFTRow], *, seed: int,
