@@ -41,15 +41,18 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
   fp8     FP8 rollout (``rollout.quantization=fp8``): the check's model written as a block-FP8 checkpoint, an engine
           server started from it (FP8 weights and scales kept, computing with their dequantization), the actor's
           weights synced into it by the ``tensor`` transport as FP8 byte buckets (CUDA IPC payloads of one byte
-          buffer on GPU) and read back. Pass: every quantized weight and scale the engine holds equals the
+          buffer on GPU), a sample verified whole by the transport (``rollout.verify_weights``, each with its
+          scale), then the first rows of every quantized weight and scale read back, all rows of the small ones
+          (JSON answers of every value took minutes on a 0.5B model). Pass: every value read back equals the
           actor's weights quantized here, bit for bit, and the engine's log-probs are finite (their gap to the
           actor's, FP8's, is reported next to the engine stage's bf16 bound).
   vl      a vision-language policy (a random Qwen2.5-VL: the shape's language model, a 4-block vision tower): an
           engine server started from it generates from image prompts (``image_data``: the tower and multimodal
           RoPE on this device in transformers), the actor (the tower on its first stage, Megatron's multimodal
           RoPE) recomputes the log-probs, takes one update, and the ``tensor`` transport takes every weight, the
-          tower's ``visual.*`` too, into the server. Pass: the gap within the engine stage's bound (finite without
-          parity), the update applied, every tensor verified by the transport.
+          tower's ``visual.*`` too, into the server, verifying a sample whole (half of it the tower's); the first
+          rows of every tensor are read back. Pass: the gap within the engine stage's bound (finite without
+          parity), the update applied, the sample verified, every value read back equal.
   mfu     train steps of a Qwen2.5-1.5B-shaped random model (``ActorRole.update``, one micro-batch): tokens/s and
           MFU (6 N + causal attention flops per token against the chip's dense bf16 peak), against HF
           transformers' step (sdpa, AdamW, the same log-softmax) on the same chip in this run. Printed, not
@@ -622,9 +625,11 @@ def run_lora(ctx: Context, out: dict) -> None:
 
 def run_fp8(ctx: Context, out: dict) -> None:
     """FP8 rollout on this device (see the module docstring)."""
+    from megarl.config.rollout import RolloutConfig
     from megarl.convert.fp8 import fp8_names, write_fp8_checkpoint
     from megarl.models.fp8 import quantize_block_fp8, scale_name
     from megarl.rollout.client import EngineAddress
+    from megarl.sync.base import verify_sample
     from megarl.sync.tensor import TensorTransport
 
     actor = ctx.actor
@@ -644,21 +649,26 @@ def run_fp8(ctx: Context, out: dict) -> None:
                 expected[name], expected[scale_name(name)] = weight.float().cpu(), scale.float().cpu()
     transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1, host_ranks=(0,))])
     transport.quantization = "fp8"
+    # the transport verifies a sample whole (as a run does: JSON answers of every weight would take minutes), the
+    # read-back the first rows of every quantized weight and scale, all rows of the small ones
+    verify = verify_sample(sorted(quantized), RolloutConfig.verify_weights, step=1)
+    whole = {name for name, tensor in expected.items() if tensor.numel() <= WHOLE_MAX_VALUES}
     try:
         report, seconds = timed(lambda: transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 26, version="fp8",
-                                                       verify_names=sorted(quantized)))
+                                                       verify_names=verify))
         ctx.note(f"synced in {seconds:.1f} s")
-        differ, compared = read_back(client, expected, set(expected))
+        differ, compared = read_back(client, expected, whole)
         ctx.note("read back")
         gap = engine_gap(actor, client, seed=7)
     finally:
         transport.close()
         model.release_export_buffers()
         ctx.stop_engine()
-    out.update(quantized_weights=len(quantized), values_read_back=compared, differing=differ[:10],
-               verified_by_transport=report["verified_checks"], sync_bytes=report["weight_sync/bytes"],
-               sync_seconds=round(seconds, 4), gap=gap, bf16_gap_bound=gap_bound(ctx))
-    out["ok"] = not differ and report["verified_checks"] == 2 * len(quantized) > 0 and math.isfinite(gap["max"])
+    out.update(quantized_weights=len(quantized), values_read_back=compared, whole_read_back=len(whole),
+               differing=differ[:10], verified_by_transport=report["verified_checks"],
+               sync_bytes=report["weight_sync/bytes"], sync_seconds=round(seconds, 4),
+               sync_gbps=report["weight_sync/gbps"], gap=gap, bf16_gap_bound=gap_bound(ctx))
+    out["ok"] = not differ and report["verified_checks"] == 2 * len(verify) > 0 and math.isfinite(gap["max"])
 
 
 def run_vl(ctx: Context, out: dict) -> None:
@@ -667,12 +677,14 @@ def run_vl(ctx: Context, out: dict) -> None:
     from PIL import Image
     from transformers import AutoTokenizer
 
+    from megarl.config.rollout import RolloutConfig
     from megarl.data.batch import Batch
     from megarl.data.images import ImageProcessor, image_uri
     from megarl.models.tiny import save_tiny_vl
     from megarl.models.vision import load_hf_config
     from megarl.rollout.client import EngineAddress, run_sync
     from megarl.rollout.engine import SamplingParams
+    from megarl.sync.base import verify_sample
     from megarl.sync.tensor import TensorTransport
 
     ctx.drop_actor()
@@ -714,12 +726,23 @@ def run_vl(ctx: Context, out: dict) -> None:
         (result,) = actor.update(batch)
         ctx.note("updated")
         model = actor.model
-        names = [n for unit in model.exporter(DTYPE).units for n in unit.hf_names]
+        expected = {}
+        for bucket in model.exporter(DTYPE).iter_full(1 << 26, reuse_buffer=False):
+            expected.update((name, tensor.detach().float().cpu()) for name, tensor in bucket)
+        names = list(expected)
+        # a sample verified whole by the transport, half of it the tower's; the first rows of every tensor read back
+        tower_names = [n for n in names if n.startswith("visual.")]
+        half = max(1, RolloutConfig.verify_weights // 2)
+        verify = sorted(set(verify_sample(tower_names, half, step=1))
+                        | set(verify_sample([n for n in names if n not in tower_names], half, step=1)))
         transport = TensorTransport(model.groups, [EngineAddress(index=0, url=ctx.engine_url, tp=1,
                                                                  host_ranks=(0,))])
         try:
             report, seconds = timed(lambda: transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 26, version="vl",
-                                                           verify_names=names))
+                                                           verify_names=verify))
+            ctx.note(f"synced in {seconds:.1f} s")
+            differ, compared = read_back(client, expected, set())
+            ctx.note("read back")
         finally:
             transport.close()
             model.release_export_buffers()
@@ -729,10 +752,11 @@ def run_vl(ctx: Context, out: dict) -> None:
     tower = sum(n.startswith("visual.") for n in names)
     out.update(gap=gap, bound=bound, image_tokens=int((ids == processor.image_token_id).sum()), applied=result.applied,
                grad_norm=result.grad_norm, tensors=len(names), tower_tensors=tower,
-               verified_by_transport=report["verified_checks"], sync_seconds=round(seconds, 4))
+               verified_by_transport=report["verified_checks"], values_read_back=compared, differing=differ[:10],
+               sync_seconds=round(seconds, 4), sync_gbps=report["weight_sync/gbps"])
     out["ok"] = (gap["tokens"] > 0 and math.isfinite(gap["max"]) and (bound is None or gap["mean"] <= bound)
-                 and result.applied and math.isfinite(result.grad_norm) and tower > 0
-                 and report["verified_checks"] == len(names))
+                 and result.applied and math.isfinite(result.grad_norm) and tower > 0 and not differ
+                 and report["verified_checks"] == len(verify) > 0)
 
 
 def train_flops_per_token(hf_config, seq: int) -> tuple[int, float]:
