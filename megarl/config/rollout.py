@@ -257,7 +257,8 @@ class RolloutConfig(EngineConfig):
     plus scaled ``B A`` through ``weight_transport``, into engines without LoRA)."""
     verify_weights: int = 8
     """Weight sync: tensors read back from every engine (``/get_weights_by_name``) and compared bit for bit with
-    the trainer's after every sync (a seeded sample, plus the last tensor); -1: all of them, 0: off."""
+    the trainer's after every sync (a seeded sample, plus the last tensor; each whole up to 1 M values, a larger
+    one by its leading rows up to that); -1: all of them, 0: off."""
     val_kwargs: ValKwargs = dataclasses.field(default_factory=ValKwargs)
     """Validation sampling."""
     multi_turn: MultiTurnConfig = dataclasses.field(default_factory=MultiTurnConfig)

@@ -25,6 +25,12 @@ from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
+
+VERIFY_MAX_VALUES = 1 << 20
+"""Values of one tensor that verification reads back: a tensor up to this size is compared whole, a larger one by
+its leading rows up to it (at least one row). ``/get_weights_by_name`` answers JSON lists: whole, a 7B model's
+545 M-value ``lm_head`` would take minutes per engine and sync (on an H200 a 0.5B model's 344 tensors read back
+whole took over 200 s)."""
 """The transports of whole weights (a LoRA run may sync its adapters alone instead: :mod:`megarl.sync.adapters`)."""
 
 
@@ -237,7 +243,8 @@ def flattened_payload(bucket, *, by_value: bool = False) -> bytes:
 
 
 async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor]) -> list[str] | None:
-    """Compare ``client``'s engine's copy of every weight of ``expected`` (host tensors, all rows) with it; the names
+    """Compare ``client``'s engine's copy of every weight of ``expected`` (host tensors: the leading rows that
+    :func:`expected_copy` keeps, the first ``len(tensor)`` rows are asked for) with it; the names
     it could not verify, or ``None`` when the engine cannot report weights at all (SGLang 0.5.23 has no
     ``get_weights_by_name`` for Qwen2/Qwen3: HTTP 400). ``RuntimeError`` naming the engine and the tensors that
     differ.
@@ -268,7 +275,10 @@ async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor])
 
 def expected_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A sent tensor as :func:`verify_engine` compares it: a host copy (the engines answer host values, and the
-    bucket buffer it came from is refilled next)."""
+    bucket buffer it came from is refilled next) of its leading rows, at most :data:`VERIFY_MAX_VALUES` values
+    (at least one row; all of a tensor that small)."""
+    if tensor.dim() and tensor.numel() > VERIFY_MAX_VALUES:
+        tensor = tensor[:max(1, VERIFY_MAX_VALUES // (tensor.numel() // tensor.shape[0]))]
     return tensor.detach().to("cpu", copy=True)
 
 

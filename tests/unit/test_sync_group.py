@@ -114,3 +114,34 @@ def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers
     stats = verify_and_report(Transport(), [target], start=0.0, bytes_sent=1, buckets=1, expected=only_sliced,
                               lead=True)
     assert merge_stats([stats])["weight_sync/verified_engines"] == 0
+
+
+def test_verification_of_a_large_tensor_reads_its_leading_rows_only(monkeypatch):
+    """A tensor over ``VERIFY_MAX_VALUES`` is kept, asked for and compared by its leading rows (JSON answers of a
+    whole ``lm_head`` would take minutes); a difference there still fails the sync; small tensors stay whole."""
+    from megarl.rollout.client import gather_sync
+    from megarl.sync import base
+
+    monkeypatch.setattr(base, "VERIFY_MAX_VALUES", 12)
+    generator = torch.Generator().manual_seed(1)
+    sent = {"lm_head.weight": torch.randn(10, 4, generator=generator),
+            "model.norm.weight": torch.randn(12, generator=generator),
+            "wide.weight": torch.randn(2, 20, generator=generator)}
+    kept = {name: base.expected_copy(tensor) for name, tensor in sent.items()}
+    assert {name: tuple(t.shape) for name, t in kept.items()} == {
+        "lm_head.weight": (3, 4), "model.norm.weight": (12,), "wide.weight": (1, 20)}
+    assert torch.equal(kept["lm_head.weight"], sent["lm_head.weight"][:3])
+
+    asked = []
+
+    class Engine(_TpSlicingEngine):
+        async def get_weights_by_name(self, name, truncate_size):
+            asked.append((name, truncate_size))
+            return await super().get_weights_by_name(name, truncate_size)
+
+    engine = Engine({name: t.clone() for name, t in sent.items()}, sliced=set())
+    assert gather_sync([base.verify_engine(engine, kept)])[0] == []
+    assert asked == [("lm_head.weight", 3), ("model.norm.weight", 12), ("wide.weight", 1)]
+    engine.held["lm_head.weight"][2, 1] += 1
+    with pytest.raises(RuntimeError, match=r"1 tensors differ.*lm_head"):
+        gather_sync([base.verify_engine(engine, kept)])
