@@ -28,77 +28,103 @@ def _row_chunks(rows: int, width: int) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
 
 
-def _shifted(logits_nV: torch.Tensor, temperature: float, padded: torch.Tensor | None,
-             z_max_n: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``logits / temperature`` of some rows, padded columns at -inf, minus ``z_max_n`` when given."""
-    z = logits_nV.float() / temperature
-    if padded is not None:
-        z = z.masked_fill(padded, float("-inf"))
-    return z if z_max_n is None else z - z_max_n.unsqueeze(-1)
+def _scaled(logits_nV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A new fp32 tensor of ``logits / temperature``."""
+    z = logits_nV.float()
+    if z.data_ptr() == logits_nV.data_ptr():  # fp32 logits: .float() is the tensor itself
+        z = z.clone()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
     """Rows are processed in chunks (:data:`CHUNK_ELEMENTS`); each row's numbers are those of the whole-tensor
-    computation. The backward recomputes the probabilities from the logits (kept anyway) chunk by chunk instead of
-    keeping an fp32 ``[T, V/tp]`` copy between forward and backward."""
+    computation. Padded vocabulary columns (at or past ``vocab_size``, the tail of the last ranks' shards) are left
+    out by slicing. Each rank normalises by its own maximum; the ranks' sums are rescaled to the group's maximum
+    after one all-reduce of the maxima, so the logits are read once in the forward. The backward recomputes the
+    probabilities from the logits (kept anyway) chunk by chunk, in place, instead of keeping an fp32 ``[T, V/tp]``
+    copy between forward and backward; without an entropy gradient it skips the entropy's terms."""
 
     @staticmethod
     def forward(ctx, logits_shard, target_ids, temperature, vocab_start, vocab_size, group):
+        ctx.set_materialize_grads(False)
         local_v = logits_shard.shape[-1]
         logits_nV = logits_shard.reshape(-1, local_v)
         ids_n = target_ids.reshape(-1)
-        padded = None
-        if vocab_size is not None and vocab_start + local_v > vocab_size:
-            columns = torch.arange(vocab_start, vocab_start + local_v, device=logits_shard.device)
-            padded = columns >= vocab_size
-        chunks = _row_chunks(logits_nV.shape[0], local_v)
-
-        z_max = torch.cat([_shifted(logits_nV[c], temperature, padded, None).max(dim=-1).values for c in chunks])
-        _all_reduce(z_max, dist.ReduceOp.MAX, group)
-
+        rows, device = logits_nV.shape[0], logits_shard.device
+        valid = local_v if vocab_size is None else max(0, min(local_v, vocab_size - vocab_start))
         local_ids = ids_n - vocab_start
         in_shard = (local_ids >= 0) & (local_ids < local_v)
-        safe_ids = local_ids.clamp(0, local_v - 1).unsqueeze(-1)
-        # Per row: sum of exp(z), the target's z and the expectation of z under p (as sum(exp(z) * z); padded
-        # columns add 0), each a sum over this rank's columns, reduced over TP in one call.
-        sums = torch.empty((3, logits_nV.shape[0]), dtype=torch.float32, device=logits_shard.device)
-        for c in chunks:
-            z = _shifted(logits_nV[c], temperature, padded, z_max[c])
-            exp_z = z.exp()
-            sums[0, c] = exp_z.sum(dim=-1)
-            sums[1, c] = torch.gather(z, -1, safe_ids[c]).squeeze(-1).masked_fill(~in_shard[c], 0.0)
-            sums[2, c] = (exp_z * z.masked_fill(padded, 0.0) if padded is not None else exp_z * z).sum(dim=-1)
+        safe_ids = local_ids.clamp(0, max(valid, 1) - 1).unsqueeze(-1)
+        # Per row, over this rank's valid columns, with m its own maximum of z = logits / T: m, then
+        # sum exp(z - m), sum exp(z - m) * (z - m) and the target's z.
+        local_max = torch.full((rows,), float("-inf"), device=device)
+        sums = torch.zeros((3, rows), dtype=torch.float32, device=device)
+        if valid:
+            for c in _row_chunks(rows, valid):
+                z = _scaled(logits_nV[c, :valid], temperature)
+                m = z.max(dim=-1).values
+                local_max[c] = m
+                sums[2, c] = torch.gather(z, -1, safe_ids[c]).squeeze(-1)
+                z.sub_(m.unsqueeze(-1))
+                exp_z = z.exp()
+                sums[0, c] = exp_z.sum(dim=-1)
+                sums[1, c] = exp_z.mul_(z).sum(dim=-1)
+        # a target in this rank's columns: its z (-inf in the padded ones), 0 elsewhere (the all-reduce's sum)
+        sums[2] = torch.where(in_shard, sums[2].masked_fill(local_ids >= valid, float("-inf")), 0.0)
+        z_max = local_max.clone()
+        _all_reduce(z_max, dist.ReduceOp.MAX, group)
+        # rescaled to the group's maximum M: sum exp(z - M) = a s, sum exp(z - M)(z - M) = a (e + (m - M) s)
+        # with a = exp(m - M) (0 for a rank without valid columns, whose m is -inf)
+        scale = (local_max - z_max).exp()
+        shift = torch.where(sums[0] > 0, (local_max - z_max) * sums[0], 0.0)
+        sums[1] = scale * (sums[1] + shift)
+        sums[0] = scale * sums[0]
         _all_reduce(sums, dist.ReduceOp.SUM, group)
-        sum_exp, target_z, z_exp_z = sums[0], sums[1], sums[2]
+        sum_exp, z_exp_z, target_z = sums[0], sums[1], sums[2]
 
         log_sum_exp = sum_exp.log()
-        logp = target_z - log_sum_exp
+        logp = (target_z - z_max) - log_sum_exp
         entropy = log_sum_exp - z_exp_z / sum_exp
 
-        ctx.save_for_backward(logits_shard, z_max, sum_exp, safe_ids, in_shard, entropy, padded)
-        ctx.temperature = temperature
+        ctx.save_for_backward(logits_shard, z_max, sum_exp, safe_ids, in_shard & (local_ids < valid), entropy)
+        ctx.temperature, ctx.valid = temperature, valid
         shape = target_ids.shape
         return logp.view(shape), entropy.view(shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits_shard, z_max, sum_exp, safe_ids, in_shard, entropy, padded = ctx.saved_tensors
-        local_v = logits_shard.shape[-1]
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        logits_shard, z_max, sum_exp, safe_ids, in_valid, entropy = ctx.saved_tensors
+        local_v, valid, inv_t = logits_shard.shape[-1], ctx.valid, 1.0 / ctx.temperature
         logits_nV = logits_shard.reshape(-1, local_v)
-        grad_logp = grad_logp.reshape(-1)
-        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1)
+        rows = logits_nV.shape[0]
+        g_logp = torch.zeros(rows, device=z_max.device) if grad_logp is None else grad_logp.reshape(-1).float()
         grad_logits = torch.empty_like(logits_nV)
-        for c in _row_chunks(logits_nV.shape[0], local_v):
-            probs = _shifted(logits_nV[c], ctx.temperature, padded, z_max[c]).exp_().div_(sum_exp[c].unsqueeze(-1))
-            # d logp / d z_j = 1[j = target] - p_j
-            grad_z = probs * (-grad_logp[c].unsqueeze(-1))
-            one_hot_grad = (grad_logp[c] * in_shard[c]).unsqueeze(-1)
-            grad_z.scatter_add_(-1, safe_ids[c], one_hot_grad)
-            # d H / d z_j = -p_j (log p_j + H)
-            if grad_entropy is not None:
-                dh = torch.special.xlogy(probs, probs) + probs * entropy[c].unsqueeze(-1)
-                grad_z -= dh * grad_entropy[c].unsqueeze(-1)
-            grad_logits[c] = grad_z / ctx.temperature
+        if valid < local_v:
+            grad_logits[:, valid:] = 0
+        if not valid:
+            return grad_logits.view(logits_shard.shape), None, None, None, None, None
+        # With d = z - M (M the group's maximum), p = exp(d) / S and log p = d - log S:
+        # d logp / d z_j = 1[j = target] - p_j;  d H / d z_j = -p_j (log p_j + H);  d z / d logits = 1 / T.
+        # The per-row factors fold 1 / S and 1 / T in, so each chunk takes one pass per operation below.
+        one_hot = (g_logp * in_valid * inv_t).unsqueeze(-1)
+        if grad_entropy is None:
+            coef = (-g_logp * inv_t / sum_exp).unsqueeze(-1)
+        else:
+            g_h = grad_entropy.reshape(-1).float()
+            slope = -g_h * inv_t / sum_exp
+            offset = (-(g_logp + g_h * (entropy - sum_exp.log())) * inv_t / sum_exp)
+            slope, offset = slope.unsqueeze(-1), offset.unsqueeze(-1)
+        for c in _row_chunks(rows, valid):
+            d = _scaled(logits_nV[c, :valid], ctx.temperature).sub_(z_max[c].unsqueeze(-1))
+            if grad_entropy is None:
+                grad_z = d.exp_().mul_(coef[c])
+            else:
+                exp_d = d.exp()
+                grad_z = d.mul_(slope[c]).add_(offset[c]).mul_(exp_d)
+            grad_z.scatter_add_(-1, safe_ids[c], one_hot[c])
+            grad_logits[c, :valid] = grad_z
         return grad_logits.view(logits_shard.shape), None, None, None, None, None
 
 

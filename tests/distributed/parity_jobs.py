@@ -242,11 +242,14 @@ def _step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated) -> dic
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megarl.workers.sharded_model import fuse_torch_adam
+
     config = OptimizerConfig(
         optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
         adam_eps=EPS, clip_grad=CLIP_GRAD, use_distributed_optimizer=True,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks)
+    fused = fuse_torch_adam(optimizer)  # as megarl's models take it: torch's fused AdamW kernel
     # The scheduler applies per-group weight-decay multipliers (none on biases and norms).
     OptimizerParamScheduler(
         optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=1,
@@ -262,7 +265,7 @@ def _step_diff(ddp_chunks, chunks, names, ref_stepped, groups, tp, gated) -> dic
             expected = _target_tensor(ref_stepped["weights"][ref_name], param, name, groups.tp_rank, tp, gated)
             step_diff = max(step_diff, (param.detach() - expected).abs().max().item())
     return dict(step_ok=bool(success), grad_norm=float(grad_norm), ref_grad_norm=ref_stepped["grad_norm"],
-                step_diff=step_diff)
+                step_diff=step_diff, fused_optimizers=fused)
 
 
 def parity_job(family_names: list[str]) -> dict:
