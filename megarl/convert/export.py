@@ -103,10 +103,43 @@ class WeightExporter:
         return sum(self._full_bytes(u) for u in self.units)
 
     def _full_bytes(self, unit: Unit) -> int:
-        return sum(_numel(s) for s in unit.hf_shapes) * self._element_size
+        return sum(_numel(s) for s in unit.hf_shapes) * self._unit_element_size(unit)
 
     def _shard_bytes(self, unit: Unit) -> int:
-        return sum(_numel(s) for s in unit.shard_shapes(self.sizes, self.groups.tp_rank, self.dims.tp)) * self._element_size
+        shapes = unit.shard_shapes(self.sizes, self.groups.tp_rank, self.dims.tp)
+        return sum(_numel(s) for s in shapes) * self._unit_element_size(unit)
+
+    def _fp32(self, unit: Unit) -> bool:
+        """A unit exported in fp32 within buckets of a narrower export dtype (its rule's ``keep_fp32``)."""
+        return unit.rule.keep_fp32 and self._element_size < 4
+
+    def _unit_element_size(self, unit: Unit) -> int:
+        return 4 if self._fp32(unit) else self._element_size
+
+    def _unit_views(self, buffer: torch.Tensor, bucket: list[Unit], shapes_of=lambda unit: unit.hf_shapes
+                    ) -> tuple[list[torch.Tensor], NamedTensors]:
+        """Views of a bucket's flat ``buffer`` for its units' HF tensors, in unit order, and the (name, view) pairs
+        in memory order. Units kept in fp32 (:meth:`_fp32`) lie first, as fp32 views of the export dtype's
+        elements: every offset stays a multiple of its dtype's size, the layout SGLang's ``FlattenedTensorBucket``
+        computes for a receive bucket of these names, dtypes and shapes in this order."""
+        first = [k for k, unit in enumerate(bucket) if self._fp32(unit)]
+        order = first + [k for k, unit in enumerate(bucket) if not self._fp32(unit)]
+        per_unit: list[list[torch.Tensor]] = [[] for _ in bucket]
+        offset = 0
+        for k in order:
+            for shape in shapes_of(bucket[k]):
+                numel = _numel(shape)
+                if self._fp32(bucket[k]):
+                    slots = numel * 4 // self._element_size
+                    per_unit[k].append(buffer[offset:offset + slots].view(torch.float32).view(shape))
+                else:
+                    slots = numel
+                    per_unit[k].append(buffer[offset:offset + slots].view(shape))
+                offset += slots
+        if offset != buffer.numel():
+            raise ValueError(f"a flat buffer of {buffer.numel()} elements does not hold a bucket of {offset}")
+        memory = [pair for k in order for pair in zip(bucket[k].hf_names, per_unit[k], strict=True)]
+        return [view for views in per_unit for view in views], memory
 
     def _split(self, unit: Unit) -> tuple[object, int, int]:
         """The group a unit's shards are gathered over, its size and this rank's place in it: expert-tensor
@@ -182,9 +215,8 @@ class WeightExporter:
                 continue
             padded = next(buffers)
             buffer = padded[: sizes[i]]
-            shapes = [s for u in bucket for s in u.hf_shapes]
             with plain_torch():  # (not across the yield: the consumer runs with the thread's usual torch)
-                views = split_flat(buffer, shapes)
+                views, memory = self._unit_views(buffer, bucket)
                 if owner == my_stage and ep_owner is not None:
                     self._ep_deliver(buffer, bucket, sizes[i], views)
                 elif owner == my_stage:
@@ -192,7 +224,7 @@ class WeightExporter:
                 if pp > 1:
                     others = [s for s in range(pp) if s != owner and (receivers is None or s in receivers)]
                     self._deliver(padded, owner, others)
-            yield Bucket([n for u in bucket for n in u.hf_names], views, buffer, owner)
+            yield Bucket([n for n, _ in memory], [v for _, v in memory], buffer, owner)
 
     def _ep_deliver(self, buffer: torch.Tensor, bucket: list[Unit], numel: int,
                     views: list[torch.Tensor] | None = None) -> None:
@@ -200,7 +232,7 @@ class WeightExporter:
         expert-tensor-parallel group gathers the shards) and broadcasts it over the expert-parallel group."""
         if bucket[0].ep_owner == self.groups.ep_rank:
             if views is None:
-                views = split_flat(buffer, [s for u in bucket for s in u.hf_shapes])
+                views, _ = self._unit_views(buffer, bucket)
             self._gather_bucket(bucket, views)
         src = dist.get_global_rank(self.groups.ep, bucket[0].ep_owner)
         dist.broadcast(buffer[:numel], src=src, group=self.groups.ep)
@@ -309,8 +341,7 @@ class WeightExporter:
                              "travel whole, by iter_buckets); use rollout.weight_transport with full buckets")
         groups = buckets(self.units, self._shard_bytes, bucket_bytes)
         for bucket, buffer in zip(groups, self._buffers(groups, self._shard_bytes, reuse_buffer)):
-            shapes = [s for u in bucket for s in u.shard_shapes(self.sizes, tp_rank, tp)]
-            views = split_flat(buffer, shapes)
+            views, memory = self._unit_views(buffer, bucket, lambda u: u.shard_shapes(self.sizes, tp_rank, tp))
             if bucket[0].pp_rank == self.groups.pp_rank:
                 start = 0
                 for u in bucket:
@@ -318,8 +349,7 @@ class WeightExporter:
                                 views[start : start + len(u.hf_names)])
                     start += len(u.hf_names)
             self._broadcast(buffer, bucket[0].pp_rank)
-            names = [n for u in bucket for n in u.hf_names]
-            yield list(zip(names, views))
+            yield memory
 
     # ---------------------------------------------------------------------------- common
     def _buffers(self, groups: list[list[Unit]], unit_bytes, reuse: bool) -> Iterator[torch.Tensor]:

@@ -55,9 +55,9 @@ def build_gpt_model(
     if value_head and post_process:
         attach_value_head(model, seed=value_head_seed)
     if family.moe is not None and family.moe.expert_bias:
-        from megarl.models.moe import keep_expert_bias
+        from megarl.models.moe import prepare_expert_bias
 
-        keep_expert_bias(model)
+        prepare_expert_bias(model)
     return model
 
 

@@ -191,7 +191,9 @@ class ModelFamily:
             moe_router_score_function=moe.score_function,
             moe_router_pre_softmax=moe.score_function == "softmax" and not moe.renormalises(hf_config),
             moe_router_enable_expert_bias=moe.expert_bias,
-            moe_router_bias_update_rate=0.0,  # the checkpoint's bias, kept (updates: issue 37)
+            # the checkpoint's bias kept, as slime's RL recipes keep it; a rate (override_transformer_config) updates
+            # it each step (megarl.models.moe.prepare_expert_bias)
+            moe_router_bias_update_rate=0.0,
             moe_router_topk_scaling_factor=moe.scaling(hf_config) if moe.scaling(hf_config) != 1.0 else None,
             moe_router_num_groups=None if moe.groups(hf_config) is None else moe.groups(hf_config)[0],
             moe_router_group_topk=None if moe.groups(hf_config) is None else moe.groups(hf_config)[1],

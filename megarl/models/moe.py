@@ -14,6 +14,7 @@ then softmax over the k logits (``moe_router_pre_softmax=False``); without it th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -173,17 +174,47 @@ class MoESpec:
                                  f"for this family")
 
 
-def keep_expert_bias(model) -> int:
-    """Routers of ``model`` that add an expert bias keep the checkpoint's (megarl sets Megatron's
-    ``moe_router_bias_update_rate`` to 0): their token counting for bias updates is turned off, which in
-    Megatron-Core 0.16.1 also fails on packed or padded micro-batches (``_apply_expert_bias`` masks the ``[T, E]``
-    routing map with the ``[T]`` padding mask, which does not broadcast). Returns how many routers."""
+def prepare_expert_bias(model) -> int:
+    """Routers of ``model`` that add an expert bias (aux-loss-free balancing) count tokens as their bias update needs.
+
+    With Megatron's ``moe_router_bias_update_rate`` at 0 (the default: the checkpoint's bias is kept, as slime's
+    GLM-4.5 and DeepSeek-V3 RL recipes keep it) nothing is counted. With a rate, each training forward adds the
+    experts its real tokens were routed to (:func:`count_routed_tokens`: padding left out) to the router's
+    ``local_tokens_per_expert``, kept in fp32; Megatron's ``finalize_model_grads`` then all-reduces the counts over
+    TP × DP × CP at the end of each optimizer step's forward-backward and moves each expert's bias by the rate
+    towards the mean load (``bias += rate · sign(mean - count)``), before the step, and zeroes them. This
+    replaces Megatron-Core 0.16.1's counting, which fails on packed or padded micro-batches (it masks the
+    ``[T, E]`` routing map with the ``[T]`` padding mask, which does not broadcast), and lets the bf16 model's
+    cast make the counts bf16 (whole numbers above 256 then round). The bias is a persistent fp32 buffer:
+    checkpointed and resumed with the model. Returns how many routers."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     count = 0
     for module in model.modules():
-        if isinstance(module, TopKRouter) and module.enable_expert_bias and \
-                not module.config.moe_router_bias_update_rate:
-            module._apply_expert_bias = lambda routing_map, padding_mask=None: None
+        if isinstance(module, TopKRouter) and module.enable_expert_bias:
+            module._apply_expert_bias = functools.partial(_count_for_bias, module)
             count += 1
     return count
+
+
+def count_routed_tokens(routing_map: "torch.Tensor", padding_mask: "torch.Tensor | None") -> "torch.Tensor":
+    """Tokens routed to each expert (fp32 ``[E]``) from a ``[T, E]`` routing map, leaving out the tokens that
+    ``padding_mask`` (``[T]`` or any shape of ``T`` elements, True on padding) marks."""
+    import torch
+
+    if padding_mask is not None:
+        routing_map = routing_map & ~padding_mask.reshape(-1, 1).bool()
+    return routing_map.sum(dim=0, dtype=torch.float32)
+
+
+def _count_for_bias(router, routing_map, padding_mask=None) -> None:
+    """A router's ``_apply_expert_bias`` (see :func:`prepare_expert_bias`)."""
+    import torch
+
+    if not router.config.moe_router_bias_update_rate or not torch.is_grad_enabled():
+        return
+    with torch.no_grad():
+        counts = router.local_tokens_per_expert
+        if counts.dtype != torch.float32:  # the model's cast to bf16 reached the buffer
+            router.local_tokens_per_expert = counts = counts.float()
+        counts += count_routed_tokens(routing_map, padding_mask)

@@ -58,6 +58,10 @@ class WeightRule:
     """The layers that have this tensor: ``all``, ``dense`` (a dense MLP) or ``moe`` (a mixture of experts)."""
     first_stage: bool = False
     """A tensor of the first pipeline stage besides the embedding (a vision tower's)."""
+    keep_fp32: bool = False
+    """Kept in fp32 whatever the model's dtype, and exported and synced in fp32 (a router's expert bias: Megatron
+    keeps the buffer in fp32, the hub's checkpoints and SGLang hold it in fp32; bf16's 8 bits would move the
+    top-k choices it decides and swallow its updates)."""
 
     @property
     def on_first_stage(self) -> bool:
@@ -171,7 +175,7 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
         ]
         if moe.expert_bias:  # a buffer in both: not trained, routing's aux-loss-free balance
             rules.append(WeightRule(m_mlp + "router.expert_bias", (block + "gate.e_score_correction_bias",),
-                                    Split.REPLICATED, layers="moe"))
+                                    Split.REPLICATED, layers="moe", keep_fp32=True))
         if moe.shared_expert_key is not None or moe.shared_experts_count_key is not None:
             # Megatron's SharedExpertMLP, split by tensor parallelism
             shared, m_shared = f"{block}{moe.shared_expert_module}.", m_mlp + "shared_experts."

@@ -214,6 +214,8 @@ def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list, routing_ca
     out["resume"] = _resume(cases["qwen3_moe"][0], root)
     out["sync"] = _sync(cases["qwen3_moe"][0], sync_cases)
     out["routing"] = _routing(cases["qwen3_moe"][0], routing_case)
+    out["expert_bias"] = _expert_bias(cases["glm4_moe"][0], root)
+    out["glm4_dir"] = cases["glm4_moe"][0]
     from safetensors import safe_open
 
     out["names"] = {}
@@ -247,6 +249,101 @@ def _resume(hf_dir: str, root: str) -> dict:
     again = _params(fresh)
     return {"run": run, "resumed": resumed, "params_equal": all(torch.equal(params[n], again[n]) for n in again),
             "experts": sum(".local_experts." in n for n in again)}
+
+
+BIAS_RATE = 0.01
+
+
+def _biases(sharded) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for c in sharded.module_chunks for n, b in c.named_buffers()
+            if n.endswith("router.expert_bias")}
+
+
+def hf_routed_counts(hf_dir: str, batch: dict) -> list[torch.Tensor]:
+    """Per sparse layer, the real tokens of ``batch`` HF transformers routes to each expert (its gate's top-k)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    real = batch["attention_mask"].reshape(-1).bool()
+    counts = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda module, args, output: counts.append(torch.zeros(module.weight.shape[0]).index_add_(
+            0, output[2][real].reshape(-1), torch.ones(output[2][real].numel()))))
+        for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    for hook in hooks:
+        hook.remove()
+    return counts
+
+
+def _bf16_export_with_fp32_bias(sharded) -> dict:
+    """A bf16 export (what an engine in bf16 receives) of a model whose routers keep an fp32 expert bias: the biases
+    travel in fp32, bit for bit, first in their bucket; the other tensors in bf16; SGLang's own receive layout
+    (``FlattenedTensorBucket.empty`` of the bucket's names, dtypes and shapes) puts every tensor at the byte
+    offset it has in the bucket, and its ``reconstruct_tensors`` reads the bucket's values back."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    layer_of = {f"model.layers.{n.split('.layers.')[1].split('.')[0]}.mlp.gate.e_score_correction_bias": b
+                for n, b in _biases(sharded).items()}
+    report = {"biases_fp32_exact": 0, "bf16_tensors": 0, "layout_matches": True, "reconstructed": True,
+              "bias_first": True, "others_exact": True}
+    exporter = sharded.exporter(torch.bfloat16)
+    for bucket in exporter.iter_buckets(1 << 14):
+        names, tensors = bucket.names, bucket.tensors
+        flat = bucket.flat.view(torch.uint8)
+        offsets = [t.data_ptr() - bucket.flat.data_ptr() for t in tensors]
+        received = FlattenedTensorBucket.empty(names, [str(t.dtype).removeprefix("torch.") for t in tensors],
+                                               [list(t.shape) for t in tensors], "cpu")
+        report["layout_matches"] &= [m.start_idx for m in received.get_metadata()] == offsets
+        again = FlattenedTensorBucket(flattened_tensor=flat.clone(), metadata=received.get_metadata())
+        report["reconstructed"] &= all(torch.equal(a, t) for (_, a), t in zip(again.reconstruct_tensors(), tensors))
+        kinds = [n in layer_of for n in names]
+        report["bias_first"] &= kinds == sorted(kinds, reverse=True)
+        for name, tensor in zip(names, tensors):
+            if name in layer_of:
+                report["biases_fp32_exact"] += tensor.dtype == torch.float32 and torch.equal(tensor, layer_of[name])
+            else:
+                report["bf16_tensors"] += tensor.dtype == torch.bfloat16
+    report["biases"] = len(layer_of)
+    exporter.release_buffers()
+    return report
+
+
+def _expert_bias(hf_dir: str, root: str) -> dict:
+    """Aux-loss-free balancing at EP=2 (DP=4) on the tiny GLM-4.5 MoE: each router's bias after one step
+    (``moe_router_bias_update_rate`` = :data:`BIAS_RATE`), packed and padded; then a checkpoint after step 1 and a
+    fresh model resumed from it: the bias loaded, and step 2's bias and weights equal the uninterrupted run's."""
+    from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
+    from megarl.workers import model_checkpoint as ckpt
+    from megarl.workers.sharded_model import ShardedModel
+    from tests.distributed.checkpoint_jobs import OPTIM, _params, _step
+
+    dims, out = ParallelDims(ep=2), {}
+    for packed in (True, False):
+        sharded = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM), packed=packed,
+                               moe_router_bias_update_rate=BIAS_RATE)
+        before = _biases(sharded)
+        _step(sharded, 1, VOCAB)
+        after = _biases(sharded)
+        out[f"packed={packed}"] = {"before": before, "after": after}
+        if packed:
+            ckpt.save_model(sharded, f"{root}/bias_step1")
+            _step(sharded, 2, VOCAB)
+            step2, params = _biases(sharded), _params(sharded)
+            fresh = ShardedModel(hf_dir, dims, optim=OptimConfig(**OPTIM), moe_router_bias_update_rate=BIAS_RATE)
+            ckpt.load_model(fresh, f"{root}/bias_step1")
+            loaded = _biases(fresh)
+            _step(fresh, 2, VOCAB)
+            again = _params(fresh)
+            out["bf16_export"] = _bf16_export_with_fp32_bias(fresh)
+            out["resume"] = {"loaded_equal": all(torch.equal(loaded[n], after[n]) for n in after),
+                             "step2_equal": all(torch.equal(_biases(fresh)[n], step2[n]) for n in step2),
+                             "params_equal": all(torch.equal(params[n], again[n]) for n in again),
+                             "moved_in_step2": any(not torch.equal(step2[n], after[n]) for n in after)}
+    return out
 
 
 def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> dict:

@@ -228,3 +228,32 @@ def test_aux_and_z_losses_are_normalised_the_same_at_every_layout(ep):
                 assert got[key] == pytest.approx(ref[key], rel=rel, abs=1e-7), (layout, key, got[key], ref[key])
         assert abs(aux["ep1_no_aux"]["grad_norm"] - ref["grad_norm"]) > 1e-4 * ref["grad_norm"]
         assert aux["ep1_no_aux"]["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the policy loss alone
+
+
+def test_expert_bias_moves_by_the_routed_counts_and_resumes(ep):
+    """Aux-loss-free balancing (issue 37): after one step each GLM-4.5 router's bias moved by the rate towards the
+    mean load, counted from HF's routing of the batch's real tokens (padding left out: packed and padded agree);
+    the bias is checkpointed, and a resumed run's next step equals the uninterrupted one's; a bf16 export carries it
+    in fp32, in the layout SGLang's receive bucket computes."""
+    from tests.distributed.sharded_model_jobs import make_batch
+
+    ranks, _ = ep
+    results = [r["expert_bias"] for r in ranks]
+    counts = moe_jobs.hf_routed_counts(ranks[0]["glm4_dir"], make_batch(moe_jobs.VOCAB, seed=1))
+    assert len(counts) == moe_jobs.SPARSE_LAYERS["glm4_moe"]
+    for result in results:
+        for layout in ("packed=True", "packed=False"):
+            before, after = result[layout]["before"], result[layout]["after"]
+            names = sorted(before, key=lambda n: int(n.split(".layers.")[1].split(".")[0]))
+            assert len(names) == len(counts)
+            for name, count in zip(names, counts, strict=True):
+                direction = torch.sign(count.sum() / count.numel() - count)
+                assert direction.abs().sum() > 0, count  # some expert above or below the mean
+                assert torch.equal(after[name], before[name] + moe_jobs.BIAS_RATE * direction), (layout, name, count)
+        assert result["resume"] == {"loaded_equal": True, "step2_equal": True, "params_equal": True,
+                                    "moved_in_step2": True}
+        export = result["bf16_export"]
+        assert export["biases"] == export["biases_fp32_exact"] == len(counts), export
+        assert export["bf16_tensors"] > 20, export
+        assert export["layout_matches"] and export["reconstructed"] and export["bias_first"], export
+

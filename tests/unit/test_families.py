@@ -235,3 +235,18 @@ def test_glm4_moe_maps_sigmoid_routing_its_bias_scaling_groups_and_shared_expert
         family.transformer_config(_glm(n_group=2, topk_group=1), ParallelDims(tp=1, pp=1))
     with pytest.raises(ValueError, match="norm_topk_prob=false in the HF config: Megatron renormalises a sigmoid"):
         family.transformer_config(_glm(norm_topk_prob=False), ParallelDims(tp=1, pp=1))
+
+
+def test_routed_token_counts_leave_padding_out():
+    """The expert-bias update's counts (megarl.models.moe.count_routed_tokens): a ``[T, E]`` routing map with a
+    ``[T]`` or ``[b, s]`` padding mask (True on padding; Megatron-Core 0.16.1's own counting fails to broadcast it
+    unless T = E), in fp32 (a bf16 count rounds whole numbers past 256)."""
+    from megarl.models.moe import count_routed_tokens
+
+    routing = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    padding = torch.tensor([False, False, True, False, True])
+    assert count_routed_tokens(routing, None).tolist() == [3.0, 3.0, 3.0]
+    assert count_routed_tokens(routing, padding).tolist() == [2.0, 3.0, 1.0]
+    assert count_routed_tokens(routing, padding.reshape(1, 5)).dtype == torch.float32
+    big = torch.ones(300, 2, dtype=torch.bool)
+    assert count_routed_tokens(big, None).tolist() == [300.0, 300.0]
