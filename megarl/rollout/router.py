@@ -14,10 +14,16 @@ than three check intervals would be dropped by the router, and taken back only a
 intervals (``health_failure_threshold`` / ``health_success_threshold``), failing the next rollout.
 Liveness is megarl's: each server's owner waits for it to start, and a request a dead engine fails
 names that engine.
+
+The router answers ``/health`` before it has registered its workers (sglang-router 0.3 adds each one after
+reading its ``/get_server_info`` and ``/get_model_info``); a request in between is refused with 503 "No available
+workers". :func:`start_router` waits until ``/workers`` lists every engine, healthy.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,13 +59,24 @@ def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: 
             "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
 
 
+def workers_registered(worker_urls: Sequence[str], body: bytes) -> bool:
+    """Whether a ``/workers`` answer lists every one of ``worker_urls`` as healthy."""
+    try:
+        listed = json.loads(body).get("workers", [])
+    except (ValueError, AttributeError):
+        return False
+    healthy = {w.get("url", "").rstrip("/") for w in listed if w.get("is_healthy", True)}
+    return all(url.rstrip("/") in healthy for url in worker_urls)
+
+
 def start_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | Path, host: str = "127.0.0.1",
                  timeout_s: float = 120.0, log_name: str = "router.log") -> ServerProcess:
-    """Start sglang-router on a free port of this machine and wait until it answers ``/health`` (its log:
-    ``log_dir / log_name``)."""
+    """Start sglang-router on a free port of this machine and wait until it has registered every engine of
+    ``worker_urls``, healthy (its log: ``log_dir / log_name``)."""
     port = free_port(host)
     router = ServerProcess(router_command(worker_urls, host=host, port=port, policy=policy), name="sglang-router",
-                           url=f"http://{host}:{port}", log_path=Path(log_dir) / log_name)
+                           url=f"http://{host}:{port}", log_path=Path(log_dir) / log_name, health_path="/workers",
+                           ready=functools.partial(workers_registered, worker_urls))
     router.start()
     try:
         router.wait_healthy(timeout_s)

@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from megarl.parallel.net import free_port  # noqa: F401 - re-exported: servers and tests pick ports here
@@ -48,13 +48,16 @@ class ServerProcess:
     """One server process: ``argv`` run with ``env`` added, answering ``health_path`` at ``url`` when ready."""
 
     def __init__(self, argv: Sequence[str], *, name: str, url: str, log_path: str | os.PathLike,
-                 env: Mapping[str, str] | None = None, inherit_env: bool = True, health_path: str = "/health") -> None:
+                 env: Mapping[str, str] | None = None, inherit_env: bool = True, health_path: str = "/health",
+                 ready: Callable[[bytes], bool] | None = None) -> None:
         self.argv, self.name, self.url = list(argv), name, url.rstrip("/")
         self.log_path = Path(log_path)
         self.env = dict(env or {})
         self.inherit_env = inherit_env
         """Start from this process's environment (``env`` added); False: ``env`` is the whole environment."""
         self.health_path = health_path
+        self.ready = ready
+        """What the ``health_path`` answer's body must say besides its 200 (None: the 200 is enough)."""
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -82,7 +85,8 @@ class ServerProcess:
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
-        """Poll ``health_path`` until it answers 200; :class:`ServerStartError` if the process exits or
+        """Poll ``health_path`` until it answers 200 (and a body :attr:`ready` accepts); :class:`ServerStartError` if
+        the process exits or
         ``timeout_s`` passes (naming the server, its URL and its log, with the log's last lines)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -92,7 +96,7 @@ class ServerProcess:
                                        f"its log {self.log_path} ends:\n{log_tail(self.log_path)}")
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2) as reply:
-                    if reply.status == 200:
+                    if reply.status == 200 and (self.ready is None or self.ready(reply.read())):
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass

@@ -11,6 +11,7 @@ runs last: it ends the module's engine 1.
 """
 
 import asyncio
+import functools
 import http.server
 import json
 import os
@@ -406,14 +407,15 @@ def test_engines_paused_past_the_routers_health_checks_still_get_requests(server
     the router megarl starts must not drop them. Its health checks are off; here they would run every second,
     drop a worker after one failure and take it back after five successes, so an engine paused for 3 s would
     still be out when generation resumes (checked without ``--disable-health-check``: "No available workers")."""
-    from megarl.rollout.router import router_command
+    from megarl.rollout.router import router_command, workers_registered
 
     port = free_port()
     argv = router_command([e.url for e in servers.engines], host="127.0.0.1", port=port, policy="round_robin") + [
         "--health-check-interval-secs", "1", "--health-check-timeout-secs", "1", "--health-failure-threshold", "1",
         "--health-success-threshold", "5"]
     router = ServerProcess(argv, name="sglang-router", url=f"http://127.0.0.1:{port}",
-                           log_path=tmp_path / "router.log")
+                           log_path=tmp_path / "router.log", health_path="/workers",
+                           ready=functools.partial(workers_registered, [e.url for e in servers.engines]))
     generator = EngineClient(router.url, name="sglang-router")
     try:
         router.start().wait_healthy(60)
