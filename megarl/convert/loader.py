@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,6 +11,9 @@ from megarl.convert.hf_io import HFCheckpoint
 from megarl.convert.layout import ModelSizes, Slice, fuse, hf_slices
 from megarl.convert.param_map import local_parameters
 from megarl.models.weights import RuleAt
+
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -70,6 +74,11 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
                 f"its config.json"
             )
         param.copy_(shard)
+    skipped = family.skipped_tensors(hf_config, checkpoint.names())
+    if skipped and groups.rank == 0:
+        layers = sorted({".".join(name.split(".")[:3]) for name in skipped})
+        logger.info("%s: skipped %d tensors of %s (multi-token prediction: not part of the model RL trains)",
+                    hf_dir, len(skipped), ", ".join(layers))
     if score_head:
         bytes_read += _load_score_head(model_chunks, checkpoint, hf_dir)
     return bytes_read

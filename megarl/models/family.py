@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megarl.models.mla import MLASpec
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
 from megarl.models.weights import RuleAt, WeightRule
@@ -45,6 +46,21 @@ class ModelFamily:
     """The experts of a mixture-of-experts family (None: every MLP is dense)."""
     vision: VisionSpec | None = None
     """The vision tower of a vision-language family (None: a text model; :mod:`megarl.models.vision`)."""
+    mla: MLASpec | None = None
+    """Multi-latent attention (DeepSeek-V3, Kimi-K2; :mod:`megarl.models.mla`); None: grouped-query attention."""
+    extra_layers_key: str | None = None
+    """HF config key of how many layers the checkpoint holds after the model's (DeepSeek-V3's multi-token-prediction
+    layer, ``num_nextn_predict_layers``): skipped on load (:meth:`skipped_tensors`), never trained or exported."""
+
+    def skipped_tensors(self, hf_config, names) -> list[str]:
+        """Of a checkpoint's tensor ``names``, those of layers past the model's that the family skips (its
+        multi-token-prediction layers, ``model.layers.<num_hidden_layers + k>.*``)."""
+        if self.extra_layers_key is None:
+            return []
+        first = int(hf_config.num_hidden_layers)
+        extra = int(getattr(hf_config, self.extra_layers_key, 0) or 0)
+        prefixes = tuple(f"model.layers.{first + k}." for k in range(extra))
+        return [name for name in names if prefixes and name.startswith(prefixes)]
 
     @property
     def qkv_bias(self) -> bool:
@@ -95,7 +111,7 @@ class ModelFamily:
         ``overrides`` are TransformerConfig fields (e.g. ``params_dtype=torch.bfloat16``,
         ``recompute_granularity="full"``); they win over the derived values.
         """
-        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
         self._check_supported(hf_config)
         sizes = self._sizes(hf_config)
@@ -107,7 +123,7 @@ class ModelFamily:
             expert_ffn=self.moe.ffn_size(hf_config) if self.moe is not None else None,
         )
         on_gpu = torch.cuda.is_available()
-        use_te = on_gpu and _te_importable()  # the layer spec's choice (block_spec)
+        use_te = on_gpu and _te_importable() and self.mla is None  # the layer spec's choice (block_spec)
         params_dtype = overrides.pop("params_dtype", torch.float32)
         kwargs = dict(
             **sizes,
@@ -161,6 +177,9 @@ class ModelFamily:
             raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
         if self.moe is not None:
             kwargs.update(self._moe_kwargs(hf_config, dims, use_te=use_te))
+        if self.mla is not None:
+            self.mla.check(hf_config)
+            kwargs.update(self.mla.config_kwargs(hf_config))
         if self.vision is not None:
             if dims.cp > 1:
                 raise ValueError(f"parallel.cp={dims.cp}: the {self.name} family (multimodal RoPE) runs without "
@@ -177,7 +196,7 @@ class ModelFamily:
                                  "micro-batch's vision features, which a recomputed layer would not see; use "
                                  "recompute_granularity=selective or null")
         kwargs.update(overrides)
-        return TransformerConfig(**kwargs)
+        return (TransformerConfig if self.mla is None else MLATransformerConfig)(**kwargs)
 
     def _moe_kwargs(self, hf_config, dims: ParallelDims, *, use_te: bool) -> dict[str, Any]:
         """Megatron's MoE settings for ``hf_config`` (router as HF's: softmax scores, renormalised top-k or not)."""
@@ -270,6 +289,8 @@ class ModelFamily:
             params = dict(getattr(hf_config, "rope_scaling", None) or {})
             params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if self.mla is not None:  # multi-latent attention applies its own (MLATransformerConfig's rope fields)
+            return {"position_embedding_type": "none"}
         kwargs: dict[str, Any] = {
             "position_embedding_type": "rope" if self.vision is None else "mrope",
             "rotary_base": float(params.get("rope_theta", 10000.0)),
@@ -313,6 +334,7 @@ class ModelFamily:
 
         if use_te is None:
             use_te = torch.cuda.is_available() and _te_importable()
+        use_te = use_te and self.mla is None  # MLA's rules name the local spec's tensors (megarl.models.mla)
         if use_te and self.moe is not None:  # dense and sparse layers, this stage's slice
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                               normalization="RMSNorm", vp_stage=vp_stage)

@@ -2,7 +2,8 @@
 (``partial_rotary_factor``: Megatron's ``rotary_percent``), the first ``first_k_dense_replace`` layers dense, then
 mixture-of-experts MLPs with a sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``,
 weights renormalised and scaled by ``routed_scaling_factor``, group-limited when ``n_group > 1``) and
-``n_shared_experts`` shared experts every token goes through."""
+``n_shared_experts`` shared experts every token goes through. The checkpoints' multi-token-prediction layer
+(``model.layers.<num_hidden_layers>.*``) is skipped on load and named."""
 
 from megarl.models.family import ModelFamily, register
 from megarl.models.moe import MoESpec
@@ -21,5 +22,6 @@ GLM4_MOE = register(
         bias_settings=("use_qk_norm",),
         weights=decoder_weights(qkv_bias=True, qk_norm=False, moe=GLM4_MOE_EXPERTS),
         moe=GLM4_MOE_EXPERTS,
+        extra_layers_key="num_nextn_predict_layers",  # GLM-4.5's checkpoints hold an MTP layer after the model's
     )
 )

@@ -116,11 +116,13 @@ class RuleAt:
         return self.rule.hf_names(self.layer, self.expert)
 
 
-def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "model.") -> tuple[WeightRule, ...]:
+def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "model.",
+                    attention: list[WeightRule] | None = None) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
     checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
     :class:`~megarl.models.moe.MoESpec`) the sparse layers' router and experts too (Megatron's SequentialMLP names;
-    TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``)."""
+    TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``); ``attention``: the attention's rules instead of
+    the q/k/v and output projections' (multi-latent attention: :func:`megarl.models.mla.mla_weights`)."""
     layer, attn, mlp = f"{prefix}layers.{{i}}.", f"{prefix}layers.{{i}}.self_attn.", f"{prefix}layers.{{i}}.mlp."
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
     rules = [
@@ -129,23 +131,8 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
             m_layer + "input_layernorm.weight", (layer + "input_layernorm.weight",), Split.REPLICATED,
             te_megatron=m_attn + "linear_qkv.layer_norm_weight",
         ),
-        WeightRule(
-            m_attn + "linear_qkv.weight",
-            tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN, Fuse.QKV,
-        ),
     ]
-    if qkv_bias:
-        rules.append(
-            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV)
-        )
-    if qk_norm:
-        rules += [
-            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), Split.REPLICATED),
-            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), Split.REPLICATED),
-        ]
-    rules += [
-        WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW),
-    ]
+    rules += attention if attention is not None else _qkv_attention(attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm)
     dense = "dense" if moe is not None else "all"
     rules += [
         WeightRule(
@@ -192,3 +179,20 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
         WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, untied_only=True),
     ]
     return tuple(rules)
+
+
+def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool, qk_norm: bool) -> list[WeightRule]:
+    """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output."""
+    rules = [WeightRule(m_attn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN,
+                        Fuse.QKV)]
+    if qkv_bias:
+        rules.append(
+            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV)
+        )
+    if qk_norm:
+        rules += [
+            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), Split.REPLICATED),
+            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), Split.REPLICATED),
+        ]
+    rules.append(WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW))
+    return rules

@@ -58,6 +58,11 @@ export ~17 % on CPU).
    changes strides), so each new shape recompiles them until dynamo's recompile limit, after which they run eager
    anyway: on an H200 a 0.5B model's first PPO steps took 5-6 s, and dynamo reported the limit hit. They run eager
    here from the start (:func:`_eager_fusions`, every machine): the same math, no compilation.
+14. Multi-latent attention without TransformerEngine (:func:`_patch_mla_without_te`, every machine): Megatron's TE
+   stand-in makes ``multi_latent_attention`` believe TE is there and fail on its mock; megarl's core attention
+   takes MLA's ``k_channels`` / ``v_channels``, ``kv_layernorm`` is a :class:`CpuRMSNorm` like the others, and the
+   down projections are replicated over TP (:func:`replicated_linear`: the local spec's column-parallel ones lose
+   part of the shared rotary key's gradient).
 
 Measured cost of the mode: about 8 % of a tiny model's training step.
 The mode is thread-local: call ``install()`` in each thread that runs Megatron code.
@@ -282,6 +287,46 @@ def _patch_rng_tracker() -> None:
     mrandom.CudaRNGStatesTracker.add = add
 
 
+def _patch_mla_without_te() -> None:
+    """14. Multi-latent attention on the local spec. Without TransformerEngine, Megatron's
+    ``extensions.transformer_engine`` puts a mock in its place, so ``multi_latent_attention`` imports it and sets
+    ``HAVE_TE`` true; building MLA with the local spec then tests ``isinstance(linear_proj, TELinear)`` against the
+    mock and fails (on CPU and on a GPU without TE alike): set false there when TE is not importable. And the
+    down projections become :func:`replicated_linear` (see there), which MLA accepts as its ``Linear``."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.Linear = replicated_linear()
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+@functools.cache
+def replicated_linear():
+    """A linear layer whose whole weight every TP rank holds, for multi-latent attention's down projections, as
+    TransformerEngine's spec has them (``TELinear``, ``parallel_mode="duplicated"``). The local spec makes them
+    column-parallel, and Megatron-Core 0.16.1 then all-gathers the latent and rotary key over TP, whose backward
+    keeps each rank's own slice of a gradient that every rank's heads add to: the shared rotary key's gradient
+    loses the other ranks' heads (a TP=2 gradient of layer 0's ``kv_a_proj_with_mqa`` off by 1.5e-4, the embedding's
+    by 5.9e-4, against TP=1). With the weight replicated, MLA takes its sequence-parallel path, which all-gathers
+    the rotary key over the sequence and reduce-scatters its gradient. Megatron's local ``Linear`` (marked
+    ``sequence_parallel`` under SP: its gradient is all-reduced over TP), initialised by ``init_method`` on the
+    model's device."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    class ReplicatedLinear(Linear):
+        def __init__(self, input_size, output_size, *, config, init_method, **kwargs):
+            super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+            if cuda_available() and not config.use_cpu_initialization:
+                self.to(torch.cuda.current_device())
+            if config.perform_initialization:
+                with torch.no_grad():
+                    init_method(self.weight)
+
+    return ReplicatedLinear
+
+
 def _patch_te_general_gemm() -> None:
     """Point 10 (a no-op where TransformerEngine is installed: Megatron imported the name)."""
     from megatron.core.transformer.moe import moe_utils
@@ -411,7 +456,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 
 
 def install() -> None:
-    """Make Megatron-Core runnable without TransformerEngine (points 9, 10: on every machine) and, without CUDA,
+    """Make Megatron-Core runnable without TransformerEngine (points 9, 10, 12-14: on every machine) and, without CUDA,
     on CPU in this process and on the calling thread.
 
     Idempotent.
@@ -421,6 +466,7 @@ def install() -> None:
         _eager_fusions()
         _patch_thd_rope()
         _patch_te_general_gemm()
+        _patch_mla_without_te()
         _patch_gloo_device()
         _PATCHED_LOCAL_SPEC = True
     if cuda_available():
@@ -502,7 +548,10 @@ def local_spec(spec):
                                              if k != "pre_mlp_layernorm."}
     attention = layer.self_attention.submodules
     attention.core_attention = core_attention()
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("linear_q_down_proj", "linear_kv_down_proj"):  # multi-latent attention's (point 14)
+        if hasattr(attention, name):
+            setattr(attention, name, replicated_linear())
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # (kv_layernorm: multi-latent attention's)
         if getattr(attention, name, IdentityOp) is not IdentityOp:
             setattr(attention, name, CpuRMSNorm)
     return spec
@@ -586,7 +635,10 @@ def core_attention():
         """
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+            # k_channels / v_channels: multi-latent attention's query-key and value widths (TransformerEngine's
+            # attention takes them; Megatron's local one does not). Attention here reads them off the tensors;
+            # its output is heads × kv_channels wide, which an MLA family sets to the value width.
             import copy
 
             self.cp = config.context_parallel_size

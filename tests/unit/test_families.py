@@ -1,5 +1,6 @@
 """HF config -> TransformerConfig mapping per family, and the errors for what cannot map."""
 
+import re
 import warnings
 
 import pytest
@@ -21,7 +22,7 @@ def test_registry_is_keyed_by_architecture():
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-        "Glm4MoeForCausalLM": "glm4_moe",
+        "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
     }
     # Each causal LM's body also serves its sequence-classification model (a reward model's score head).
     classifiers = {a.replace("ForCausalLM", "ForSequenceClassification"): f for a, f in causal.items()}
@@ -250,3 +251,65 @@ def test_routed_token_counts_leave_padding_out():
     assert count_routed_tokens(routing, padding.reshape(1, 5)).dtype == torch.float32
     big = torch.ones(300, 2, dtype=torch.bool)
     assert count_routed_tokens(big, None).tolist() == [300.0, 300.0]
+
+
+def _deepseek(**kw):
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24,
+                kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5,
+                max_position_embeddings=163840, rope_parameters=rope, architectures=["DeepseekV3ForCausalLM"])
+    return DeepseekV3Config(**{**base, **kw})
+
+
+def test_deepseek_v3_maps_onto_megatrons_multi_latent_attention():
+    """DeepSeek-V3's attention sizes and YaRN onto MLATransformerConfig: Megatron's ``qk_head_dim`` is HF's
+    ``qk_nope_head_dim``, the core attention's width the value head (HF's ``head_dim`` is the rotary width), every
+    head its own keys; its router like GLM-4.5's; the rotary embedding MLA's own."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from megarl.parallel import ParallelDims
+
+    cfg = _deepseek()
+    family = family_for(cfg)
+    config = family.transformer_config(cfg, ParallelDims())
+    assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim, config.kv_channels, config.num_query_groups) == (24, 16, 12, 8, 10, 10, 4)
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim,
+            config.original_max_position_embeddings, config.beta_fast) == ("yarn", 40.0, 1.0, 1.0, 4096, 32.0)
+    assert config.qk_layernorm and not config.rotary_interleaved
+    assert (config.moe_router_score_function, config.moe_router_num_groups, config.moe_router_group_topk,
+            config.moe_router_topk_scaling_factor, config.moe_layer_freq) == ("sigmoid", 4, 2, 2.5, [0, 1, 1, 1])
+    assert family.gpt_model_kwargs(cfg, ParallelDims())["position_embedding_type"] == "none"
+    names = {at.megatron_name: at.hf_names for at in family.weight_instances(cfg)}
+    assert names["decoder.layers.0.self_attention.linear_kv_down_proj.weight"] == (
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",)
+    assert names["decoder.layers.1.mlp.router.expert_bias"] == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    plain = family_for(_deepseek(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    config = plain.transformer_config(_deepseek(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                                      ParallelDims())
+    assert (config.rope_type, config.rotary_scaling_factor, config.mscale_all_dim) == ("rope", 1.0, 0.0)
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(q_lora_rank=None), "q_lora_rank=null"),
+    (dict(rope_interleave=False), "rope_interleave=false"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type='linear'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False}),
+     "truncate=false"),
+])
+def test_deepseek_v3_refuses_what_it_does_not_map_naming_the_key(kw, key):
+    from megarl.parallel import ParallelDims
+
+    cfg = _deepseek(**kw)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        family_for(cfg).transformer_config(cfg, ParallelDims())
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        bias = _deepseek(attention_bias=True)
+        family_for(bias).transformer_config(bias, ParallelDims())
+

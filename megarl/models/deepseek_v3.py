@@ -1,0 +1,30 @@
+"""DeepSeek-V3 family (``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1/R1, and Kimi-K2, whose checkpoints name this
+architecture): multi-latent attention (:mod:`megarl.models.mla`: low-rank queries and keys/values with their norms,
+a decoupled rotary part, YaRN), the first ``first_k_dense_replace`` layers dense, then mixture-of-experts MLPs with a
+sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``, weights renormalised and scaled by
+``routed_scaling_factor``, group-limited by ``n_group`` / ``topk_group``) and ``n_shared_experts`` shared experts
+every token goes through. The checkpoints' multi-token-prediction layer (``model.layers.<num_hidden_layers>.*``)
+is not part of the model RL trains: the loader skips it and names it."""
+
+from megarl.models.family import ModelFamily, register
+from megarl.models.mla import MLASpec, mla_weights
+from megarl.models.moe import MoESpec
+from megarl.models.weights import decoder_weights
+
+DEEPSEEK_V3_EXPERTS = MoESpec(experts_key="n_routed_experts", ffn_key="moe_intermediate_size",
+                              norm_topk_key="norm_topk_prob", first_dense_key="first_k_dense_replace",
+                              shared_experts_count_key="n_shared_experts", shared_expert_module="shared_experts",
+                              score_function="sigmoid", expert_bias=True, scaling_key="routed_scaling_factor",
+                              group_keys=("n_group", "topk_group"))
+
+DEEPSEEK_V3 = register(
+    ModelFamily(
+        name="deepseek_v3",
+        architectures=("DeepseekV3ForCausalLM",),
+        bias_settings=("attention_bias",),
+        weights=decoder_weights(qkv_bias=False, qk_norm=False, moe=DEEPSEEK_V3_EXPERTS, attention=mla_weights()),
+        moe=DEEPSEEK_V3_EXPERTS,
+        mla=MLASpec(),
+        extra_layers_key="num_nextn_predict_layers",
+    )
+)
