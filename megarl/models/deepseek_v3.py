@@ -1,5 +1,5 @@
-"""DeepSeek-V3 family (``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1/R1, and Kimi-K2, whose checkpoints name this
-architecture): multi-latent attention (:mod:`megarl.models.mla`: low-rank queries and keys/values with their norms,
+"""DeepSeek-V3 family (``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1/R1; Kimi-K2's checkpoints name this architecture
+too, with a ``model_type`` transformers does not know): multi-latent attention (:mod:`megarl.models.mla`: low-rank queries and keys/values with their norms,
 a decoupled rotary part, YaRN), the first ``first_k_dense_replace`` layers dense, then mixture-of-experts MLPs with a
 sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``, weights renormalised and scaled by
 ``routed_scaling_factor``, group-limited by ``n_group`` / ``topk_group``) and ``n_shared_experts`` shared experts
