@@ -7,15 +7,12 @@ every token goes through. The checkpoints' multi-token-prediction layer (``model
 is not part of the model RL trains: the loader skips it and names it."""
 
 from megarl.models.family import ModelFamily, register
+from megarl.models.glm4_moe import GLM4_MOE_EXPERTS
 from megarl.models.mla import MLASpec, mla_weights
-from megarl.models.moe import MoESpec
 from megarl.models.weights import decoder_weights
 
-DEEPSEEK_V3_EXPERTS = MoESpec(experts_key="n_routed_experts", ffn_key="moe_intermediate_size",
-                              norm_topk_key="norm_topk_prob", first_dense_key="first_k_dense_replace",
-                              shared_experts_count_key="n_shared_experts", shared_expert_module="shared_experts",
-                              score_function="sigmoid", expert_bias=True, scaling_key="routed_scaling_factor",
-                              group_keys=("n_group", "topk_group"))
+DEEPSEEK_V3_EXPERTS = GLM4_MOE_EXPERTS
+"""DeepSeek-V3's experts and router under the same HF keys as GLM-4.5's (which took them from DeepSeek-V3)."""
 
 DEEPSEEK_V3 = register(
     ModelFamily(
