@@ -63,6 +63,19 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
     ),
+    # deepseek-ai/DeepSeek-V3's config.json on the hub (model card: 671 B parameters of the main model, 37 B
+    # activated per token, plus a 14 B multi-token-prediction module): 61 layers, the first 3 dense, 256 routed
+    # experts (8 per token, 8 groups of which 4) and one shared, multi-latent attention with YaRN (factor 40).
+    "DeepSeek-V3": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        first_k_dense_replace=3, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, tie_word_embeddings=False,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, num_nextn_predict_layers=1,
+        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, rope_theta=10000,
+    ),
     # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the hub: Qwen2's 7B language model (q/k/v biases, untied) with
     # multimodal RoPE (sections 16, 24, 24 of the 128-wide heads), and a 32-block vision tower (1280 wide, windowed
     # attention but in blocks 7, 15, 23, 31; 2 x 2 patch merging into the 3584-wide language model).

@@ -105,6 +105,9 @@ class Architecture:
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "self_attn.o_proj.weight": (h, q),
             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         }
+        if self.family.mla is not None:  # multi-latent attention's projections (layer 0's: every layer has them)
+            shapes.update({name.split(".0.", 1)[1]: shape
+                           for name, shape in self.family.mla.hub_shapes(self.hf_config, 0).items()})
         if tail in shapes:
             return shapes[tail]
         # A router or an expert tensor: the same at every sparse layer and expert, so the first one's.
@@ -232,7 +235,11 @@ class Architecture:
         return total
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
-        """KV-cache bytes of one token on one GPU of an engine with TP ``tp``."""
+        """KV-cache bytes of one token on one GPU of an engine with TP ``tp``; multi-latent attention caches the
+        latent and the rotary key of each layer (``kv_lora_rank + qk_rope_head_dim``), whole on every TP rank."""
+        if self.family.mla is not None:
+            d = self.family.mla.dims(self.hf_config)
+            return self.num_layers * (d["kv_lora"] + d["rope"]) * dtype_bytes
         return 2 * self.num_layers * max(self.kv_heads // tp, 1) * self.head_dim * dtype_bytes
 
 

@@ -407,7 +407,7 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     one = tied.rank_params(tp=1)
     assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
-                                        "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B"}
+                                        "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -635,6 +635,24 @@ def test_qwen3_30b_a3b_counts_match_the_model_card():
     assert arch.num_active_params == total - L * (E - k) * expert == 3_353_032_704
     assert round(arch.num_params / 1e9, 1) == 30.5 and 3.3e9 < arch.num_active_params < 3.4e9  # the card's 3.3 B
     assert arch.sparse == (True,) * 48 and (arch.num_experts, arch.topk, arch.moe_ffn) == (128, 8, 768)
+
+
+def test_deepseek_v3_counts_match_the_model_card():
+    """DeepSeek-V3: 671 B parameters in the main model, 37 B activated per token (its model card; the 14 B
+    multi-token-prediction module is not counted, as RL does not load it), by hand from its config's sizes; its
+    KV cache is the latent and the rotary key of each layer, whole on every TP rank."""
+    arch = Architecture.from_hf(known_config("DeepSeek-V3"), name="d", source="t")
+    h, L, dense, A, V = 7168, 61, 3, 128, 129280
+    q_lora, kv_lora, nope, rope, v, f, E, k, moe_f = 1536, 512, 128, 64, 128, 18432, 256, 8, 2048
+    attention = (q_lora * h + q_lora + A * (nope + rope) * q_lora + (kv_lora + rope) * h + kv_lora
+                 + A * (nope + v) * kv_lora + h * A * v)
+    expert = 3 * moe_f * h
+    sparse_layer = E * expert + expert + E * h + E  # routed experts, the shared one, the router and its bias
+    total = 2 * V * h + h + L * (attention + 2 * h) + dense * 3 * f * h + (L - dense) * sparse_layer
+    assert arch.num_params == total == 671_026_419_200
+    assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 37_552_297_472
+    assert round(arch.num_params / 1e9) == 671 and round(arch.num_active_params / 1e9) in (37, 38)
+    assert arch.kv_bytes_per_token(8, 2) == arch.kv_bytes_per_token(1, 2) == L * (kv_lora + rope) * 2
 
 
 @pytest.fixture(scope="module")
