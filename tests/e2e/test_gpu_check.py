@@ -173,21 +173,27 @@ def test_lora_stage_checks_the_adapters_and_their_sync(check):
 
 def test_fp8_stage_checks_the_quantized_sync(check):
     """FP8 rollout on the device: an engine started from the block-FP8 checkpoint gets the actor's weights as FP8 byte
-    buckets, every quantized weight and scale read back equal to the actor's quantized here, its log-probs finite."""
+    buckets, a sample verified whole and every quantized weight and scale read back (first rows, all of the small
+    ones) equal to the actor's quantized here, its log-probs finite."""
+    from megarl.config.rollout import RolloutConfig
+
     fp8 = check["records"]["fp8"]
     assert fp8["quantized_weights"] == 2 * 7 and fp8["differing"] == [] and fp8["values_read_back"] > 0
-    assert fp8["verified_by_transport"] == 2 * fp8["quantized_weights"]
+    # a sample verified whole by the transport (each weight with its scale), the rest's first rows read back
+    assert fp8["verified_by_transport"] == 2 * min(RolloutConfig.verify_weights, fp8["quantized_weights"])
+    assert fp8["whole_read_back"] == 2 * fp8["quantized_weights"]  # the tiny shape's are all small: read whole
     assert fp8["gap"]["tokens"] > 0 and finite(fp8["gap"]["mean"])
 
 
 def test_vl_stage_serves_images_and_syncs_the_vision_tower(check):
     """A vision-language policy on the device: an engine generates from image prompts, the actor recomputes the
     log-probs within the engine stage's bound and takes an update, and every weight, the tower's too, reaches the
-    server verified."""
+    server: a sample verified whole, the first rows of every tensor read back equal."""
     vl = check["records"]["vl"]
     assert vl["gap"]["tokens"] > 0 and finite(vl["gap"]["mean"]) and vl["image_tokens"] > 0
     assert vl["bound"] is None or vl["gap"]["mean"] <= vl["bound"]
-    assert vl["applied"] and vl["tower_tensors"] > 0 and vl["verified_by_transport"] == vl["tensors"]
+    assert vl["applied"] and vl["tower_tensors"] > 0 and vl["differing"] == [] and vl["values_read_back"] > 0
+    assert vl["verified_by_transport"] == 8  # half of rollout.verify_weights' sample from the tower, half the rest
 
 
 def test_mfu_line_has_both_sides_and_a_ratio(check):
