@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megarl.models.mla import MLASpec
+from megarl.models.mla import MLASpec, rope_parameters
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
 from megarl.models.weights import RuleAt, WeightRule
@@ -284,11 +284,8 @@ class ModelFamily:
 
     def rope_kwargs(self, hf_config) -> dict[str, Any]:
         """GPTModel's RoPE arguments from the HF config (base and scaling)."""
-        params = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if not params:  # configs that predate transformers' rope_parameters
-            params = dict(getattr(hf_config, "rope_scaling", None) or {})
-            params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
+        params = rope_parameters(hf_config)
+        rope_type = params["rope_type"]
         if self.mla is not None:  # multi-latent attention applies its own (MLATransformerConfig's rope fields)
             return {"position_embedding_type": "none"}
         kwargs: dict[str, Any] = {
