@@ -58,6 +58,9 @@ class WeightRule:
     """The layers that have this tensor: ``all``, ``dense`` (a dense MLP) or ``moe`` (a mixture of experts)."""
     first_stage: bool = False
     """A tensor of the first pipeline stage besides the embedding (a vision tower's)."""
+    linear: bool = False
+    """A replicated linear layer's weight (MLA's down projections): quantized by FP8 rollout like the split ones
+    (:attr:`block_fp8`), as in DeepSeek-V3's FP8 checkpoints, where SGLang's loader expects them in FP8."""
     keep_fp32: bool = False
     """Kept in fp32 whatever the model's dtype, and exported and synced in fp32 (a router's expert bias: Megatron
     keeps the buffer in fp32, the hub's checkpoints and SGLang hold it in fp32; bf16's 8 bits would move the
@@ -77,8 +80,8 @@ class WeightRule:
     def block_fp8(self) -> bool:
         """True for the linear layers' weights (column- and row-parallel ``weight`` tensors: attention and MLP
         projections, experts), which FP8 rollout quantizes (:mod:`megarl.models.fp8`); embeddings, norms, routers,
-        biases and the output layer stay in the model's dtype."""
-        return self.split in (Split.COLUMN, Split.ROW) and self.megatron.endswith(".weight")
+        biases and the output layer stay in the model's dtype. A replicated linear layer (:attr:`linear`) too."""
+        return (self.split in (Split.COLUMN, Split.ROW) or self.linear) and self.megatron.endswith(".weight")
 
     @property
     def per_expert(self) -> bool:

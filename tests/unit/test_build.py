@@ -115,6 +115,7 @@ def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_place
     import pyarrow.parquet as pq
 
     from megarl.controller.build import build_datasets, load_agent_plugins
+    from megarl.models.tiny import save_tiny
     from tests.scripted_engine import tiny_tokenizer
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
@@ -122,7 +123,9 @@ def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_place
     data = tmp_path / "gsm8k.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     tools = REPO / "configs" / "tools" / "gsm8k_tool_config.yaml"
-    overrides = [f"data.train_files=[{data}]", "data.val_files=[]", "data.max_prompt_length=64",
+    policy = save_tiny(tmp_path / "policy", num_layers=1)  # the tiny recipe's cache need not exist yet
+    overrides = [f"{ARR}.model.path={policy}", f"data.train_files=[{data}]", "data.val_files=[]",
+                 "data.max_prompt_length=64",
                  "data.return_raw_chat=true", f"{ARR}.rollout.multi_turn.enable=true"]
     tokenizer = tiny_tokenizer()
     without_tools = load_config(overrides)

@@ -71,7 +71,9 @@ def test_the_linear_weights_of_every_family_are_quantized_and_nothing_else():
                      if rule.block_fp8}
         kept = {rule.megatron.split(".")[-2] + "." + rule.megatron.split(".")[-1] for rule in family.weights
                 if not rule.block_fp8}
-        assert quantized >= {"linear_qkv.weight", "linear_proj.weight"}, family.name
+        attention = ({"linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
+                      "linear_kv_up_proj.weight"} if family.mla else {"linear_qkv.weight"})
+        assert quantized >= attention | {"linear_proj.weight"}, family.name
         assert not any(name.endswith(("bias", "layernorm.weight")) for name in quantized), family.name
         assert {"word_embeddings.weight", "final_layernorm.weight"} <= kept, family.name
         assert "output_layer.weight" in kept and "router.weight" not in quantized, family.name
