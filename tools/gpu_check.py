@@ -681,7 +681,7 @@ def run_vl(ctx: Context, out: dict) -> None:
     from megarl.data.batch import Batch
     from megarl.data.images import ImageProcessor, image_uri
     from megarl.models.tiny import save_tiny_vl
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
     from megarl.rollout.client import EngineAddress, run_sync
     from megarl.rollout.engine import SamplingParams
     from megarl.sync.base import verify_sample

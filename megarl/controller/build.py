@@ -501,7 +501,8 @@ def build_rollout_manager(cfg: RunConfig, generator: EngineClient, engines: list
 def image_processor(cfg: RunConfig, tokenizer):
     """The policy's :class:`~megarl.data.images.ImageProcessor` when it is a vision-language model, else None."""
     from megarl.data.images import ImageProcessor
-    from megarl.models.vision import is_multimodal, load_hf_config
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.vision import is_multimodal
 
     model = cfg.actor_rollout_ref.model
     hf_config = load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code)

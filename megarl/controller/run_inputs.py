@@ -90,7 +90,7 @@ def check_same_tokenizer(student, other) -> None:
     cannot hold the policy's ids, naming both models."""
     from transformers import AutoTokenizer
 
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     names = f"{other.KEY}.path={other.path!r} and the policy's actor_rollout_ref.model.path={student.path!r}"
     ours = AutoTokenizer.from_pretrained(student.local_tokenizer_path, trust_remote_code=student.trust_remote_code)
@@ -251,7 +251,7 @@ def check_policy_support(cfg: RunConfig) -> None:
     would read the image placeholders without the images)."""
     model = cfg.actor_rollout_ref.model
     from megarl.models import family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     family = family_for(load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code))
     if model.lora_rank and family.moe is not None:
@@ -278,7 +278,7 @@ def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:
     if not replay.enabled:
         return None
     from megarl.models import family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     model = cfg.actor_rollout_ref.model
     hf_config = load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code)

@@ -119,7 +119,7 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     ``destination``: its quantized tensors, the others as they are, its config (with the quantization config) and
     tokenizer files. Refuses a checkpoint that does not match its config, or one already quantized."""
     from megarl.models import family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     start = time.perf_counter()
     source, destination = Path(source), Path(destination)

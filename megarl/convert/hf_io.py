@@ -292,3 +292,15 @@ def copy_side_files(source: str | os.PathLike, destination: str | os.PathLike) -
             shutil.copy2(path, Path(destination) / name)
             copied.append(name)
     return copied
+
+
+def set_config_dtype(directory: str | os.PathLike, dtype: torch.dtype) -> None:
+    """Record ``dtype`` as the weights' dtype in ``directory``'s ``config.json`` (``dtype``, and ``torch_dtype`` where
+    an older transformers wrote it), every other field left as it is."""
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

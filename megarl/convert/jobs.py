@@ -47,7 +47,7 @@ class ConversionReport:
 
 
 def _load_hf_config(directory: Path, flag: str = "--hf"):
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     if not (directory / "config.json").exists():
         raise ValueError(f"{flag} {directory} has no config.json: pass an HF model directory")
@@ -158,7 +158,7 @@ def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: st
     from megarl.convert.dist_checkpoint import save_dist_checkpoint
     from megarl.convert.loader import load_hf_into
     from megarl.models import build_model_chunks, family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
     from megarl.parallel import destroy_parallel, init_parallel
 
     hf_config = load_hf_config(hf_dir)
@@ -327,7 +327,7 @@ def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, 
     from megarl.convert.dist_checkpoint import load_dist_checkpoint
     from megarl.convert.export import WeightExporter
     from megarl.models import build_model_chunks, family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
     from megarl.parallel import destroy_parallel, init_parallel
 
     hf_config = load_hf_config(config_dir)

@@ -36,7 +36,7 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
     from megarl.models.value_head import value_head_parameter_names
 
     if hf_config is None:
-        from megarl.models.vision import load_hf_config
+        from megarl.models.hf_config import load_hf_config
 
         hf_config = load_hf_config(hf_dir)
     checkpoint = HFCheckpoint(hf_dir)

@@ -1,5 +1,6 @@
 """DeepSeek-V3 family (``DeepseekV3ForCausalLM``: DeepSeek-V3/V3.1/R1; Kimi-K2's checkpoints name this architecture
-too, with a ``model_type`` transformers does not know): multi-latent attention (:mod:`megarl.models.mla`: low-rank queries and keys/values with their norms,
+too, with ``model_type: kimi_k2``, which transformers does not know and megarl reads as DeepSeek-V3's config; their
+own config code, the same fields, with ``trust_remote_code``): multi-latent attention (:mod:`megarl.models.mla`: low-rank queries and keys/values with their norms,
 a decoupled rotary part, YaRN), the first ``first_k_dense_replace`` layers dense, then mixture-of-experts MLPs with a
 sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``, weights renormalised and scaled by
 ``routed_scaling_factor``, group-limited by ``n_group`` / ``topk_group``) and ``n_shared_experts`` shared experts
@@ -23,5 +24,6 @@ DEEPSEEK_V3 = register(
         moe=DEEPSEEK_V3_EXPERTS,
         mla=MLASpec(),
         extra_layers_key="num_nextn_predict_layers",
+        config_aliases=(("kimi_k2", "deepseek_v3"),),
     )
 )

@@ -48,6 +48,10 @@ class ModelFamily:
     """The vision tower of a vision-language family (None: a text model; :mod:`megarl.models.vision`)."""
     mla: MLASpec | None = None
     """Multi-latent attention (DeepSeek-V3, Kimi-K2; :mod:`megarl.models.mla`); None: grouped-query attention."""
+    config_aliases: tuple[tuple[str, str], ...] = ()
+    """``(model_type, transformers model_type)``: checkpoints of this family whose ``model_type`` transformers has no
+    config class for (Kimi-K2's ``kimi_k2``, whose hub repository ships DeepSeek-V3's config code), read with the
+    config class of the second (:func:`read_hf_config`)."""
     extra_layers_key: str | None = None
     """HF config key of how many layers the checkpoint holds after the model's (DeepSeek-V3's multi-token-prediction
     layer, ``num_nextn_predict_layers``): skipped on load (:meth:`skipped_tensors`), never trained or exported."""

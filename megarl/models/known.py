@@ -76,6 +76,20 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, rope_theta=10000,
     ),
+    # moonshotai/Kimi-K2-Instruct's config.json on the hub (model card: 1 T total parameters, 32 B activated):
+    # DeepSeek-V3's architecture (its model_type kimi_k2 is read as deepseek_v3: megarl.models.hf_config) with 64
+    # heads, 384 routed experts in one group, one dense layer, a 163,840-token vocabulary, YaRN factor 32 from 4,096
+    # (131,072 positions), and no multi-token-prediction layer.
+    "Kimi-K2": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
+        num_attention_heads=64, num_key_value_heads=64, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, num_nextn_predict_layers=0,
+        rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, rope_theta=50000.0,
+    ),
     # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the hub: Qwen2's 7B language model (q/k/v biases, untied) with
     # multimodal RoPE (sections 16, 24, 24 of the 128-wide heads), and a 32-block vision tower (1280 wide, windowed
     # attention but in blocks 7, 15, 23, 31; 2 x 2 patch merging into the 3584-wide language model).
@@ -146,9 +160,7 @@ def resolve_hf_config(path: str, *, key: str):
     here, else the known architecture its name matches. ``key`` names the setting in errors."""
     local = Path(str(path)).expanduser()
     if (local / "config.json").is_file():
-        from transformers import AutoConfig
-
-        from megarl.models.vision import model_config
+        from megarl.models.hf_config import load_hf_config
 
         source = str(local / "config.json")
         try:
@@ -156,7 +168,7 @@ def resolve_hf_config(path: str, *, key: str):
         except (OSError, ValueError) as error:
             raise ValueError(f"{key}: {source} is not readable JSON: {error}") from error
         check_sizes(fields.get("text_config", fields) if isinstance(fields, dict) else {}, source=source, key=key)
-        return model_config(AutoConfig.from_pretrained(str(local))), source
+        return load_hf_config(local), source
     name = known_name(str(path))
     if name is None:
         raise ValueError(

@@ -249,13 +249,6 @@ def raw_config(hf_config):
     return getattr(hf_config, "multimodal_config", None) or hf_config
 
 
-def load_hf_config(path, *, trust_remote_code: bool = False):
-    """The HF config in ``path`` as megarl reads it (:func:`model_config`)."""
-    from transformers import AutoConfig
-
-    return model_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
-
-
 def build_vision_gpt_model(family, hf_config, *, pre_process: bool, **kwargs):
     """A :class:`VisionGPTModel` chunk (the tower on the first stage only); ``kwargs`` as for ``GPTModel``."""
     cls = _vision_gpt_class()

@@ -567,7 +567,7 @@ def tiny_sft_accuracy(path: str | os.PathLike, test_file: str | os.PathLike, *, 
     processor = None
     if any(row.images for row in rows):
         from megarl.data.images import ImageProcessor
-        from megarl.models.vision import load_hf_config
+        from megarl.models.hf_config import load_hf_config
 
         processor = ImageProcessor.from_pretrained(path, tokenizer, load_hf_config(path))
     auto = AutoModelForCausalLM if processor is None else AutoModelForImageTextToText

@@ -369,9 +369,7 @@ def export_hf(model, directory: str | os.PathLike, *, max_shard_bytes: int = 5 *
     Collective: every rank iterates the exporter (it gathers over TP and broadcasts over PP);
     rank 0 writes. Returns the seconds taken.
     """
-    from transformers import AutoConfig
-
-    from megarl.convert.hf_io import ShardedWriter, copy_side_files
+    from megarl.convert.hf_io import ShardedWriter, copy_side_files, set_config_dtype
 
     started = time.monotonic()
     directory = Path(directory)
@@ -386,10 +384,8 @@ def export_hf(model, directory: str | os.PathLike, *, max_shard_bytes: int = 5 *
                 writer.add(name, tensor)  # copies: the bucket's views are reused
     if writer is not None:
         writer.close()
-        copy_side_files(model.hf_dir, directory)
-        hf_config = AutoConfig.from_pretrained(model.hf_dir)
-        hf_config.dtype = exporter.dtype
-        hf_config.save_pretrained(directory)
+        copy_side_files(model.hf_dir, directory)  # config.json as the checkpoint had it (a model_type of its own)
+        set_config_dtype(directory, exporter.dtype)
     dist.barrier()
     return time.monotonic() - started
 

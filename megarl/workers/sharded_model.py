@@ -105,7 +105,7 @@ class ShardedModel:
                  lora=None, score_head: bool = False, **transformer_overrides):
         from megarl.convert import load_hf_into
         from megarl.models import build_model_chunks, family_for
-        from megarl.models.vision import load_hf_config
+        from megarl.models.hf_config import load_hf_config
         from megarl.parallel import init_parallel
 
         self.hf_dir = str(hf_dir)

@@ -42,16 +42,26 @@ def tiny_moe_config(name: str):
                                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                                 num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLM"])
+    if name == "kimi_k2":  # DeepSeek-V3's architecture with Kimi-K2's choices: one group, one dense layer, no MTP layer
+        return DeepseekV3Config(**{**common, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16,
+                                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                                q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                                 "original_max_position_embeddings": 8, "beta_fast": 1.0,
+                                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                num_nextn_predict_layers=0, architectures=["DeepseekV3ForCausalLM"])
     if name == "mixtral":
         return MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              architectures=["MixtralForCausalLM"])
     raise ValueError(name)
 
 
-MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
+MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2")
 FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_moe_softmax": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
-          "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3"}
-SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3, "glm4_moe": 3, "deepseek_v3": 3}
+          "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3, "glm4_moe": 3, "deepseek_v3": 3,
+                 "kimi_k2": 3}
 """Each config's family and sparse layers (of 4)."""
 
 
@@ -82,7 +92,24 @@ def save_tiny_moe(name: str, directory, seed: int = 0):
                         mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
                         mtp + "shared_head.norm.weight": torch.ones(hidden)})
         save_file(tensors, path, metadata={"format": "pt"})
+    if name == "kimi_k2":  # as moonshotai/Kimi-K2-Instruct's config.json: a model_type of its own, its config code
+        kimi_config(directory)
     return model
+
+
+def kimi_config(directory) -> None:
+    """Rewrite ``directory``'s DeepSeek-V3 ``config.json`` as Kimi-K2's checkpoints hold it: ``model_type: kimi_k2``
+    (unknown to transformers) and an ``auto_map`` to the repository's own DeepSeek-V3 config and model code."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    path.write_text(json.dumps(config, indent=2))
 
 
 def hf_moe_logits(model, input_ids):
@@ -97,12 +124,13 @@ def ep1_job(cases: dict) -> dict:
 
     from megarl.convert import WeightExporter, load_hf_into
     from megarl.models import build_model_chunks, family_for
+    from megarl.models.hf_config import load_hf_config
     from megarl.parallel import ParallelDims, init_parallel
 
     out = {}
     groups = init_parallel(ParallelDims(tp=1, pp=1))
     for name, (hf_dir, input_ids, expected, hf_params) in cases.items():
-        cfg = tiny_moe_config(name)
+        cfg = load_hf_config(hf_dir)  # as megarl reads the directory (Kimi-K2's model_type included)
         family = family_for(cfg)
         chunks = build_model_chunks(family, cfg, groups.dims)
         padded = family.padded_vocab_size(cfg, tp=1)

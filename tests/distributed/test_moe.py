@@ -1,6 +1,6 @@
 """Mixture-of-experts families (issue 17, issue 37): Qwen3-MoE, Mixtral, Qwen2-MoE (a gated shared expert), GLM-4.5
-MoE and DeepSeek-V3 (multi-latent attention with YaRN, group-limited routing, an MTP layer in the checkpoint) in
-Megatron equal HF transformers.
+MoE, DeepSeek-V3 (multi-latent attention with YaRN, group-limited routing, an MTP layer in the checkpoint) and
+Kimi-K2 (DeepSeek-V3's architecture under a ``model_type`` of its own) in Megatron equal HF transformers.
 
 One spawned rank builds each tiny config (a dense layer among sparse ones, renormalised and plain top-k weights,
 Mixtral's names) from its HF checkpoint (one tensor per expert, as the hub holds them) and compares logits,

@@ -36,7 +36,7 @@ def test_greedy_rollout_equals_transformers_generate(tiny, arch):
 
     from megarl.data.images import ImageProcessor
     from megarl.models.tiny import save_tiny_vl
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     root, hf_dir, data = tiny
     if arch != "qwen2_5_vl":
@@ -61,7 +61,7 @@ def test_greedy_rollout_equals_transformers_generate(tiny, arch):
 def test_actor_recomputes_the_engines_log_probs_and_learns(tiny):
     root, hf_dir, data = tiny
     batch = vision_jobs.image_rollout(hf_dir, data, str(root / "sampled_logs"), n=4, temperature=TEMPERATURE)
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     image = load_hf_config(hf_dir).image_token_id
     grids = batch["multi_modal_inputs"][0]["image_grid_thw"]

@@ -132,7 +132,7 @@ def layouts_job(hf_dir: str) -> dict:
 
     from megarl.convert import load_hf_into
     from megarl.models import build_model_chunks, family_for
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
     from megarl.parallel import ParallelDims, destroy_parallel, forward_backward, init_parallel
     from megarl.parallel.pipeline import MROPE_POSITIONS
     from megarl.workers.sharded_model import with_positions
@@ -196,7 +196,7 @@ def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperat
     from megarl.config import RolloutConfig
     from megarl.data.dataset import PromptDataset
     from megarl.data.images import ImageProcessor
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
     from megarl.rollout import RolloutManager
     from tests.distributed.actor_jobs import fake_grpo
     from tests.engine_servers import engine_servers

@@ -1,5 +1,6 @@
 """HF config -> TransformerConfig mapping per family, and the errors for what cannot map."""
 
+import json
 import re
 import warnings
 
@@ -313,3 +314,40 @@ def test_deepseek_v3_refuses_what_it_does_not_map_naming_the_key(kw, key):
         bias = _deepseek(attention_bias=True)
         family_for(bias).transformer_config(bias, ParallelDims())
 
+
+
+def test_kimi_k2s_model_type_is_read_as_deepseek_v3_and_its_config_kept(tmp_path):
+    """Kimi-K2's checkpoints say ``model_type: kimi_k2`` (unknown to transformers, with an ``auto_map`` to the
+    repository's config code) and ``DeepseekV3ForCausalLM``: megarl reads them with DeepSeek-V3's config class,
+    every field kept; the HF engine loads the model; an export keeps the checkpoint's own ``config.json`` (its
+    ``model_type``, which SGLang reads), only the dtype set. An unknown ``model_type`` no family names still fails
+    as transformers says (naming ``trust_remote_code``)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.convert.hf_io import set_config_dtype
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.tiny import build_tiny_tokenizer
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.rollout.engine import SamplingParams
+    from tests.distributed.moe_jobs import kimi_config
+
+    cfg = _deepseek(vocab_size=64, n_group=1, topk_group=1, routed_scaling_factor=2.827, num_hidden_layers=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    build_tiny_tokenizer(vocab_size=64).save_pretrained(tmp_path)
+    kimi_config(tmp_path)
+    loaded = load_hf_config(tmp_path)
+    assert type(loaded).__name__ == "DeepseekV3Config" and family_for(loaded).name == "deepseek_v3"
+    assert (loaded.routed_scaling_factor, loaded.n_group, loaded.q_lora_rank, loaded.num_hidden_layers) == (
+        2.827, 1, 24, 2)
+    engine = HFEngine(tmp_path)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].output_ids) == 4
+    set_config_dtype(tmp_path, torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["dtype"], config["auto_map"]["AutoConfig"]) == (
+        "kimi_k2", "bfloat16", "configuration_deepseek.DeepseekV3Config")
+    config["model_type"] = "no_such_model"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"(?s)contains custom code .*trust_remote_code=True"):
+        load_hf_config(tmp_path)  # transformers' own error: the repository's code could read it

@@ -407,7 +407,8 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     one = tied.rank_params(tp=1)
     assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
-                                        "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3"}
+                                        "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3",
+                                        "Kimi-K2"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -653,6 +654,23 @@ def test_deepseek_v3_counts_match_the_model_card():
     assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 37_552_297_472
     assert round(arch.num_params / 1e9) == 671 and round(arch.num_active_params / 1e9) in (37, 38)
     assert arch.kv_bytes_per_token(8, 2) == arch.kv_bytes_per_token(1, 2) == L * (kv_lora + rope) * 2
+
+
+def test_kimi_k2_counts_match_the_model_card():
+    """Kimi-K2: 1 T parameters, 32 B activated (its model card), by hand as DeepSeek-V3's above with its sizes: 64
+    heads, 384 experts, one dense layer, a 163,840-token vocabulary."""
+    arch = Architecture.from_hf(known_config("Kimi-K2"), name="k", source="t")
+    h, L, dense, A, V = 7168, 61, 1, 64, 163840
+    q_lora, kv_lora, nope, rope, v, f, E, k, moe_f = 1536, 512, 128, 64, 128, 18432, 384, 8, 2048
+    attention = (q_lora * h + q_lora + A * (nope + rope) * q_lora + (kv_lora + rope) * h + kv_lora
+                 + A * (nope + v) * kv_lora + h * A * v)
+    expert = 3 * moe_f * h
+    sparse_layer = E * expert + expert + E * h + E
+    total = 2 * V * h + h + L * (attention + 2 * h) + dense * 3 * f * h + (L - dense) * sparse_layer
+    assert arch.num_params == total == 1_026_408_232_448
+    assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 32_861_500_928
+    assert round(arch.num_params / 1e12, 2) == 1.03 and round(arch.num_active_params / 1e9) == 33
+    assert known_name("moonshotai/Kimi-K2-Instruct") == "Kimi-K2"
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def processor(model_dir):
     from transformers import AutoTokenizer
 
     from megarl.data.images import ImageProcessor
-    from megarl.models.vision import load_hf_config
+    from megarl.models.hf_config import load_hf_config
 
     return ImageProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir),
                                           load_hf_config(model_dir))

@@ -41,7 +41,8 @@ import torch
 
 from megarl.data.images import ImageProcessor
 from megarl.models.sampling import RoutingCapture, VisionPrompts, eos_token_ids, sample_continuations
-from megarl.models.vision import hub_name, is_multimodal, load_hf_config, model_config
+from megarl.models.hf_config import read_hf_config
+from megarl.models.vision import hub_name, is_multimodal, model_config
 from megarl.rollout.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
 from megarl.rollout.cpu_engine.lora import applied as lora_applied
 from megarl.seeds import MAX_SEED, derive_row_seed
@@ -76,9 +77,11 @@ class HFEngine:
         if isinstance(model_path_or_model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-            multimodal = is_multimodal(load_hf_config(model_path_or_model, trust_remote_code=trust_remote_code))
+            config = read_hf_config(model_path_or_model, trust_remote_code=trust_remote_code)  # Kimi-K2's alias
+            multimodal = is_multimodal(model_config(config))
             auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-            model = auto.from_pretrained(model_path_or_model, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = auto.from_pretrained(model_path_or_model, config=config, dtype=dtype,
+                                         trust_remote_code=trust_remote_code)
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(model_path_or_model, trust_remote_code=trust_remote_code)
             if multimodal and image_processor is None:
