@@ -1,6 +1,7 @@
 """``megarl-convert``: checkpoints between Hugging Face layout and Megatron at any TP/PP.
 
-  megarl-convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16|fp32]
+  megarl-convert hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--first-stage-layers F]
+      [--last-stage-layers L] [--ep E] [--etp T] [--dtype bf16|fp32]
   megarl-convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR] [--dtype ...]
   megarl-convert hf-to-fp8 --hf DIR --out DIR   (linear weights as block FP8, for FP8 rollout engines)
 
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the saved layout")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the saved layout")
     to_mcore.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per pipeline rank")
+    to_mcore.add_argument("--first-stage-layers", type=int, default=None,
+                          help="layers of the first pipeline stage where they do not split evenly (e.g. 61 layers)")
+    to_mcore.add_argument("--last-stage-layers", type=int, default=None,
+                          help="layers of the last pipeline stage where they do not split evenly")
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
     to_mcore.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
     to_mcore.add_argument("--dtype", choices=sorted(jobs.DTYPES), default="fp32", help="parameter dtype")
@@ -114,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             report = jobs.hf_to_fp8(args.hf, args.out, max_shard_bytes=args.max_shard_size, force=args.force)
         elif args.command == "hf-to-mcore":
             report = jobs.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                                      etp=args.etp, dtype=args.dtype, force=args.force, timeout_s=args.timeout)
+                                      etp=args.etp, first_stage_layers=args.first_stage_layers,
+                                      last_stage_layers=args.last_stage_layers, dtype=args.dtype, force=args.force,
+                                      timeout_s=args.timeout)
         else:
             source = mcore_source(args.mcore)
             if str(source.directory) != args.mcore:

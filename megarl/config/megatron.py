@@ -21,7 +21,9 @@ ARR = "actor_rollout_ref"
 _LAYOUT = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
            "virtual_pipeline_model_parallel_size": "vpp", "context_parallel_size": "cp",
            "expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "etp",
-           "sequence_parallel": "sequence_parallel", "cp_comm_type": "cp_comm_type"}
+           "sequence_parallel": "sequence_parallel", "cp_comm_type": "cp_comm_type",
+           "num_layers_in_first_pipeline_stage": "first_stage_layers",
+           "num_layers_in_last_pipeline_stage": "last_stage_layers"}
 _DTYPE = ("params_dtype", "pipeline_dtype", "bf16", "fp16")
 MODEL_SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit", "activation_func",

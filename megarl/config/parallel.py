@@ -58,6 +58,13 @@ class ParallelDims:
     ranks ``tp × cp × dp`` of a pipeline stage are regrouped as ``etp × ep × expert data parallel``."""
     etp: int | None = None
     """Expert-tensor-parallel degree: each expert's matrices split over this many ranks; None: ``tp``."""
+    first_stage_layers: int | None = None
+    """Layers of the first pipeline stage, where they do not split evenly (DeepSeek-V3's and Kimi-K2's 61 layers;
+    Megatron's ``num_layers_in_first_pipeline_stage``, verl's key of that name in ``override_transformer_config``); the
+    other stages share the rest evenly (:meth:`chunk_layers`). None: an even split."""
+    last_stage_layers: int | None = None
+    """Layers of the last pipeline stage (Megatron's ``num_layers_in_last_pipeline_stage``), as
+    :attr:`first_stage_layers`; a lighter last stage leaves room for the LM head and its logits."""
 
     def __post_init__(self) -> None:
         for axis in ("tp", "pp", "cp", "ep"):
@@ -81,6 +88,15 @@ class ParallelDims:
                              "(a2a+p2p needs hierarchical CP sizes, which megarl does not set)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=True needs parallel.tp > 1; set it to false")
+        for key in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{key} must be a positive integer or null, got {value!r}")
+            if self.pp == 1:
+                raise ValueError(f"parallel.{key}={value} sizes a pipeline stage: it needs parallel.pp > 1 (or set it "
+                                 f"to null)")
 
     @property
     def expert_tp(self) -> int:
@@ -108,6 +124,71 @@ class ParallelDims:
     def num_virtual_stages(self) -> int:
         """Model chunks held by each pipeline rank (1 without interleaving)."""
         return self.vpp or 1
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the first or the last pipeline stage has its own number of layers."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage: :attr:`first_stage_layers` and :attr:`last_stage_layers` where set, the
+        rest split evenly over the other stages (Megatron's ``get_transformer_layer_offset``); checked by
+        :meth:`check_layers`."""
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        counts = [rest // middle if middle else 0] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+
+    def chunk_layers(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """Global layer indices of pipeline rank ``pp_rank``'s model chunk ``vp_stage``: each stage's layers
+        (:meth:`stage_layer_counts`) split evenly over its ``vpp`` chunks, chunk ``v`` of every stage before chunk
+        ``v + 1`` of any (interleaving)."""
+        counts = [n // self.num_virtual_stages for n in self.stage_layer_counts(num_layers)]
+        start = vp_stage * sum(counts) + sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> list[int]:
+        """Global layer indices held by pipeline rank ``pp_rank`` (every one of its chunks)."""
+        return [layer for v in range(self.num_virtual_stages) for layer in self.chunk_layers(num_layers, pp_rank, v)]
+
+    def check_layers(self, num_layers: int) -> None:
+        """Check that ``num_layers`` layers split into the pipeline chunks: evenly, or with the first/last stage
+        sizes given, the rest evenly over the other stages; each stage's layers evenly over its ``vpp`` chunks."""
+        stages, chunks = self.pp * self.num_virtual_stages, self.num_virtual_stages
+        if not self.uneven:
+            if stages > num_layers:
+                raise ValueError(
+                    f"parallel.pp × parallel.vpp = {stages} pipeline chunks exceed the model's {num_layers} "
+                    f"layers: use at most {num_layers} chunks"
+                )
+            if num_layers % stages != 0:
+                raise ValueError(
+                    f"the model's {num_layers} layers do not split evenly into parallel.pp × parallel.vpp = "
+                    f"{stages} pipeline chunks: choose pp × vpp dividing {num_layers}, or give the first and/or last "
+                    f"stage its own count (parallel.first_stage_layers / parallel.last_stage_layers)"
+                )
+            return
+        given = {k: v for k, v in (("first_stage_layers", self.first_stage_layers),
+                                   ("last_stage_layers", self.last_stage_layers)) if v is not None}
+        keys = " + ".join(f"parallel.{k}" for k in given)
+        middle = self.pp - len(given)
+        rest = num_layers - sum(given.values())
+        if rest < middle or (middle == 0 and rest != 0):
+            raise ValueError(f"{keys} = {sum(given.values())} leave {rest} of the model's {num_layers} layers for "
+                             f"the other {middle} pipeline stage(s): give every stage at least one layer and all "
+                             f"{num_layers} in all")
+        if middle and rest % (middle * chunks):
+            raise ValueError(f"{keys} = {sum(given.values())} leave {rest} layers, which do not split evenly over the "
+                             f"other {middle} pipeline stage(s) × parallel.vpp={chunks}: choose them so that "
+                             f"{middle * chunks} divides the rest")
+        for key, value in given.items():
+            if value % chunks:
+                raise ValueError(f"parallel.{key}={value} does not split evenly into parallel.vpp={chunks} chunks")
 
     def for_world(self, world_size: int) -> "ParallelDims":
         """Return these dims with ``dp`` derived from (or checked against) ``world_size``."""
@@ -162,17 +243,7 @@ class ParallelDims:
                 "(num_key_value_heads); Megatron does not replicate key/value heads across "
                 f"tensor-parallel ranks: choose parallel.tp among the divisors of {num_query_groups}"
             )
-        stages = self.pp * self.num_virtual_stages
-        if stages > num_layers:
-            raise ValueError(
-                f"parallel.pp × parallel.vpp = {stages} pipeline chunks exceed the model's {num_layers} "
-                f"layers: use at most {num_layers} chunks"
-            )
-        if num_layers % stages != 0:
-            raise ValueError(
-                f"the model's {num_layers} layers do not split evenly into parallel.pp × parallel.vpp = "
-                f"{stages} pipeline chunks: choose pp × vpp dividing {num_layers}"
-            )
+        self.check_layers(num_layers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -125,6 +125,10 @@ def _role_entries(verl: str, megarl: str) -> dict[str, Entry]:
             Rename(f"{megarl}.recompute_granularity") if verl != "critic" else _CRITIC_RECOMPUTE,
         f"{verl}.megatron.override_transformer_config.recompute_num_layers":
             Rename(f"{megarl}.recompute_num_layers") if verl != "critic" else _CRITIC_RECOMPUTE,
+        f"{verl}.megatron.override_transformer_config.num_layers_in_first_pipeline_stage":
+            Rename(f"{megarl}.parallel.first_stage_layers"),
+        f"{verl}.megatron.override_transformer_config.num_layers_in_last_pipeline_stage":
+            Rename(f"{megarl}.parallel.last_stage_layers"),
         f"{verl}.megatron.override_transformer_config.recompute_method":
             Fixed((None, "uniform"), "megarl recomputes uniform blocks of recompute_num_layers layers"),
         f"{verl}.optim.lr_warmup_steps": Rename(f"{megarl}.optim.warmup_steps", _warmup_steps),

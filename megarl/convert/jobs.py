@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, check_hf_files, copy_side_files
+from megarl.convert.hf_io import (HFCheckpoint, ShardedWriter, check_checkpoint, check_hf_files, copy_side_files,
+                                  set_config_dtype)
 from megarl.convert.preflight import check_mcore_files, check_mcore_shapes, check_output
 from megarl.config.parallel import ParallelDims
 
@@ -103,20 +104,24 @@ def _world(dims: ParallelDims) -> int:
     return dims.tp * dims.pp * dims.dp
 
 
-def _dims(family, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> ParallelDims:
+def _dims(family, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+          first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> ParallelDims:
     """The conversion's layout: ``tp × pp × d`` ranks, ``d`` the fewest data-parallel replicas that let the experts'
     layout (``etp × ep``) regroup a pipeline stage; sequence parallelism with a mixture of experts at tp > 1 (as
     training needs it; weights do not depend on it)."""
     d = math.lcm(tp, (etp or tp) * ep) // tp
     return ParallelDims(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=d,
-                        sequence_parallel=tp > 1 and family.moe is not None)
+                        sequence_parallel=tp > 1 and family.moe is not None,
+                        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
 
 # ------------------------------------------------------------------------------ HF -> mcore
 def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                 dtype: str = "fp32", force: bool = False, timeout_s: float = 3600.0) -> ConversionReport:
     """Convert an HF safetensors checkpoint into a Megatron distributed checkpoint (mixture-of-experts models: each
-    rank reads only its experts, ``ep``/``etp`` the expert layout)."""
+    rank reads only its experts, ``ep``/``etp`` the expert layout; ``first_stage_layers``/``last_stage_layers``: an
+    uneven pipeline split)."""
     from megarl.models import family_for
     from megarl.parallel.launch import run_ranks
 
@@ -126,7 +131,8 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
     check_output(out, force, {"--hf": hf_dir})
     hf_config = _load_hf_config(hf_dir)
     family = family_for(hf_config)
-    dims = _dims(family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    dims = _dims(family, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first_stage_layers,
+                 last_stage_layers=last_stage_layers)
     _check_config(family, hf_config, dims)
     check_hf_files(hf_dir, "--hf")  # headers only: a truncated or corrupt file is named before any rank reads it
     checkpoint = HFCheckpoint(hf_dir)
@@ -148,6 +154,8 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
             "vpp": vpp,
             "ep": ep,
             "etp": etp,
+            "first_stage_layers": first_stage_layers,
+            "last_stage_layers": last_stage_layers,
             "dtype": dtype,
         }
         (tmp / "megarl.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -196,6 +204,10 @@ class McoreSource:
     weights, or alone in PEFT's format (``peft=True``)."""
     base_dir: Path | None = None
     """A LoRA checkpoint's base model: the HF directory its run loaded (the checkpoint holds the adapters alone)."""
+    first_stage_layers: int | None = None
+    """The saved layout's first pipeline stage size, where it was uneven (loading at the saved ``pp`` uses it)."""
+    last_stage_layers: int | None = None
+    """As :attr:`first_stage_layers`, the last stage's."""
 
 
 def read_mcore_metadata(mcore_dir: Path) -> dict:
@@ -216,7 +228,9 @@ def read_mcore_source(mcore_dir) -> McoreSource:
     mcore_dir = Path(mcore_dir)
     meta = read_mcore_metadata(mcore_dir)
     return McoreSource(mcore_dir, mcore_dir / "model", meta["family"], int(meta["tp"]), int(meta["pp"]),
-                       int(meta.get("ep") or 1), meta.get("etp"), meta["dtype"], mcore_dir / "hf_config")
+                       int(meta.get("ep") or 1), meta.get("etp"), meta["dtype"], mcore_dir / "hf_config",
+                       first_stage_layers=meta.get("first_stage_layers"),
+                       last_stage_layers=meta.get("last_stage_layers"))
 
 
 def dtype_name(dtype: torch.dtype, where) -> str:
@@ -274,7 +288,10 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     tp = tp or source.tp
     etp = etp or (source.etp if tp == source.tp else None)
-    dims = _dims(family, tp=tp, pp=pp or source.pp, ep=ep or source.ep, etp=etp)
+    pp = pp or source.pp
+    saved_split = {"first_stage_layers": source.first_stage_layers,
+                   "last_stage_layers": source.last_stage_layers} if pp == source.pp else {}
+    dims = _dims(family, tp=tp, pp=pp, ep=ep or source.ep, etp=etp, **saved_split)
     _check_config(family, hf_config, dims)
     check_mcore_files(source.model_dir)  # metadata only: a truncated shard is named before any rank loads it
     base = None
@@ -296,12 +313,8 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
         if peft:
             num_tensors, num_bytes = _write_peft(tmp, results, source.lora, hf_config, dtype)
         else:
-            from megarl.models.vision import raw_config
-
-            copy_side_files(config_dir, tmp)
-            saved = raw_config(hf_config)
-            saved.dtype = DTYPES[dtype]
-            saved.save_pretrained(tmp)
+            copy_side_files(config_dir, tmp)  # config.json as the checkpoint had it (a model_type of its own)
+            set_config_dtype(tmp, DTYPES[dtype])
             num_tensors, num_bytes = results[0]
     return ConversionReport(str(out), time.monotonic() - started, _world(dims), num_tensors, num_bytes)
 

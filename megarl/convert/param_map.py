@@ -59,11 +59,7 @@ class Unit:
 
 def layer_range(config, dims: ParallelDims, pp_rank: int, vp_stage: int) -> range:
     """Global layer indices held by pipeline rank ``pp_rank``'s virtual stage ``vp_stage``."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    per_chunk = config.num_layers // (dims.pp * dims.num_virtual_stages)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage if dims.num_virtual_stages > 1 else None, pp_rank=pp_rank)
-    return range(offset, offset + per_chunk)
+    return dims.chunk_layers(config.num_layers, pp_rank, vp_stage)
 
 
 def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[str, tuple[int, ...]]) -> list[Unit]:

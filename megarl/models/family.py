@@ -145,6 +145,8 @@ class ModelFamily:
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp and dims.vpp > 1 else None,
+            num_layers_in_first_pipeline_stage=dims.first_stage_layers,
+            num_layers_in_last_pipeline_stage=dims.last_stage_layers,
             context_parallel_size=dims.cp,
             cp_comm_type=dims.cp_comm_type if dims.cp > 1 else None,
             sequence_parallel=dims.sequence_parallel,
@@ -190,7 +192,7 @@ class ModelFamily:
                                  "context parallelism; set cp=1 and split the model with tp/pp")
             kwargs["mrope_section"] = self.vision.mrope_section(hf_config)
             deepstack = self.vision.deepstack_layers(hf_config)
-            per_chunk = sizes["num_layers"] // (dims.pp * (dims.vpp or 1))
+            per_chunk = len(dims.chunk_layers(sizes["num_layers"], 0))
             if deepstack > per_chunk:
                 raise ValueError(f"parallel.pp={dims.pp}: the first pipeline stage holds {per_chunk} layer(s), and "
                                  f"the {self.name} family adds its vision features to the first {deepstack} "

@@ -17,6 +17,7 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+from megarl.config.parallel import ParallelDims
 from megarl.models.weights import Fuse, Split
 
 
@@ -138,12 +139,12 @@ class Architecture:
         not routed to (the model cards' "activated parameters", embedding and LM head included)."""
         return self.num_params - sum(self.sparse) * (self.num_experts - self.topk) * self.expert_params
 
-    def stage_layers(self, pp: int = 1, pp_rank: int = 0, vpp: int | None = None) -> list[int]:
-        """The global layers pipeline rank ``pp_rank`` holds: its chunk of ``num_layers / (pp × vpp)`` layers in
-        each of its ``vpp`` virtual stages (Megatron's interleaving: chunk ``v × pp + pp_rank``)."""
-        chunks = vpp or 1
-        per_chunk = self.num_layers // (pp * chunks)
-        return [(v * pp + pp_rank) * per_chunk + i for v in range(chunks) for i in range(per_chunk)]
+    def stage_layers(self, pipeline: ParallelDims | None = None, pp_rank: int = 0) -> list[int]:
+        """The global layers pipeline rank ``pp_rank`` of the layout ``pipeline`` holds (its ``pp``, ``vpp`` and
+        first/last stage sizes: :meth:`~megarl.config.parallel.ParallelDims.stage_layers`); None: every layer."""
+        if pipeline is None:
+            return list(range(self.num_layers))
+        return pipeline.stage_layers(self.num_layers, pp_rank)
 
     def _rank_numel(self, rule, tp: int, padded_vocab: int) -> int:
         shapes = [self.hf_shape(t) for t in rule.hf]
@@ -157,18 +158,18 @@ class Architecture:
             return math.prod(q) // tp + 2 * math.prod(k) // self.kv_heads
         return total // tp
 
-    def rank_params(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
-                    padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
-                    vpp: int | None = None) -> int:
+    def rank_params(self, *, tp: int, pipeline: ParallelDims | None = None, pp_rank: int = 0,
+                    value_head: bool = False, padded_vocab: int | None = None, ep: int = 1,
+                    etp: int | None = None) -> int:
         """Parameters one Megatron rank holds (:meth:`rank_param_counts`, experts included)."""
-        return self.rank_param_counts(tp=tp, pp=pp, pp_rank=pp_rank, value_head=value_head,
-                                      padded_vocab=padded_vocab, ep=ep, etp=etp, vpp=vpp).total
+        return self.rank_param_counts(tp=tp, pipeline=pipeline, pp_rank=pp_rank, value_head=value_head,
+                                      padded_vocab=padded_vocab, ep=ep, etp=etp).total
 
-    def lora_param_count(self, spec, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, vpp: int | None = None) -> int:
+    def lora_param_count(self, spec, *, tp: int = 1, pipeline: ParallelDims | None = None, pp_rank: int = 0) -> int:
         """LoRA adapter parameters one rank holds (a :class:`~megarl.config.lora.LoraSpec`): per adapted layer of its
         stage, a column-parallel one (``linear_qkv``, ``linear_fc1``) holds ``A`` whole and ``1/tp`` of ``B``'s rows, a
         row-parallel one (``linear_proj``, ``linear_fc2``) ``1/tp`` of ``A``'s columns and ``B`` whole
-        (:mod:`megarl.models.lora`). ``tp=1``, ``pp=1``: the whole adapter set, what a sync of adapters moves."""
+        (:mod:`megarl.models.lora`). ``tp=1``, no ``pipeline``: the whole adapter set, what a sync of adapters moves."""
         gated = any(r.fuse.value == "gate_up" for r in self.family.weight_rules(self.hf_config))
         q = self.heads * self.head_dim
         shapes = {"linear_qkv": (self.hidden, q + 2 * self.kv_heads * self.head_dim, True),
@@ -177,7 +178,7 @@ class Architecture:
                   "linear_fc2": (self.ffn, self.hidden, False)}
         per_layer = sum(spec.rank * (fan_in + fan_out // tp if column else fan_in // tp + fan_out)
                         for target, (fan_in, fan_out, column) in shapes.items() if target in spec.targets)
-        return per_layer * len(self.stage_layers(pp, pp_rank, vpp))
+        return per_layer * len(self.stage_layers(pipeline, pp_rank))
 
     def lora_peft_param_count(self, spec) -> int:
         """The whole adapter set in PEFT's layout, what a sync of adapters moves (``rollout.lora_sync=adapters``): as
@@ -187,9 +188,9 @@ class Architecture:
         extra = sum(spec.rank * self.hidden * n for target, n in copies.items() if target in spec.targets)
         return self.lora_param_count(spec) + extra * self.num_layers
 
-    def rank_param_counts(self, *, tp: int, pp: int = 1, pp_rank: int = 0, value_head: bool = False,
-                          padded_vocab: int | None = None, ep: int = 1, etp: int | None = None,
-                          vpp: int | None = None) -> RankParams:
+    def rank_param_counts(self, *, tp: int, pipeline: ParallelDims | None = None, pp_rank: int = 0,
+                          value_head: bool = False, padded_vocab: int | None = None, ep: int = 1,
+                          etp: int | None = None) -> RankParams:
         """Parameters one Megatron rank holds: its layers (:meth:`stage_layers`), the embedding (and a vision-language
         model's vision tower, whole on every TP rank) on stage 0, the
         final norm and LM head (or ``value_head``: ``Linear(h, 1)`` with bias) on the last stage; in a sparse
@@ -200,7 +201,8 @@ class Architecture:
         rules = self.family.weight_rules(self.hf_config)
         sparse = self.sparse or (False,) * self.num_layers
         dense = experts = 0
-        for layer in self.stage_layers(pp, pp_rank, vpp):
+        pp = pipeline.pp if pipeline is not None else 1
+        for layer in self.stage_layers(pipeline, pp_rank):
             for rule in [r for r in rules if r.per_layer]:
                 if not rule.applies_to(sparse[layer]):
                     continue

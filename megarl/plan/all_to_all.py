@@ -74,7 +74,7 @@ def plan_all_to_all(cfg: RunConfig, model: Architecture, placement: PlacementPla
     rows = cfg.data.train_batch_size * arr.rollout.n // dims.dp
     split = dims.tp if actor.parallel.sequence_parallel else 1
     tokens = math.ceil(rows * sum(cfg.rollout_widths()) / split / dims.cp)
-    sparse = max(sum(model.sparse[layer] for layer in model.stage_layers(dims.pp, r, dims.vpp))
+    sparse = max(sum(model.sparse[layer] for layer in model.stage_layers(dims, r))
                  for r in range(dims.pp))
     passes = 1 + int(cfg.needs_ref) + actor.ppo_epochs * (2 + int(actor.recompute_granularity == "full"))
     per_token = all_to_all_bytes_per_token(hidden=model.hidden, topk=model.topk, ep=dims.ep,

@@ -171,11 +171,11 @@ class MemoryModel:
     # ------------------------------------------------------------------------- training state
     def _state(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, *, value_head: bool,
                optim, lora=None) -> dict[str, int]:
-        counts = sizes.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
+        counts = sizes.rank_param_counts(tp=dims.tp, pipeline=dims, pp_rank=pp_rank, ep=dims.ep,
                                          etp=dims.expert_tp, value_head=value_head)
         n = counts.total
         if lora is not None:  # the base frozen: gradients and optimizer state of the adapters alone
-            adapters = sizes.lora_param_count(lora, tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp)
+            adapters = sizes.lora_param_count(lora, tp=dims.tp, pipeline=dims, pp_rank=pp_rank)
             counts = counts._replace(dense=adapters, experts=0)
             weights = (n + adapters) * self.dtype_bytes
             n = adapters
@@ -249,9 +249,9 @@ class MemoryModel:
 
     def _activations(self, sizes: Architecture, dims: ParallelDims, pp_rank: int, mb: MicroBatch, *,
                      sequence_parallel: bool, recompute: str | None, block: int) -> int:
-        layers = sizes.stage_layers(dims.pp, pp_rank, dims.vpp)
-        per_chunk_layers = len(layers) // dims.num_virtual_stages
-        chunk_layers = [layers[i:i + per_chunk_layers] for i in range(0, len(layers), per_chunk_layers)]
+        chunk_layers = [list(dims.chunk_layers(sizes.num_layers, pp_rank, v)) for v in range(dims.num_virtual_stages)]
+        layers = [layer for chunk in chunk_layers for layer in chunk]
+        per_chunk_layers = len(chunk_layers[0])
         chunks = chunks_in_flight(pp=dims.pp, vpp=dims.vpp, pp_rank=pp_rank, num_micro_batches=mb.count)
         kwargs = {"sequence_parallel": sequence_parallel}
         dispatch = self._dispatch_bytes(sizes, dims, mb, layers, **kwargs)
@@ -298,7 +298,7 @@ class MemoryModel:
         m, section = self.scorers[role], getattr(self.cfg, role)
         dims = self.placement.role(role).dims
         _, _, _, pp_rank = megatron_coordinates(bundle, dims)
-        counts = m.rank_param_counts(tp=dims.tp, pp=dims.pp, pp_rank=pp_rank, vpp=dims.vpp, ep=dims.ep,
+        counts = m.rank_param_counts(tp=dims.tp, pipeline=dims, pp_rank=pp_rank, ep=dims.ep,
                                      etp=dims.expert_tp, value_head=role == "reward_model")
         weights = counts.total * DTYPE_BYTES[section.model.dtype]
         if role == "teacher":

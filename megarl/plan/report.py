@@ -81,9 +81,7 @@ def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
 
 
 def _stage_layers(num_layers: int, dims, stage: int) -> str:
-    per_chunk = num_layers // (dims.pp * dims.num_virtual_stages)
-    chunks = [v * dims.pp + stage for v in range(dims.num_virtual_stages)]
-    return ranges([c * per_chunk + i for c in chunks for i in range(per_chunk)])
+    return ranges(dims.stage_layers(num_layers, stage))
 
 
 def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:

@@ -316,11 +316,11 @@ class _WeightSync:
 def _units(model: Architecture, dims: ParallelDims) -> list[Unit]:
     """Every tensor in HF order, placed as :func:`megarl.convert.param_map.build_plan` places it (experts by EP
     rank)."""
-    chunk_layers = model.num_layers // (dims.pp * dims.num_virtual_stages)
+    owners = {layer: (pp_rank, v) for v in range(dims.num_virtual_stages) for pp_rank in range(dims.pp)
+              for layer in dims.chunk_layers(model.num_layers, pp_rank, v)}
 
     def owner(layer):
-        index = layer // chunk_layers
-        return index % dims.pp, index // dims.pp
+        return owners[layer]
 
     experts_per_rank = model.num_experts // dims.ep if model.is_moe else 0
     last = (dims.pp - 1, dims.num_virtual_stages - 1)

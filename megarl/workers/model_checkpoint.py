@@ -63,8 +63,9 @@ HF_CONFIG_DIR = "hf_config"
 
 def layout_of(dims) -> dict:
     """The layout a checkpoint records (``model.json``'s ``layout``) of ``ParallelDims`` with ``dp`` bound."""
+    uneven = {k: getattr(dims, k) for k in ("first_stage_layers", "last_stage_layers") if getattr(dims, k) is not None}
     return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.num_virtual_stages, "cp": dims.cp, "dp": dims.dp,
-            "ep": dims.ep, "etp": dims.expert_tp}
+            "ep": dims.ep, "etp": dims.expert_tp, **uneven}
 
 
 def _layout(model) -> dict:
@@ -413,7 +414,9 @@ def export_source(directory: str | os.PathLike):
     return McoreSource(directory, directory / DIST_DIR, meta["family"], int(layout["tp"]), int(layout["pp"]),
                        int(layout.get("ep") or 1), layout.get("etp"), dtype_name(dtype, directory / DIST_DIR),
                        config_dir if (config_dir / "config.json").exists() else None, lora=_lora_spec(meta.get("lora")),
-                       base_dir=Path(meta["hf_dir"]) if meta.get("lora") else None)
+                       base_dir=Path(meta["hf_dir"]) if meta.get("lora") else None,
+                       first_stage_layers=layout.get("first_stage_layers"),
+                       last_stage_layers=layout.get("last_stage_layers"))
 
 
 def _lora_spec(saved: dict | None):

@@ -298,3 +298,28 @@ def test_moe_round_trip_through_cli_at_tp2_ep2(tmp_path):
         back.update(load_file(shard))
     assert sorted(back) == sorted(original)
     assert all(torch.equal(back[n], original[n]) for n in original)
+
+
+def test_kimi_k2_round_trip_through_cli_on_an_uneven_pipeline(tmp_path):
+    """Issue 37: Kimi-K2 (DeepSeek-V3's architecture, ``model_type: kimi_k2``) HF -> Megatron at PP=2 with a first
+    stage of 1 layer of 4 (``--first-stage-layers``, as DeepSeek-V3's 61 layers need) × EP=2 -> HF (as saved) is
+    bit-exact, and the checkpoint's own config.json comes back as it was."""
+    from tests.distributed import moe_jobs
+
+    hf = tmp_path / "hf"
+    moe_jobs.save_tiny_moe("kimi_k2", hf)
+    mcore = tmp_path / "mcore"
+    assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--pp", "2", "--first-stage-layers", "1",
+                 "--ep", "2"]) == 0
+    meta = json.loads((mcore / "megarl.json").read_text())
+    assert (meta["pp"], meta["first_stage_layers"], meta["last_stage_layers"], meta["ep"]) == (2, 1, None, 2)
+    out = tmp_path / "back"
+    assert main(["mcore-to-hf", "--mcore", str(mcore), "--out", str(out)]) == 0
+    original, back = load_file(hf / "model.safetensors"), {}
+    for shard in sorted(out.glob("*.safetensors")):
+        back.update(load_file(shard))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[n], original[n]) for n in original)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and config["auto_map"] == json.loads(
+        (hf / "config.json").read_text())["auto_map"]

@@ -1,6 +1,7 @@
 """ParallelDims factors the world size and names the setting to change when it cannot."""
 
 import pytest
+import torch
 
 from megarl.parallel import ParallelDims
 
@@ -62,6 +63,61 @@ def test_uneven_layer_split():
     with pytest.raises(ValueError, match=r"6 layers do not split evenly into parallel.pp × parallel.vpp = 4"):
         ParallelDims(pp=4).check_model(num_layers=6, num_attention_heads=4, num_query_groups=4)
     ParallelDims(pp=2, vpp=2).check_model(num_layers=8, num_attention_heads=4, num_query_groups=4)
+
+
+UNEVEN = [  # (num_layers, pp, vpp, first, last)
+    (61, 8, None, 5, None), (61, 8, None, None, 5), (61, 4, None, 13, 12), (61, 2, None, 31, None),
+    (61, 16, None, 1, None), (92, 8, None, 8, 12), (10, 3, 2, 2, 4), (14, 4, 2, None, 2), (9, 2, 3, 3, None),
+    (13, 4, None, 4, 3), (8, 2, 2, 4, None), (16, 4, 2, 2, 2), (5, 2, None, 2, None),
+]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, first, last", UNEVEN)
+def test_uneven_pipeline_stages_hold_the_layers_megatron_gives_them(num_layers, pp, vpp, first, last):
+    """``parallel.first_stage_layers`` / ``last_stage_layers`` (DeepSeek-V3's 61 layers): each chunk's layers are
+    those Megatron builds there (``get_transformer_layer_offset`` on a TransformerConfig with
+    ``num_layers_in_first/last_pipeline_stage``), every layer exactly once; the config carries them to Megatron."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dims = ParallelDims(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    dims.check_model(num_layers=num_layers, num_attention_heads=4, num_query_groups=4)
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=4,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                               pipeline_dtype=torch.float32)
+    held = []
+    for rank in range(pp):
+        for v in range(dims.num_virtual_stages):
+            chunk = dims.chunk_layers(num_layers, rank, v)
+            assert chunk.start == get_transformer_layer_offset(config, vp_stage=v if vpp else None, pp_rank=rank)
+            held += list(chunk)
+        assert len(dims.stage_layers(num_layers, rank)) == dims.stage_layer_counts(num_layers)[rank]
+    assert sorted(held) == list(range(num_layers))
+    counts = dims.stage_layer_counts(num_layers)
+    assert (first is None or counts[0] == first) and (last is None or counts[-1] == last)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pp=8, first_stage_layers=4), r"parallel.first_stage_layers = 4 leave 57 layers, which do not split evenly "
+                                       r"over the other 7 pipeline stage\(s\)"),
+    (dict(pp=2, first_stage_layers=30, last_stage_layers=30), r"leave 1 of the model's 61 layers for the other 0"),
+    (dict(pp=4, vpp=2, first_stage_layers=12, last_stage_layers=11), r"leave 38 layers, which do not split evenly "
+                                                                     r"over the other 2 .* × parallel.vpp=2"),
+    (dict(pp=4, vpp=2, first_stage_layers=3, last_stage_layers=6), r"parallel.first_stage_layers=3 does not split "
+                                                                   r"evenly into parallel.vpp=2"),
+    (dict(pp=8), r"61 layers do not split evenly .*\(parallel.first_stage_layers / parallel.last_stage_layers\)"),
+])
+def test_uneven_pipeline_stages_that_cannot_hold_the_layers_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs).check_model(num_layers=61, num_attention_heads=4, num_query_groups=4)
+
+
+def test_stage_sizes_need_a_pipeline():
+    with pytest.raises(ValueError, match=r"parallel.first_stage_layers=3 sizes a pipeline stage: it needs parallel.pp"):
+        ParallelDims(first_stage_layers=3)
+    with pytest.raises(ValueError, match=r"parallel.last_stage_layers must be a positive integer or null, got 0"):
+        ParallelDims(pp=2, last_stage_layers=0)
 
 
 def test_cp_comm_type_reaches_megatron_only_under_cp():

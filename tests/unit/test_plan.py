@@ -15,6 +15,7 @@ from megarl.cli.plan import main as plan_main
 from megarl.config import load_config
 from megarl.models.known import KNOWN_ARCHITECTURES, known_config, known_name, resolve_hf_config
 from megarl.models.sizes import Architecture
+from megarl.config.parallel import ParallelDims
 from megarl.parallel.packing import pack_alignment
 from megarl.plan.activations import (
     MicroBatch,
@@ -26,6 +27,8 @@ from megarl.plan.activations import (
 from megarl.plan.all_to_all import all_to_all_bytes_per_token
 from megarl.plan.memory import CUDA_CONTEXT_BYTES
 from megarl.plan.preflight import plan_run, preflight
+
+PP2 = ParallelDims(pp=2)
 
 GiB = 2**30
 
@@ -405,7 +408,8 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
     tied = Architecture.from_hf(known_config("Qwen2.5-0.5B"), name="q", source="t")
     # A tied embedding: one copy at pp=1, Megatron's second copy on the last stage at pp=2.
     one = tied.rank_params(tp=1)
-    assert tied.rank_params(tp=1, pp=2, pp_rank=0) + tied.rank_params(tp=1, pp=2, pp_rank=1) == one + 151936 * 896
+    assert (tied.rank_params(tp=1, pipeline=PP2, pp_rank=0) + tied.rank_params(tp=1, pipeline=PP2, pp_rank=1)
+            == one + 151936 * 896)
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
                                         "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3",
                                         "Kimi-K2"}
@@ -931,8 +935,8 @@ def test_the_vision_language_recipe_plans_its_tower_on_the_first_stage(capsys):
     text = Architecture.from_hf(known_config("Qwen2.5-7B"), name="t", source="t")
     tower = arch.num_params - text.num_params
     assert round(tower / 1e9, 2) == 0.68
-    assert arch.rank_params(tp=2, pp=2, pp_rank=0) - text.rank_params(tp=2, pp=2, pp_rank=0) == tower
-    assert arch.rank_params(tp=2, pp=2, pp_rank=1) == text.rank_params(tp=2, pp=2, pp_rank=1)
+    assert arch.rank_params(tp=2, pipeline=PP2, pp_rank=0) - text.rank_params(tp=2, pipeline=PP2, pp_rank=0) == tower
+    assert arch.rank_params(tp=2, pipeline=PP2, pp_rank=1) == text.rank_params(tp=2, pipeline=PP2, pp_rank=1)
     assert plan_main(["recipe=qwen2_5_vl_7b_grpo"]) == 0
     out = capsys.readouterr().out
     assert "layers 0-27 + vision tower (whole on each TP rank), embedding" in out and "fits:" in out

@@ -51,7 +51,7 @@ def test_the_tower_is_replicated_on_the_first_stage_and_counted_like_transformer
     arch = Architecture.from_hf(view, name="tiny-vl", source="test")
     assert arch.num_params == sum(p.numel() for p in hf.parameters())
     tower_params = sum(p.numel() for p in hf.model.visual.parameters())
-    stage0, stage1 = (arch.rank_params(tp=1, pp=2, pp_rank=r) for r in (0, 1))
+    stage0, stage1 = (arch.rank_params(tp=1, pipeline=ParallelDims(pp=2), pp_rank=r) for r in (0, 1))
     # Tied embeddings: both stages hold the vocabulary once; the last one the final norm too.
     assert stage0 - stage1 == tower_params - view.hidden_size
 
