@@ -27,6 +27,7 @@ from megarl.config.rollout import EngineConfig
 from megarl.config.schema import RunConfig
 from megarl.config.validate import data_parallel_size
 from megarl.data.dataset import PromptDataset
+from megarl.controller import role_memory
 from megarl.controller.progress import no_phases
 from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 from megarl.parallel.reaper import Reaper, start_reaper
@@ -197,6 +198,10 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
                                              reward_model=cfg.reward_model)
             built.append(reward_model)
         rollout_pool = pools["rollout"] if separate else pools["global"]
+        for role, group in (("actor", actor), ("critic", critic), ("teacher", teacher),
+                            ("reward_model", reward_model)):
+            if group is not None:  # SGLang sizes its KV pool beside what stays on the GPUs (the trainer onloads)
+                role_memory.offload(cfg, group, role)
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
             rollout, addresses = start_engine_servers(cfg, policy_set, rollout_pool,

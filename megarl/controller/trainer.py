@@ -39,6 +39,7 @@ from megarl.controller.build import (
     init_ray,
     load_agent_plugins,
 )
+from megarl.controller import role_memory
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 from megarl.controller.generate import decode_responses
 from megarl.controller.interrupts import interrupts_deferred
@@ -199,7 +200,8 @@ class Trainer:
         self.checkpoints.clean_stale()
         buffer_state = self._maybe_resume()
         # The engines start from the trainer's (possibly resumed) weights; nothing generates yet: caches may flush.
-        with self.phases("first weight sync"):
+        with self.phases("first weight sync"):  # the roles' state left the GPU before the engines started
+            self._onload("actor")
             self._sync_weights(self.global_step, contextlib.nullcontext(True))
         if self.roles.judge is not None:  # the judge's engines are up: it scores every row from here on
             self.reward_fn, self.val_reward_fn = judged_rewards(cfg, self.roles.judge.generator, self.tokenizer,
@@ -263,26 +265,12 @@ class Trainer:
 
     # ================================================================================ stages
     # ------------------------------------------------------------------ memory between phases
-    def _offload_flags(self, role: str) -> dict[str, bool]:
-        if role in ("teacher", "reward_model"):
-            return {"params": getattr(self.cfg, role).enable and getattr(self.cfg, role).param_offload}
-        if role == "critic":
-            critic = self.cfg.critic
-            return {"params": critic.param_offload, "grads": critic.grad_offload,
-                    "optimizer": critic.optimizer_offload}
-        arr = self.cfg.actor_rollout_ref
-        return {"params": arr.actor.param_offload, "grads": arr.actor.grad_offload,
-                "optimizer": arr.actor.optimizer_offload, "ref_params": self.use_ref and arr.ref.param_offload}
-
-    def _offload(self, role: str) -> None:
+    def _offload(self, role: str, *, params: bool = True, state: bool = True) -> None:
         """Move a role's weights/gradients/optimizer states to host memory (``<role>.*_offload``; GPU only)."""
-        flags = self._offload_flags(role)
-        if any(flags.values()):
-            self._group_of(role).call_all(ActorWorker.offload, **flags)
+        role_memory.offload(self.cfg, self._group_of(role), role, params=params, state=state)
 
     def _onload(self, role: str) -> None:
-        if any(self._offload_flags(role).values()):
-            self._group_of(role).call_all(ActorWorker.onload)
+        role_memory.onload(self.cfg, self._group_of(role), role)
 
     @contextlib.contextmanager
     def _onloaded(self, role: str):
@@ -322,11 +310,13 @@ class Trainer:
             metrics |= self._update_critic(batch, step, timing)
             if syncs:
                 metrics |= self._update_actor(batch, step, timing)
+                self._offload("actor", params=False)  # the update's state leaves before the engines' weights return
                 with timer("update_weights", timing):  # verl's name
                     metrics |= self._sync_weights(step, self.rollout.weight_update(step))
+                self._offload("actor", state=False)
             else:  # critic warm-up: the engines kept their weights (nothing to sync)
                 self.engine_memory.resume(TRAINING_TAGS)
-            self._offload("actor")
+                self._offload("actor")
             if self.cfg.trainer.rollout_data_dir:
                 with timer("dump_rollout_generations", timing):
                     self._dump(batch, extra, step)

@@ -288,7 +288,11 @@ class MemoryModel:
                 "logits": self._logits(update, dims.tp) if last else 0,
                 "forward": self._forward_layer(m, dims, forward, sequence_parallel=sp)
                 + (self._logits(forward, dims.tp) if last else 0)}
-        at_start = state["weights"] + state["grads"] + state["optimizer_at_start"] + rows["ref_weights"]
+        # The roles' state leaves the GPU by their offload flags before the engines start (role_memory).
+        actor = arr.actor
+        at_start = (0 if actor.param_offload else state["weights"]) + (0 if actor.grad_offload else state["grads"]) \
+            + (0 if actor.optimizer_offload else state["optimizer_at_start"]) \
+            + (0 if arr.ref.param_offload else rows["ref_weights"])
         return rows | {"_at_start": at_start, "_optimizer_host": state["optimizer_host"]}
 
     def _scorer_rows(self, role: str, bundle: int) -> dict[str, int]:
@@ -309,9 +313,10 @@ class MemoryModel:
                                      section.forward_max_token_len_per_gpu)
         forward = self._micro(dims, section.model.use_remove_padding, rows=rows or 16, dynamic=dynamic, budget=budget)
         logits = self._logits(forward, dims.tp, m) if role == "teacher" and pp_rank == dims.pp - 1 else 0
-        return {f"{role}_weights": weights, f"_{role}_resident": 0 if section.param_offload else weights,
+        resident = 0 if section.param_offload else weights
+        return {f"{role}_weights": weights, f"_{role}_resident": resident,
                 f"{role}_forward": self._forward_layer(m, dims, forward, sequence_parallel=dims.sequence_parallel)
-                + logits, "_at_start": weights}
+                + logits, "_at_start": resident}
 
     def _critic_rows(self, bundle: int) -> dict[str, int]:
         m, dims, critic = self.critic_model, self.critic_dims, self.cfg.critic
@@ -330,7 +335,8 @@ class MemoryModel:
                 "critic_activations": self._activations(m, dims, pp_rank, update, sequence_parallel=sp,
                                                         recompute=None, block=1),
                 "critic_forward": self._forward_layer(m, dims, forward, sequence_parallel=sp),
-                "_at_start": state["weights"] + state["grads"] + state["optimizer_at_start"],
+                "_at_start": sum(state["optimizer_at_start" if k == "optimizer" else k] for k, flag in off.items()
+                                 if not flag),
                 "_optimizer_host": state["optimizer_host"]}
 
     def host_optimizer_bytes(self) -> dict[int, int]:
@@ -493,7 +499,10 @@ class MemoryModel:
                 "critic_activations": rows["critic_activations"]}
         phases["update actor"] = onloaded | critic_resident | kept | {"activations": rows["activations"],
                                                                        "logits": rows["logits"]}
-        phases["weight sync"] = onloaded | critic_resident | resumed | {"sync_buffers": rows["sync_buffers"]}
+        # Before a sync the actor's update state leaves by its offload flags (role_memory): its weights stay.
+        synced = base | {"actor_weights": rows["actor_weights"]} | {
+            k: v for k, v in (actor_resident | {"actor_weights": 0}).items() if v}
+        phases["weight sync"] = synced | critic_resident | resumed | {"sync_buffers": rows["sync_buffers"]}
         return {name: {k: v for k, v in parts.items() if v} for name, parts in phases.items()}
 
 
