@@ -71,15 +71,15 @@ class ModelFamily:
         """Whether the q/k/v projections carry a bias (a rule maps one)."""
         return any(rule.megatron.endswith("linear_qkv.bias") for rule in self.weights)
 
-    @property
-    def qk_norm(self) -> bool:
-        """RMSNorm on queries and keys per head (Qwen3)."""
-        return any(rule.megatron.endswith("q_layernorm.weight") for rule in self.weights)
+    def qk_norm(self, hf_config) -> bool:
+        """RMSNorm on queries and keys per head (Qwen3; GLM-4.5 under ``use_qk_norm``; MLA's low-rank norms)."""
+        return any(rule.megatron.endswith("q_layernorm.weight") for rule in self.weight_rules(hf_config))
 
     def weight_rules(self, hf_config) -> tuple[WeightRule, ...]:
         """The rules that apply to ``hf_config`` (the output layer only when untied)."""
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        text = tuple(rule for rule in self.weights if not (tied and rule.untied_only))
+        text = tuple(rule for rule in self.weights if not (tied and rule.untied_only)
+                     and (rule.when is None or getattr(hf_config, rule.when, False)))
         return text if self.vision is None else self.vision.weight_rules(hf_config) + text
 
     def sparse_layers(self, hf_config) -> tuple[bool, ...]:
@@ -137,7 +137,7 @@ class ModelFamily:
             activation_func=F.silu,
             add_bias_linear=False,
             add_qkv_bias=self.qkv_bias,
-            qk_layernorm=self.qk_norm,
+            qk_layernorm=self.qk_norm(hf_config),
             init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
             hidden_dropout=0.0,
             attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
@@ -342,14 +342,14 @@ class ModelFamily:
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                               normalization="RMSNorm", vp_stage=vp_stage)
         if use_te:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         from megarl.parallel.cpu_support import local_block_spec
 
         if self.moe is not None:
             layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
                                                                  normalization="RMSNorm")
             return local_block_spec(layers, config, vp_stage=vp_stage)
-        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
         return local_block_spec(layer, config, vp_stage=vp_stage)
 
 

@@ -76,6 +76,27 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, rope_theta=10000,
     ),
+    # Qwen/Qwen3-235B-A22B's config.json on the hub (model card: 235 B parameters, 22 B activated, 94 layers, 64
+    # query / 4 KV heads, 128 experts of which 8 per token): every layer a mixture of experts, no shared expert.
+    "Qwen3-235B-A22B": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=4096, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, intermediate_size=12288,
+        moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    # zai-org/GLM-4.5's config.json on the hub (model card: 355 B parameters, 32 B active): 92 layers, the first 3
+    # dense, 160 routed experts (8 per token, sigmoid with a bias, scaled 2.5) and one shared, 96 query / 8 KV heads
+    # with q/k/v biases and q/k norms, rotary on half of each head; one multi-token-prediction layer (not trained).
+    "GLM-4.5": dict(
+        model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], hidden_size=5120, num_hidden_layers=92,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+        moe_intermediate_size=1536, n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=3, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        attention_bias=True, use_qk_norm=True, vocab_size=151552, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    ),
     # moonshotai/Kimi-K2-Instruct's config.json on the hub (model card: 1 T total parameters, 32 B activated):
     # DeepSeek-V3's architecture (its model_type kimi_k2 is read as deepseek_v3: megarl.models.hf_config) with 64
     # heads, 384 routed experts in one group, one dense layer, a 163,840-token vocabulary, YaRN factor 32 from 4,096

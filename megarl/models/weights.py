@@ -58,6 +58,8 @@ class WeightRule:
     """The layers that have this tensor: ``all``, ``dense`` (a dense MLP) or ``moe`` (a mixture of experts)."""
     first_stage: bool = False
     """A tensor of the first pipeline stage besides the embedding (a vision tower's)."""
+    when: str | None = None
+    """An HF config flag this tensor exists under (GLM-4.5's ``use_qk_norm``: its q/k norms); None: always."""
     linear: bool = False
     """A replicated linear layer's weight (MLA's down projections): quantized by FP8 rollout like the split ones
     (:attr:`block_fp8`), as in DeepSeek-V3's FP8 checkpoints, where SGLang's loader expects them in FP8."""
@@ -119,7 +121,7 @@ class RuleAt:
         return self.rule.hf_names(self.layer, self.expert)
 
 
-def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "model.",
+def decoder_weights(*, qkv_bias: bool, qk_norm: bool | str, moe=None, prefix: str = "model.",
                     attention: list[WeightRule] | None = None) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
     checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
@@ -184,7 +186,7 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool, moe=None, prefix: str = "m
     return tuple(rules)
 
 
-def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool, qk_norm: bool) -> list[WeightRule]:
+def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool, qk_norm: bool | str) -> list[WeightRule]:
     """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output."""
     rules = [WeightRule(m_attn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN,
                         Fuse.QKV)]
@@ -192,10 +194,11 @@ def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool, qk_norm: bool) -> 
         rules.append(
             WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV)
         )
-    if qk_norm:
+    if qk_norm:  # a string: the config flag they exist under
+        when = qk_norm if isinstance(qk_norm, str) else None
         rules += [
-            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), Split.REPLICATED),
-            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), Split.REPLICATED),
+            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), Split.REPLICATED, when=when),
+            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), Split.REPLICATED, when=when),
         ]
     rules.append(WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW))
     return rules

@@ -26,10 +26,12 @@ def tiny_moe_config(name: str):
         return Qwen2MoeConfig(**common, intermediate_size=40, moe_intermediate_size=16,
                               shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                               norm_topk_prob=False, mlp_only_layers=[0], architectures=["Qwen2MoeForCausalLM"])
-    if name == "glm4_moe":  # sigmoid routing with a bias, scaled weights, shared experts, partial rotary, 1 dense layer
+    if name == "glm4_moe":  # sigmoid routing with a bias, scaled weights, shared experts, partial rotary, q/k norms,
+        # 1 dense layer
         return Glm4MoeConfig(**common, head_dim=16, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
                              n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
                              routed_scaling_factor=2.5, n_group=1, topk_group=1, attention_bias=True,
+                             use_qk_norm=True,  # GLM-4.5's per-head q/k norms (GLM-4.5-Air has none)
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.5},
                              architectures=["Glm4MoeForCausalLM"])

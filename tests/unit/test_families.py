@@ -233,6 +233,12 @@ def test_glm4_moe_maps_sigmoid_routing_its_bias_scaling_groups_and_shared_expert
     assert names["decoder.layers.1.mlp.router.expert_bias"] == ("model.layers.1.mlp.gate.e_score_correction_bias",)
     assert names["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (
         "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight")
+    # GLM-4.5's per-head q/k norms exist under use_qk_norm (GLM-4.5-Air has none): rules and Megatron's layer norms
+    assert not config.qk_layernorm and "decoder.layers.0.self_attention.q_layernorm.weight" not in names
+    normed = _glm(use_qk_norm=True)
+    assert family.transformer_config(normed, ParallelDims(tp=1, pp=1)).qk_layernorm
+    names = {at.megatron_name: at.hf_names for at in family.weight_instances(normed)}
+    assert names["decoder.layers.0.self_attention.k_layernorm.weight"] == ("model.layers.0.self_attn.k_norm.weight",)
     with pytest.raises(ValueError, match="n_group=2, topk_group=1 with num_experts_per_tok=4 .* top 2"):
         family.transformer_config(_glm(n_group=2, topk_group=1), ParallelDims(tp=1, pp=1))
     with pytest.raises(ValueError, match="norm_topk_prob=false in the HF config: Megatron renormalises a sigmoid"):

@@ -413,7 +413,7 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
             == one + 151936 * 896)
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
                                         "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3",
-                                        "Kimi-K2"}
+                                        "Kimi-K2", "Qwen3-235B-A22B", "GLM-4.5"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -676,6 +676,28 @@ def test_kimi_k2_counts_match_the_model_card():
     assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 32_861_500_928
     assert round(arch.num_params / 1e12, 2) == 1.03 and round(arch.num_active_params / 1e9) == 33
     assert known_name("moonshotai/Kimi-K2-Instruct") == "Kimi-K2"
+
+
+def test_glm_4_5_and_qwen3_235b_counts_match_their_model_cards():
+    """GLM-4.5: 355 B with its multi-token-prediction layer (a 93rd MoE layer, 3.8 B, not loaded for RL), 32 B
+    active besides the embeddings; Qwen3-235B-A22B: 235 B, 22 B active. By hand from their configs' sizes."""
+    glm = Architecture.from_hf(known_config("GLM-4.5"), name="g", source="t")
+    h, L, dense, A, G, D, V, f, E, k, mf = 5120, 92, 3, 96, 8, 128, 151552, 12288, 160, 8, 1536
+    attention = (A + 2 * G) * D * h + (A + 2 * G) * D + A * D * h + 2 * D  # q/k/v with biases, o, q/k norms
+    expert = 3 * mf * h
+    total = 2 * V * h + h + L * (attention + 2 * h) + dense * 3 * f * h + (L - dense) * (
+        E * expert + expert + E * h + E)
+    assert glm.num_params == total == 352_797_829_024
+    assert round((total + E * expert + expert) / 1e9) == 357  # + the MTP layer's experts: the card says 355 B
+    assert glm.num_active_params == total - (L - dense) * (E - k) * expert == 33_632_266_144
+    assert round((glm.num_active_params - 2 * V * h) / 1e9) == 32
+    qwen = Architecture.from_hf(known_config("Qwen3-235B-A22B"), name="q", source="t")
+    h, L, A, G, D, V, E, k, mf = 4096, 94, 64, 4, 128, 151936, 128, 8, 1536
+    expert = 3 * mf * h
+    layer = (A + 2 * G) * D * h + A * D * h + 2 * D + 2 * h + E * h + E * expert
+    total = 2 * V * h + h + L * layer
+    assert qwen.num_params == total == 235_093_634_560
+    assert qwen.num_active_params == total - L * (E - k) * expert == 22_190_763_520
 
 
 @pytest.fixture(scope="module")
