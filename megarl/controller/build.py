@@ -396,9 +396,9 @@ def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
     arr = cfg.actor_rollout_ref
     model = arr.model
     if arr.rollout.quantization == "fp8":
-        from megarl.convert.fp8 import ENGINE_DIR
+        from megarl.convert.fp8 import engine_checkpoint
 
-        model = dataclasses.replace(model, path=str(cfg.run_dir / ENGINE_DIR))
+        model = dataclasses.replace(model, path=str(engine_checkpoint(model.local_path, cfg.run_dir)))
     return EngineSet("rollout", "engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
                      routed_experts=arr.actor.router_replay.enabled,
                      lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None)

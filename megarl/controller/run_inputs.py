@@ -56,9 +56,15 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
     (:func:`check_same_tokenizer`); FP8 engines (``rollout.quantization``) get their FP8 copy of the policy.
     ``scoring`` False (generation only): the data need no columns for the reward scorers, and no scoring model is
     built."""
+    from megarl.convert.fp8 import checkpoint_quantization, ensure_engine_checkpoint
+
     model = cfg.actor_rollout_ref.model
     if model.init != "tiny_sft":
         _check_model_directories(cfg)
+        if checkpoint_quantization(model.local_path) is not None and cfg.actor_rollout_ref.rollout.quantization is None:
+            raise ValueError(f"actor_rollout_ref.model.path={model.path!r} holds block-FP8 weights (as DeepSeek-V3 "
+                             f"is published): the trainer reads them dequantized, and engines started from it serve "
+                             f"FP8, so the weight sync must quantize: set actor_rollout_ref.rollout.quantization=fp8")
     teacher = cfg.teacher.model if cfg.teacher.enable and scoring else None
     if teacher is not None and teacher.init != "tiny_sft":
         check_model_directory(teacher.local_path, "teacher.model.path")
@@ -76,8 +82,6 @@ def prepare_policy(cfg: RunConfig, *, scoring: bool = True) -> None:
         if other is not None:
             check_same_tokenizer(model, other)
     if cfg.actor_rollout_ref.rollout.quantization == "fp8":  # the engines start from an FP8 copy of the policy
-        from megarl.convert.fp8 import ensure_engine_checkpoint
-
         ensure_engine_checkpoint(model.local_path, cfg.run_dir)
     if cfg.reward_model.judge.enable and scoring:  # the judge reads text: its tokenizer is its own
         check_model_directory(cfg.reward_model.judge.model.local_path, "reward_model.judge.model.path")

@@ -160,10 +160,36 @@ ENGINE_DIR = "engine_fp8"
 SOURCE_MARKER = "megarl_fp8_source.json"
 
 
+def checkpoint_quantization(directory: str | os.PathLike) -> dict | None:
+    """The ``quantization_config`` of the HF checkpoint in ``directory`` (None: not quantized). One megarl cannot
+    read (not block FP8 in 128 × 128 blocks, DeepSeek-V3's format and FP8 rollout's) is refused, naming it."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    if quantization.get("quant_method") != "fp8" or list(quantization.get("weight_block_size") or []) != list(
+            QUANTIZATION_CONFIG["weight_block_size"]):
+        raise ValueError(f"{directory} is quantized as {quantization}: megarl reads block-FP8 checkpoints "
+                         f"(quant_method fp8, weight_block_size {QUANTIZATION_CONFIG['weight_block_size']}); give "
+                         f"the model in its training dtype")
+    return quantization
+
+
+def engine_checkpoint(source: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
+    """Where FP8 engines start from: ``source`` itself when it is block FP8 already (DeepSeek-V3 as published),
+    else the run's FP8 copy of it (:func:`ensure_engine_checkpoint`)."""
+    if checkpoint_quantization(source) is not None:
+        return Path(source).expanduser().resolve()
+    return Path(run_dir).expanduser() / ENGINE_DIR
+
+
 def ensure_engine_checkpoint(source: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     """The FP8 checkpoint of ``source`` the run's engines start from (``<run_dir>/engine_fp8``; the first weight
     sync replaces its values with the trainer's): written unless it was, from the same files (their names, sizes and
-    modification times); written beside and renamed into place, so a killed run leaves none half-written."""
+    modification times); written beside and renamed into place, so a killed run leaves none half-written. A source
+    in block FP8 already is used as it is (:func:`engine_checkpoint`)."""
+    if checkpoint_quantization(source) is not None:
+        return engine_checkpoint(source, run_dir)
     source, directory = Path(source).expanduser().resolve(), Path(run_dir).expanduser() / ENGINE_DIR
     stamp = {"source": str(source), "files": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                                     for p in source.glob("*.safetensors"))}

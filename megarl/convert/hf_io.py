@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.convert.layout import Slice
+from megarl.models.fp8 import BLOCK, SCALE_SUFFIX, dequantize_block_fp8
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -157,6 +158,11 @@ class HFCheckpoint:
             )
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
+        self.scales: dict[str, str] = {n.removesuffix(SCALE_SUFFIX): n for n in weight_map
+                                       if n.endswith(".weight" + SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX)
+                                       in weight_map}
+        """A block-FP8 checkpoint's (DeepSeek-V3's as published): quantized weight -> its ``weight_scale_inv``;
+        :meth:`read` gives such a weight dequantized (fp32), :meth:`names` leaves the scales out."""
 
     def _file(self, name: str):
         if name not in self.weight_map:
@@ -167,8 +173,9 @@ class HFCheckpoint:
         return self._handles[filename]
 
     def names(self) -> list[str]:
-        """Every tensor name in the checkpoint."""
-        return list(self.weight_map)
+        """Every tensor name in the checkpoint (a block-FP8 weight's scale is part of its weight)."""
+        scales = set(self.scales.values())
+        return [name for name in self.weight_map if name not in scales]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the file header, without reading data."""
@@ -179,13 +186,30 @@ class HFCheckpoint:
         return self._file(name).get_slice(name).get_dtype()
 
     def read(self, name: str, where: Slice) -> torch.Tensor:
-        """Read only ``where`` of tensor ``name`` (memory-mapped)."""
+        """Read only ``where`` of tensor ``name`` (memory-mapped); a block-FP8 weight dequantized to fp32 (the
+        whole 128-row or -column blocks around ``where`` read, with their scales)."""
+        if name in self.scales:
+            return self._read_fp8(name, where)
+        return self._read(name, where)
+
+    def _read(self, name: str, where: Slice) -> torch.Tensor:
         handle = self._file(name)
         if where.dim is None:
             return handle.get_tensor(name)
         index = [slice(None)] * (where.dim + 1)
         index[where.dim] = slice(where.start, where.stop)
         return handle.get_slice(name)[tuple(index)]
+
+    def _read_fp8(self, name: str, where: Slice) -> torch.Tensor:
+        scale = self.scales[name]
+        if where.dim is None:
+            return dequantize_block_fp8(self._read(name, where), self._read(scale, where))
+        block = BLOCK[where.dim]
+        first = where.start // block
+        stop = min(math.ceil(where.stop / block) * block, self.shape(name)[where.dim])
+        weight = dequantize_block_fp8(self._read(name, Slice(where.dim, first * block, stop)),
+                                      self._read(scale, Slice(where.dim, first, math.ceil(stop / block))))
+        return weight.narrow(where.dim, where.start - first * block, where.stop - where.start)
 
 
 def expected_names(family, hf_config) -> list[str]:
@@ -296,9 +320,11 @@ def copy_side_files(source: str | os.PathLike, destination: str | os.PathLike) -
 
 def set_config_dtype(directory: str | os.PathLike, dtype: torch.dtype) -> None:
     """Record ``dtype`` as the weights' dtype in ``directory``'s ``config.json`` (``dtype``, and ``torch_dtype`` where
-    an older transformers wrote it), every other field left as it is."""
+    an older transformers wrote it), and drop a ``quantization_config`` (the weights written are not quantized: a
+    block-FP8 source is read dequantized); every other field left as it is."""
     path = Path(directory) / "config.json"
     config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
     if "torch_dtype" in config:

@@ -108,6 +108,20 @@ def test_inputs_outside_the_config_are_checked_before_placement(tmp_path, monkey
     check_run_inputs(load_config())  # the tiny recipe: nothing outside the config is missing
 
 
+def test_a_block_fp8_policy_without_fp8_engines_is_refused_naming_the_key(tmp_path):
+    """A policy published in block FP8 (DeepSeek-V3): engines started from it serve FP8, so the sync must quantize
+    (``rollout.quantization=fp8``); refused before anything else runs."""
+    from megarl.convert.fp8 import write_fp8_checkpoint
+    from megarl.models.tiny import build_tiny_tokenizer, save_tiny
+
+    policy = save_tiny(tmp_path / "bf16", num_layers=1)
+    fp8 = write_fp8_checkpoint(policy, tmp_path / "fp8").directory
+    build_tiny_tokenizer().save_pretrained(fp8)
+    with pytest.raises(ValueError, match=rf"{ARR}\.model\.path=.* holds block-FP8 weights .* set "
+                                         rf"{ARR}\.rollout\.quantization=fp8"):
+        prepare_policy(_cfg(fp8))
+
+
 def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_placement(tmp_path):
     """Issue 12: the tiny recipe with the GSM8K tool used to fail every rollout ("prompt has 401 tokens ... more
     than 64") and go on with rc 0; the schemas now count when filtering, and a set left empty is an error."""

@@ -270,3 +270,52 @@ def test_the_engines_fp8_weights_live_on_their_parameters_device():
     on_host = Fp8Weights({"w": torch.nn.Parameter(torch.empty(256, 128))}, {"w": weight}, {"w": scale})
     on_host.refresh_all()
     assert on_host.read("w").device.type == "cpu" and torch.equal(on_host.read("w").float(), weight.float())
+
+
+def test_a_block_fp8_checkpoint_reads_dequantized_by_any_slice(tmp_path):
+    """DeepSeek-V3 is published in block FP8: :class:`HFCheckpoint` reads such a weight dequantized (fp32), whole or
+    by any row or column slice (the blocks around it read with their scales), equal to dequantizing the whole
+    weight and slicing it; its scale is part of the weight (not a tensor name); other tensors read as they are."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megarl.convert.hf_io import HFCheckpoint
+    from megarl.convert.layout import Slice
+
+    weight = torch.randn(300, 200)
+    q, scale = quantize_block_fp8(weight)
+    norm = torch.randn(200)
+    save_file({"w.weight": q, "w.weight_scale_inv": scale, "n.weight": norm}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": QUANTIZATION_CONFIG}))
+    checkpoint = HFCheckpoint(tmp_path)
+    assert sorted(checkpoint.names()) == ["n.weight", "w.weight"]
+    whole = dequantize_block_fp8(q, scale)
+    assert torch.equal(checkpoint.read("w.weight", Slice(None)), whole)
+    assert ((whole - weight).abs() <= error_bound(q, scale)).all()
+    for where in (Slice(0, 0, 150), Slice(0, 150, 300), Slice(0, 127, 129), Slice(1, 100, 200), Slice(1, 0, 1),
+                  Slice(1, 130, 131)):
+        got = checkpoint.read("w.weight", where)
+        assert got.dtype == torch.float32 and torch.equal(got, where.apply(whole)), where
+    assert torch.equal(checkpoint.read("n.weight", Slice(0, 3, 7)), norm[3:7])
+
+
+def test_an_fp8_policy_needs_fp8_engines_and_its_engines_start_from_it(tmp_path):
+    """A block-FP8 policy (DeepSeek-V3 as published): its engines start from it as it is with
+    ``rollout.quantization=fp8`` (no copy); without it the run is refused naming the key; another quantization is
+    refused naming it; exports drop the quantization config (their weights are dequantized)."""
+    import json
+
+    from megarl.convert.fp8 import checkpoint_quantization, engine_checkpoint
+    from megarl.convert.hf_io import set_config_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
+                                                      "quantization_config": QUANTIZATION_CONFIG}))
+    assert checkpoint_quantization(tmp_path) == QUANTIZATION_CONFIG
+    assert engine_checkpoint(tmp_path, tmp_path / "run") == tmp_path.resolve()
+    set_config_dtype(tmp_path, torch.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"model_type": "deepseek_v3", "dtype": "bfloat16"}
+    assert engine_checkpoint(tmp_path, tmp_path / "run") == tmp_path / "run" / "engine_fp8"
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match=r"quantized as .*awq.*: megarl reads block-FP8 checkpoints"):
+        checkpoint_quantization(tmp_path)
