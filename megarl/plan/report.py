@@ -298,7 +298,8 @@ def _engine_note(plan: RunPlan) -> list[str]:
         return ["  hf engines reserve no KV pool: each caches its share of the batch while it generates"]
     starts = sorted({g.in_use_at_engine_start for g in plan.gpus if g.engine})
     held = _gib(starts[0]) if starts[0] == starts[-1] else f"{_gib(starts[0])} to {_gib(starts[-1])}"
-    why = ("the trainer builds the actor, reference and critic before the engines" if plan.placement.colocated
+    why = ("the trainer builds the actor, reference and critic before the engines, then moves to the host what "
+           "their *_offload flags name" if plan.placement.colocated
            else "the engines have their GPUs to themselves")
     return [f"  SGLang sizes its KV pool when it starts: {ARR}.rollout.gpu_memory_utilization="
             f"{rollout.gpu_memory_utilization} x GPU - memory in use then ({held} GiB; {why}) - engine weights"]

@@ -700,6 +700,30 @@ def test_glm_4_5_and_qwen3_235b_counts_match_their_model_cards():
     assert qwen.num_active_params == total - L * (E - k) * expert == 22_190_763_520
 
 
+FRONTIER = {  # recipe -> (GPUs, GB per GPU, layers per pipeline stage, experts per GPU and sparse layer)
+    "deepseek_v3_671b_grpo": (256, 80, (16, 16, 16, 13), 4),
+    "kimi_k2_grpo": (256, 141, (16, 16, 16, 13), 6),
+    "glm4_5_355b_grpo": (128, 80, (23, 23, 23, 23), 5),
+    "qwen3_235b_a22b_grpo": (128, 80, (24, 24, 24, 22), 4),
+}
+
+
+@pytest.mark.parametrize("recipe", FRONTIER)
+def test_the_frontier_moe_recipes_fit_their_clusters(recipe):
+    """Issue 37: DeepSeek-V3 671B (32 x 8 H100), Kimi-K2 (32 x 8 H200), GLM-4.5 355B and Qwen3-235B-A22B (16 x 8
+    H100) are planned as fitting, their layers split over the stages as the recipes say (the last stage lighter
+    where they do not split evenly), each GPU holding its share of every sparse layer's experts."""
+    gpus, memory, layers, experts = FRONTIER[recipe]
+    plan = plan_run(load_config([f"recipe={recipe}"]))
+    assert plan.fits, plan.problems()
+    assert plan.worst.peak < memory * GiB and plan.gpu_memory_bytes == memory * GiB
+    dims = plan.placement.role("actor").dims
+    assert dims.world_size == gpus
+    assert tuple(dims.stage_layer_counts(plan.model.num_layers)) == layers
+    assert plan.model.num_experts // dims.ep == experts
+    assert all(g.kv_tokens >= 100_000 for g in plan.gpus if g.engine)
+
+
 @pytest.fixture(scope="module")
 def plan_30b():
     return plan_run(load_config(["recipe=qwen3_30b_a3b_grpo"]))
