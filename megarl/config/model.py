@@ -14,7 +14,7 @@ from megarl.config.common import DTYPES, check_choice, check_positive
 
 MODEL_INITS = ("pretrained", "tiny_sft")
 REWARD_MODEL_INITS = ("pretrained", "tiny_rm")
-TINY_ARCHS = ("qwen2", "qwen3_moe", "qwen2_5_vl")
+TINY_ARCHS = ("qwen2", "qwen3_moe", "deepseek_v3", "qwen2_5_vl")
 """``model.tiny_arch`` values (megarl.models.tiny.TINY_ARCHS; config sits below models, so the names are listed here
 and a test checks they agree)."""
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -35,8 +35,8 @@ class ModelSource:
     """``pretrained``: load ``path``. ``tiny_sft``: build ``megarl.models.tiny``'s Qwen2 model and tokenizer,
     warm-start it by SFT on ``data.train_files`` and cache it at ``path`` (reused when present)."""
     tiny_arch: str = "qwen2"
-    """``init=tiny_sft``: the tiny model's architecture, ``qwen2`` (dense), ``qwen3_moe`` (a mixture of experts) or
-    ``qwen2_5_vl`` (vision-language, on image data;
+    """``init=tiny_sft``: the tiny model's architecture, ``qwen2`` (dense), ``qwen3_moe`` or ``deepseek_v3``
+    (mixtures of experts; the latter with multi-latent attention) or ``qwen2_5_vl`` (vision-language, on image data;
     :data:`megarl.models.tiny.TINY_ARCHS`)."""
     sft_steps: int = 300
     """SFT steps of the ``tiny_sft`` warm start (at most that many when ``sft_stop_reward`` is set)."""

@@ -160,6 +160,29 @@ def tiny_qwen3_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int =
     )
 
 
+def tiny_deepseek_v3_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 3, num_heads: int = 4,
+                            moe_intermediate_size: int = 32, num_experts: int = 8, num_experts_per_tok: int = 2,
+                            max_position_embeddings: int = 512):
+    """A DeepSeek-V3 config for ``tokenizer``: multi-latent attention (low-rank queries and keys/values, a decoupled
+    rotary part, YaRN), the first layer dense, then ``num_experts`` experts in 2 groups (top-``num_experts_per_tok``
+    from the best group, sigmoid scores with a bias, scaled by 2.5) and one shared expert; untied embeddings."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * moe_intermediate_size,
+        moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts, n_shared_experts=1,
+        num_experts_per_tok=num_experts_per_tok, n_group=2, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": max_position_embeddings // 4, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, architectures=["DeepseekV3ForCausalLM"],
+    )
+
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 """Qwen2.5-VL's vision special tokens: an image is ``<|vision_start|>``, one ``<|image_pad|>`` per merged patch,
 ``<|vision_end|>``."""
@@ -275,7 +298,8 @@ def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 
     )
 
 
-TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config, "qwen2_5_vl": tiny_qwen2_5_vl_config}
+TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config, "deepseek_v3": tiny_deepseek_v3_config,
+              "qwen2_5_vl": tiny_qwen2_5_vl_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 
 

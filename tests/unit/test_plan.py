@@ -643,37 +643,38 @@ def test_qwen3_30b_a3b_counts_match_the_model_card():
     assert arch.sparse == (True,) * 48 and (arch.num_experts, arch.topk, arch.moe_ffn) == (128, 8, 768)
 
 
-def test_deepseek_v3_counts_match_the_model_card():
-    """DeepSeek-V3: 671 B parameters in the main model, 37 B activated per token (its model card; the 14 B
-    multi-token-prediction module is not counted, as RL does not load it), by hand from its config's sizes; its
-    KV cache is the latent and the rotary key of each layer, whole on every TP rank."""
-    arch = Architecture.from_hf(known_config("DeepSeek-V3"), name="d", source="t")
-    h, L, dense, A, V = 7168, 61, 3, 128, 129280
-    q_lora, kv_lora, nope, rope, v, f, E, k, moe_f = 1536, 512, 128, 64, 128, 18432, 256, 8, 2048
+def _mla_moe_counts(h, L, dense, A, V, E, k, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, f=18432,
+                    moe_f=2048) -> tuple[int, int]:
+    """``(total, active)`` parameters of a DeepSeek-V3-architecture model, by hand: multi-latent attention (low-rank
+    queries and keys/values with their norms, a decoupled rotary key), ``dense`` dense layers, then ``E`` routed
+    experts (``k`` per token), one shared expert and a router with its bias per layer; untied embeddings."""
     attention = (q_lora * h + q_lora + A * (nope + rope) * q_lora + (kv_lora + rope) * h + kv_lora
                  + A * (nope + v) * kv_lora + h * A * v)
     expert = 3 * moe_f * h
     sparse_layer = E * expert + expert + E * h + E  # routed experts, the shared one, the router and its bias
     total = 2 * V * h + h + L * (attention + 2 * h) + dense * 3 * f * h + (L - dense) * sparse_layer
+    return total, total - (L - dense) * (E - k) * expert
+
+
+def test_deepseek_v3_counts_match_the_model_card():
+    """DeepSeek-V3: 671 B parameters in the main model, 37 B activated per token (its model card; the 14 B
+    multi-token-prediction module is not counted, as RL does not load it), by hand from its config's sizes; its
+    KV cache is the latent and the rotary key of each layer, whole on every TP rank."""
+    arch = Architecture.from_hf(known_config("DeepSeek-V3"), name="d", source="t")
+    total, active = _mla_moe_counts(h=7168, L=61, dense=3, A=128, V=129280, E=256, k=8)
     assert arch.num_params == total == 671_026_419_200
-    assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 37_552_297_472
+    assert arch.num_active_params == active == 37_552_297_472
     assert round(arch.num_params / 1e9) == 671 and round(arch.num_active_params / 1e9) in (37, 38)
-    assert arch.kv_bytes_per_token(8, 2) == arch.kv_bytes_per_token(1, 2) == L * (kv_lora + rope) * 2
+    assert arch.kv_bytes_per_token(8, 2) == arch.kv_bytes_per_token(1, 2) == 61 * (512 + 64) * 2
 
 
 def test_kimi_k2_counts_match_the_model_card():
     """Kimi-K2: 1 T parameters, 32 B activated (its model card), by hand as DeepSeek-V3's above with its sizes: 64
     heads, 384 experts, one dense layer, a 163,840-token vocabulary."""
     arch = Architecture.from_hf(known_config("Kimi-K2"), name="k", source="t")
-    h, L, dense, A, V = 7168, 61, 1, 64, 163840
-    q_lora, kv_lora, nope, rope, v, f, E, k, moe_f = 1536, 512, 128, 64, 128, 18432, 384, 8, 2048
-    attention = (q_lora * h + q_lora + A * (nope + rope) * q_lora + (kv_lora + rope) * h + kv_lora
-                 + A * (nope + v) * kv_lora + h * A * v)
-    expert = 3 * moe_f * h
-    sparse_layer = E * expert + expert + E * h + E
-    total = 2 * V * h + h + L * (attention + 2 * h) + dense * 3 * f * h + (L - dense) * sparse_layer
+    total, active = _mla_moe_counts(h=7168, L=61, dense=1, A=64, V=163840, E=384, k=8)
     assert arch.num_params == total == 1_026_408_232_448
-    assert arch.num_active_params == total - (L - dense) * (E - k) * expert == 32_861_500_928
+    assert arch.num_active_params == active == 32_861_500_928
     assert round(arch.num_params / 1e12, 2) == 1.03 and round(arch.num_active_params / 1e9) == 33
     assert known_name("moonshotai/Kimi-K2-Instruct") == "Kimi-K2"
 
