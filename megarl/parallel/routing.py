@@ -174,7 +174,7 @@ class Routing:
         rollout = torch.zeros_like(routing_map).scatter_(1, target.to(routing_map.device), True)
         with torch.no_grad():
             logits = router.gating(args[0]).view(routing_map.shape[0], -1)
-            natural = torch.zeros_like(routing_map).scatter_(1, logits.topk(target.shape[1], dim=1).indices, True)
+            natural = natural_routing(router, logits)
         valid = context.valid
         counts = torch.stack([((routing_map != rollout).any(dim=1) & valid).double(),
                               ((natural != rollout).any(dim=1) & valid).double(), valid.double()], dim=1)
@@ -203,3 +203,17 @@ class Routing:
                     router.router_replay.clear_router_replay_action()
         self._contexts.clear()
         self._counting = False
+
+
+def natural_routing(router, logits: torch.Tensor) -> torch.Tensor:
+    """``[tokens, experts]`` bool: the experts Megatron's ``router`` picks for ``logits`` by itself, whatever it was
+    told to replay: its score function (softmax, or a sigmoid plus the expert bias), group-limited selection and
+    top-k, as its own ``routing`` computes them (``topk_routing_with_score_function`` without a replay)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    config = router.config
+    _, routing_map = topk_routing_with_score_function(
+        logits, router.topk, use_pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
+        score_function=router.score_function, expert_bias=router.expert_bias, router_replay=None)
+    return routing_map.bool()

@@ -776,30 +776,44 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_moe_grpo_replays_the_engines_routing(assets):
-    """Issue 17: GRPO on a tiny Qwen3-MoE (3 layers, every one sparse, 8 experts, top-2) at EP=2 over the 2 actor
-    ranks, engines in bf16 (as on GPUs): with ``router_replay.mode=replay`` the old-log-prob pass routes every token
-    as the engine did (mismatch 0, measured from the routers' maps) though its routers by themselves would not
-    always; with ``compare`` the training routing is its own, and differs from the rollout's (measured: 17 of 1296
-    (token, layer) routings, 1.3 %)."""
+    """Issues 17 and 37: GRPO on a tiny DeepSeek-V3 (multi-latent attention with YaRN; a dense layer, then 8 experts
+    in 2 groups, top-2 by sigmoid score plus bias, one shared expert) at EP=2 over the 2 actor ranks, engines in bf16
+    (as on GPUs): with ``router_replay.mode=replay`` the old-log-prob pass routes every token as the engine did
+    (mismatch 0, measured from the routers' maps) though its routers by themselves would not always; with
+    ``compare`` the training routing is its own, and differs from the rollout's. The replay run syncs by the
+    ``tensor`` transport, the compare run by the ``distributed`` one, every tensor read back from both engines. A
+    run resumed from the replay run's step-1 checkpoint repeats its step 2 exactly."""
     from megarl.models.tiny import save_tiny
 
-    model = save_tiny(assets["root"] / "moe_model", arch="qwen3_moe", seed=3, num_experts=8, num_layers=3)
-    runs = {}
-    for mode in ("replay", "compare"):
-        trainer = _run(_config(assets, f"moe_{mode}", "trainer.total_steps=1", f"actor_rollout_ref.model.path={model}",
-                               f"actor_rollout_ref.actor.router_replay.mode={mode}",
-                               "actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.ep=2",
-                               "actor_rollout_ref.rollout.dtype=bfloat16"))
-        (_, metrics), = trainer.history
-        runs[mode] = metrics
-        assert all(math.isfinite(v) for v in metrics.values())
-        assert metrics["actor/skipped_steps"] == 0 and metrics["weight_sync/verified_engines"] == 2
-        # Every routed (token, layer): the 16 rows' tokens but their last, over 3 sparse layers.
-        assert metrics["moe/routing_decisions"] > 0
-    replay, compare = runs["replay"], runs["compare"]
-    assert replay["moe/routing_mismatch"] == 0.0
-    assert replay["moe/router_natural_mismatch"] > 0.0
-    assert compare["moe/routing_mismatch"] == compare["moe/router_natural_mismatch"] > 0.0
+    model = save_tiny(assets["root"] / "moe_model", arch="deepseek_v3", seed=3, num_experts=8, num_layers=3)
+    common = ("actor_rollout_ref.actor.parallel.tp=1", "actor_rollout_ref.actor.parallel.ep=2",
+              "actor_rollout_ref.rollout.dtype=bfloat16", f"actor_rollout_ref.model.path={model}")
+    replay = _run(_config(assets, "moe_replay", "trainer.total_steps=2", "trainer.save_freq=1", *common,
+                          "actor_rollout_ref.actor.router_replay.mode=replay"))
+    compare = _run(_config(assets, "moe_compare", "trainer.total_steps=1", *common,
+                           "actor_rollout_ref.actor.router_replay.mode=compare",
+                           "actor_rollout_ref.rollout.weight_transport=distributed"))
+    assert (replay.roles.weight_transport, compare.roles.weight_transport) == ("tensor", "distributed")
+    for trainer in (replay, compare):
+        for _, metrics in trainer.history:
+            assert all(math.isfinite(v) for v in metrics.values())
+            assert metrics["actor/skipped_steps"] == 0 and metrics["weight_sync/verified_engines"] == 2
+            # Both transports: every tensor (the expert bias in fp32 among them) read back from both engines
+            assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+            assert metrics["moe/routing_decisions"] > 0  # the rows' tokens but their last, over 2 sparse layers
+    for _, metrics in replay.history:
+        assert metrics["moe/routing_mismatch"] == 0.0
+    assert max(m["moe/router_natural_mismatch"] for _, m in replay.history) > 0.0
+    (_, compared), = compare.history
+    assert compared["moe/routing_mismatch"] == compared["moe/router_natural_mismatch"] > 0.0
+    step1 = CheckpointManager(replay.run_dir).path(1)
+    resumed = _run(_config(assets, "moe_resumed", "trainer.total_steps=2", *common,
+                           "actor_rollout_ref.actor.router_replay.mode=replay", "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={step1}"))
+    assert [s for s, _ in resumed.history] == [2]
+    want, have = _untimed(replay.history[1][1]), _untimed(resumed.history[0][1])
+    diffs = {k: (want[k], have.get(k)) for k in want if want[k] != have.get(k)}
+    assert not diffs, f"step 2 differs after resume: {diffs}"
 
 
 @pytest.mark.parametrize("lora_sync", ["adapters", "merged"])
