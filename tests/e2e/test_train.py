@@ -915,7 +915,7 @@ def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
     equal the actor's (mismatch < 1e-5) and every weight, the vision tower's too, reaches both engines."""
     run = _train_cli(["recipe=tiny_cpu_vl_grpo", f"actor_rollout_ref.model.path={tmp_path / 'tiny_vl_sft'}",
                       "actor_rollout_ref.model.init=tiny_sft",
-                      "trainer.logger=[console,jsonl]", "trainer.save_freq=-1"], cwd=tmp_path, timeout_s=600)
+                      "trainer.logger=[console,jsonl]", "trainer.save_freq=-1"], cwd=tmp_path, timeout_s=850)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert (tmp_path / "data" / "squares" / "train.parquet").is_file()
     lines = (tmp_path / "runs" / "megarl" / "tiny_cpu_vl_grpo" / "metrics.jsonl").read_text().splitlines()
