@@ -215,9 +215,7 @@ class Trainer:
             self.rollout = AsyncRollout(cfg, self.loader, self.train_set, manager, scorer,
                                         global_step=self.global_step, buffer_state=buffer_state,
                                         console=self.console)
-        self._offload("actor")
-        if self.use_critic:
-            self._offload("critic")
+        self._offload("actor")  # onloaded for the first sync; the critic has stayed offloaded since build_roles
 
     # ================================================================================ resume
     def _trainer_state(self) -> dict[str, Any]:

@@ -189,7 +189,7 @@ def ensure_engine_checkpoint(source: str | os.PathLike, run_dir: str | os.PathLi
     modification times); written beside and renamed into place, so a killed run leaves none half-written. A source
     in block FP8 already is used as it is (:func:`engine_checkpoint`)."""
     if checkpoint_quantization(source) is not None:
-        return engine_checkpoint(source, run_dir)
+        return Path(source).expanduser().resolve()
     source, directory = Path(source).expanduser().resolve(), Path(run_dir).expanduser() / ENGINE_DIR
     stamp = {"source": str(source), "files": sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                                                     for p in source.glob("*.safetensors"))}
