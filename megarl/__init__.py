@@ -16,3 +16,7 @@ def _no_wandb_in_worker_processes() -> None:
 
 
 _no_wandb_in_worker_processes()
+
+from megarl import _eager_megatron  # noqa: E402
+
+_eager_megatron.install()

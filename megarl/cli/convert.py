@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"megarl-convert: error: {error}\n")
     except RankFailure as error:
         parser.exit(1, f"megarl-convert: a rank failed; nothing was written to --out.\n{error}\n")
+    if report.skipped_line():
+        print(f"megarl-convert: {report.skipped_line()}")
     print(
         f"megarl-convert: wrote {report.output} ({report.num_tensors} tensors, {report.num_bytes / 2**20:.1f} MiB) "
         f"in {report.seconds:.1f} s on {report.num_ranks} rank(s)"

@@ -1,22 +1,56 @@
 """The run configuration: one typed dataclass per component (``schema`` lists them), cross-component checks
-(``validate``), and composition from ``configs/`` with Hydra (``loading``)."""
+(``validate``), and composition from ``configs/`` with Hydra (``loading``).
 
-from megarl.config.actor import ActorConfig, RefConfig, RouterReplayConfig
-from megarl.config.algorithm import AlgorithmConfig, CustomRewardFunction, KLControlConfig, RewardConfig
-from megarl.config.critic import CriticConfig
-from megarl.config.data import DataConfig
-from megarl.config.loading import CONFIG_DIR, ConfigError, compose_config, load_config, to_run_config
-from megarl.config.model import ModelConfig, OptimConfig
-from megarl.config.parallel import Coordinates, MeshAxis, ParallelDims
-from megarl.config.rollout import MultiTurnConfig, RolloutConfig, ValKwargs
-from megarl.config.schema import SCHEMA_NAME, ActorRolloutRefConfig, RunConfig, register_schema
-from megarl.config.trainer import TrainerConfig
-from megarl.config.validate import data_parallel_size, validate
+The names below are loaded on first use, so a process that needs one component's settings (an engine server's
+owner: ``rollout`` and ``model``) does not import the others (``actor`` and ``algorithm`` import torch through the
+defaults they read from :mod:`megarl.algo`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megarl.config.actor import ActorConfig, RefConfig, RouterReplayConfig
+    from megarl.config.algorithm import AlgorithmConfig, CustomRewardFunction, KLControlConfig, RewardConfig
+    from megarl.config.critic import CriticConfig
+    from megarl.config.data import DataConfig
+    from megarl.config.loading import CONFIG_DIR, ConfigError, compose_config, load_config, to_run_config
+    from megarl.config.model import ModelConfig, OptimConfig
+    from megarl.config.parallel import Coordinates, MeshAxis, ParallelDims
+    from megarl.config.rollout import MultiTurnConfig, RolloutConfig, ValKwargs
+    from megarl.config.schema import SCHEMA_NAME, ActorRolloutRefConfig, RunConfig, register_schema
+    from megarl.config.trainer import TrainerConfig
+    from megarl.config.validate import data_parallel_size, validate
+
+_MODULES = {
+    "actor": ("ActorConfig", "RefConfig", "RouterReplayConfig"),
+    "algorithm": ("AlgorithmConfig", "CustomRewardFunction", "KLControlConfig", "RewardConfig"),
+    "critic": ("CriticConfig",),
+    "data": ("DataConfig",),
+    "loading": ("CONFIG_DIR", "ConfigError", "compose_config", "load_config", "to_run_config"),
+    "model": ("ModelConfig", "OptimConfig"),
+    "parallel": ("Coordinates", "MeshAxis", "ParallelDims"),
+    "rollout": ("MultiTurnConfig", "RolloutConfig", "ValKwargs"),
+    "schema": ("SCHEMA_NAME", "ActorRolloutRefConfig", "RunConfig", "register_schema"),
+    "trainer": ("TrainerConfig",),
+    "validate": ("data_parallel_size", "validate"),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "CONFIG_DIR", "SCHEMA_NAME", "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError",
     "Coordinates", "CriticConfig", "CustomRewardFunction", "DataConfig", "KLControlConfig", "MeshAxis", "ModelConfig",
-    "MultiTurnConfig", "OptimConfig", "ParallelDims", "RefConfig", "RewardConfig", "RolloutConfig", "RouterReplayConfig", "RunConfig",
-    "TrainerConfig", "ValKwargs", "compose_config", "data_parallel_size", "load_config", "register_schema",
-    "to_run_config", "validate",
+    "MultiTurnConfig", "OptimConfig", "ParallelDims", "RefConfig", "RewardConfig", "RolloutConfig",
+    "RouterReplayConfig", "RunConfig", "TrainerConfig", "ValKwargs", "compose_config", "data_parallel_size",
+    "load_config", "register_schema", "to_run_config", "validate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

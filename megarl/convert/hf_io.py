@@ -238,9 +238,10 @@ def expected_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint(checkpoint: HFCheckpoint, family, hf_config) -> None:
-    """Refuse a checkpoint whose tensors are missing, unexpected or of the wrong shape."""
+    """Refuse a checkpoint whose tensors are missing, unexpected or of the wrong shape (the layers the family skips,
+    a multi-token-prediction layer, are expected and left out)."""
     wanted = expected_names(family, hf_config)
-    present = set(checkpoint.names())
+    present = set(checkpoint.names()) - set(family.skipped_tensors(hf_config, checkpoint.names()))
     missing = [n for n in wanted if n not in present]
     wanted_set = set(wanted)
     tied_copy = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()

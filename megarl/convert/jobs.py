@@ -45,6 +45,17 @@ class ConversionReport:
     num_ranks: int
     num_tensors: int
     num_bytes: int
+    skipped: tuple[str, ...] = ()
+    """Tensors of the input the output leaves out, by name (a DeepSeek-V3 / GLM-4.5 checkpoint's multi-token-prediction
+    layer: not part of the model RL trains)."""
+
+    def skipped_line(self) -> str | None:
+        """What was left out, by layer, for the user (None: nothing)."""
+        if not self.skipped:
+            return None
+        layers = sorted({".".join(name.split(".")[:3]) for name in self.skipped})
+        return (f"skipped {len(self.skipped)} tensors of {', '.join(layers)} (multi-token prediction: not part of the "
+                f"model RL trains)")
 
 
 def _load_hf_config(directory: Path, flag: str = "--hf"):
@@ -159,7 +170,9 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
             "dtype": dtype,
         }
         (tmp / "megarl.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return ConversionReport(str(out), time.monotonic() - started, _world(dims), len(checkpoint.names()), sum(results))
+    skipped = tuple(family.skipped_tensors(hf_config, checkpoint.names()))
+    return ConversionReport(str(out), time.monotonic() - started, _world(dims), len(checkpoint.names()) - len(skipped),
+                            sum(results), skipped)
 
 
 def _hf_to_mcore_rank(hf_dir: str, model_dir: str, dims: ParallelDims, dtype: str) -> int:

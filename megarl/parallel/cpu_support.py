@@ -57,7 +57,11 @@ export ~17 % on CPU).
    routers' and RoPE's helpers) are ``torch.compile``d. RL micro-batches change length every call (and packing
    changes strides), so each new shape recompiles them until dynamo's recompile limit, after which they run eager
    anyway: on an H200 a 0.5B model's first PPO steps took 5-6 s, and dynamo reported the limit hit. They run eager
-   here from the start (:func:`_eager_fusions`, every machine): the same math, no compilation.
+   here from the start (:func:`_eager_fusions`, every machine): the same math, no compilation. Importing ``megarl``
+   first (every megarl process does) disables the fuser as ``megatron.core.jit`` is imported
+   (:mod:`megarl._eager_megatron`), so nothing is decorated with ``torch.compile`` and torch's compiler stack is not
+   imported with Megatron (about 4 s of CPU per process); :func:`_eager_fusions` undoes what a process that imported
+   Megatron first compiled.
 14. Multi-latent attention without TransformerEngine (:func:`_patch_mla_without_te`, every machine): Megatron's TE
    stand-in makes ``multi_latent_attention`` believe TE is there and fail on its mock; megarl's core attention
    takes MLA's ``k_channels`` / ``v_channels``, ``kv_layernorm`` is a :class:`CpuRMSNorm` like the others, and the

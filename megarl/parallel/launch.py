@@ -1,12 +1,18 @@
 """Run a function on N local gloo ranks, time-bounded, and bring back results or the failure.
 
 Used by the converter jobs that spawn their own ranks on CPU (``megarl-convert``), the
-multi-process tests and the benchmarks in ``tools/``. Each rank is a fresh ``spawn``-ed
-process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
-set, one torch thread, and the function's return value shipped back by value.
+multi-process tests and the benchmarks in ``tools/``. Each rank is a new process with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, one torch thread, and the
+function's return value shipped back by value.
 
-Keep this module (and ``megarl/parallel/__init__.py``, which every rank runs first) free of
-heavy imports such as torch: a rank imports them before it can dump its stack on a timeout.
+Ranks are forked by a ``forkserver`` that has imported what every rank imports (:data:`PRELOAD`:
+torch, Megatron-Core, transformers; about 10 s of CPU per process): one server per calling
+process, started at its first job with the ranks' environment (:data:`RANK_ENV`; OpenMP reads
+``OMP_NUM_THREADS`` at load) and ended with that process. A job's ranks, and every later job's,
+start with those imports done instead of paying them each. The server imports nothing else: no
+CUDA context, no process group, no thread; a rank is as new as a ``spawn``-ed one in all but its
+import time. Keep this module (and ``megarl/parallel/__init__.py``) free of heavy imports: the
+calling process (``megarl-convert`` at start-up) need not pay them.
 
 Failure policy: the first rank that raises (or dies, or exits without reporting) ends the
 job; the others are killed (they would otherwise wait forever in a collective) and
@@ -37,9 +43,26 @@ class RankFailure(RuntimeError):
     """A spawned rank raised, died, or the job ran past its time limit."""
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, results, stack_file):
+PRELOAD = ("megarl", "torch", "torch.distributed", "torch._dynamo", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "transformers", "transformers.models.auto.configuration_auto")
+"""Modules the forkserver imports once for every rank (``megarl`` first: it makes Megatron's fusions eager before
+``megatron.core`` is imported; ``torch._dynamo``: torch's optimizers import it at their first step)."""
+
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "MEGARL_WORKER_PROCESS": "1"}  # no wandb in ranks (megarl/__init__.py)
+"""Every rank's environment (the forkserver's too: it imports torch and megarl with it)."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", *PRELOAD])  # '__main__': functions of a script's main module
+    return ctx
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, results, stack_file, env):
     # Own process group: the parent kills the rank and anything it started in one go.
     os.setpgrp()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -79,24 +102,23 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return each rank's result.
 
-    ``fn`` must be importable by module path (a module-level function). Raises
-    :class:`RankFailure` with the failing rank's traceback if any rank fails, dies or the
-    job exceeds ``timeout_s``.
+    ``fn`` must be importable by module path (a module-level function). ``env``: set in each rank before ``fn``
+    runs (after the forkserver's imports: a variable read at import time takes effect only in the job that starts
+    the server). Raises :class:`RankFailure` with the failing rank's traceback if any rank fails, dies or the job
+    exceeds ``timeout_s``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    rank_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "MEGARL_WORKER_PROCESS": "1"}  # no wandb in ranks (megarl/__init__.py)
-    rank_env.update(env or {})
+    rank_env = {**RANK_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="megarl-ranks-") as tmp:
         stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, r, world_size, port, results, stack_files[r]),
+                args=(fn, args, kwargs, r, world_size, port, results, stack_files[r], rank_env),
                 name=f"megarl-rank{r}",
                 # Not daemonic: ranks may start helper processes (Megatron's checkpoint writer
                 # does). The finally-block below kills whatever is left.
@@ -104,8 +126,8 @@ def run_ranks(
             )
             for r in range(world_size)
         ]
-        # Children inherit the environment at start: thread limits must be in place before
-        # they import torch (OpenMP reads OMP_NUM_THREADS once, at load).
+        # The forkserver (started by the first job) inherits the environment: thread limits must be in place
+        # before it imports torch (OpenMP reads OMP_NUM_THREADS once, at load).
         with _environment(rank_env):
             for p in procs:
                 p.start()

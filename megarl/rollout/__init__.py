@@ -6,19 +6,37 @@ imports it),
 with sglang-router (:mod:`megarl.rollout.router`) in front for generation; :class:`EngineClient`
 is the one client of that API. The rollout's settings are :class:`megarl.config.RolloutConfig`
 (``actor_rollout_ref.rollout``).
+
+The names below are loaded on first use: a light submodule (``http_api``, ``server_process``, which an engine
+server's owner imports) does not import torch through the agent loop.
 """
 
-from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.engine import (
-    FinishReason,
-    GenerateOutput,
-    RolloutEngine,
-    SamplingParams,
-    update_weights,
-    weight_update_session,
-)
-from megarl.rollout.manager import RolloutManager
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
+    from megarl.rollout.client import EngineClient, EngineError
+    from megarl.rollout.engine import (
+        FinishReason,
+        GenerateOutput,
+        RolloutEngine,
+        SamplingParams,
+        update_weights,
+        weight_update_session,
+    )
+    from megarl.rollout.manager import RolloutManager
+
+_MODULES = {
+    "agent_loop": ("AgentLoop", "batch_from_requests", "requests_from_batch"),
+    "client": ("EngineClient", "EngineError"),
+    "engine": ("FinishReason", "GenerateOutput", "RolloutEngine", "SamplingParams", "update_weights",
+               "weight_update_session"),
+    "manager": ("RolloutManager",),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "AgentLoop",
@@ -34,3 +52,11 @@ __all__ = [
     "update_weights",
     "weight_update_session",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

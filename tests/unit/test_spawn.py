@@ -36,6 +36,31 @@ def hanging_job():
     time.sleep(60)
 
 
+def state_job(marker):
+    import sys
+
+    import torch
+
+    return (os.getppid(), os.getpid(), "megatron.core" in sys.modules, "transformers" in sys.modules,
+            torch.get_num_threads(), os.environ["MEGARL_WORKER_PROCESS"], os.environ.get("MEGARL_TEST_MARKER"),
+            "wandb" in sys.modules and sys.modules["wandb"] is None, marker in os.environ)
+
+
+def test_ranks_start_with_the_heavy_imports_done_and_are_new_processes_each_job():
+    """Ranks fork from one server that has imported torch, Megatron-Core and transformers (PRELOAD) with the ranks'
+    environment; each job's ranks are new processes; ``env`` reaches the ranks of any job."""
+    first = run_ranks(state_job, 2, "MEGARL_TEST_MARKER", timeout_s=120)
+    second = run_ranks(state_job, 2, "MEGARL_TEST_MARKER", timeout_s=120, env={"MEGARL_TEST_MARKER": "2"})
+    servers = {row[0] for row in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers  # one forkserver, not this process
+    assert len({row[1] for row in first + second}) == 4  # a new process per rank and job
+    for row in first:
+        assert row[2:] == (True, True, 1, "1", None, True, False)
+    for row in second:
+        assert row[2:] == (True, True, 1, "1", "2", True, True)
+    assert "MEGARL_TEST_MARKER" not in os.environ
+
+
 def test_results_come_back_in_rank_order():
     assert run_ranks(ok_job, 3, 21, timeout_s=60) == [(r, 3, 42, "1") for r in range(3)]
 
