@@ -1,5 +1,5 @@
 """The run configuration: one typed dataclass per component (``schema`` lists them), cross-component checks
-(``validate``), and composition from ``configs/`` with Hydra (``loading``).
+(``checks``), and composition from ``configs/`` with Hydra (``loading``).
 
 The names below are loaded on first use, so a process that needs one component's settings (an engine server's
 owner: ``rollout`` and ``model``) does not import the others (``actor`` and ``algorithm`` import torch through the
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from megarl.config.rollout import MultiTurnConfig, RolloutConfig, ValKwargs
     from megarl.config.schema import SCHEMA_NAME, ActorRolloutRefConfig, RunConfig, register_schema
     from megarl.config.trainer import TrainerConfig
-    from megarl.config.validate import data_parallel_size, validate
+    from megarl.config.checks import data_parallel_size, validate
 
 _MODULES = {
     "actor": ("ActorConfig", "RefConfig", "RouterReplayConfig"),
@@ -35,7 +35,7 @@ _MODULES = {
     "rollout": ("MultiTurnConfig", "RolloutConfig", "ValKwargs"),
     "schema": ("SCHEMA_NAME", "ActorRolloutRefConfig", "RunConfig", "register_schema"),
     "trainer": ("TrainerConfig",),
-    "validate": ("data_parallel_size", "validate"),
+    "checks": ("data_parallel_size", "validate"),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 

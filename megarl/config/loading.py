@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.keys import did_you_mean, is_declared
 from megarl.config.schema import RunConfig, register_schema
-from megarl.config.validate import validate
+from megarl.config.checks import validate
 from megarl.config.verl_keys import VerlKeyError, check_equal, translate
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -69,7 +69,7 @@ def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFI
     "trainer.total_steps=10"]``) and return the typed :class:`RunConfig`.
 
     Each section's own checks run while the dataclasses are built, then the cross-component checks
-    (:func:`megarl.config.validate.validate`), once: the returned config is ready to run.
+    (:func:`megarl.config.checks.validate`), once: the returned config is ready to run.
     ``generation_only`` (``megarl-generate``): only the checks of what generation uses (the machines and the
     engines), not those of training (batches, algorithm, roles).
     Raises :class:`ConfigError` (a ``ValueError``) naming the offending key.

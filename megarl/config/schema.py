@@ -23,7 +23,7 @@ Layout (verl's key names), each section defined in the module named after it::
 Defaults live in these dataclasses only (or, where a lower component owns a default, are read from it
 with :func:`megarl.config.common.default_of`). The code that uses a section receives the section
 itself (over Ray too): no field is repeated in a second dataclass. Each ``__post_init__`` checks its own
-fields; checks that span sections are in :func:`megarl.config.validate.validate`, which
+fields; checks that span sections are in :func:`megarl.config.checks.validate`, which
 :func:`megarl.config.load_config` runs once. The YAML under ``configs/`` only selects a recipe and
 overrides values.
 """

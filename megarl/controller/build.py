@@ -25,7 +25,7 @@ import ray
 from megarl.config.model import ModelSource
 from megarl.config.rollout import EngineConfig
 from megarl.config.schema import RunConfig
-from megarl.config.validate import data_parallel_size
+from megarl.config.checks import data_parallel_size
 from megarl.data.dataset import PromptDataset
 from megarl.controller import role_memory
 from megarl.controller.progress import no_phases

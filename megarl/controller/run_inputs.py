@@ -5,7 +5,7 @@ weights, a data file without the prompt column, a tool file that does not exist,
 without a GPU, a checkpoint saved at another parallel layout, router replay for a dense model. Each check here
 reads the input itself and refuses it with the key that names it and what to do, before Ray starts, so no
 worker, engine or router is left to clean up. Cross-field checks of the config alone live in
-:mod:`megarl.config.validate`; a checkpoint directory's own files in :mod:`megarl.controller.run_checkpoints`.
+:mod:`megarl.config.checks`; a checkpoint directory's own files in :mod:`megarl.controller.run_checkpoints`.
 
 The trainer calls, in order: :func:`check_run_inputs`, :func:`check_resume_layout`, :func:`prepare_policy`
 (which for the tiny recipe also writes its data and warm start), then :func:`routing_shape` when it builds the
@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from megarl.config.schema import RunConfig
-from megarl.config.validate import data_parallel_size
+from megarl.config.checks import data_parallel_size
 from megarl.controller.tracking_backends import missing_logger_packages
 from megarl.data.dataset import missing_scoring_columns
 from megarl.data.files import data_format, read_columns

@@ -269,10 +269,10 @@ def test_cuda_graphs_go_with_a_released_kv_cache_on_sglang(caplog):
     longer forces enforce_eager. The hf engine never captures graphs: enforce_eager=false is named as ignored."""
     cfg = _cfg("recipe=qwen2_5_7b_grpo", f"{ARR}.rollout.enforce_eager=false", f"{ARR}.rollout.free_cache_engine=true")
     assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.trainer.device == "cuda"
-    with caplog.at_level("WARNING", logger="megarl.config.validate"):
+    with caplog.at_level("WARNING", logger="megarl.config.checks"):
         validate(cfg)
     assert "enforce_eager" not in caplog.text
-    with caplog.at_level("WARNING", logger="megarl.config.validate"):
+    with caplog.at_level("WARNING", logger="megarl.config.checks"):
         validate(_cfg(f"{ARR}.rollout.enforce_eager=false"))  # the tiny recipe: the hf engine
     assert f"{ARR}.rollout.enforce_eager=False is ignored by the hf engine" in caplog.text
 
@@ -416,7 +416,7 @@ def test_group_estimators_need_distinct_samples(overrides, message):
 
 
 def test_greedy_duplicates_under_a_critic_are_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="megarl.config.validate"):
+    with caplog.at_level(logging.WARNING, logger="megarl.config.checks"):
         load_config(["recipe=qwen2_5_7b_ppo", f"{ARR}.rollout.n=2", f"{ARR}.rollout.temperature=0"])
     assert "generates the same response 2 times per prompt" in caplog.text
 

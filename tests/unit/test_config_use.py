@@ -2,7 +2,7 @@
 
 The schema is walked from :class:`RunConfig` through every composed recipe; each field's name must be read as an
 attribute (``section.field`` or ``getattr(section, "field")``) somewhere in ``megarl/`` outside the checks: not in
-a ``__post_init__`` and not in ``megarl/config/validate.py``.
+a ``__post_init__`` and not in ``megarl/config/checks.py``.
 """
 
 from __future__ import annotations

@@ -56,3 +56,15 @@ def test_megatron_imports_without_torchs_compiler_and_compiles_nothing():
                 "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, 'inductor': 'torch._inductor' in sys.modules,"
                 " 'fuser': jit.jit_fuser.__name__, 'compiled': cpu_support.compiled_megatron_functions()}))")
     assert seen == {"dynamo": False, "inductor": False, "fuser": "noop_decorator", "compiled": []}
+
+
+def test_no_name_a_package_loads_on_first_use_is_one_of_its_submodules():
+    """Importing a submodule sets the package's attribute of that name to the module, so a function of the same name
+    loaded on first use (``megarl.config.validate`` was one) would become the module once anything imported it."""
+    import importlib
+    from pathlib import Path
+
+    for package in ("megarl.config", "megarl.rollout", "megarl.parallel", "megarl.controller"):
+        module = importlib.import_module(package)
+        submodules = {p.stem for p in Path(module.__file__).parent.iterdir() if p.suffix == ".py" or p.is_dir()}
+        assert not set(module.__all__) & submodules, package
