@@ -78,6 +78,22 @@ class Architecture:
                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
     @property
+    def attention_activations(self) -> dict[str, int]:
+        """What a layer's attention keeps for its backward, in elements per token (the memory model's
+        :func:`~megarl.plan.activations.activation_bytes_per_layer` arguments): ``attention``, split over TP: the
+        queries, keys and values the attention kernel keeps and the output projection's input (Korthikanti et al.'s
+        ``4 h`` for multi-head attention, kept for grouped queries too); ``latent``, a multi-latent attention's
+        compressed query and key-value latents, each norm's input and output (``2 (q_lora_rank + kv_lora_rank)``),
+        whole on every TP rank. Multi-latent attention's queries and keys are ``heads × (qk_nope + qk_rope)``
+        wide and its values and output ``heads × v_head_dim``."""
+        if self.family.mla is None:
+            return {"attention": 4 * self.hidden, "latent": 0}
+        c = self.hf_config
+        qk, v = int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim), int(c.v_head_dim)
+        latent = 2 * int(c.kv_lora_rank) + 2 * int(getattr(c, "q_lora_rank", None) or 0)
+        return {"attention": self.heads * (2 * qk + 2 * v), "latent": latent}
+
+    @property
     def is_moe(self) -> bool:
         """Whether some layer's MLP is a mixture of experts."""
         return any(self.sparse)

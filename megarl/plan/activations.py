@@ -13,17 +13,25 @@ from megarl.parallel.packing import round_up
 
 
 def activation_bytes_per_layer(*, tokens: int, seq: int, hidden: int, heads: int, tp: int,
-                               sequence_parallel: bool, recompute: str | None, fused_attention: bool = True) -> int:
+                               sequence_parallel: bool, recompute: str | None, fused_attention: bool = True,
+                               attention: int | None = None, latent: int = 0) -> int:
     """Bytes one transformer layer keeps for its backward (Korthikanti et al. 2022, Table 2; 16-bit).
 
     ``tokens`` = micro-batch rows × ``seq``. ``recompute="full"``: the layer's input only.
     ``fused_attention``: the attention kernel stores no ``a × s²`` scores (flash attention, which
     TransformerEngine's layers use), so no recompute costs what selective recompute does.
+    ``attention``: elements per token of what attention keeps split over TP: its queries, keys and values and the
+    output projection's input (None: ``4 h``, Table 2's count, as for multi-head attention; a multi-latent
+    attention's are wider: :attr:`megarl.models.sizes.Architecture.attention_activations`). ``latent``: elements per
+    token of a multi-latent attention's compressed query and key-value latents kept whole on every TP rank (each
+    norm's input and output; split like the layer's input under sequence parallelism).
     """
     split = tp if sequence_parallel else 1
     if recompute == "full":
         return math.ceil(2 * tokens * hidden / split)
-    base = 34 * tokens * hidden / tp if sequence_parallel else tokens * hidden * (10 + 24 / tp)
+    attention = 4 * hidden if attention is None else attention
+    rest = 26 * tokens * hidden / tp if sequence_parallel else tokens * hidden * (10 + 16 / tp)
+    base = rest + 2 * tokens * attention / tp + 2 * tokens * latent / split
     if recompute == "selective" or fused_attention:
         return math.ceil(base)
     return math.ceil(base + 5 * heads * seq * tokens / tp)
@@ -31,12 +39,13 @@ def activation_bytes_per_layer(*, tokens: int, seq: int, hidden: int, heads: int
 
 def moe_layer_activation_bytes(*, tokens: int, seq: int, hidden: int, heads: int, tp: int, sequence_parallel: bool,
                                recompute: str | None, experts: int, topk: int, expert_ffn: int, etp: int,
-                               fused_attention: bool = True) -> int:
+                               fused_attention: bool = True, attention: int | None = None, latent: int = 0) -> int:
     """Bytes one mixture-of-experts layer keeps for its backward (16-bit; balanced routing; see the module
     docstring): the dense layer's count without its MLP's ``16 T h / t``, plus the router's fp32 scores and
     the routed copies' expert activations. ``recompute="full"``: the layer's input only, as a dense layer."""
     kwargs = {"tokens": tokens, "seq": seq, "hidden": hidden, "heads": heads, "tp": tp,
-              "sequence_parallel": sequence_parallel, "fused_attention": fused_attention}
+              "sequence_parallel": sequence_parallel, "fused_attention": fused_attention, "attention": attention,
+              "latent": latent}
     if recompute == "full":
         return activation_bytes_per_layer(recompute="full", **kwargs)
     local = tokens / tp if sequence_parallel else tokens  # tokens this rank routes

@@ -40,6 +40,10 @@ copied onto the last stage when ``pp > 1``, as Megatron does):
   chunks of ``L/(pp vpp)`` layers (Megatron's warm-up count + 1), at most all micro-batches.
   The scores term ``5 a s T / t`` is left out (:data:`FUSED_ATTENTION`): TransformerEngine's fused
   attention stores none, so without recompute a layer keeps what selective recompute keeps.
+  Of the ``24/t`` (``34/t``), ``8 T h / t`` are attention's queries, keys, values and output-projection input (``h``
+  wide each); multi-latent attention's are ``2 a (d_qk + d_v)`` wide (DeepSeek-V3: 11.4 ``h``), and it keeps its
+  compressed latents (``2 (r_q + r_kv)`` per token, whole per TP rank) besides
+  (:attr:`~megarl.models.sizes.Architecture.attention_activations`).
   A mixture-of-experts layer (:func:`moe_layer_activation_bytes`, an estimate for balanced routing) keeps
   instead of the dense MLP's ``16 T h / t``: the router's fp32 scores (``8 E`` bytes per token) and, for each
   of the ``k`` copies of a token routed to an expert, the expert's input, its gate/up output and down input
@@ -224,7 +228,8 @@ class MemoryModel:
                      sequence_parallel: bool, recompute: str | None) -> int:
         """What layer ``layer`` keeps for its backward: dense, or a mixture of experts."""
         kwargs = {"tokens": mb.tokens, "seq": mb.seq, "hidden": sizes.hidden, "heads": sizes.heads, "tp": dims.tp,
-                  "sequence_parallel": sequence_parallel, "recompute": recompute, "fused_attention": FUSED_ATTENTION}
+                  "sequence_parallel": sequence_parallel, "recompute": recompute, "fused_attention": FUSED_ATTENTION,
+                  **sizes.attention_activations}
         if not (sizes.sparse and sizes.sparse[layer]):
             return activation_bytes_per_layer(**kwargs)
         return moe_layer_activation_bytes(**kwargs, experts=sizes.num_experts, topk=sizes.topk,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 
 from megarl.config.parallel import Coordinates
@@ -82,9 +83,9 @@ class Worker:
             os.environ.update({RENDEZVOUS_FILE_VARIABLE: rendezvous_file, "GLOO_SOCKET_IFNAME": "lo"})
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        torch = sys.modules.get("torch")  # one that imports torch later reads OMP_NUM_THREADS then (an engine
+        if torch is not None:  # server's owner never does: it need not pay torch's import)
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     def init_parallel(self, dims, backend: str | None = None, *, seed: int | None = 1234,
                       timeout_s: float = 600.0) -> Coordinates:

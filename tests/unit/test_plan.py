@@ -668,6 +668,25 @@ def test_deepseek_v3_counts_match_the_model_card():
     assert arch.kv_bytes_per_token(8, 2) == arch.kv_bytes_per_token(1, 2) == 61 * (512 + 64) * 2
 
 
+def test_multi_latent_attention_keeps_its_wider_queries_keys_and_values_and_its_latents():
+    """DeepSeek-V3's attention keeps, per token, queries and keys of 128 heads × (128 + 64) and values and the output
+    projection's input of 128 × 128 (81,920 elements: 11.4 h, against multi-head attention's 4 h) split over TP, and
+    its compressed latents' norms' inputs and outputs (2 × (1,536 + 512)) whole: at TP 8 with sequence parallelism a
+    selectively recomputed dense layer keeps (26 h + 2 × 81,920 + 2 × 4,096) / 8 bytes per token, 1.47 × what the
+    same layer with multi-head attention would."""
+    arch = Architecture.from_hf(known_config("DeepSeek-V3"), name="d", source="t")
+    assert arch.attention_activations == {"attention": 128 * (2 * 192 + 2 * 128), "latent": 2 * (1536 + 512)}
+    h, T = 7168, 16384
+    kw = dict(tokens=T, seq=4096, hidden=h, heads=128, tp=8, recompute="selective")
+    mla = activation_bytes_per_layer(**kw, sequence_parallel=True, **arch.attention_activations)
+    assert mla == T * (26 * h + 2 * 81920 + 2 * 4096) // 8 == 734_003_200
+    assert round(mla / activation_bytes_per_layer(**kw, sequence_parallel=True), 2) == 1.47
+    assert activation_bytes_per_layer(**kw, sequence_parallel=False, **arch.attention_activations) == \
+        math.ceil(T * (h * (10 + 16 / 8) + 2 * 81920 / 8 + 2 * 4096))
+    llama = Architecture.from_hf(known_config("Llama-3.1-70B"), name="l", source="t")
+    assert llama.attention_activations == {"attention": 4 * 8192, "latent": 0}  # Korthikanti's count
+
+
 def test_kimi_k2_counts_match_the_model_card():
     """Kimi-K2: 1 T parameters, 32 B activated (its model card), by hand as DeepSeek-V3's above with its sizes: 64
     heads, 384 experts, one dense layer, a 163,840-token vocabulary."""

@@ -25,7 +25,10 @@ def test_an_engine_servers_owner_imports_no_torch():
     engine's and the model's settings, not torch (``megarl.config`` and ``megarl.rollout`` load names on first use;
     their ``actor`` / ``algorithm`` and agent-loop modules import torch)."""
     seen = _run("import json, sys\n"
-                "import megarl.workers.engine_server\n"
+                "from megarl.workers.engine_server import EngineServerWorker\n"
+                "worker = EngineServerWorker()\n"
+                "worker.node_info()\n"
+                "worker.setup_env(rank=0, world_size=1, local_rank=0, master_addr='127.0.0.1', master_port=1)\n"
                 "from megarl.config.rollout import EngineConfig\n"
                 "from megarl.config.model import ModelSource\n"
                 "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'omegaconf')}))")
