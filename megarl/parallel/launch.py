@@ -11,8 +11,9 @@ process, started at its first job with the ranks' environment (:data:`RANK_ENV`;
 ``OMP_NUM_THREADS`` at load) and ended with that process. A job's ranks, and every later job's,
 start with those imports done instead of paying them each. The server imports nothing else: no
 CUDA context, no process group, no thread; a rank is as new as a ``spawn``-ed one in all but its
-import time. Keep this module (and ``megarl/parallel/__init__.py``) free of heavy imports: the
-calling process (``megarl-convert`` at start-up) need not pay them.
+import time. The server takes requests on a Unix socket in a private (0700) temporary directory, as Python's
+forkserver does: nothing listens on the network. Keep this module (and ``megarl/parallel/__init__.py``) free of
+heavy imports: the calling process (``megarl-convert`` at start-up) need not pay them.
 
 Failure policy: the first rank that raises (or dies, or exits without reporting) ends the
 job; the others are killed (they would otherwise wait forever in a collective) and
