@@ -8,8 +8,9 @@ defaults they read from :mod:`megarl.algo`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megarl._lazy import first_use
 
 if TYPE_CHECKING:
     from megarl.config.actor import ActorConfig, RefConfig, RouterReplayConfig
@@ -37,8 +38,6 @@ _MODULES = {
     "trainer": ("TrainerConfig",),
     "checks": ("data_parallel_size", "validate"),
 }
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
-
 __all__ = [
     "CONFIG_DIR", "SCHEMA_NAME", "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError",
     "Coordinates", "CriticConfig", "CustomRewardFunction", "DataConfig", "KLControlConfig", "MeshAxis", "ModelConfig",
@@ -48,9 +47,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = first_use(__name__, _MODULES, globals())

@@ -13,8 +13,9 @@ server's owner imports) does not import torch through the agent loop.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megarl._lazy import first_use
 
 if TYPE_CHECKING:
     from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
@@ -36,8 +37,6 @@ _MODULES = {
                "weight_update_session"),
     "manager": ("RolloutManager",),
 }
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
-
 __all__ = [
     "AgentLoop",
     "EngineClient",
@@ -54,9 +53,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = first_use(__name__, _MODULES, globals())
