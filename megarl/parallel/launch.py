@@ -50,8 +50,11 @@ PRELOAD = ("megarl", "torch", "torch.distributed", "torch._dynamo", "megatron.co
 ``megatron.core`` is imported; ``torch._dynamo``: torch's optimizers import it at their first step)."""
 
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "MEGARL_WORKER_PROCESS": "1"}  # no wandb in ranks (megarl/__init__.py)
-"""Every rank's environment (the forkserver's too: it imports torch and megarl with it)."""
+            "MEGARL_WORKER_PROCESS": "1",  # no wandb in ranks (megarl/__init__.py)
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""Every rank's environment (the forkserver's too: it imports torch and megarl with it). ``torch.cuda.is_available()``
+asks NVML, not the CUDA driver: the forkserver must never initialise CUDA, or ranks forked from it that use a GPU
+(``tools/bench_convert.py --device cuda``) could not."""
 
 
 def _context():
