@@ -17,7 +17,7 @@ from megarl.config import CONFIG_DIR, RunConfig, load_config
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megarl"
 RECIPES = sorted(path.stem for path in (CONFIG_DIR / "recipe").glob("*.yaml"))
-CHECKS_ONLY = {PACKAGE / "config" / "validate.py"}
+CHECKS_ONLY = {PACKAGE / "config" / "checks.py"}
 
 
 class _Reads(ast.NodeVisitor):
