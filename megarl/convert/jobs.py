@@ -51,11 +51,9 @@ class ConversionReport:
 
     def skipped_line(self) -> str | None:
         """What was left out, by layer, for the user (None: nothing)."""
-        if not self.skipped:
-            return None
-        layers = sorted({".".join(name.split(".")[:3]) for name in self.skipped})
-        return (f"skipped {len(self.skipped)} tensors of {', '.join(layers)} (multi-token prediction: not part of the "
-                f"model RL trains)")
+        from megarl.convert.loader import skipped_summary
+
+        return skipped_summary(self.skipped) if self.skipped else None
 
 
 def _load_hf_config(directory: Path, flag: str = "--hf"):

@@ -76,9 +76,7 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
         param.copy_(shard)
     skipped = family.skipped_tensors(hf_config, checkpoint.names())
     if skipped and groups.rank == 0:
-        layers = sorted({".".join(name.split(".")[:3]) for name in skipped})
-        logger.info("%s: skipped %d tensors of %s (multi-token prediction: not part of the model RL trains)",
-                    hf_dir, len(skipped), ", ".join(layers))
+        logger.info("%s: %s", hf_dir, skipped_summary(skipped))
     if score_head:
         bytes_read += _load_score_head(model_chunks, checkpoint, hf_dir)
     return bytes_read
@@ -109,3 +107,9 @@ def _load_score_head(model_chunks, checkpoint: HFCheckpoint, hf_dir) -> int:
     bias = checkpoint.read(SCORE_BIAS, Slice(None)) if SCORE_BIAS in names else None
     head.bias.copy_(bias if bias is not None else torch.zeros_like(head.bias))
     return weight.numel() * weight.element_size()
+
+
+def skipped_summary(skipped) -> str:
+    """The tensors a family skips on load (its multi-token-prediction layers), by layer, for the user."""
+    layers = sorted({".".join(name.split(".")[:3]) for name in skipped})
+    return f"skipped {len(skipped)} tensors of {', '.join(layers)} (multi-token prediction: not part of the model RL trains)"
