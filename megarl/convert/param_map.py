@@ -86,26 +86,43 @@ def build_plan(family, hf_config, dims: ParallelDims, config, hf_shapes: dict[st
 
 def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]]:
     """Consecutive units grouped up to ``bucket_bytes``; a bucket never spans two owners (pipeline stage and
-    chunk, and for experts the expert-parallel rank: expert and other tensors never share a bucket).
+    chunk, and for experts the expert-parallel rank: expert and other tensors never share a bucket), and never
+    splits a co-load group (:attr:`~megarl.models.weights.WeightRule.coload`: the units from a group's first member
+    to its last go into one bucket, which SGLang loads in one request).
 
-    A unit larger than ``bucket_bytes`` travels alone.
+    A unit (or such a span) larger than ``bucket_bytes`` travels alone.
     """
     out: list[list[Unit]] = []
     current: list[Unit] = []
     size = 0
-    for u in units:
-        nbytes = unit_bytes(u)
+    for span in coload_spans(units):
+        nbytes = sum(unit_bytes(u) for u in span)
         owner_changes = current and ((current[-1].pp_rank, current[-1].vp_stage, current[-1].ep_owner)
-                                     != (u.pp_rank, u.vp_stage, u.ep_owner))
+                                     != (span[0].pp_rank, span[0].vp_stage, span[0].ep_owner))
         if current and (owner_changes or size + nbytes > bucket_bytes):
             out.append(current)
             current, size = [], 0
-        current.append(u)
+        current.extend(span)
         size += nbytes
     if current:
         out.append(current)
     return out
 
+
+def coload_spans(units: list[Unit]) -> list[list[Unit]]:
+    """``units`` in order, cut into the spans a bucket boundary may not fall inside: one unit each, except that the
+    units from a co-load group's first member to its last (a layer's, all of one owner) form one span."""
+    last: dict[tuple, int] = {}
+    for k, u in enumerate(units):
+        if u.rule.coload is not None:
+            last[(u.layer, u.expert, u.rule.coload)] = k
+    spans, k = [], 0
+    while k < len(units):
+        u = units[k]
+        end = last.get((u.layer, u.expert, u.rule.coload), k) if u.rule.coload is not None else k
+        spans.append(units[k:end + 1])
+        k = end + 1
+    return spans
 
 
 def stripe_numel(numel: int, tp: int) -> int:

@@ -108,6 +108,15 @@ class ModelFamily:
         out += [RuleAt(r) for r in rules if not r.per_layer and not r.on_first_stage]
         return out
 
+    def coload_groups(self, hf_config) -> list[tuple[str, ...]]:
+        """HF names that SGLang's loader takes only together, in one weight-update request (each group in rule order;
+        :attr:`~megarl.models.weights.WeightRule.coload`)."""
+        groups: dict[tuple, list[str]] = {}
+        for at in self.weight_instances(hf_config):
+            if at.rule.coload is not None:
+                groups.setdefault((at.layer, at.expert, at.rule.coload), []).extend(at.hf_names)
+        return [tuple(names) for names in groups.values()]
+
     # ----------------------------------------------------------------------------- config
     def transformer_config(self, hf_config, dims: ParallelDims, **overrides):
         """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``.

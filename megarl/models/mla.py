@@ -121,16 +121,22 @@ class MLASpec:
                 attn + "o_proj.weight": (hidden, heads * d["v"])}
 
 
+FUSED_A_PROJ = "fused_qkv_a_proj_with_mqa"
+"""The co-load key of a layer's two down projections: SGLang's DeepSeek loader fuses ``q_a_proj`` and
+``kv_a_proj_with_mqa`` (their ``weight_scale_inv`` too) into ``fused_qkv_a_proj_with_mqa`` only when one request brings
+both (:attr:`megarl.models.weights.WeightRule.coload`)."""
+
+
 def mla_weights(prefix: str = "model.") -> list[WeightRule]:
     """The attention rules of an MLA layer (see the module docstring)."""
     attn, m_attn = f"{prefix}layers.{{i}}.self_attn.", "decoder.layers.{i}.self_attention."
     return [
         WeightRule(m_attn + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), Split.REPLICATED,
-                   linear=True),
+                   linear=True, coload=FUSED_A_PROJ),
         WeightRule(m_attn + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), Split.REPLICATED),
         WeightRule(m_attn + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), Split.COLUMN),
         WeightRule(m_attn + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), Split.REPLICATED,
-                   linear=True),
+                   linear=True, coload=FUSED_A_PROJ),
         WeightRule(m_attn + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), Split.REPLICATED),
         WeightRule(m_attn + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), Split.COLUMN),
         WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW),

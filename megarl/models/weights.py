@@ -67,6 +67,12 @@ class WeightRule:
     """Kept in fp32 whatever the model's dtype, and exported and synced in fp32 (a router's expert bias: Megatron
     keeps the buffer in fp32, the hub's checkpoints and SGLang hold it in fp32; bf16's 8 bits would move the
     top-k choices it decides and swallow its updates)."""
+    coload: str | None = None
+    """The tensors of a layer's rules with the same key reach SGLang in one weight-update request, or not at all:
+    its loader fuses them into one parameter only when a single ``load_weights`` call brings them all (DeepSeek's
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` into ``fused_qkv_a_proj_with_mqa``; a lone one is dropped). The weight
+    sync never splits such a group across buckets (:func:`megarl.convert.param_map.buckets`); megarl's CPU engine
+    drops a lone member as SGLang does (:meth:`ModelFamily.coload_groups`)."""
 
     @property
     def on_first_stage(self) -> bool:

@@ -202,7 +202,7 @@ def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
         run_sync(client.destroy_weights_update_group("wu"))
 
 
-def test_released_tags_refuse_generation_and_updates(client):
+def test_released_tags_refuse_generation_and_updates(client, local):
     greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
     run_sync(client.release_memory_occupation(["kv_cache", "cuda_graph"]))
     with pytest.raises(EngineError, match=r"memory \['kv_cache'\] is released; /resume_memory_occupation first"):
@@ -214,7 +214,11 @@ def test_released_tags_refuse_generation_and_updates(client):
     run_sync(client.begin_weight_update())
     run_sync(client.end_weight_update())
     run_sync(client.resume_memory_occupation(["kv_cache", "cuda_graph"]))
-    assert len(run_sync(client.generate(PROMPTS[0], greedy)).output_ids) == 2
+    with pytest.raises(EngineError, match="weight tensors hold released memory"):  # freed, as SGLang frees them
+        run_sync(client.generate(PROMPTS[0], greedy))
+    run_sync(_push(client, [(name, tensor.detach().clone()) for name, tensor in local._params.items()], "restored"))
+    expected = local.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, temperature=0.0))[0].output_ids
+    assert run_sync(client.generate(PROMPTS[0], greedy)).output_ids == expected
 
 
 @pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
@@ -482,7 +486,7 @@ def test_a_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
         pytest.fail(f"server pid {server_pid} outlived its owner")
 
 
-def test_the_trainers_memory_phases_keep_engine_weights_valid(client):
+def test_the_trainers_memory_phases_keep_engine_weights_valid(client, local):
     """Issue 13, item 4, with the trainer's own phase code against a real server: a step that syncs releases the
     weights too and resumes them before the sync, kv after; a critic warm-up step keeps the weights (it used to
     resume released weights without a sync: garbage on SGLang) and only kv comes back; tags never released are
@@ -503,8 +507,7 @@ def test_the_trainers_memory_phases_keep_engine_weights_valid(client):
     assert len(generate()) == 2 and memory.released == set()
     memory.release(weights=True)  # a step that syncs
     memory.resume(["weights"])
-    run_sync(client.begin_weight_update())
-    run_sync(client.end_weight_update())
+    run_sync(_push(client, [(name, tensor.detach().clone()) for name, tensor in local._params.items()], "synced"))
     assert memory.released == {"kv_cache", "cuda_graph"}
     memory.resume(TRAINING_TAGS)
     assert len(generate()) == 2

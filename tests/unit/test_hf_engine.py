@@ -253,7 +253,35 @@ def test_session_and_memory_rules(engine, prompts):
         engine.begin_weight_update()
     engine.resume_memory_occupation()
     engine.flush_cache()
-    assert len(engine.generate(prompts, params)) == len(prompts)
+    with pytest.raises(RuntimeError, match="hold released memory"):  # released without a CPU backup
+        engine.generate(prompts, params)
+
+
+def test_released_weights_are_garbage_until_every_tensor_is_rewritten(model, tokenizer, prompts):
+    """SGLang's memory saver frees released weights (no --enable-weights-cpu-backup): this engine's are NaN, and it
+    refuses to generate until a weight update has rewritten every tensor whole."""
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    expected = HFEngine(copy.deepcopy(model), tokenizer).generate(prompts, greedy, True)
+    engine = HFEngine(copy.deepcopy(model), tokenizer)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    assert all(torch.isnan(p).all() for p in engine.model.parameters())
+    first, rest = hf_buckets(model, 2)
+    update_weights(engine, [first])
+    with pytest.raises(RuntimeError, match=f"{len(rest)} weight tensors hold released memory") as refused:
+        engine.generate(prompts, greedy)
+    assert "--enable-weights-cpu-backup" in str(refused.value)
+    update_weights(engine, [first, rest])
+    assert engine.generate(prompts, greedy, True) == expected
+
+
+def test_a_cpu_backup_keeps_the_weights_across_a_release(model, tokenizer, prompts):
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    engine = HFEngine(copy.deepcopy(model), tokenizer, weights_cpu_backup=True)
+    before = engine.generate(prompts, greedy, True)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    assert engine.generate(prompts, greedy, True) == before
 
 
 def test_input_checks(engine):

@@ -26,7 +26,9 @@ State, as SGLang's scheduler keeps it, at this engine's granularity (decoding st
   ``kv_cache``, ``cuda_graph``; none given: all). Generating needs ``weights`` and ``kv_cache``
   held, and updating weights needs ``weights`` held: this engine refuses both otherwise (on
   GPUs SGLang would compute garbage from released weights), so a wrong phase order fails in CI.
-  Releasing while rows run (not paused) is refused.
+  Releasing while rows run (not paused) is refused. Released ``weights`` are **gone**, as SGLang's memory
+  saver frees them: NaN until a weight update rewrites each tensor whole, and generating is refused while any
+  is not; ``--enable-weights-cpu-backup`` (SGLang's flag) keeps them.
 - **Weights** change inside a ``/begin_weight_update`` ... ``/end_weight_update`` session
   (``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payloads, one per
   engine TP rank, ``load_format`` ``flattened_bucket`` or a list of ``(name, tensor)``); each

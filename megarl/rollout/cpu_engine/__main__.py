@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1, help="TP ranks the weight paths behave as (module doc)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="keep the weights across /release_memory_occupation, as SGLang's flag (without it "
+                             "released weights are garbage until rewritten)")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
     parser.add_argument("--enable-step-gate", action="store_true",
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
-                      trust_remote_code=args.trust_remote_code)
+                      trust_remote_code=args.trust_remote_code, weights_cpu_backup=args.enable_weights_cpu_backup)
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
                           enable_return_routed_experts=args.enable_return_routed_experts,
                           enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None),

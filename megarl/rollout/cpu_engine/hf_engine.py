@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import weakref
@@ -48,6 +49,8 @@ from megarl.rollout.cpu_engine.lora import applied as lora_applied
 from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 
+logger = logging.getLogger("megarl.engine_server")
+
 
 class HFEngine:
     """A single-process rollout engine over a transformers causal LM (CPU, or CUDA).
@@ -63,6 +66,9 @@ class HFEngine:
         seed: seeds the engine generator that row seeds are drawn from when a request has
             no ``SamplingParams.seed``.
         trust_remote_code: allow model and tokenizer code from the model directory.
+        weights_cpu_backup: keep the weights across a memory release (SGLang's
+            ``--enable-weights-cpu-backup``); without it a release leaves them garbage (see
+            :meth:`release_memory_occupation`).
 
     Weight updates take full HF-named tensors (the names of ``model.named_parameters()``, and
     for a mixture-of-experts model the checkpoint's one-tensor-per-expert names, which SGLang
@@ -73,7 +79,8 @@ class HFEngine:
 
     def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                 trust_remote_code: bool = False, image_processor: Any = None) -> None:
+                 trust_remote_code: bool = False, image_processor: Any = None,
+                 weights_cpu_backup: bool = False) -> None:
         if isinstance(model_path_or_model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -113,6 +120,11 @@ class HFEngine:
         if isinstance(model_path_or_model, (str, os.PathLike)) and is_fp8_checkpoint(model_path_or_model):
             self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params)
             self.fp8.refresh_all()
+        self.coload = _coload_partners(self.model, self.fp8)
+        """HF name -> the names SGLang's loader takes only with it in one request (:meth:`ModelFamily.coload_groups`;
+        an FP8 engine's scales too): an update that brings a name without them leaves its weight as it was."""
+        self.dropped_alone = 0
+        """Tensors left out of updates because a request brought them without their co-load partners."""
         self.routers = _routers(self.model)
         """``(layer, router module)`` of every mixture-of-experts layer (empty for a dense model)."""
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -123,6 +135,9 @@ class HFEngine:
         self._seed_lock = threading.Lock()
         self._in_session = False
         self._released = False
+        self.weights_cpu_backup = weights_cpu_backup
+        self._garbage: list[str] = []
+        """Weights a release without CPU backup left garbage and no update has rewritten whole since."""
         self._session_buckets = 0
         self._session_tensors = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
@@ -196,6 +211,12 @@ class HFEngine:
         if self._released:
             raise RuntimeError("HFEngine cannot generate while its memory is released; call "
                                "resume_memory_occupation() first")
+        if self._garbage:
+            raise RuntimeError(
+                f"HFEngine cannot generate: {len(self._garbage)} weight tensors hold released memory (e.g. "
+                f"{self._garbage[:3]}): their memory was released without a CPU backup and no weight update has "
+                f"rewritten them since (SGLang frees the pages and would generate from garbage); rewrite every weight "
+                f"after a release, or start the engine with --enable-weights-cpu-backup")
 
     def generate_rows(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool,
                       row_seeds: list[int], row_max_new_tokens: list[int] | None = None,
@@ -314,12 +335,17 @@ class HFEngine:
     def _check_bucket(self, named_tensors: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         problems, targets = [], []
         seen: dict[int, tuple[str, torch.Tensor]] = {}
+        present = {entry[0] for entry in named_tensors if isinstance(entry, (tuple, list)) and entry}
+        alone = []
         for entry in named_tensors:
             if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
                     and isinstance(entry[1], torch.Tensor)):
                 problems.append(f"entry {entry!r:.80} is not a (name, tensor) pair")
                 continue
             name, tensor = entry
+            if name in self.coload and not present.issuperset(self.coload[name]):
+                alone.append(name)  # SGLang caches it for a fused parameter this request never completes
+                continue
             if self.fp8 is not None and self.fp8.owns(name):
                 problem = self.fp8.problem(name, tensor)
                 if problem:
@@ -345,6 +371,11 @@ class HFEngine:
                        f"session stay applied" if self._session_buckets else "")
             raise ValueError(f"HFEngine.update_weights_from_tensor: bucket refused, nothing of it was copied"
                              f"{applied}: " + "; ".join(problems))
+        if alone:
+            self.dropped_alone += len(alone)
+            logger.warning("weight update: %d tensors came without the tensors SGLang's loader fuses them with and "
+                           "were not loaded, as SGLang drops them (e.g. %s, which needs %s in the same request)",
+                           len(alone), alone[0], [n for n in self.coload[alone[0]] if n not in present])
         return targets
 
     def read_weight(self, name: str, truncate: int) -> list:
@@ -367,15 +398,22 @@ class HFEngine:
             self._in_session = False
             if self.fp8 is not None:
                 self.fp8.refresh()
+            if self._garbage:  # what this session rewrote whole is valid again
+                tensors = self._weight_tensors()
+                self._garbage = [name for name in self._garbage if torch.isnan(tensors[name]).any()]
             self.flush_cache()
 
     # ----------------------------------------------------------------------------- memory
 
     def release_memory_occupation(self) -> None:
-        """Stop serving until resumed; on CUDA the weights move to host memory.
+        """Stop serving until resumed; the weights' memory is given up, as SGLang's memory saver gives it up.
 
-        On CPU there is nothing to release (weights stay where they are); the state is still
-        tracked, and generation and weight updates are refused until resumed. Idempotent.
+        Without ``weights_cpu_backup`` SGLang frees the weights' pages and maps fresh ones on resume, restoring the
+        model's buffers only (its ``_export_static_state`` / ``_import_static_state``): the parameters hold garbage
+        until a weight update rewrites them. This engine fills them with NaN, and refuses to generate while any
+        of them is not rewritten whole (a weight-update session that brings every tensor makes it whole again).
+        With ``weights_cpu_backup`` they survive (on CUDA they wait in host memory). Idempotent; generation and
+        weight updates are refused until resumed.
         """
         with self._lock:
             if self._in_session:
@@ -386,10 +424,29 @@ class HFEngine:
             if self.device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
+            if not self.weights_cpu_backup:
+                self._drop_weights()
             self._released = True
 
+    def _drop_weights(self) -> None:
+        """Make every weight garbage (NaN), as freed pages are; an FP8 engine's stored weights and scales too."""
+        tensors = self._weight_tensors()
+        with torch.no_grad():
+            for tensor in tensors.values():
+                tensor.fill_(float("nan"))
+            if self.fp8 is not None:
+                for stored in (*self.fp8.weights.values(), *self.fp8.scales.values()):
+                    stored.fill_(float("nan"))
+        self._garbage = sorted(tensors)
+
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's own weights by name, each once: its parameters and a router's expert bias (a buffer in
+        transformers, a parameter in SGLang's models)."""
+        return dict(self.model.named_parameters()) | _expert_biases(self.model)
+
     def resume_memory_occupation(self) -> None:
-        """Take the memory back (weights back on the device); idempotent."""
+        """Take the memory back (weights back on the device; garbage unless kept by ``weights_cpu_backup``);
+        idempotent."""
         with self._lock:
             if not self._released:
                 return
@@ -406,13 +463,32 @@ class HFEngine:
     def _weights(self) -> dict[str, torch.Tensor]:
         """The tensors weight updates write, by name: the model's parameters and, for a mixture-of-experts model,
         the checkpoint-named views into its fused experts (views of the parameters' current storage)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        # A router's expert bias (aux-loss-free balancing) is a buffer, which weight updates write all the same.
-        params.update((n, b) for n, b in self.model.named_buffers() if n.endswith("gate.e_score_correction_bias"))
+        params = dict(self.model.named_parameters(remove_duplicate=False)) | _expert_biases(self.model)
         params.update(_hub_views(self.model, params))
         if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
             params.update({hub_name(name, self.vision): param for name, param in list(params.items())})
         return params
+
+
+def _coload_partners(model, fp8) -> dict[str, tuple[str, ...]]:
+    """HF name -> its co-load group (:meth:`megarl.models.family.ModelFamily.coload_groups`) for a model of a family
+    megarl maps, an FP8 engine's scales grouped as their weights; empty for others."""
+    from megarl.models import family_for
+    from megarl.models.fp8 import scale_name
+
+    try:
+        groups = family_for(model.config).coload_groups(model_config(model.config))
+    except ValueError:
+        return {}
+    if fp8 is not None:
+        groups += [tuple(scale_name(n) for n in group) for group in groups if all(n in fp8.weights for n in group)]
+    return {name: group for group in groups for name in group}
+
+
+def _expert_biases(model) -> dict[str, torch.Tensor]:
+    """A router's expert bias (aux-loss-free balancing) by name: a buffer in transformers, which weight updates write
+    all the same (SGLang holds it as a parameter)."""
+    return {n: b for n, b in model.named_buffers() if n.endswith("gate.e_score_correction_bias")}
 
 
 def _vision_spec(hf_config):

@@ -2,6 +2,7 @@
 
     python -m megarl.rollout.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
+                                    [--enable-weights-cpu-backup]
                                     [--enable-return-routed-experts] [--enable-step-gate]
                                     [--enable-lora --max-lora-rank R --lora-target-modules M ...]
 

@@ -1,0 +1,105 @@
+"""megarl's CPU engine is as strict as SGLang where megarl relies on SGLang's behaviour, and the weight sync keeps
+to those rules: released weights are gone, a loader that fuses tensors within one request drops a lone half, and
+the exporter never splits such a pair across buckets. Each rule is pinned to sglang 0.5.23's source in
+``test_sglang_rules.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.convert.param_map import buckets
+from megarl.models import family_for
+from megarl.models.mla import FUSED_A_PROJ
+from megarl.plan.preflight import plan_run
+from megarl.plan.weight_sync import _units
+from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.engine import SamplingParams, update_weights
+from megarl.models.tiny import build_tiny_tokenizer
+from tests.distributed import moe_jobs
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(moe_jobs.tiny_moe_config("deepseek_v3"))
+
+
+def test_deepseeks_down_projections_are_one_co_load_group_per_layer(deepseek):
+    groups = family_for(deepseek.config).coload_groups(deepseek.config)
+    assert groups == [(f"model.layers.{i}.self_attn.q_a_proj.weight",
+                       f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight") for i in range(4)]
+    assert family_for(moe_jobs.tiny_moe_config("qwen3_moe")).coload_groups(moe_jobs.tiny_moe_config("qwen3_moe")) == []
+
+
+def test_a_lone_half_of_a_fused_pair_is_dropped_as_sglang_drops_it(deepseek):
+    engine = HFEngine(copy.deepcopy(deepseek), build_tiny_tokenizer())
+    q_a, kv_a = "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    params = dict(engine.model.named_parameters())
+    before = params[q_a].detach().clone()
+    update_weights(engine, [[(q_a, torch.ones_like(before))], [(kv_a, torch.ones_like(params[kv_a]))]])
+    assert torch.equal(params[q_a], before) and engine.dropped_alone == 2
+    update_weights(engine, [[(q_a, torch.ones_like(before)), ("model.norm.weight", params["model.norm.weight"]),
+                             (kv_a, torch.ones_like(params[kv_a]))]])
+    assert torch.equal(params[q_a], torch.ones_like(before)) and torch.equal(params[kv_a], torch.ones_like(params[kv_a]))
+    assert engine.dropped_alone == 2
+
+
+def _layers_split(bucket_list) -> int:
+    """Layers whose two MLA down projections are in different buckets."""
+    where = {}
+    for index, bucket in enumerate(bucket_list):
+        for unit in bucket:
+            if unit.rule.coload == FUSED_A_PROJ:
+                where.setdefault(unit.layer, set()).add(index)
+    return sum(len(indices) > 1 for indices in where.values())
+
+
+@pytest.mark.parametrize("bucket_mb,transport", [(256, "tensor"), (512, "tensor"), (2048, "tensor"),
+                                                 (1024, "distributed"), (64, "distributed")])
+def test_deepseek_v3s_buckets_never_split_a_layers_down_projections(bucket_mb, transport):
+    """At the DeepSeek-V3 recipe's layout (TP8 PP4 EP64), bucket boundaries used to fall between a layer's
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` (54 of 61 layers at ``rollout.bucket_mb=256``), which SGLang's loader
+    fuses only within one request."""
+    cfg = load_config(["recipe=deepseek_v3_671b_grpo", f"actor_rollout_ref.rollout.bucket_mb={bucket_mb}",
+                       f"actor_rollout_ref.rollout.weight_transport={transport}"])
+    plan = plan_run(cfg, check=False)
+    dims = plan.placement.role("actor").dims
+    units = _units(plan.model, dims)
+    budget = (bucket_mb << 20) // (2 if transport == "tensor" else 1)
+    grouped = buckets(units, lambda u: sum(torch.Size(s).numel() for s in u.hf_shapes) * 2, budget)
+    assert [u for bucket in grouped for u in bucket] == units
+    assert _layers_split(grouped) == 0
+    assert sum(u.rule.coload == FUSED_A_PROJ for u in units) == 2 * 61
+
+
+def test_released_deepseek_weights_synced_in_small_buckets_generate(deepseek):
+    """Through the strict engine: after a release (weights garbage), a sync in buckets as small as one tensor leaves
+    each layer's fused down projection garbage (SGLang drops each lone half); the exporter's spans, which keep a
+    pair and what lies between its halves together, make every weight whole again."""
+    from megarl.convert.param_map import Unit, coload_spans
+
+    tokenizer = build_tiny_tokenizer()
+    engine, reference = HFEngine(copy.deepcopy(deepseek), tokenizer), HFEngine(copy.deepcopy(deepseek), tokenizer)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    expected = engine.generate([[1, 2, 3]], greedy, True)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    whole = reference._weight_tensors()  # transformers' tensors (experts fused), each once
+    update_weights(engine, [[(name, tensor.detach().clone())] for name, tensor in whole.items()])
+    with pytest.raises(RuntimeError, match="8 weight tensors hold released memory"):
+        engine.generate([[1, 2, 3]], greedy)
+    assert engine.dropped_alone == 8
+    family = family_for(deepseek.config)
+    units = [Unit(at.rule, at.layer, 0, 0, at.hf_names, (), expert=at.expert)
+             for at in family.weight_instances(deepseek.config)]
+    spans = coload_spans(units)
+    assert [len(span) for span in spans if len(span) > 1] == [4] * 4  # q_a, q_a_layernorm, q_b, kv_a
+    update_weights(engine, [[(name, reference._params[name].detach().clone()) for unit in span
+                             for name in unit.hf_names] for span in spans])
+    assert engine.generate([[1, 2, 3]], greedy, True) == expected
