@@ -190,7 +190,8 @@ class Trainer:
         self.roles = build_roles(cfg, self.log_dir / "servers", phase=self.phases)
         arr = cfg.actor_rollout_ref
         self.engine_memory = EngineMemory(self.roles.engines,
-                                          enabled=arr.hybrid_engine and arr.rollout.free_cache_engine)
+                                          enabled=arr.hybrid_engine and arr.rollout.free_cache_engine,
+                                          sync_rewrites_weights=not cfg.lora_syncs_adapters)
         self.rollout_manager = build_rollout_manager(cfg, self.roles.generator, self.roles.engines, self.tokenizer,
                                                      self.plugins, self.routing_shape)
         kl = cfg.algorithm.kl_ctrl

@@ -80,7 +80,8 @@ Phases (colocated; what the trainer holds on the GPU in each, steady state):
   (``<role>.param_offload`` / ``grad_offload`` / ``optimizer_offload``; the reference's weights with
   ``ref.param_offload``, as ``ActorWorker.offload`` does).
 - ``log-probs``: everything onloaded + the forward's logits and one layer's activations; the engine
-  too unless ``free_cache_engine``. ``values`` / ``update critic`` / ``update actor`` likewise.
+  too unless ``free_cache_engine``, and its weights when a LoRA run syncs its adapters alone (the base is never
+  rewritten, so never released). ``values`` / ``update critic`` / ``update actor`` likewise.
 - ``weight sync``: everything onloaded (the actor is offloaded after the sync), the engines resumed
   (weights and KV cache), plus the sync buffers.
 """
@@ -492,6 +493,10 @@ class MemoryModel:
         critic_resident = {"critic_state": rows.get("_critic_resident", 0)} | {
             f"{role}_weights": rows.get(f"_{role}_resident", 0) for role in self.scorers}
         kept = resumed if self.colocated and not arr.rollout.free_cache_engine else {}
+        if self.colocated and arr.rollout.free_cache_engine and self.cfg.lora_syncs_adapters:
+            # An adapters-only sync never rewrites the base: the engines keep their weights through training
+            # (EngineMemory), since SGLang's released weights come back as garbage.
+            kept = {"engine_weights": rows["engine_weights"]}
         onloaded = base | actor_full | {"ref_weights": rows["ref_weights"]}
         phases = {"rollout": base | actor_resident | critic_resident | engine,
                   "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}

@@ -103,3 +103,40 @@ def test_released_deepseek_weights_synced_in_small_buckets_generate(deepseek):
     update_weights(engine, [[(name, reference._params[name].detach().clone()) for unit in span
                              for name in unit.hf_names] for span in spans])
     assert engine.generate([[1, 2, 3]], greedy, True) == expected
+
+
+def test_an_adapters_only_sync_keeps_the_engines_weights():
+    """The trainer's phase code (EngineMemory) releases the engines' weights only when the sync that follows rewrites
+    them all: a LoRA run syncing its adapters alone keeps the base (SGLang would give it back as garbage)."""
+    from megarl.controller.engine_memory import EngineMemory
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        async def release_memory_occupation(self, tags):
+            self.calls.append(("release", tuple(tags)))
+
+        async def resume_memory_occupation(self, tags):
+            self.calls.append(("resume", tuple(tags)))
+
+    for rewrites, released in ((True, ("kv_cache", "cuda_graph", "weights")), (False, ("kv_cache", "cuda_graph"))):
+        engine = Recorder()
+        memory = EngineMemory([engine], enabled=True, sync_rewrites_weights=rewrites)
+        memory.release(weights=True)
+        memory.resume(["weights"])
+        memory.resume(["kv_cache", "cuda_graph"])
+        assert engine.calls[0] == ("release", released)
+        assert [c for c in engine.calls if c[0] == "resume"] == (
+            [("resume", ("weights",)), ("resume", ("kv_cache", "cuda_graph"))] if rewrites
+            else [("resume", ("kv_cache", "cuda_graph"))])
+
+
+def test_the_lora_recipes_plan_keeps_the_engine_weights_through_training():
+    """megarl-plan of llama3_1_70b_lora_grpo: the engine's 16.62 GiB of base weights stay in every training phase."""
+    plan = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo"]))
+    gpu = plan.gpus[0]
+    for phase in ("log-probs", "update actor"):
+        assert gpu.parts[phase].get("engine_weights") == gpu.rows["engine_weights"] > 16 * 2**30, phase
+    full = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.rollout.lora_sync=merged"]))
+    assert "engine_weights" not in full.gpus[0].parts["update actor"]

@@ -1,0 +1,76 @@
+"""Each rule of megarl's strict CPU engine, pinned to sglang 0.5.23's own source (:mod:`tests.sglang_rules`), so the
+stand-in cannot drift from the engine it stands in for. The expectations were read by hand in the pinned sources,
+quoted where it matters; sglang is a CI dependency, so these tests fail (never skip) without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.models.family import FAMILIES
+from megarl.models.known import known_config
+from tests import sglang_rules as rules
+from tests import sglang_source as src
+
+CAUSAL_LMS = sorted(arch for arch in FAMILIES if not arch.endswith("ForSequenceClassification"))
+"""The architectures megarl's engines serve (a reward model's classifier runs on Megatron ranks, never an engine)."""
+
+
+def test_released_weights_are_freed_unless_sglang_keeps_a_cpu_backup():
+    """``enable_weights_cpu_backup: A[bool, "Save model weights ... to CPU memory during release..."] = False``;
+    the model loads inside ``memory_saver_adapter.region(GPU_MEMORY_TYPE_WEIGHTS, enable_cpu_backup=...)`` whose
+    backup is that flag; release pauses the region (its pages freed), resume maps fresh ones and restores what
+    ``_export_static_state`` kept: ``model.named_buffers()``, never the parameters."""
+    assert rules.server_flag_default(rules.EXEC_FIELDS, "enable_weights_cpu_backup") is False
+    assert "enable_weights_cpu_backup" in rules.weights_region_cpu_backup()
+    assert rules.released_tags_paused()["GPU_MEMORY_TYPE_WEIGHTS"] == "pause"
+    assert rules.released_tags_paused("resume_memory_occupation")["GPU_MEMORY_TYPE_WEIGHTS"] == "resume"
+    assert rules.static_state_kept() == {"named_buffers"}
+    # The flag megarl's CPU engine takes for the backup is SGLang's own.
+    assert src.launch_server_flags()["--enable-weights-cpu-backup"] == "enable_weights_cpu_backup"
+
+
+def test_the_strict_engine_drops_released_weights_by_default():
+    import inspect
+
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+
+    assert inspect.signature(HFEngine).parameters["weights_cpu_backup"].default is False
+
+
+@pytest.mark.parametrize("arch", CAUSAL_LMS)
+def test_every_tensor_sglangs_loader_takes_only_within_one_request_is_a_co_load_group(arch):
+    """The loader of each architecture megarl serves, read from its ``load_weights`` and the methods it calls: a
+    local dict filled in the loop over a request's tensors holds them until their partners arrive in that same call
+    (DeepSeek's ``cached_a_proj``: ``"q_a_proj" in name or "kv_a_proj_with_mqa" in name`` -> written to
+    ``fused_qkv_a_proj_with_mqa`` once both are there). Every tensor of megarl's family such a cache collects is in
+    one of the family's co-load groups with exactly the tensors the cache pairs it with; no other family has one."""
+    caches = rules.request_caches(arch)
+    family = FAMILIES[arch]
+    if arch != "DeepseekV3ForCausalLM":
+        assert caches == [], caches
+        assert all(rule.coload is None for rule in family.weights)
+        return
+    assert {c.variable: (sorted(c.keys), rules.fused_parameter(c)) for c in caches} == {
+        "cached_a_proj": (["kv_a_proj_with_mqa", "q_a_proj"], "fused_qkv_a_proj_with_mqa"),
+        "pending_indexer_wk": ([".indexer.weights_proj.", ".indexer.wk."], None)}  # DSA's indexer (V3.2): not ours
+    config = known_config("DeepSeek-V3")
+    names = [name for at in family.weight_instances(config) for name in at.hf_names]
+    assert not [n for n in names if ".indexer." in n]
+    groups = family.coload_groups(config)
+    collected = [n for n in names if "q_a_proj" in n or "kv_a_proj_with_mqa" in n]
+    assert len(collected) == 2 * config.num_hidden_layers
+    assert sorted(n for g in groups for n in g) == sorted(collected)
+    for group in groups:  # one layer's pair, each name the other's partner by SGLang's replace()
+        q_a, kv_a = group
+        assert kv_a == q_a.replace("q_a_proj", "kv_a_proj_with_mqa")
+
+
+READS_BACK = {"LlamaForCausalLM", "MistralForCausalLM"}
+"""The architectures megarl serves whose SGLang model class has ``get_weights_by_name`` (``llama.py``; Mistral's
+class derives from Llama's). Qwen2/3, their MoE and VL models, Mixtral, GLM-4.5 and DeepSeek-V3 have none: SGLang
+logs the AttributeError and ``/get_weights_by_name`` answers an error."""
+
+
+@pytest.mark.parametrize("arch", CAUSAL_LMS)
+def test_which_models_sglang_can_read_weights_back_from(arch):
+    assert rules.reads_weights_back(arch) == (arch in READS_BACK)
