@@ -69,7 +69,8 @@ def _check_megatron(cfg: RunConfig) -> None:
     roles = [(f"{ARR}.actor", cfg.actor_rollout_ref.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else [])
     for prefix, role in roles:
         check_transformer_overrides(prefix, role.megatron.override_transformer_config, device=cfg.trainer.device)
-        check_optimizer_overrides(prefix, role.optim.override_optimizer_config, device=cfg.trainer.device)
+        check_optimizer_overrides(prefix, role.optim.override_optimizer_config, device=cfg.trainer.device,
+                                  optimizer_offload=role.optimizer_offload)
     for prefix, section in (("teacher", cfg.teacher), ("reward_model", cfg.reward_model)):  # scoring, never trained
         if section.enable:
             check_transformer_overrides(prefix, section.megatron.override_transformer_config,
@@ -226,7 +227,8 @@ def _check_engines(cfg: RunConfig) -> None:
     if not hybrid and rollout.pool_nodes is None:
         raise ValueError(f"{ARR}.hybrid_engine=false puts the engines on their own pool: give its size in "
                          f"{prefix}.pool_nodes (GPUs per node, e.g. [8]), or set {ARR}.hybrid_engine=true")
-    resolve_transport(rollout.weight_transport, colocated=hybrid)  # tensor needs colocated engines
+    # tensor needs colocated engines; distributed on GPUs needs them on GPUs of their own
+    resolve_transport(rollout.weight_transport, colocated=hybrid, device=cfg.trainer.device)
     if hybrid and rollout.pool_nodes is not None:
         raise ValueError(f"{prefix}.pool_nodes={rollout.pool_nodes} is for disaggregated engines: set "
                          f"{ARR}.hybrid_engine=false, or {prefix}.pool_nodes=null to colocate")

@@ -103,9 +103,11 @@ def check_transformer_overrides(role: str, overrides: Mapping[str, Any], *, devi
                              f"to false")
 
 
-def check_optimizer_overrides(role: str, overrides: Mapping[str, Any], *, device: str) -> None:
+def check_optimizer_overrides(role: str, overrides: Mapping[str, Any], *, device: str,
+                              optimizer_offload: bool = False) -> None:
     """Raise ``ValueError`` naming ``<role>.optim.override_optimizer_config.<key>`` for a key that is not a field of
-    ``OptimizerConfig``, one megarl sets itself, or the hybrid CPU optimizer with ``device=cpu``."""
+    ``OptimizerConfig``, one megarl sets itself, or the hybrid CPU optimizer with ``device=cpu`` or with megarl's own
+    optimizer offload (``optimizer_offload``: ``<role>.optimizer_offload``)."""
     if not overrides:
         return
     with warnings.catch_warnings():
@@ -125,6 +127,14 @@ def check_optimizer_overrides(role: str, overrides: Mapping[str, Any], *, device
     if device == "cpu" and overrides.get("optimizer_cpu_offload"):
         raise ValueError(f"{path}.optimizer_cpu_offload=True needs trainer.device=cuda (Megatron's hybrid optimizer "
                          f"moves GPU-held optimizer states to the host; on cpu they are there already): remove it")
+    if overrides.get("optimizer_cpu_offload") and optimizer_offload:
+        # Megatron's offload_to_cpu / restore_from_cpu move every optimizer state to the host and back to the GPU;
+        # the hybrid optimizer's state holds its CPU sub-optimizer's states by reference, which then come back on the
+        # GPU while its parameters stay on the host: its fused step fails at the second optimizer step.
+        raise ValueError(f"{path}.optimizer_cpu_offload=True with {role}.optimizer_offload=true: Megatron's hybrid "
+                         f"CPU optimizer keeps its host share on the host already, and offloading the rest moves that "
+                         f"share to the GPU on the way back (its next step fails); set {role}.optimizer_offload=false "
+                         f"(the GPU share then stays), or drop optimizer_cpu_offload")
     fraction = overrides.get("optimizer_offload_fraction")
     if fraction is not None and not 0.0 <= float(fraction) <= 1.0:
         raise ValueError(f"{path}.optimizer_offload_fraction={fraction!r} must be in [0, 1]")

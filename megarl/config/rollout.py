@@ -65,9 +65,12 @@ LORA_SYNCS = ("adapters", "merged")
 """``rollout.weight_transport``: ``auto`` or a transport of :mod:`megarl.sync`."""
 
 
-def resolve_transport(name: str, *, colocated: bool) -> str:
+def resolve_transport(name: str, *, colocated: bool, device: str = "cpu") -> str:
     """The transport ``rollout.weight_transport=name`` means: ``auto`` → ``tensor`` when the engines share the
-    actor's GPUs, else ``distributed``; ``tensor`` needs colocated engines."""
+    actor's GPUs, else ``distributed``; ``tensor`` needs colocated engines, and ``distributed`` on GPUs
+    (``device="cuda"``) engines on GPUs of their own: colocated, the sending rank and its engine's first TP rank are
+    on one GPU, and NCCL refuses a communicator with two ranks on one device ("Duplicate GPU detected"; gloo, on CPU,
+    allows it)."""
     if name == "auto":
         return "tensor" if colocated else "distributed"
     if name not in WEIGHT_TRANSPORTS:
@@ -76,6 +79,12 @@ def resolve_transport(name: str, *, colocated: bool) -> str:
         raise ValueError("actor_rollout_ref.rollout.weight_transport=tensor needs the engines on the actor's GPUs "
                          "(actor_rollout_ref.hybrid_engine=true); disaggregated engines receive weights by "
                          "broadcast: set actor_rollout_ref.rollout.weight_transport=distributed or auto")
+    if name == "distributed" and colocated and device == "cuda":
+        raise ValueError("actor_rollout_ref.rollout.weight_transport=distributed with the engines on the actor's GPUs "
+                         "(actor_rollout_ref.hybrid_engine=true) would put the sending rank and its engine's first TP "
+                         "rank on one GPU in one NCCL group, which NCCL refuses: set "
+                         "actor_rollout_ref.rollout.weight_transport=tensor or auto (colocated engines get their "
+                         "weights by CUDA IPC), or actor_rollout_ref.hybrid_engine=false")
     return name
 
 

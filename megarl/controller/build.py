@@ -239,7 +239,8 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
                  router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
                  engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
-                                                    colocated=plan.colocated), weight_names=names, loop=loop,
+                                                    colocated=plan.colocated, device=cfg.trainer.device),
+                 weight_names=names, loop=loop,
                  judge=judge)
 
 
@@ -388,6 +389,9 @@ class EngineSet:
     """The engines return every token's routed experts (``actor.router_replay``)."""
     lora: Any = None
     """The run's :class:`~megarl.config.lora.LoraSpec` when the engines serve its adapter."""
+    context_length: int | None = None
+    """The longest sequence a request may reach (SGLang's ``--context-length``): SGLang sizes its per-request token
+    tables by it, by the model's whole context (131,072 for Llama-3.1) without it."""
 
 
 def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
@@ -401,14 +405,30 @@ def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
         model = dataclasses.replace(model, path=str(engine_checkpoint(model.local_path, cfg.run_dir)))
     return EngineSet("rollout", "engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
                      routed_experts=arr.actor.router_replay.enabled,
-                     lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None)
+                     lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None,
+                     context_length=context_length(model, arr.rollout.max_model_len or sum(cfg.rollout_widths()),
+                                                   key="actor_rollout_ref.model.path"))
 
 
 def judge_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
     """A generative judge's engines (``reward_model.judge``), on its own pool."""
     judge = cfg.reward_model.judge
     return EngineSet("judge", "judge engine", plan.judge_engines, judge.rollout, judge.model,
-                     SEED_STREAM_JUDGE_ENGINE)
+                     SEED_STREAM_JUDGE_ENGINE,
+                     context_length=context_length(judge.model, judge.rollout.prompt_length
+                                                   + judge.rollout.response_length, key="reward_model.judge.model.path"))
+
+
+def context_length(model: ModelSource, wanted: int, *, key: str) -> int:
+    """An engine's ``--context-length``: ``wanted`` (the longest sequence the run asks for), at most the model's own
+    context (``max_position_embeddings``; SGLang refuses a longer one, and the engine then refuses the requests that
+    would not fit, which the run counts)."""
+    from megarl.models.known import resolve_hf_config
+    from megarl.models.vision import model_config
+
+    hf_config, _ = resolve_hf_config(model.local_path, key=key)
+    limit = getattr(model_config(hf_config), "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted
 
 
 def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
@@ -429,9 +449,10 @@ def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: flo
 
         routed = (ROUTED_EXPERTS_FLAG,) if engine_set.routed_experts else ()
         lora = engine_set.lora  # the engines serve the run's adapter
+        context = ("--context-length", str(engine_set.context_length)) if engine_set.context_length else ()
         if gpus is None:
             for call in calls:
-                call["extra_args"] = (*routed, *(lora_flags(lora) if lora else ()))
+                call["extra_args"] = (*routed, *(lora_flags(lora) if lora else ()), *context)
         if gpus is not None:
             from megarl.plan.engine_gpus import sglang_launch_command
 
@@ -447,7 +468,7 @@ def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: flo
                 call["launch"] = sglang_launch_command(engine, rollout=rollout, model=model, port=ports[0],
                                                        seed=seeds[slot.engine], node_rank=slot.node_rank,
                                                        host=serve_on, return_routed_experts=bool(routed),
-                                                       lora=lora)
+                                                       lora=lora, context_length=engine_set.context_length)
                 call["url"] = f"http://{serve_on}:{ports[0]}"
         urls = group.call_ranks([((), dict(rollout=rollout, model=model, seed=seeds[s.engine],
                                           device=cfg.trainer.device, log_dir=str(log_dir), admin_key=admin_key,

@@ -162,7 +162,8 @@ class _WeightSync:
         arr = cfg.actor_rollout_ref
         self.cfg, self.model, self.placement = cfg, model, placement
         self.dims = dims = placement.role("actor").dims
-        self.transport = resolve_transport(arr.rollout.weight_transport, colocated=placement.colocated)
+        self.transport = resolve_transport(arr.rollout.weight_transport, colocated=placement.colocated,
+                                           device=cfg.trainer.device)
         self.engine_bytes, self.dtype_bytes = DTYPE_BYTES[arr.rollout.dtype], DTYPE_BYTES[arr.model.dtype]
         self.pool = placement.pools[placement.role("actor").pool]
         self.stride = dims.tp * dims.cp * dims.dp  # rank r's pipeline peers: r mod stride + p * stride

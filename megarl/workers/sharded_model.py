@@ -170,6 +170,8 @@ class ShardedModel:
             self.chunks = self._wrap_ddp(chunks, optim)
             self.optimizer, self.scheduler = self._build_optimizer(optim)
         self._exporters: dict = {}
+        self._frozen_host: dict[int, torch.Tensor] = {}
+        """Host copies of the frozen parameters (by id), made at their first offload (:func:`move_frozen`)."""
 
     # --------------------------------------------------------------------------- set-up
     def _prepare_routers(self, chunks, router_replay: bool) -> None:
@@ -438,8 +440,10 @@ class ShardedModel:
 
         Trainable roles use Megatron's RL primitives: the DDP buffers keep a pinned host copy
         of the parameters and release their storage (views stay valid), the gradient buffers
-        are released, the optimizer states move to host memory. A frozen role moves its
-        modules to host memory. On CPU there is nothing to free: a no-op.
+        are released, the optimizer states move to host memory; their frozen parameters (a LoRA
+        actor's base, which Megatron's DDP leaves out of its buffers) go to a pinned host copy
+        too (:func:`move_frozen`). A frozen role moves its modules to host memory. On CPU there
+        is nothing to free: a no-op.
         """
         if not torch.cuda.is_available():
             return
@@ -451,6 +455,8 @@ class ShardedModel:
             for chunk in self.chunks:
                 for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                     buffer.offload_to_cpu(move_params=params, move_grads=grads)
+            if params:
+                move_frozen(self._frozen(), self._frozen_host, to_host=True)
             if optimizer:
                 self.optimizer.offload_to_cpu()
         torch.cuda.synchronize()
@@ -467,8 +473,13 @@ class ShardedModel:
             for chunk in self.chunks:
                 for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                     buffer.reload_from_cpu(move_params=True, move_grads=True)
+            move_frozen(self._frozen(), self._frozen_host, to_host=False, device=torch.cuda.current_device())
             self.optimizer.restore_from_cpu()
         torch.cuda.synchronize()
+
+    def _frozen(self) -> list[torch.nn.Parameter]:
+        """The parameters that do not train (a LoRA actor's base): Megatron's DDP buffers do not hold them."""
+        return [p for chunk in self.module_chunks for p in chunk.parameters() if not p.requires_grad]
 
     # -------------------------------------------------------------------------- weights
     def exporter(self, dtype: torch.dtype | None = None):
@@ -525,3 +536,18 @@ def _set_fused(optimizer) -> None:
         if isinstance(step, torch.Tensor) and (step.device != param.device or step.dtype != torch.float32):
             state["step"] = step.to(param.device, torch.float32)
 
+
+def move_frozen(params: list[torch.nn.Parameter], host: dict[int, torch.Tensor], *, to_host: bool,
+                device: torch.device | int | str | None = None) -> None:
+    """Frozen parameters to the host and back, their objects kept (``param.data`` swapped). The first move to the
+    host copies each into a (pinned, on CUDA) host tensor kept in ``host`` (by parameter id); later ones only drop
+    the device copy: frozen values never change, so nothing is copied back. ``to_host=False``: onto ``device``."""
+    for param in params:
+        if to_host:
+            if id(param) not in host:
+                pinned = torch.empty(param.shape, dtype=param.dtype, device="cpu",
+                                     pin_memory=param.device.type == "cuda")
+                host[id(param)] = pinned.copy_(param.data)
+            param.data = host[id(param)]
+        elif id(param) in host and param.device != torch.device(device):
+            param.data = host[id(param)].to(device, non_blocking=True)

@@ -292,7 +292,7 @@ def test_input_checks(engine):
         engine.generate([[1], []], params)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[1, 10_000]], params)
-    with pytest.raises(ValueError, match="exceeds the model's context of 512"):
+    with pytest.raises(ValueError, match="exceeds the engine's context of 512"):
         engine.generate([[1] * 500], SamplingParams(max_new_tokens=20))
 
 

@@ -60,18 +60,22 @@ def _layers_split(bucket_list) -> int:
     return sum(len(indices) > 1 for indices in where.values())
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3_units():
+    plan = plan_run(load_config(["recipe=deepseek_v3_671b_grpo"]), check=False)
+    return _units(plan.model, plan.placement.role("actor").dims)
+
+
 @pytest.mark.parametrize("bucket_mb,transport", [(256, "tensor"), (512, "tensor"), (2048, "tensor"),
                                                  (1024, "distributed"), (64, "distributed")])
-def test_deepseek_v3s_buckets_never_split_a_layers_down_projections(bucket_mb, transport):
+def test_deepseek_v3s_buckets_never_split_a_layers_down_projections(deepseek_v3_units, bucket_mb, transport):
     """At the DeepSeek-V3 recipe's layout (TP8 PP4 EP64), bucket boundaries used to fall between a layer's
-    ``q_a_proj`` and ``kv_a_proj_with_mqa`` (54 of 61 layers at ``rollout.bucket_mb=256``), which SGLang's loader
-    fuses only within one request."""
-    cfg = load_config(["recipe=deepseek_v3_671b_grpo", f"actor_rollout_ref.rollout.bucket_mb={bucket_mb}",
-                       f"actor_rollout_ref.rollout.weight_transport={transport}"])
-    plan = plan_run(cfg, check=False)
-    dims = plan.placement.role("actor").dims
-    units = _units(plan.model, dims)
-    budget = (bucket_mb << 20) // (2 if transport == "tensor" else 1)
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` (54 of 61 layers at ``rollout.bucket_mb=256``; 1 at 2048, and at 1024
+    with the distributed transport), which SGLang's loader fuses only within one request."""
+    from megarl.sync import transport_class
+
+    units = deepseek_v3_units
+    budget = transport_class(transport).bucket_budget(bucket_mb << 20)
     grouped = buckets(units, lambda u: sum(torch.Size(s).numel() for s in u.hf_shapes) * 2, budget)
     assert [u for bucket in grouped for u in bucket] == units
     assert _layers_split(grouped) == 0
@@ -140,3 +144,88 @@ def test_the_lora_recipes_plan_keeps_the_engine_weights_through_training():
         assert gpu.parts[phase].get("engine_weights") == gpu.rows["engine_weights"] > 16 * 2**30, phase
     full = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo", "actor_rollout_ref.rollout.lora_sync=merged"]))
     assert "engine_weights" not in full.gpus[0].parts["update actor"]
+
+
+def test_the_distributed_transport_is_refused_for_colocated_engines_on_gpus():
+    """Colocated, the sending rank and its engine's first TP rank share a GPU; NCCL refuses two ranks of one
+    communicator on one device. gloo allows it, so CPU runs keep the combination (the CI tests use it)."""
+    from megarl.config.loading import ConfigError
+    from megarl.config.rollout import resolve_transport
+
+    with pytest.raises(ValueError, match=r"weight_transport=distributed with the engines on the actor's GPUs.*"
+                                         r"weight_transport=tensor or auto"):
+        resolve_transport("distributed", colocated=True, device="cuda")
+    assert resolve_transport("distributed", colocated=False, device="cuda") == "distributed"
+    assert resolve_transport("distributed", colocated=True, device="cpu") == "distributed"
+    assert resolve_transport("auto", colocated=True, device="cuda") == "tensor"
+    with pytest.raises(ConfigError, match="rollout.weight_transport=distributed with the engines"):
+        load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.weight_transport=distributed"])
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "critic"])
+def test_the_hybrid_cpu_optimizer_is_refused_with_megarls_optimizer_offload(role):
+    from megarl.config.loading import ConfigError
+
+    hybrid = [f"+{role}.optim.override_optimizer_config.optimizer_cpu_offload=true",
+              f"+{role}.optim.override_optimizer_config.optimizer_offload_fraction=0.5"]
+    base = ["recipe=qwen2_5_7b_grpo", "critic.enable=true", "algorithm.adv_estimator=gae"] if role == "critic" \
+        else ["recipe=qwen2_5_7b_grpo"]
+    with pytest.raises(ConfigError, match=rf"{role}.optim.override_optimizer_config.optimizer_cpu_offload=True with "
+                                          rf"{role}.optimizer_offload=true.*set {role}.optimizer_offload=false"):
+        load_config([*base, *hybrid, f"{role}.optimizer_offload=true"])
+    load_config([*base, *hybrid, f"{role}.optimizer_offload=false"])
+
+
+def test_the_engines_start_with_the_runs_context_length(tmp_path):
+    """SGLang sizes its per-request token tables by ``--context-length`` (the model's whole context without it:
+    131,072 tokens for Llama-3.1); the engines get ``rollout.max_model_len``, else ``P + R``, and a judge's its
+    prompt and answer lengths. megarl's CPU engine takes the flag as SGLang does: a longer request is refused, and
+    so is a context longer than the model's."""
+    from megarl.controller.build import judge_engines, policy_engines
+    from megarl.models.tiny import save_tiny
+    from megarl.plan.engine_gpus import engine_gpus, planned_bundle_gpus, sglang_launch_command
+
+    cfg = load_config(["recipe=qwen2_5_7b_grpo"])
+    plan = plan_run(cfg, check=False)
+    engines = policy_engines(cfg, plan.placement)
+    assert engines.context_length == 1024 + 2048 == sum(cfg.rollout_widths())
+    capped = load_config(["recipe=qwen2_5_7b_grpo", "actor_rollout_ref.rollout.max_model_len=2500"])
+    assert policy_engines(capped, plan.placement).context_length == 2500
+    judged = load_config(["recipe=qwen2_5_7b_judge_grpo"])
+    judge_plan = plan_run(judged, check=False).placement
+    judge = judged.reward_model.judge.rollout
+    assert judge_engines(judged, judge_plan).context_length == judge.prompt_length + judge.response_length
+    model = save_tiny(tmp_path / "tiny", num_layers=1)  # max_position_embeddings 512
+    tiny_judge = load_config(["recipe=qwen2_5_7b_judge_grpo", f"reward_model.judge.model.path={model}"])
+    assert judge_engines(tiny_judge, judge_plan).context_length == 512  # never beyond the model's own
+    gpus = engine_gpus(plan.placement.engines, planned_bundle_gpus(plan.placement))[0]
+    argv = sglang_launch_command(gpus, rollout=cfg.actor_rollout_ref.rollout, model=cfg.actor_rollout_ref.model,
+                                 port=30000, seed=0, context_length=engines.context_length).argv
+    assert argv[argv.index("--context-length") + 1] == "3072"
+
+    engine = HFEngine(model, context_length=64)
+    assert engine.generate([[1] * 60], SamplingParams(max_new_tokens=4, temperature=0))
+    with pytest.raises(ValueError, match="exceeds the engine's context of 64"):
+        engine.generate([[1] * 60], SamplingParams(max_new_tokens=5, temperature=0))
+    with pytest.raises(ValueError, match="context_length=513 must be in 1..512"):
+        HFEngine(model, context_length=513)
+
+
+def test_a_lora_actors_frozen_base_leaves_the_device_with_its_weights():
+    """Megatron's DDP buffers hold only trainable parameters, so offloading them never moved a LoRA actor's base
+    (the planner counted it offloaded: SGLang's KV pool came out ~3.7x smaller than planned on the 70B LoRA recipe).
+    The frozen parameters move by themselves: copied to the host once, their device copy dropped at every offload
+    after that (frozen values never change), the same objects back on the device at onload."""
+    from megarl.workers.sharded_model import move_frozen
+
+    base = torch.nn.Parameter(torch.randn(4, 3), requires_grad=False)
+    host: dict[int, torch.Tensor] = {}
+    before = base.detach().clone()
+    move_frozen([base], host, to_host=True)
+    kept = host[id(base)]
+    assert base.data.data_ptr() == kept.data_ptr() and torch.equal(base, before)
+    base.data = base.data.clone()  # as onload leaves it: a device copy of its own (the GPU move needs CUDA)
+    with torch.no_grad():
+        base.mul_(1.0)
+    move_frozen([base], host, to_host=True)  # no copy back: the kept host tensor again
+    assert base.data.data_ptr() == kept.data_ptr() and torch.equal(base, before) and len(host) == 1

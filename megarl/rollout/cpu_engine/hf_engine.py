@@ -69,6 +69,9 @@ class HFEngine:
         weights_cpu_backup: keep the weights across a memory release (SGLang's
             ``--enable-weights-cpu-backup``); without it a release leaves them garbage (see
             :meth:`release_memory_occupation`).
+        context_length: the longest prompt + response a request may reach (SGLang's ``--context-length``); None:
+            the model's ``max_position_embeddings``. A larger one is refused, as SGLang refuses to start with a
+            context longer than the model's.
 
     Weight updates take full HF-named tensors (the names of ``model.named_parameters()``, and
     for a mixture-of-experts model the checkpoint's one-tensor-per-expert names, which SGLang
@@ -80,7 +83,7 @@ class HFEngine:
     def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
                  trust_remote_code: bool = False, image_processor: Any = None,
-                 weights_cpu_backup: bool = False) -> None:
+                 weights_cpu_backup: bool = False, context_length: int | None = None) -> None:
         if isinstance(model_path_or_model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -108,6 +111,12 @@ class HFEngine:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.hf_config = model_config(self.model.config)
         self.max_model_len = int(self.hf_config.max_position_embeddings)
+        if context_length is not None:
+            if not 0 < context_length <= self.max_model_len:
+                raise ValueError(f"HFEngine: context_length={context_length} must be in 1..{self.max_model_len} "
+                                 f"(the model's max_position_embeddings; SGLang refuses a longer --context-length "
+                                 f"too): lower actor_rollout_ref.rollout.max_model_len or the prompt/response lengths")
+            self.max_model_len = context_length
         self.vision = _vision_spec(self.hf_config)
         """A vision-language model's :class:`~megarl.models.vision.VisionSpec` (None: a text model)."""
         self.image_processor = image_processor
@@ -198,8 +207,9 @@ class HFEngine:
                                  f"vocabulary [0, {self.vocab_size})")
             if len(ids) + params.max_new_tokens > self.max_model_len:
                 raise ValueError(f"HFEngine.generate: input sequence {row} has {len(ids)} tokens; with "
-                                 f"max_new_tokens={params.max_new_tokens} it exceeds the model's context of "
-                                 f"{self.max_model_len} (max_position_embeddings); lower rollout.response_length "
+                                 f"max_new_tokens={params.max_new_tokens} it exceeds the engine's context of "
+                                 f"{self.max_model_len} (--context-length, or max_position_embeddings); lower "
+                                 f"rollout.response_length "
                                  f"or the prompt length")
             prompts.append(ids)
         return prompts
