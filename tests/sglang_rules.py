@@ -275,3 +275,25 @@ def reads_weights_back(architecture: str) -> bool:
         if any(isinstance(n, ast.FunctionDef) and n.name == "get_weights_by_name" for n in cls.body):
             return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# FP8: what an engine holds after loading
+# --------------------------------------------------------------------------------------------
+
+DEEPGEMM_CONFIG = "srt/layers/deep_gemm_wrapper/configurer.py"
+FP8_UTILS = "srt/layers/quantization/fp8_utils.py"
+
+
+def module_assignment(relative: str, name: str) -> str:
+    """The source of the module-level assignment to ``name`` in ``relative``."""
+    for node in _tree(relative).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return _dotted(node.value)
+    raise SGLangSourceError(f"{relative} assigns no {name}")
+
+
+def ue8m0_requantization() -> list[str]:
+    """What ``requant_weight_ue8m0`` calls, in order (the weight dequantized, then quantized to UE8M0 scales)."""
+    func = _function(FP8_UTILS, "requant_weight_ue8m0")
+    return [_dotted(call) for call in _calls(func) if isinstance(call.func, ast.Name)]

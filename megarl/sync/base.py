@@ -252,12 +252,24 @@ async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor])
     An engine with TP > 1 answers whole only replicated tensors and the row-parallel ones it all-gathers (SGLang's
     ``LlamaForCausalLM.get_weights_by_name`` gathers ``o_proj``/``down_proj``); for column-parallel and vocabulary
     tensors it answers its TP rank 0's slice. An answer of another shape than the tensor is such a slice: the
-    tensor is not verified (and reported so), never compared in part."""
+    tensor is not verified (and reported so), never compared in part.
+
+    A block-FP8 weight whose scale is in ``expected`` too (``rollout.quantization=fp8``) is compared by the values
+    the pair stands for, within one e4m3 rounding at twice the scale (:func:`megarl.models.fp8.error_bound`, after a
+    bf16 round trip): SGLang on
+    Blackwell requantizes weights and scales to power-of-two (UE8M0) scales after every load, so neither the FP8
+    bits nor the scale it answers are the ones sent; a scale is never compared by itself. A pair whose scale the
+    engine cannot answer (SGLang narrows a fused name's scale by head counts: HTTP 400) is not verified."""
+    from megarl.models.fp8 import scale_name
+
+    pairs = {name: scale_name(name) for name in expected if scale_name(name) in expected}
+    scales = set(pairs.values())
     differ, unverified = [], []
     for name, tensor in expected.items():
-        rows = tensor.shape[0] if tensor.dim() else 1
+        if name in pairs or name in scales:
+            continue
         try:
-            values = await client.get_weights_by_name(name, truncate_size=rows)
+            values = await client.get_weights_by_name(name, truncate_size=tensor.shape[0] if tensor.dim() else 1)
         except EngineError as error:
             if error.status == 400:
                 return None
@@ -267,10 +279,41 @@ async def verify_engine(client: EngineClient, expected: dict[str, torch.Tensor])
             unverified.append(name)
         elif not torch.equal(answer.reshape(tensor.shape), tensor.float()):
             differ.append(name)
+    for name, scale in pairs.items():
+        verdict = await _verify_fp8(client, name, expected[name], scale, expected[scale])
+        if verdict is None:
+            unverified += [name, scale]
+        elif not verdict:
+            differ.append(name)
     if differ:
         raise RuntimeError(f"weight sync: {client.name} at {client.url} does not hold the trainer's weights after "
                            f"the update ({len(differ)} tensors differ: {differ[:5]})")
     return unverified
+
+
+async def _verify_fp8(client: EngineClient, name: str, weight: torch.Tensor, scale: str,
+                      scales: torch.Tensor) -> bool | None:
+    """Whether the engine's FP8 weight ``name`` and its scale stand for the values the sent pair stands for (its
+    leading rows: ``weight`` and ``scales`` as :func:`expected_copy` kept them); None: not answered whole."""
+    from megarl.models.fp8 import BLOCK, FP8_DTYPE, dequantize_block_fp8, error_bound
+
+    rows = weight.shape[0]
+    block_rows = -(-rows // BLOCK[0])
+    try:
+        got_weight = torch.tensor(await client.get_weights_by_name(name, truncate_size=rows), dtype=torch.float32)
+        got_scale = torch.tensor(await client.get_weights_by_name(scale, truncate_size=block_rows),
+                                 dtype=torch.float32)
+    except EngineError as error:
+        if error.status == 400:
+            return None
+        raise
+    if got_weight.numel() != weight.numel() or got_scale.numel() != block_rows * scales.shape[1]:
+        return None
+    sent = dequantize_block_fp8(weight, scales[:block_rows])
+    held = dequantize_block_fp8(got_weight.reshape(weight.shape).to(FP8_DTYPE), got_scale.reshape(block_rows, -1))
+    # One e4m3 rounding at up to twice the scale, after SGLang's bf16 round trip (2^-9 relative: the 1 + 2^-4).
+    bound = error_bound(sent, 2 * scales[:block_rows].float()) * (1 + 2 ** -4)
+    return bool(((held - sent).abs() <= bound).all())
 
 
 def expected_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -74,3 +74,15 @@ logs the AttributeError and ``/get_weights_by_name`` answers an error."""
 @pytest.mark.parametrize("arch", CAUSAL_LMS)
 def test_which_models_sglang_can_read_weights_back_from(arch):
     assert rules.reads_weights_back(arch) == (arch in READS_BACK)
+
+
+def test_sglang_requantizes_fp8_weights_to_power_of_two_scales_on_blackwell_only():
+    """``DEEPGEMM_SCALE_UE8M0 = ENABLE_JIT_DEEPGEMM and (get_platform().is_sm100 or get_device_sm() in (120, 121))``:
+    on those GPUs every block-FP8 weight is dequantized to bf16 and quantized again at power-of-two scales after it
+    loads (megarl's CPU engine: ``--fp8-scale-ue8m0``), so a weight sync is verified by the values, not the bits."""
+    flag = rules.module_assignment(rules.DEEPGEMM_CONFIG, "DEEPGEMM_SCALE_UE8M0")
+    assert "is_sm100" in flag and "(120, 121)" in flag
+    calls = rules.ue8m0_requantization()
+    dequant = next(c for c in calls if c.startswith("block_quant_dequant("))
+    assert "torch.bfloat16" in dequant
+    assert calls.index(dequant) < next(i for i, c in enumerate(calls) if c.startswith("quant_weight_ue8m0("))

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=None,
                         help="the longest prompt + response a request may reach, as SGLang's flag (default: the "
                              "model's max_position_embeddings; a longer one is refused, as SGLang refuses it)")
+    parser.add_argument("--fp8-scale-ue8m0", action="store_true",
+                        help="an FP8 engine requantizes what it loads to power-of-two scales, as SGLang on Blackwell "
+                             "does (megarl only: SGLang decides by the GPU)")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="keep the weights across /release_memory_occupation, as SGLang's flag (without it "
                              "released weights are garbage until rewritten)")
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     engine = HFEngine(args.model_path, dtype=getattr(torch, args.dtype), device=args.device, seed=args.random_seed,
                       trust_remote_code=args.trust_remote_code, weights_cpu_backup=args.enable_weights_cpu_backup,
-                      context_length=args.context_length)
+                      context_length=args.context_length, fp8_scale_ue8m0=args.fp8_scale_ue8m0)
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
                           enable_return_routed_experts=args.enable_return_routed_experts,
                           enable_step_gate=args.enable_step_gate, admin_key=os.environ.pop(ADMIN_KEY_ENV, None),

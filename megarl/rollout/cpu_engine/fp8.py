@@ -42,7 +42,7 @@ class Fp8Weights:
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor],
-                 scales: dict[str, torch.Tensor]) -> None:
+                 scales: dict[str, torch.Tensor], *, scale_ue8m0: bool = False) -> None:
         problems = [name for name in weights if name not in params or name not in scales]
         if problems:
             raise ValueError(f"FP8 checkpoint: weights without a parameter or a scale: {problems[:10]}")
@@ -51,9 +51,13 @@ class Fp8Weights:
         self.weights = {name: weight.to(params[name].device) for name, weight in weights.items()}
         self.scales = {name: scales[name].to(params[name].device) for name in weights}
         self._changed: set[str] = set()
+        self.scale_ue8m0 = scale_ue8m0
+        """Requantize every loaded weight to power-of-two scales, as SGLang does on Blackwell (sm100/sm120: DeepGEMM's
+        ``DEEPGEMM_SCALE_UE8M0``), so what the engine holds and answers is not what was sent."""
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, params: dict[str, torch.nn.Parameter]) -> Fp8Weights:
+    def from_checkpoint(cls, directory: str | Path, params: dict[str, torch.nn.Parameter], *,
+                        scale_ue8m0: bool = False) -> Fp8Weights:
         """The FP8 weights and scales read from the checkpoint's safetensors (its ``*_scale_inv`` tensors name
         what is quantized)."""
         from safetensors import safe_open
@@ -68,7 +72,7 @@ class Fp8Weights:
                         tensor = f.get_tensor(key)
                         if tensor.dtype == FP8_DTYPE:
                             weights[key] = tensor
-        return cls(params, weights, scales)
+        return cls(params, weights, scales, scale_ue8m0=scale_ue8m0)
 
     def owns(self, name: str) -> bool:
         """Whether ``name`` is a quantized weight or its scale."""
@@ -106,6 +110,10 @@ class Fp8Weights:
         """Dequantize the parameters whose weight or scale changed since the last call; how many."""
         with torch.no_grad():
             for name in self._changed:
+                if self.scale_ue8m0:
+                    weight, scale = requantize_ue8m0(self.weights[name], self.scales[name])
+                    self.weights[name].copy_(weight)
+                    self.scales[name].copy_(scale)
                 param = self.params[name]
                 param.copy_(dequantize_block_fp8(self.weights[name], self.scales[name], param.dtype))
         count, self._changed = len(self._changed), set()
@@ -114,3 +122,16 @@ class Fp8Weights:
     def read(self, name: str) -> torch.Tensor:
         """The stored FP8 weight or scale ``name``."""
         return self.weights[name] if name in self.weights else self.scales[name[:-len(SCALE_SUFFIX)]]
+
+
+def requantize_ue8m0(weight_NK: torch.Tensor, scale_NbKb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-FP8 pair requantized to power-of-two scales, as SGLang's ``requant_weight_ue8m0`` does on Blackwell:
+    dequantized to bf16, each block's scale its largest magnitude (at least 1e-4) / 448 rounded up to a power of two,
+    the values rounded to nearest e4m3 at it."""
+    from megarl.models.fp8 import FP8_MAX, _blocks, dequantize_block_fp8, expand_scales
+
+    values = dequantize_block_fp8(weight_NK, scale_NbKb, torch.bfloat16).float()
+    amax = _blocks(values).abs().amax(dim=(1, 3)).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    quantized = (values / expand_scales(scale, tuple(values.shape))).clamp(-FP8_MAX, FP8_MAX)
+    return quantized.to(FP8_DTYPE), scale

@@ -72,6 +72,8 @@ class HFEngine:
         context_length: the longest prompt + response a request may reach (SGLang's ``--context-length``); None:
             the model's ``max_position_embeddings``. A larger one is refused, as SGLang refuses to start with a
             context longer than the model's.
+        fp8_scale_ue8m0: an FP8 engine requantizes every weight it loads to power-of-two scales, as SGLang on
+            Blackwell does (:func:`megarl.rollout.cpu_engine.fp8.requantize_ue8m0`).
 
     Weight updates take full HF-named tensors (the names of ``model.named_parameters()``, and
     for a mixture-of-experts model the checkpoint's one-tensor-per-expert names, which SGLang
@@ -83,7 +85,8 @@ class HFEngine:
     def __init__(self, model_path_or_model: str | os.PathLike | torch.nn.Module, tokenizer: Any = None, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
                  trust_remote_code: bool = False, image_processor: Any = None,
-                 weights_cpu_backup: bool = False, context_length: int | None = None) -> None:
+                 weights_cpu_backup: bool = False, context_length: int | None = None,
+                 fp8_scale_ue8m0: bool = False) -> None:
         if isinstance(model_path_or_model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -127,7 +130,7 @@ class HFEngine:
         self.fp8: Fp8Weights | None = None
         """An FP8 checkpoint's weights and scales (:mod:`megarl.rollout.cpu_engine.fp8`); None: not FP8."""
         if isinstance(model_path_or_model, (str, os.PathLike)) and is_fp8_checkpoint(model_path_or_model):
-            self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params)
+            self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params, scale_ue8m0=fp8_scale_ue8m0)
             self.fp8.refresh_all()
         self.coload = _coload_partners(self.model, self.fp8)
         """HF name -> the names SGLang's loader takes only with it in one request (:meth:`ModelFamily.coload_groups`;
