@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from megarl.convert.layout import ModelSizes, hf_slices
-from megarl.models.weights import WeightRule
+from megarl.models.weights import WeightRule, coload_key
 from megarl.config.parallel import ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -112,14 +112,11 @@ def buckets(units: list[Unit], unit_bytes, bucket_bytes: int) -> list[list[Unit]
 def coload_spans(units: list[Unit]) -> list[list[Unit]]:
     """``units`` in order, cut into the spans a bucket boundary may not fall inside: one unit each, except that the
     units from a co-load group's first member to its last (a layer's, all of one owner) form one span."""
-    last: dict[tuple, int] = {}
-    for k, u in enumerate(units):
-        if u.rule.coload is not None:
-            last[(u.layer, u.expert, u.rule.coload)] = k
+    last = {coload_key(u): k for k, u in enumerate(units)}  # a group's last member (None: no group, unused)
     spans, k = [], 0
     while k < len(units):
-        u = units[k]
-        end = last.get((u.layer, u.expert, u.rule.coload), k) if u.rule.coload is not None else k
+        key = coload_key(units[k])
+        end = k if key is None else last[key]
         spans.append(units[k:end + 1])
         k = end + 1
     return spans

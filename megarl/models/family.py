@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megarl.models.mla import MLASpec, rope_parameters
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
-from megarl.models.weights import RuleAt, WeightRule
+from megarl.models.weights import RuleAt, WeightRule, coload_key
 from megarl.config.parallel import ParallelDims
 
 # Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
@@ -113,8 +113,8 @@ class ModelFamily:
         :attr:`~megarl.models.weights.WeightRule.coload`)."""
         groups: dict[tuple, list[str]] = {}
         for at in self.weight_instances(hf_config):
-            if at.rule.coload is not None:
-                groups.setdefault((at.layer, at.expert, at.rule.coload), []).extend(at.hf_names)
+            if (key := coload_key(at)) is not None:
+                groups.setdefault(key, []).extend(at.hf_names)
         return [tuple(names) for names in groups.values()]
 
     # ----------------------------------------------------------------------------- config

@@ -127,6 +127,13 @@ class RuleAt:
         return self.rule.hf_names(self.layer, self.expert)
 
 
+def coload_key(at) -> tuple | None:
+    """The co-load group a rule placed at a layer and expert belongs to (``at``: a :class:`RuleAt` or anything with
+    ``rule``, ``layer`` and ``expert``, such as the weight sync's units); None: none
+    (:attr:`WeightRule.coload`)."""
+    return None if at.rule.coload is None else (at.layer, at.expert, at.rule.coload)
+
+
 def decoder_weights(*, qkv_bias: bool, qk_norm: bool | str, moe=None, prefix: str = "model.",
                     attention: list[WeightRule] | None = None) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
