@@ -24,7 +24,8 @@ import torch
 from megarl.convert.export import Bucket, empty_buffer
 from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
 from megarl.convert.layout import Slice
-from megarl.models.fp8 import FP8_DTYPE, QUANTIZATION_CONFIG, num_blocks, quantize_block_fp8, scale_name
+from megarl.models.fp8 import (FP8_DTYPE, QUANTIZATION_CONFIG, num_blocks, quantize_block_fp8,
+                               quantize_block_fp8_into, scale_name)
 
 
 def fp8_names(family, hf_config) -> frozenset[str]:
@@ -91,9 +92,7 @@ def quantize_bucket(bucket: Bucket, quantized: frozenset[str], *, shared_memory:
     views = {n: flat[o:o + math.prod(s) * _itemsize(d)].view(d).view(s) for n, s, d, o in layout}
     for tensor_name, tensor in zip(bucket.names, bucket.tensors):
         if tensor_name in quantized:
-            weight, scale = quantize_block_fp8(tensor)
-            views[tensor_name].copy_(weight)
-            views[scale_name(tensor_name)].copy_(scale)
+            quantize_block_fp8_into(tensor, views[tensor_name], views[scale_name(tensor_name)])
         else:
             views[tensor_name].copy_(tensor)
     return Bucket([n for n, _, _, _ in layout], [views[n] for n, _, _, _ in layout], flat, bucket.owner_pp_rank)

@@ -44,7 +44,7 @@ from megarl.convert.param_map import Unit
 from megarl.models.sizes import Architecture
 from megarl.models.weights import Split
 from megarl.plan.all_to_all import ep_link
-from megarl.models.fp8 import fp8_bytes
+from megarl.models.fp8 import BLOCK, QUANTIZE_BYTES_PER_ELEMENT, fp8_bytes
 from megarl.plan.memory import DTYPE_BYTES
 from megarl.plan.placement import PlacementPlan, engine_replica, megatron_coordinates
 from megarl.plan.report import expert_groups
@@ -295,6 +295,13 @@ class _WeightSync:
         sent = sum(sum(fp8_bytes(s) for s in u.hf_shapes) if u.rule.block_fp8 else self._full(u) for u in self.units)
         return sent / exported
 
+    def _quantize_transient(self) -> int:
+        """Bytes quantizing one weight takes besides its input and output: ``QUANTIZE_BYTES_PER_ELEMENT`` (12) per
+        element of one row of blocks (128 rows) of the widest quantized weight."""
+        rows = [min(shape[0], BLOCK[0]) * math.prod(shape[1:]) for u in self.units if u.rule.block_fp8
+                for shape in u.hf_shapes]
+        return QUANTIZE_BYTES_PER_ELEMENT * max(rows, default=0)
+
     def memory(self) -> SyncMemory:
         scratch, gathered, ep_received = self._per_stage()
         buffers = self.buffers
@@ -310,8 +317,11 @@ class _WeightSync:
                         self.cfg.trainer.links, overlapped=self.transport == "tensor", senders=self._senders())
         actor = self._actor_buffers(scratch)
         if fraction < 1.0:
+            # The two byte buffers the quantized buckets take turns in, and the transients of quantizing one row of
+            # blocks of the widest linear weight (quantize_block_fp8_into).
             quantizing = set(self.hosts) if self.transport == "tensor" else set(self._senders())
-            actor = {rank: held + (2 * max(buffers.sizes) if rank in quantizing else 0) for rank, held in actor.items()}
+            held_there = 2 * max(buffers.sizes) + self._quantize_transient()
+            actor = {rank: held + (held_there if rank in quantizing else 0) for rank, held in actor.items()}
         return SyncMemory(plan, actor, buffers.engine)
 
 def _units(model: Architecture, dims: ParallelDims) -> list[Unit]:

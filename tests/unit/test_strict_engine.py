@@ -277,3 +277,55 @@ def test_fp8_weights_are_verified_by_the_values_they_stand_for(tmp_path):
              scale_name(name): expected_copy(scale)}
     with pytest.raises(RuntimeError, match="does not hold the trainer's weights"):
         run_sync(verify_engine(_ReadBack(engine), wrong))
+
+
+def _reference_quantize(weight):
+    """Block FP8 of the whole weight at once (the quantizer as it was: every transient the weight's size)."""
+    from megarl.models.fp8 import FP8_DTYPE, FP8_MAX, _blocks, expand_scales
+
+    w = weight.float()
+    scale = (_blocks(w).abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / expand_scales(scale, tuple(w.shape))).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def test_fp8_quantization_works_one_row_of_blocks_at_a_time():
+    """Quantizing DeepSeek-V3's dense gate_proj whole held ~12 bytes per element at once (1.5 GiB) beside a sync
+    planned at 77.7 of 80 GiB; one row of blocks (128 rows) at a time gives the same bits, and no transient is larger
+    than that row; the planner counts it on every quantizing GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megarl.convert.fp8 import quantize_bucket
+    from megarl.models.fp8 import QUANTIZE_BYTES_PER_ELEMENT, quantize_block_fp8
+    from megarl.convert.export import Bucket
+    from megarl.plan.weight_sync import _WeightSync
+
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 300, dtype=torch.bfloat16)  # partial blocks in both dimensions
+    for got, want in zip(quantize_block_fp8(weight), _reference_quantize(weight)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
+                           want.view(torch.uint8) if want.dtype != torch.float32 else want)
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float32, torch.bool) \
+                        and tensor._base is None:
+                    Largest.largest = max(Largest.largest, tensor.numel())
+            return out
+
+    bucket = Bucket.pack([("w", weight), ("norm", torch.ones(300, dtype=torch.bfloat16))], shared_memory=False)
+    with Largest():
+        quantize_bucket(bucket, frozenset({"w"}))
+    assert 0 < Largest.largest <= 128 * 384  # one row of (padded) blocks, never the weight's 1000 x 300
+
+    cfg = load_config(["recipe=deepseek_v3_671b_grpo"])
+    plan = plan_run(cfg, check=False)
+    sync = _WeightSync(cfg, plan.model, plan.placement)
+    assert sync._quantize_transient() == QUANTIZE_BYTES_PER_ELEMENT * 128 * 18432  # the dense down_proj's K
+    memory = sync.memory()
+    host = next(iter(sync.hosts))
+    assert memory.actor[host] == (sync._actor_buffers(sync._per_stage()[0])[host] + 2 * max(sync.buffers.sizes)
+                                  + sync._quantize_transient())
