@@ -34,7 +34,7 @@ def build_gpt_model(
 
     from megarl.models.value_head import attach_value_head
 
-    config = config or family.transformer_config(hf_config, dims)
+    config = config or family.transformer_config(hf_config, dims, use_te=use_te)
     kwargs = family.gpt_model_kwargs(hf_config, dims)
     if value_head:
         kwargs["share_embeddings_and_output_weights"] = False
@@ -69,7 +69,7 @@ def build_model_chunks(family: ModelFamily, hf_config, dims: ParallelDims, *, co
     """
     from megatron.core import parallel_state
 
-    config = config or family.transformer_config(hf_config, dims)
+    config = config or family.transformer_config(hf_config, dims, use_te=use_te)
     num_chunks = dims.num_virtual_stages
     chunks = []
     for i in range(num_chunks):

@@ -118,8 +118,18 @@ class ModelFamily:
         return [tuple(names) for names in groups.values()]
 
     # ----------------------------------------------------------------------------- config
-    def transformer_config(self, hf_config, dims: ParallelDims, **overrides):
-        """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``.
+    def uses_te(self, use_te: bool | None = None) -> bool:
+        """Whether this family's layers are built on TransformerEngine's spec: ``use_te`` (None: when TE is importable
+        and a GPU is present), never for multi-latent attention (its rules name the local spec's tensors,
+        :mod:`megarl.models.mla`). The one choice :meth:`block_spec` builds by and :meth:`transformer_config` sets
+        TE-only fusions by."""
+        if use_te is None:
+            use_te = torch.cuda.is_available() and _te_importable()
+        return use_te and self.mla is None
+
+    def transformer_config(self, hf_config, dims: ParallelDims, *, use_te: bool | None = None, **overrides):
+        """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``, for layers built on TE's spec or not
+        (``use_te``, as :meth:`block_spec` takes it: LoRA builds the local spec on a machine with TE).
 
         ``overrides`` are TransformerConfig fields (e.g. ``params_dtype=torch.bfloat16``,
         ``recompute_granularity="full"``); they win over the derived values.
@@ -136,7 +146,7 @@ class ModelFamily:
             expert_ffn=self.moe.ffn_size(hf_config) if self.moe is not None else None,
         )
         on_gpu = torch.cuda.is_available()
-        use_te = on_gpu and _te_importable() and self.mla is None  # the layer spec's choice (block_spec)
+        use_te = self.uses_te(use_te)  # the layer spec's choice (block_spec)
         params_dtype = overrides.pop("params_dtype", torch.float32)
         kwargs = dict(
             **sizes,
@@ -344,9 +354,7 @@ class ModelFamily:
         (:func:`megarl.parallel.cpu_support.local_block_spec`: packing, context and sequence parallelism)."""
         from megatron.core.models.gpt import gpt_layer_specs
 
-        if use_te is None:
-            use_te = torch.cuda.is_available() and _te_importable()
-        use_te = use_te and self.mla is None  # MLA's rules name the local spec's tensors (megarl.models.mla)
+        use_te = self.uses_te(use_te)
         if use_te and self.moe is not None:  # dense and sparse layers, this stage's slice
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                               normalization="RMSNorm", vp_stage=vp_stage)

@@ -133,18 +133,19 @@ class ShardedModel:
         self.megatron_overrides = dict(megatron_overrides or {})
         """The role's ``megatron.override_transformer_config`` (checked by the config), set last."""
         transformer_overrides |= self.megatron_overrides
+        # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1):
+        # its model and config are the local spec's on any machine.
+        use_te = False if lora is not None else None
         self.config = self.family.transformer_config(
-            self.hf_config, self.groups.dims, params_dtype=params_dtype,
+            self.hf_config, self.groups.dims, use_te=use_te, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
             **transformer_overrides,
         )
         self.value_head = value_head
         if score_head and not value_head:
             raise ValueError("score_head (a reward model's sequence-classification head) needs value_head=True")
-        # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1).
         chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
-                                    value_head=value_head, value_head_seed=seed,
-                                    use_te=False if lora is not None else None)
+                                    value_head=value_head, value_head_seed=seed, use_te=use_te)
         self._prepare_routers(chunks, router_replay)
         self.last_routing_counts: torch.Tensor | None = None
         """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts

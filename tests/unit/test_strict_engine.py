@@ -329,3 +329,23 @@ def test_fp8_quantization_works_one_row_of_blocks_at_a_time():
     host = next(iter(sync.hosts))
     assert memory.actor[host] == (sync._actor_buffers(sync._per_stage()[0])[host] + 2 * max(sync.buffers.sizes)
                                   + sync._quantize_transient())
+
+
+def test_a_local_spec_built_on_a_machine_with_te_gets_the_local_specs_config(monkeypatch):
+    """LoRA builds Megatron's local spec even where TransformerEngine is importable; its config must then not ask for
+    TE-only kernels (masked_softmax_fusion imports scaled_masked_softmax_cuda, which no package ships), nor grouped
+    GEMM. The choice is one function (ModelFamily.uses_te) for the spec and the config."""
+    from megarl.config.parallel import ParallelDims
+    from megarl.models import family as family_module
+
+    monkeypatch.setattr(family_module, "_te_importable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = moe_jobs.tiny_moe_config("qwen3_moe")
+    family = family_for(config)
+    assert family.uses_te() and not family.uses_te(False)
+    with_te = family.transformer_config(config, ParallelDims(), perform_initialization=False)
+    local = family.transformer_config(config, ParallelDims(), use_te=False, perform_initialization=False)
+    assert with_te.masked_softmax_fusion and with_te.moe_grouped_gemm
+    assert not local.masked_softmax_fusion and not local.moe_grouped_gemm
+    deepseek = moe_jobs.tiny_moe_config("deepseek_v3")
+    assert not family_for(deepseek).uses_te()  # MLA: the local spec always
