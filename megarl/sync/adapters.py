@@ -11,9 +11,12 @@ replaces that adapter:
    off) then ``/load_lora_adapter_from_tensors`` with one payload per engine TP rank and every tensor's sha256
    (``expected_checksums``, which every engine rank checks: a wrong byte fails the load), then
    ``/update_weight_version`` so the tokens sampled next carry the new version. A colocated engine's sender is
-   the actor rank on its first GPU, whose payloads are handles to one flat buffer (CUDA IPC on GPU, shared memory on
-   CPU: :func:`megarl.sync.base.flattened_payload`); a disaggregated engine's is its DP replica's first rank, whose
-   payloads carry the bytes (pickled by value: the engine may be on another node).
+   the actor rank on its first GPU; each engine TP rank's payload is a handle to the adapters packed by the actor rank
+   on that rank's own GPU (every actor rank holds them whole; CUDA IPC on GPU, shared memory on CPU:
+   :func:`megarl.sync.base.flattened_payload`), gathered over the engine's host ranks as the ``tensor`` transport
+   gathers its handles, so no engine rank maps another GPU's memory (a CUDA context on it for good). A disaggregated
+   engine's sender is its DP replica's first rank, whose payloads carry the bytes (pickled by value: the engine may
+   be on another node).
 
 The statistics are the weight-sync metrics of the other transports (:func:`megarl.sync.base.merge_stats`); every
 tensor of every engine is verified (its checksum) on every sync.
@@ -25,10 +28,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from megarl.convert.export import Bucket
 from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 from megarl.rollout.lora_wire import ADAPTER_NAME, checksums
-from megarl.sync.base import WeightTransport, flattened_payload
+from megarl.sync.base import WeightTransport, all_gather_handles, flattened_payload, host_group
 
 
 class AdapterSync(WeightTransport):
@@ -39,13 +44,11 @@ class AdapterSync(WeightTransport):
 
     def __init__(self, groups, engines: Sequence[EngineAddress], *, config: dict[str, Any]) -> None:
         super().__init__(groups, engines)
-        import torch.distributed as dist
-
         self.config = config
         rank = dist.get_rank()
         lead = groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0
-        self.shared = [e for e in self.engines if e.host_ranks and e.host_ranks[0] == rank]
-        """Colocated engines on this rank's GPU (it is their first host rank): handles to one buffer."""
+        self.hosted, self.group = host_group(self.engines, rank)
+        """The colocated engine with a rank on this rank's GPU, and the gloo group of its host ranks (None: one)."""
         self.remote = [e for e in self.engines if not e.host_ranks and lead and e.replica == groups.dp_rank]
         """Disaggregated engines this rank's DP replica feeds (it is the replica's first rank): the bytes."""
 
@@ -53,18 +56,25 @@ class AdapterSync(WeightTransport):
               verify_names: Sequence[str] = (), flush_cache: bool = True) -> dict[str, Any] | None:
         start = time.perf_counter()
         named = exporter.adapters()  # collective: every rank takes part
-        if not (self.shared or self.remote):
+        sender = self.hosted is not None and self.hosted.host_ranks[0] == dist.get_rank()
+        if self.hosted is not None:  # each engine rank opens the adapters packed on its own GPU
+            bucket = Bucket.pack(named, shared_memory=True)
+            payload = flattened_payload(bucket)
+            handles = [payload] if self.group is None else all_gather_handles(payload, self.group, self.hosted.host_ranks)
+        if not (sender or self.remote):
+            if self.group is not None:
+                dist.barrier(group=self.group)  # the sender's load has opened this rank's buffer
             return None
         sums = checksums(dict(named))
-        loads = []
-        if self.shared:
-            bucket = Bucket.pack(named, shared_memory=True)
-            loads += [self._load(e, [flattened_payload(bucket) for _ in range(e.tp)], sums, version)
-                      for e in self.shared]
+        loads = [self._load(self.hosted, handles, sums, version)] if sender else []
         if self.remote:
             data = flattened_payload(Bucket.pack([(n, t.cpu()) for n, t in named]), by_value=True)
             loads += [self._load(e, [data] * e.tp, sums, version) for e in self.remote]
-        gather_sync(loads)
+        try:
+            gather_sync(loads)
+        finally:
+            if sender and self.group is not None:
+                dist.barrier(group=self.group)
         seconds = time.perf_counter() - start
         engines = len(loads)
         delivered = sum(t.numel() * t.element_size() for _, t in named) * engines

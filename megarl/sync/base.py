@@ -102,6 +102,8 @@ class WeightTransport(abc.ABC):
         self._clients: dict[str, EngineClient] = {}
         self._loop: event_loop.EventLoopThread | None = event_loop.hold()
         """The process's event loop, held until :meth:`close`: the clients' sessions live on it."""
+        self.group = None
+        """The gloo group of the host ranks of the engine on this rank's GPU (:func:`host_group`), if it has one."""
 
     @classmethod
     def bucket_budget(cls, bucket_bytes: int) -> int:
@@ -191,6 +193,9 @@ class WeightTransport(abc.ABC):
 
     def close(self) -> None:
         """Give back what the transport holds (process groups, connections, its hold on the event loop)."""
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
         for client in self._clients.values():
             client.close_sync()
         self._clients.clear()
@@ -204,6 +209,31 @@ class WeightTransport(abc.ABC):
             self._clients[engine.url] = EngineClient(engine.url, name=engine.name, admin_key=engine.admin_key,
                                                      control_timeout_s=engine.timeout_s)
         return self._clients[engine.url]
+
+
+def host_group(engines: Sequence[EngineAddress], rank: int) -> tuple[EngineAddress | None, Any]:
+    """The colocated engine with a rank on actor rank ``rank``'s GPU (``rank`` is one of its host ranks) and the gloo
+    group of its host ranks (None: it has one), or ``(None, None)``. Collective: every actor rank creates a group
+    for every engine with more than one host rank, in the same order."""
+    hosted, hosted_group = None, None
+    for engine in engines:
+        group = (torch.distributed.new_group(list(engine.host_ranks), backend="gloo")
+                 if len(engine.host_ranks) > 1 else None)
+        if rank in engine.host_ranks:
+            if hosted is not None:
+                raise ValueError(f"actor rank {rank} is a host rank of both {hosted.name} and {engine.name}")
+            hosted, hosted_group = engine, group
+    return hosted, hosted_group
+
+
+def all_gather_handles(payload: bytes, group, host_ranks: Sequence[int]) -> list[bytes]:
+    """Every host rank's payload (a handle to its own buffer), in engine TP order: engine TP rank ``r`` opens the one
+    made on its own GPU. A symmetric collective: no rank leaves it before all joined. The group numbers its members
+    by ascending global rank."""
+    out: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, payload, group=group)
+    by_rank = dict(zip(sorted(host_ranks), out, strict=True))
+    return [by_rank[r] for r in host_ranks]
 
 
 def flattened_payload(bucket, *, by_value: bool = False) -> bytes:

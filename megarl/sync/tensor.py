@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import EngineAddress, run_sync, submit
-from megarl.sync.base import WeightTransport, close_sessions, expected_copy, flattened_payload, verify_and_report
+from megarl.sync.base import (WeightTransport, all_gather_handles, close_sessions, expected_copy, flattened_payload,
+                              host_group, verify_and_report)
 
 NUM_BUFFERS = 2
 """Bucket buffers per rank (double buffering: the engine loads one while the next is built)."""
@@ -55,14 +56,7 @@ class TensorTransport(WeightTransport):
                              f"actor_rollout_ref.hybrid_engine=true); {', '.join(lacking)} have none: use "
                              f"actor_rollout_ref.rollout.weight_transport=distributed")
         rank = dist.get_rank()
-        self.engine: EngineAddress | None = None
-        self.group = None
-        for engine in self.engines:
-            group = dist.new_group(list(engine.host_ranks), backend="gloo") if len(engine.host_ranks) > 1 else None
-            if rank in engine.host_ranks:
-                if self.engine is not None:
-                    raise ValueError(f"actor rank {rank} is a host rank of both {self.engine.name} and {engine.name}")
-                self.engine, self.group = engine, group
+        self.engine, self.group = host_group(self.engines, rank)
         self.driver = self.engine is not None and self.engine.host_ranks[0] == rank
         hosts = {r for e in self.engines for r in e.host_ranks}
         members = dist.get_process_group_ranks(groups.pp) if groups.dims.pp > 1 else [rank]
@@ -90,7 +84,7 @@ class TensorTransport(WeightTransport):
                 payload = flattened_payload(bucket)
                 while len(pending) > self.num_buffers - 2:
                     pending.popleft().result()  # the engine is done with the buffer the next bucket fills
-                handles = [payload] if self.group is None else _all_gather(payload, self.group, engine.host_ranks)
+                handles = [payload] if self.group is None else all_gather_handles(payload, self.group, engine.host_ranks)
                 if client is not None:
                     expected.update((n, expected_copy(t)) for n, t in bucket.named() if n in wanted)
                     pending.append(submit(client.update_weights_from_tensor(handles, weight_version=version)))
@@ -106,18 +100,3 @@ class TensorTransport(WeightTransport):
         close_sessions(self, [engine], flush_cache=flush_cache)
         return verify_and_report(self, [engine], start=start, bytes_sent=sent, buckets=buckets, expected=expected,
                                  lead=True)
-
-    def close(self) -> None:
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
-        super().close()
-
-
-def _all_gather(payload: bytes, group, host_ranks: Sequence[int]) -> list[bytes]:
-    """Every host rank's payload, in engine TP order (a symmetric collective: no rank leaves it before all
-    joined, which the double buffering relies on). The group numbers its members by ascending global rank."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, payload, group=group)
-    by_rank = dict(zip(sorted(host_ranks), out, strict=True))
-    return [by_rank[r] for r in host_ranks]

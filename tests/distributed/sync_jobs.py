@@ -181,3 +181,39 @@ def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
         out["cases"].append(case)
         dist.barrier()
     return out
+
+
+def adapter_payloads_job() -> dict:
+    """Two actor ranks (TP=2) hosting one colocated engine of TP 2: the adapters sync's payloads, as its sender would
+    post them (the engine request recorded instead of sent), and the process that made each one's buffer. Returns
+    this rank's pid and, on the sender, each payload's shared-memory file name."""
+    import os
+
+    import torch.distributed as dist
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from megarl.parallel import ParallelDims, init_parallel
+    from megarl.rollout import event_loop
+    from megarl.rollout.client import EngineAddress
+    from megarl.sync.adapters import AdapterSync
+
+    groups = init_parallel(ParallelDims(tp=2))
+    posted: list = []
+
+    class Adapters:  # what WeightExporter.adapters() gives every rank: the whole adapter
+        @staticmethod
+        def adapters():
+            return [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(4, 8))]
+
+    with event_loop.holding():
+        sync = AdapterSync(groups, [EngineAddress(index=0, url="http://127.0.0.1:9", tp=2, host_ranks=(0, 1))],
+                           config={})
+
+        async def record(engine, payloads, sums, version):
+            posted.append([MultiprocessingSerializer.deserialize(p)["flattened_tensor"].untyped_storage()
+                           ._share_filename_cpu_()[1].decode() for p in payloads])
+
+        sync._load = record
+        sync._sync(Adapters(), bucket_bytes=1 << 20, version="1")
+        sync.close()
+    return {"rank": dist.get_rank(), "pid": os.getpid(), "posted": posted}

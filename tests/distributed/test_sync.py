@@ -106,3 +106,14 @@ def test_who_sends(synced):
     tensor_bytes = results[0]["cases"][1]["stats"][0]["weight_sync/bytes"]
     assert stats[0]["weight_sync/bytes"] + stats[2]["weight_sync/bytes"] == 2 * tensor_bytes
     assert 0 < stats[2]["weight_sync/bytes"] < 2 * tensor_bytes
+
+
+def test_each_engine_rank_gets_the_adapters_packed_on_its_own_gpu():
+    """A colocated TP-2 engine's adapter sync: the sender (the actor rank on the engine's first GPU) posts one
+    payload per engine TP rank, each a handle to the adapters packed by the actor rank on that engine rank's GPU
+    (shared memory made by that rank's process here; CUDA IPC on that GPU there), never one buffer for all: an engine
+    rank opening another GPU's handle keeps a CUDA context there for good."""
+    first, second = run_ranks(sync_jobs.adapter_payloads_job, 2, timeout_s=120)
+    assert second["posted"] == []
+    (handles,) = first["posted"]
+    assert [name.split("_")[1] for name in handles] == [str(first["pid"]), str(second["pid"])]
