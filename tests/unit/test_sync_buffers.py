@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megarl.convert.param_map import Unit, rank_buckets, ring_lengths, stripe_numel
+from megarl.models.weights import Split, WeightRule
 from megarl.sync import RankLayout, transport_class
 from megarl.sync.distributed import DistributedTransport
 from megarl.sync.tensor import NUM_BUFFERS, TensorTransport
@@ -14,8 +15,12 @@ from megarl.sync.tensor import NUM_BUFFERS, TensorTransport
 ELEMENT = 2  # bytes per element (bf16)
 
 
+RULE = WeightRule("t", ("t",), Split.REPLICATED)
+"""Any one tensor's rule (the buckets read only its co-load key: none)."""
+
+
 def unit(numel: int, stage: int, ep_owner: int | None = None) -> Unit:
-    return Unit(None, None, stage, 0, (f"t{numel}",), ((numel,),), expert=ep_owner, ep_owner=ep_owner)
+    return Unit(RULE, None, stage, 0, (f"t{numel}",), ((numel,),), expert=ep_owner, ep_owner=ep_owner)
 
 
 def nbytes(u: Unit) -> int:
