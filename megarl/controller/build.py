@@ -422,11 +422,15 @@ def judge_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
 def context_length(model: ModelSource, wanted: int, *, key: str) -> int:
     """An engine's ``--context-length``: ``wanted`` (the longest sequence the run asks for), at most the model's own
     context (``max_position_embeddings``; SGLang refuses a longer one, and the engine then refuses the requests that
-    would not fit, which the run counts)."""
+    would not fit, which the run counts). A model whose config cannot be read here (not yet written, or a hub name
+    megarl does not know) gets ``wanted``: the engine checks it against the model when it loads it."""
     from megarl.models.known import resolve_hf_config
     from megarl.models.vision import model_config
 
-    hf_config, _ = resolve_hf_config(model.local_path, key=key)
+    try:
+        hf_config, _ = resolve_hf_config(model.local_path, key=key)
+    except ValueError:
+        return wanted
     limit = getattr(model_config(hf_config), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted
 
