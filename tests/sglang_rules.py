@@ -277,6 +277,81 @@ def reads_weights_back(architecture: str) -> bool:
     return False
 
 
+LLAMA = "srt/models/llama.py"
+VOCAB_EMBEDDING = "srt/layers/vocab_parallel_embedding.py"
+HTTP_SERVER = "srt/entrypoints/http_server.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaReadBack:
+    """How ``LlamaForCausalLM.get_weights_by_name`` answers, read from its source (megarl's CPU engine:
+    :mod:`megarl.rollout.cpu_engine.read_back`)."""
+
+    stacked: tuple[tuple, ...]
+    """``self.stacked_params_mapping`` as assigned in ``__init__``."""
+    gathered: tuple[str, ...]
+    """The names whose parameter is all-gathered (``"o_proj" in name or ...``)."""
+    gather_dim: int
+    """The ``torch.cat`` dimension of the gathered shards."""
+    head_dim: str
+    """The source of the head size the q/k/v narrows count in."""
+    tp_divided: tuple[str, ...]
+    """The config fields divided by ``tp_size`` for the narrows."""
+    tied_head_reads: str
+    """What a tied ``lm_head.weight`` answers (the source of the returned parameter)."""
+    rows: str
+    """The answer's final expression (how ``truncate_size`` applies)."""
+
+
+def llama_read_back() -> LlamaReadBack:
+    """The rules of SGLang's Llama read-back, read from ``llama.py``."""
+    cls = _classes(LLAMA).get("LlamaForCausalLM")
+    if cls is None:
+        raise SGLangSourceError(f"{LLAMA} has no LlamaForCausalLM")
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    stacked = None
+    for node in ast.walk(methods["__init__"]):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and _dotted(node.targets[0]) == "self.stacked_params_mapping"):
+            stacked = tuple(ast.literal_eval(node.value))
+    func = methods.get("get_weights_by_name")
+    if stacked is None or func is None:
+        raise SGLangSourceError(f"{LLAMA}: LlamaForCausalLM has no stacked_params_mapping or get_weights_by_name")
+    gathered, gather_dim, head_dim, divided, tied, rows = (), None, None, [], None, None
+    for node in ast.walk(func):
+        if isinstance(node, ast.If) and "tp_size > 1" in _dotted(node.test):
+            gathered = tuple(c.left.value for c in ast.walk(node.test)
+                             if isinstance(c, ast.Compare) and isinstance(c.ops[0], ast.In)
+                             and isinstance(c.left, ast.Constant))
+            cat = next(c for c in _calls(node) if _dotted(c.func) == "torch.cat")
+            gather_dim = next(k.value.value for k in cat.keywords if k.arg == "dim")
+        if isinstance(node, ast.Assign) and _dotted(node.targets[0]) == "head_dim":
+            head_dim = _dotted(node.value)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and _dotted(node.right) == "tp_size":
+            divided.append(_dotted(node.left).removeprefix("self.config."))
+        if isinstance(node, ast.If) and "tie_word_embeddings" in _dotted(node.test):
+            tied = _dotted(next(n for n in ast.walk(node) if isinstance(n, ast.Return)).value)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Subscript) and rows is None:
+            rows = _dotted(node.value)
+    if None in (gather_dim, head_dim, tied, rows) or not gathered:
+        raise SGLangSourceError(f"{LLAMA}: LlamaForCausalLM.get_weights_by_name is of another shape")
+    return LlamaReadBack(stacked, gathered, gather_dim, head_dim, tuple(divided), tied, rows)
+
+
+def vocab_padding() -> int:
+    """SGLang's ``DEFAULT_VOCAB_PADDING_SIZE`` (vocabulary rows padded to a multiple of it, then sharded)."""
+    return ast.literal_eval(module_assignment(VOCAB_EMBEDDING, "DEFAULT_VOCAB_PADDING_SIZE"))
+
+
+def read_back_failure() -> str:
+    """The error message the ``/get_weights_by_name`` route answers when the model returns nothing."""
+    func = _function(HTTP_SERVER, "get_weights_by_name")
+    for call in _calls(func):
+        if _dotted(call.func) == "_create_error_response" and isinstance(call.args[0], ast.Constant):
+            return call.args[0].value
+    raise SGLangSourceError(f"{HTTP_SERVER}: get_weights_by_name answers no constant error")
+
+
 # --------------------------------------------------------------------------------------------
 # FP8: what an engine holds after loading
 # --------------------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ class ModelFamily:
     """``(model_type, transformers model_type)``: checkpoints of this family whose ``model_type`` transformers has no
     config class for (Kimi-K2's ``kimi_k2``, whose hub repository ships DeepSeek-V3's config code), read with the
     config class of the second (:func:`read_hf_config`)."""
+    engine_reads_back: bool = False
+    """SGLang's model class for these architectures answers ``/get_weights_by_name`` (Llama's and Mistral's, with
+    SGLang's TP semantics: :mod:`megarl.rollout.cpu_engine.read_back`); for every other family SGLang answers an
+    error, the weight sync cannot read its engines' weights back and reports them unverified, and megarl's CPU engine
+    refuses as SGLang does."""
     extra_layers_key: str | None = None
     """HF config key of how many layers the checkpoint holds after the model's (DeepSeek-V3's multi-token-prediction
     layer, ``num_nextn_predict_layers``): skipped on load (:meth:`skipped_tensors`), never trained or exported."""

@@ -10,5 +10,6 @@ LLAMA = register(
         # attention_bias also biases o_proj, which Megatron's GPT layer cannot hold alone.
         bias_settings=("attention_bias", "mlp_bias"),
         weights=decoder_weights(qkv_bias=False, qk_norm=False),
+        engine_reads_back=True,
     )
 )

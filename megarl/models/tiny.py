@@ -129,6 +129,30 @@ def tiny_qwen2_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, 
     )
 
 
+def tiny_llama_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512,
+                      tie_word_embeddings: bool = True):
+    """A Llama config for ``tokenizer`` (no biases, GQA): the family whose SGLang model reads weights back."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
 def tiny_qwen3_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                           num_kv_heads: int = 2, head_dim: int = 16, moe_intermediate_size: int = 64,
                           num_experts: int = 4, num_experts_per_tok: int = 2, max_position_embeddings: int = 512):
@@ -298,8 +322,8 @@ def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 
     )
 
 
-TINY_ARCHS = {"qwen2": tiny_qwen2_config, "qwen3_moe": tiny_qwen3_moe_config, "deepseek_v3": tiny_deepseek_v3_config,
-              "qwen2_5_vl": tiny_qwen2_5_vl_config}
+TINY_ARCHS = {"qwen2": tiny_qwen2_config, "llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config,
+              "deepseek_v3": tiny_deepseek_v3_config, "qwen2_5_vl": tiny_qwen2_5_vl_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 
 

@@ -164,7 +164,7 @@ def test_megarl_convert_writes_an_fp8_checkpoint(tmp_path, capsys):
 
 
 def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
-    """megarl's CPU engine on a block-FP8 checkpoint keeps the FP8 weights and scales (read back as they are) and
+    """megarl's CPU engine on a block-FP8 checkpoint keeps the FP8 weights and scales (held as they are) and
     computes with their dequantization; an update of weights and scales (in separate buckets, scale first) changes
     the layer once the session ends; a weight sent in the training dtype is refused, naming the format."""
     from safetensors import safe_open
@@ -184,9 +184,8 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
     with safe_open(tmp_path / "fp8" / "model.safetensors", framework="pt") as f:
         q, scale = f.get_tensor(name), f.get_tensor(scale_name(name))
     assert torch.equal(engine._params[name], dequantize_block_fp8(q, scale, torch.bfloat16))
-    assert engine.read_weight(name, 3) == q[:3].float().tolist()
-    assert engine.read_weight(scale_name(name), 4) == scale[:4].tolist()
-    assert engine.read_weight("model.norm.weight", 2) == plain.read_weight("model.norm.weight", 2)
+    assert torch.equal(engine.inspect_weight(name), q) and torch.equal(engine.inspect_weight(scale_name(name)), scale)
+    assert torch.equal(engine.inspect_weight("model.norm.weight"), plain.inspect_weight("model.norm.weight"))
     new_q, new_scale = quantize_block_fp8(torch.randn(original.shape) * 0.02)
     engine.begin_weight_update()
     engine.update_weights_from_tensor([(scale_name(name), new_scale)])
@@ -194,7 +193,7 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
     assert torch.equal(engine._params[name], dequantize_block_fp8(q, scale, torch.bfloat16))  # not before the end
     engine.end_weight_update()
     assert torch.equal(engine._params[name], dequantize_block_fp8(new_q, new_scale, torch.bfloat16))
-    assert engine.read_weight(name, 2) == new_q[:2].float().tolist()
+    assert torch.equal(engine.inspect_weight(name), new_q)
     engine.begin_weight_update()
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' is \(512, 256\) torch.bfloat16; "
                                          r"this FP8 engine holds it as \(512, 256\) torch.float8_e4m3fn"):
@@ -213,6 +212,7 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
     from megarl.convert.fp8 import fp8_names, quantize_bucket, write_fp8_checkpoint
     from megarl.models import family_for
     from megarl.models.tiny import save_tiny
+    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.rollout.event_loop import run_sync
     from megarl.sync.base import flattened_payload
     from tests.engine_servers import engine_servers
@@ -239,18 +239,19 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
                                         [list(t.shape) for t in bucket.tensors], "cpu")
     assert [m.start_idx for m in empty.metadata] == offsets
     sent = dict(zip(bucket.names, bucket.tensors))
-    with engine_servers(tmp_path / "fp8", tmp_path / "logs") as servers:
+    with engine_servers(tmp_path / "fp8", tmp_path / "logs", extra_args=("--enable-weight-inspection",)) as servers:
         client = servers.engines[0]
 
         async def update():
             await client.begin_weight_update()
             await client.update_weights_from_tensor([flattened_payload(bucket)])
             await client.end_weight_update()
-            return {name: await client.get_weights_by_name(name, truncate_size=1024) for name in sent}
+            return {name: await inspect_weight(client.url, name) for name in sent}
 
-        answers = run_sync(update())
-    for name, tensor in sent.items():
-        assert torch.equal(torch.tensor(answers[name]), tensor.float()), name
+        held = run_sync(update())
+    for name, tensor in sent.items():  # the FP8 weights held as FP8, the rest in the engine's dtype
+        assert torch.equal(held[name].float(), tensor.float()), name
+        assert (held[name].dtype == torch.float8_e4m3fn) == (tensor.dtype == torch.float8_e4m3fn), name
     q, scale = quantize_block_fp8(dict(named)[layer + "mlp.up_proj.weight"])
     assert torch.equal(sent[layer + "mlp.up_proj.weight"].float(), q.float())
     assert torch.equal(sent[layer + "mlp.up_proj.weight_scale_inv"], scale)

@@ -5,6 +5,7 @@ quoted where it matters; sglang is a CI dependency, so these tests fail (never s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megarl.models.family import FAMILIES
 from megarl.models.known import known_config
@@ -65,15 +66,64 @@ def test_every_tensor_sglangs_loader_takes_only_within_one_request_is_a_co_load_
         assert kv_a == q_a.replace("q_a_proj", "kv_a_proj_with_mqa")
 
 
-READS_BACK = {"LlamaForCausalLM", "MistralForCausalLM"}
-"""The architectures megarl serves whose SGLang model class has ``get_weights_by_name`` (``llama.py``; Mistral's
-class derives from Llama's). Qwen2/3, their MoE and VL models, Mixtral, GLM-4.5 and DeepSeek-V3 have none: SGLang
-logs the AttributeError and ``/get_weights_by_name`` answers an error."""
-
-
 @pytest.mark.parametrize("arch", CAUSAL_LMS)
 def test_which_models_sglang_can_read_weights_back_from(arch):
-    assert rules.reads_weights_back(arch) == (arch in READS_BACK)
+    """Only SGLang's Llama class (and Mistral's, derived from it) has ``get_weights_by_name``; Qwen2/3, their MoE and
+    VL models, Mixtral, GLM-4.5 and DeepSeek-V3 have none: SGLang logs the AttributeError and the route answers an
+    error. Each family declares which (``ModelFamily.engine_reads_back``), and megarl's CPU engine answers as SGLang."""
+    assert FAMILIES[arch].engine_reads_back == rules.reads_weights_back(arch)
+
+
+def test_sglang_reads_a_llama_back_as_its_tp_rank_0_holds_it():
+    """``LlamaForCausalLM.get_weights_by_name``: a stacked tensor (its ``stacked_params_mapping``) is the fused
+    parameter narrowed in heads of ``hidden_size // num_attention_heads`` (counts divided by ``tp_size``) or in
+    ``intermediate_size // tp_size`` rows; ``o_proj``/``down_proj`` are all-gathered along dim 1; a tied
+    ``lm_head.weight`` answers the embedding; every answer is ``float32`` rows cut at ``truncate_size``; nothing
+    answered: "Get parameter by name failed". megarl's CPU engine (:mod:`megarl.rollout.cpu_engine.read_back`)
+    follows each of these."""
+    from megarl.rollout.cpu_engine import read_back
+
+    llama = rules.llama_read_back()
+    assert llama.stacked == read_back.STACKED
+    assert llama.gathered == read_back.GATHERED and llama.gather_dim == 1
+    assert llama.head_dim == "self.config.hidden_size // self.config.num_attention_heads"
+    assert llama.tp_divided == ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    assert llama.tied_head_reads.startswith("self.model.embed_tokens.weight.")
+    assert llama.rows.endswith(".to(torch.float32).numpy().tolist()[:truncate_size]")
+    assert llama.tied_head_reads.endswith(".to(torch.float32).numpy().tolist()[:truncate_size]")
+    assert rules.vocab_padding() == read_back.VOCAB_PADDING
+    assert rules.read_back_failure() == read_back.FAILED
+
+
+def test_megarls_engine_reads_back_a_llama_at_tp_2_and_refuses_the_rest(tmp_path):
+    """The strict engine's answers on a tiny Llama at TP 2: TP rank 0's half of q/k/v/gate/up, whole o_proj,
+    down_proj and norms, the embedding's first shard of its padded vocabulary (446 -> 448 rows -> 224; a stacked
+    name's FP8 scale: ``test_strict_engine``); a Qwen2 refuses every read (and answers ``/megarl/inspect_weight`` only when started
+    with ``--enable-weight-inspection``, its tests' own read)."""
+    from megarl.models.tiny import save_tiny
+    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.rollout.cpu_engine.read_back import ReadBackRefused
+
+    engine = HFEngine(save_tiny(tmp_path / "llama", arch="llama", num_layers=1))
+    held = {name: p.detach() for name, p in engine._params.items()}
+    layer = "model.layers.0."
+    for name, rows in (("self_attn.q_proj.weight", 32), ("self_attn.k_proj.weight", 16),
+                       ("self_attn.v_proj.weight", 16), ("mlp.gate_proj.weight", 64), ("mlp.up_proj.weight", 64)):
+        assert torch.tensor(engine.read_weight(layer + name, 1000, 2)).equal(held[layer + name][:rows]), name
+        assert torch.tensor(engine.read_weight(layer + name, 1000, 1)).equal(held[layer + name]), name
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+        assert torch.tensor(engine.read_weight(layer + name, 1000, 2)).equal(held[layer + name]), name
+    embed = held["model.embed_tokens.weight"]
+    assert embed.shape[0] == 446 and engine.read_weight("lm_head.weight", 5, 1) == embed[:5].tolist()
+    assert torch.tensor(engine.read_weight("model.embed_tokens.weight", 10_000, 2)).equal(embed[:224])
+    assert len(engine.read_weight("model.embed_tokens.weight", 10_000, 4)) == 112
+    with pytest.raises(ReadBackRefused, match=r"Get parameter by name failed: the model has no parameter 'x'"):
+        engine.read_weight("x", 1, 1)
+    qwen = HFEngine(save_tiny(tmp_path / "qwen2", num_layers=1))
+    with pytest.raises(ReadBackRefused, match=r"Get parameter by name failed: SGLang's Qwen2ForCausalLM has no "
+                                              r"get_weights_by_name"):
+        qwen.read_weight("model.norm.weight", 1, 1)
+    assert torch.equal(qwen.inspect_weight("model.norm.weight"), qwen._params["model.norm.weight"])
 
 
 def test_sglang_requantizes_fp8_weights_to_power_of_two_scales_on_blackwell_only():

@@ -232,48 +232,54 @@ def test_a_lora_actors_frozen_base_leaves_the_device_with_its_weights():
 
 
 class _ReadBack:
-    """An engine client reading ``engine``'s weights back as ``/get_weights_by_name`` does (``refuse``: names the
-    engine answers 400 for, as SGLang answers a fused name's narrowed scale)."""
+    """An engine client reading ``engine``'s weights back as ``/get_weights_by_name`` does (HTTP 400 where SGLang's
+    model answers nothing)."""
 
     name, url = "engine 0", "http://engine"
 
-    def __init__(self, engine, refuse=()):
-        self.engine, self.refuse = engine, set(refuse)
+    def __init__(self, engine):
+        self.engine = engine
 
     async def get_weights_by_name(self, name, truncate_size):
         from megarl.rollout.client import EngineError
+        from megarl.rollout.cpu_engine.read_back import ReadBackRefused
 
-        if name in self.refuse:
-            raise EngineError("400", engine=self.name, url=self.url, route="/get_weights_by_name", status=400)
-        return self.engine.read_weight(name, truncate_size)
+        try:
+            return self.engine.read_weight(name, truncate_size)
+        except ReadBackRefused as refused:
+            raise EngineError(str(refused), engine=self.name, url=self.url, route="/get_weights_by_name",
+                              status=400) from None
 
 
 def test_fp8_weights_are_verified_by_the_values_they_stand_for(tmp_path):
     """SGLang on Blackwell requantizes every loaded FP8 weight and scale to power-of-two scales (megarl's CPU engine:
     ``fp8_scale_ue8m0``), so neither the bits nor the scale read back are those sent: the verification compares the
-    values the pairs stand for, within e4m3's rounding, never a scale by itself; a pair whose scale the engine will
-    not answer is left unverified, the engine's other tensors still checked."""
+    values the pairs stand for, within e4m3's rounding, never a scale by itself. A Llama (the family SGLang reads
+    back) answers ``down_proj``'s scale but not ``up_proj``'s (stacked into ``gate_up_proj``, narrowed by weight
+    rows): that pair is left unverified, the engine's other tensors still checked."""
     from megarl.convert.fp8 import write_fp8_checkpoint
     from megarl.models.fp8 import quantize_block_fp8, scale_name
     from megarl.models.tiny import save_tiny
     from megarl.rollout.event_loop import run_sync
     from megarl.sync.base import expected_copy, verify_engine
 
-    source = save_tiny(tmp_path / "bf16", num_layers=1, hidden_size=256, intermediate_size=512)
+    source = save_tiny(tmp_path / "bf16", arch="llama", num_layers=1, hidden_size=256, intermediate_size=512)
     write_fp8_checkpoint(source, tmp_path / "fp8")
     engine = HFEngine(tmp_path / "fp8", dtype=torch.bfloat16, fp8_scale_ue8m0=True)
-    name = "model.layers.0.mlp.up_proj.weight"
+    name, stacked = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"
     torch.manual_seed(0)
-    q, scale = quantize_block_fp8(torch.randn(512, 256) * 0.02)
-    update_weights(engine, [[(name, q), (scale_name(name), scale)]])
+    q, scale = quantize_block_fp8(torch.randn(256, 512) * 0.02)
+    q_up, scale_up = quantize_block_fp8(torch.randn(512, 256) * 0.02)
+    update_weights(engine, [[(name, q), (scale_name(name), scale), (stacked, q_up), (scale_name(stacked), scale_up)]])
     held = engine.fp8.scales[name]
     assert not torch.equal(held, scale) and torch.equal(held, torch.exp2(torch.log2(held).round()))  # powers of two
     assert not torch.equal(engine.fp8.weights[name].float(), q.float())
     expected = {name: expected_copy(q), scale_name(name): expected_copy(scale),
                 "model.norm.weight": expected_copy(engine._params["model.norm.weight"])}
     assert run_sync(verify_engine(_ReadBack(engine), expected)) == []
-    assert run_sync(verify_engine(_ReadBack(engine, refuse={scale_name(name)}), expected)) == [name, scale_name(name)]
-    wrong = {name: expected_copy(quantize_block_fp8(torch.randn(512, 256) * 0.02)[0]),
+    expected.update({stacked: expected_copy(q_up), scale_name(stacked): expected_copy(scale_up)})
+    assert run_sync(verify_engine(_ReadBack(engine), expected)) == [stacked, scale_name(stacked)]
+    wrong = {name: expected_copy(quantize_block_fp8(torch.randn(256, 512) * 0.02)[0]),
              scale_name(name): expected_copy(scale)}
     with pytest.raises(RuntimeError, match="does not hold the trainer's weights"):
         run_sync(verify_engine(_ReadBack(engine), wrong))

@@ -8,10 +8,12 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import threading
+import types
 
 import pytest
 import torch
 
+from megarl.rollout.event_loop import run_sync
 from megarl.rollout.weight_group import join_group, listening_socket
 
 
@@ -68,20 +70,21 @@ def test_join_group_refuses_an_unknown_backend():
 
 
 class _TpSlicingEngine:
-    """An engine client answering ``/get_weights_by_name`` as an SGLang engine at TP=2 does: its TP rank 0's slice
-    (the first half of the rows) of column-parallel tensors, the whole of the others; ``wrong``: a whole tensor
-    whose values differ."""
+    """An engine client answering ``/get_weights_by_name`` as SGLang's Llama at TP=2 does (megarl's strict engine's
+    :func:`~megarl.rollout.cpu_engine.read_back.answer`, for a Llama of hidden size 4 and 2 heads): its TP rank 0's
+    slice (the first half of the rows) of column-parallel tensors, the whole of the others."""
 
     name, url = "engine 0", "http://engine-0"
+    config = types.SimpleNamespace(num_attention_heads=2, num_key_value_heads=2, hidden_size=4, intermediate_size=8,
+                                   tie_word_embeddings=False)
 
-    def __init__(self, held: dict[str, torch.Tensor], sliced: set[str]) -> None:
-        self.held, self.sliced = held, sliced
+    def __init__(self, held: dict[str, torch.Tensor], tp: int = 2) -> None:
+        self.held, self.tp = held, tp
 
     async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
-        tensor = self.held[name]
-        if name in self.sliced:
-            tensor = tensor[: tensor.shape[0] // 2]
-        return tensor[:truncate_size].tolist()
+        from megarl.rollout.cpu_engine.read_back import answer
+
+        return answer(name, self.held, self.config, tp=self.tp, truncate=truncate_size)
 
 
 def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers():
@@ -89,10 +92,12 @@ def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers
     from megarl.sync.base import merge_stats, verify_and_report, verify_engine
 
     generator = torch.Generator().manual_seed(0)
-    sent = {"model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=generator),
-            "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 8, generator=generator),
+    sent = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=generator),
+            "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 4, generator=generator),
             "model.norm.weight": torch.randn(4, generator=generator)}
-    engine = _TpSlicingEngine(dict(sent), sliced={"model.layers.0.self_attn.q_proj.weight"})
+    others = {f"model.layers.0.self_attn.{p}.weight": torch.randn(4, 4, generator=generator) for p in ("k_proj", "v_proj")}
+    engine = _TpSlicingEngine({**sent, **others})  # q_proj stacks with k/v_proj
+    assert len(run_sync(engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", 100))) == 2
     assert gather_sync([verify_engine(engine, sent)])[0] == ["model.layers.0.self_attn.q_proj.weight"]
     # A whole answer that differs still fails the sync; a sliced one is never compared in part.
     engine.held["model.layers.0.self_attn.o_proj.weight"] = sent["model.layers.0.self_attn.o_proj.weight"] + 1
@@ -139,7 +144,7 @@ def test_verification_of_a_large_tensor_reads_its_leading_rows_only(monkeypatch)
             asked.append((name, truncate_size))
             return await super().get_weights_by_name(name, truncate_size)
 
-    engine = Engine({name: t.clone() for name, t in sent.items()}, sliced=set())
+    engine = Engine({name: t.clone() for name, t in sent.items()}, tp=1)
     assert gather_sync([base.verify_engine(engine, kept)])[0] == []
     assert asked == [("lm_head.weight", 3), ("model.norm.weight", 12), ("wide.weight", 1)]
     engine.held["lm_head.weight"][2, 1] += 1

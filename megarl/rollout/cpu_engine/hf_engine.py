@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -132,6 +132,8 @@ class HFEngine:
         if isinstance(model_path_or_model, (str, os.PathLike)) and is_fp8_checkpoint(model_path_or_model):
             self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params, scale_ue8m0=fp8_scale_ue8m0)
             self.fp8.refresh_all()
+        self.reads_back = _reads_back(self.model)
+        """Whether ``/get_weights_by_name`` answers (SGLang's class for the model has the method: Llama's)."""
         self.coload = _coload_partners(self.model, self.fp8)
         """HF name -> the names SGLang's loader takes only with it in one request (:meth:`ModelFamily.coload_groups`;
         an FP8 engine's scales too): an update that brings a name without them leaves its weight as it was."""
@@ -391,17 +393,25 @@ class HFEngine:
                            len(alone), alone[0], [n for n in self.coload[alone[0]] if n not in present])
         return targets
 
-    def read_weight(self, name: str, truncate: int) -> list:
-        """The first ``truncate`` rows of weight ``name`` as floats (``/get_weights_by_name``): an FP8 engine's
-        quantized weights and scales as it stores them."""
+    def read_weight(self, name: str, truncate: int, tp: int = 1) -> list:
+        """What ``/get_weights_by_name`` answers for weight ``name`` from an engine of ``tp`` TP ranks, as SGLang
+        answers it (:mod:`megarl.rollout.cpu_engine.read_back`: Llama-class models only, TP rank 0's slices): the
+        first ``truncate`` rows as floats, an FP8 engine's quantized weights and scales as it stores them.
+        :class:`~megarl.rollout.cpu_engine.read_back.ReadBackRefused` where SGLang answers an error."""
+        from megarl.rollout.cpu_engine.read_back import FAILED, ReadBackRefused, answer
+
+        if not self.reads_back:
+            arch = (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0]
+            raise ReadBackRefused(f"{FAILED}: SGLang's {arch} has no get_weights_by_name (only Llama-class models "
+                                  f"read weights back); the weight sync cannot verify this engine")
         with self._lock:
-            if self.fp8 is not None and self.fp8.owns(name):
-                tensor = self.fp8.read(name)
-            elif name in self._params:
-                tensor = self._params[name].detach()
-            else:
-                raise KeyError(name)
-            return tensor[:truncate].float().cpu().tolist()
+            return answer(name, _StoredWeights(self._params, self.fp8), self.hf_config, tp=tp, truncate=truncate)
+
+    def inspect_weight(self, name: str) -> torch.Tensor:
+        """A copy of weight ``name`` as this engine holds it (whole; an FP8 engine's quantized values), whatever the
+        model: megarl's tests look into the engine with it (SGLang has no such read)."""
+        with self._lock:
+            return _StoredWeights(self._params, self.fp8)[name].detach().clone()
 
     def end_weight_update(self) -> None:
         """Close the session (and flush the cache, which this engine does not keep)."""
@@ -481,6 +491,39 @@ class HFEngine:
         if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
             params.update({hub_name(name, self.vision): param for name, param in list(params.items())})
         return params
+
+
+class _StoredWeights(Mapping):
+    """An engine's weights by checkpoint name as it stores them: an FP8 engine's quantized weights and scales, the
+    model's parameters for the rest."""
+
+    def __init__(self, params: dict[str, torch.Tensor], fp8) -> None:
+        self.params, self.fp8 = params, fp8
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.fp8 is not None and self.fp8.owns(name):
+            return self.fp8.read(name)
+        return self.params[name].detach()
+
+    def __contains__(self, name) -> bool:
+        return (self.fp8 is not None and self.fp8.owns(name)) or name in self.params
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def _reads_back(model) -> bool:
+    """Whether SGLang's model class for ``model`` answers ``/get_weights_by_name`` (its family's
+    :attr:`~megarl.models.family.ModelFamily.engine_reads_back`; a family megarl does not map: no)."""
+    from megarl.models import family_for
+
+    try:
+        return family_for(model.config).engine_reads_back
+    except ValueError:
+        return False
 
 
 def _coload_partners(model, fp8) -> dict[str, tuple[str, ...]]:

@@ -36,6 +36,7 @@ from megarl.rollout.cpu_engine.requests import (RequestError, errors, generate_a
                                                memory_tags, per_row, result, row_images, sampling_params,
                                                while_connected)
 from megarl.rollout.cpu_engine.lora import LoraRoutes
+from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE, ReadBackRefused
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
 from megarl.rollout.http_api import PAUSE_MODES
 from megarl.rollout.weight_group import join_group
@@ -72,7 +73,8 @@ class EngineServer:
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
                  enable_return_routed_experts: bool = False, enable_step_gate: bool = False,
-                 admin_key: str | None = None, enable_lora: bool = False, max_lora_rank: int = 0,
+                 enable_weight_inspection: bool = False, admin_key: str | None = None, enable_lora: bool = False,
+                 max_lora_rank: int = 0,
                  lora_target_modules: tuple[str, ...] = (),
                  arrival_wait_s: tuple[float, float] = (ARRIVAL_QUIET_S, ARRIVAL_WAIT_MAX_S)) -> None:
         if tp_size < 1:
@@ -101,6 +103,8 @@ class EngineServer:
         self._holding = False  # the engine thread waits in control under a pause (no forward pass runs)
         self._steps = 0  # decoding steps of the running batch: tokens of each of its unfinished rows
         self.enable_step_gate = enable_step_gate
+        self.enable_weight_inspection = enable_weight_inspection
+        """Serve ``/megarl/inspect_weight`` (megarl's tests and tools: any model's weights as held; SGLang has none)."""
         self._admin_key = admin_key or None
         self._hold_at: int | None = None  # the step gate (module docstring): hold once the rows have this many tokens
         self._gate_held = False  # the engine thread waits at the step gate
@@ -143,6 +147,8 @@ class EngineServer:
             routes += self.lora.routes()
         if self.enable_step_gate:
             routes += [web.get("/step_gate", self.step_gate_state), web.post("/step_gate", self.step_gate)]
+        if self.enable_weight_inspection:
+            routes.append(web.post(INSPECT_ROUTE, self.inspect_weight))
         app.add_routes(routes)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -548,10 +554,23 @@ class EngineServer:
         body = await json_body(request)
         name, truncate = body.get("name"), int(body.get("truncate_size", 100))
         try:
-            values = await self._off_loop(self.engine.read_weight, name, truncate)
-        except KeyError:
-            raise RequestError(f"/get_weights_by_name: no weight named {name!r}") from None
+            values = await self._off_loop(self.engine.read_weight, name, truncate, self.tp_size)
+        except ReadBackRefused as refused:
+            raise RequestError(str(refused)) from None
         return web.json_response(values)
+
+    async def inspect_weight(self, request: web.Request) -> web.Response:
+        """``/megarl/inspect_weight`` (``--enable-weight-inspection``): weight ``name`` whole as this engine holds it
+        (an FP8 engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. megarl's tests and
+        tools look into the engine with it; the weight sync never does (it asks ``/get_weights_by_name``, as of
+        SGLang)."""
+        name = (await json_body(request)).get("name")
+        try:
+            tensor = await self._off_loop(self.engine.inspect_weight, name)
+        except KeyError:
+            raise RequestError(f"{INSPECT_ROUTE}: no weight named {name!r}") from None
+        return web.json_response({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                                  "values": tensor.float().cpu().flatten().tolist()})
 
     async def _off_loop(self, function: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking call (one that takes the engine lock, which a running batch holds between its steps, or
