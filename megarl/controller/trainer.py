@@ -111,9 +111,10 @@ class Trainer:
         self.log_dir = run_log_dir(trainer)
         self.global_step = 0
         self.history: list[tuple[int, dict[str, float]]] = []
+        """(step, metrics) of every step this trainer ran."""
         self.validations: list[tuple[int, dict[str, float]]] = []
         """(step, metrics) of every validation this trainer ran, the one before training included."""
-        """(step, metrics) of every step this trainer ran."""
+        self._said_unverified = False  # the warning that the engines cannot be verified: once a run
         self.use_critic = cfg.critic.enable
         self.use_ref = cfg.needs_ref
         self.roles: Roles | None = None
@@ -425,7 +426,16 @@ class Trainer:
                 bucket_bytes=rollout.bucket_mb << 20, engine_dtype=rollout.dtype, verify_names=names,
                 weight_version=str(step), flush_cache=flush, quantization=rollout.quantization) if s]
         self.engine_memory.resume(TRAINING_TAGS)
-        return merge_stats(stats)
+        merged = merge_stats(stats)
+        unverified = merged.get("weight_sync/engines", 0) - merged.get("weight_sync/verified_engines", 0)
+        if names and unverified and not self._said_unverified:
+            self._said_unverified = True
+            logger.warning("weight sync: %d of %d engines cannot be verified: they answer /get_weights_by_name with "
+                           "an error or nothing whole (SGLang reads weights back from Llama-class models only, and "
+                           "at TP > 1 only their gathered and replicated tensors); the engines' log-probs against "
+                           "the trainer's (mismatch/abs_logp_diff_*) are the check of this run's syncs",
+                           unverified, merged["weight_sync/engines"])
+        return merged
 
     def _step_metrics(self, batch: Batch, extra: dict[str, list], timing: dict[str, float]) -> dict[str, float]:
         metrics = data_metrics(batch, use_critic=self.use_critic)

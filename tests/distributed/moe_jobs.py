@@ -469,14 +469,17 @@ def _optimizer_step(ddp_chunks) -> tuple[bool, float]:
 
 def _sync(hf_dir: str, cases: list) -> dict:
     """TP=2 × EP=2 (SP) on 4 ranks, a tiny Qwen3-MoE: per ``(transport, engines)`` case, change every weight, sync
-    into the CPU engine servers with every tensor verified by the transport (read back by the checkpoint's
-    per-expert names), and return this rank's statistics."""
+    into the CPU engine servers with every tensor asked to be verified (SGLang's Qwen3-MoE cannot read back: the
+    transport reports the engine unverified), read every tensor whole from the engines on rank 0 by the checkpoint's
+    per-expert names (``/megarl/inspect_weight``), and return this rank's statistics."""
     import torch.distributed as dist
 
     from megarl.convert import WeightExporter, load_hf_into
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import ParallelDims, init_parallel
-    from megarl.rollout.client import EngineAddress
+    from megarl.rollout import event_loop
+    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
     from tests.distributed.sync_jobs import perturb
 
@@ -490,10 +493,19 @@ def _sync(hf_dir: str, cases: list) -> dict:
     for index, (name, engine_fields) in enumerate(cases):
         perturb(chunks, index)
         names = [n for u in exporter.units for n in u.hf_names]
-        transport = make_transport(name, groups, [EngineAddress(**fields) for fields in engine_fields], device="cpu")
+        truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+        engines = [EngineAddress(**fields) for fields in engine_fields]
+        transport = make_transport(name, groups, engines, device="cpu")
         stats = transport.sync(exporter, bucket_bytes=1 << 16, version=f"v{index}", verify_names=names)
         transport.close()
-        out["cases"].append({"stats": stats, "names": len(names)})
+        case = {"stats": stats, "names": len(names)}
+        dist.barrier()
+        if dist.get_rank() == 0:  # every tensor whole, as held (SGLang's Qwen3-MoE answers no read-back)
+            with event_loop.holding():
+                case["differ"] = [(e.name, n) for e in engines for n, t in truth.items()
+                                  if not torch.equal(gather_sync([inspect_weight(e.url, n)])[0].float(), t)]
+            case["read"] = len(truth) * len(engines)
+        out["cases"].append(case)
         dist.barrier()
     return out
 

@@ -24,7 +24,8 @@ def perturb(chunks, step: int) -> None:
 
 def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     """For each ``(transport, engines)`` case (engines as :class:`EngineAddress` fields): perturb the weights, sync
-    them with every tensor verified, and read them back from every engine to compare with an independent full
+    them with every tensor verified (as far as the engines answer ``/get_weights_by_name``), and read them whole from
+    every engine (``/megarl/inspect_weight``) to compare with an independent full
     export. Returns per case this rank's statistics and (on rank 0) the read-back result."""
     from megarl.rollout import event_loop
 
@@ -52,7 +53,8 @@ def _actor(hf_dir: str):
 def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     import torch.distributed as dist
 
-    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
+    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     _, _, groups, chunks, exporter = _actor(hf_dir)
@@ -86,13 +88,11 @@ def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
         case = {"transport": name, "stats": stats, "names": len(truth), "rings": rings, "posts": posts}
         dist.barrier()
         if dist.get_rank() == 0:
-            clients = [EngineClient(e.url, name=e.name) for e in engines]
             differ = []
-            for client in clients:
+            for engine in engines:  # whole, as held (the engines' own read: SGLang's answers only Llama's, in part)
                 for tensor_name, tensor in truth.items():
-                    got = gather_sync([client.get_weights_by_name(tensor_name, truncate_size=tensor.shape[0])])[0]
-                    if not torch.equal(torch.tensor(got, dtype=torch.float32).reshape(tensor.shape), tensor):
-                        differ.append((client.name, tensor_name))
+                    if not torch.equal(gather_sync([inspect_weight(engine.url, tensor_name)])[0].float(), tensor):
+                        differ.append((engine.name, tensor_name))
             case["differ"] = differ
             case["max_change"] = max((truth[n] - _original(hf_dir)[n]).abs().max().item() for n in truth)
         out["cases"].append(case)
@@ -133,8 +133,9 @@ def _original(hf_dir: str) -> dict:
 
 def fp8_transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     """For each ``(transport, engines)`` case, into engines serving block FP8: perturb the weights and sync them
-    quantized (``quantization=fp8``), every tensor and scale verified by the transport; rank 0 then reads every
-    quantized weight and scale back from every engine against the full export quantized here."""
+    quantized (``quantization=fp8``), every tensor and scale verified by the transport (as far as the engines
+    answer); rank 0 then reads every quantized weight and scale whole from every engine (``/megarl/inspect_weight``)
+    against the full export quantized here."""
     from megarl.rollout import event_loop
 
     with event_loop.holding():
@@ -146,7 +147,8 @@ def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
 
     from megarl.convert.fp8 import fp8_names
     from megarl.models.fp8 import quantize_block_fp8, scale_name
-    from megarl.rollout.client import EngineAddress, EngineClient, gather_sync
+    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     family, cfg, groups, chunks, exporter = _actor(hf_dir)
@@ -168,11 +170,9 @@ def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
                 expected[tensor_name], expected[scale_name(tensor_name)] = weight.float(), scale.float()
             differ, values = [], 0
             for engine in engines:
-                client = EngineClient(engine.url, name=engine.name)
                 for tensor_name, tensor in expected.items():
-                    got = gather_sync([client.get_weights_by_name(tensor_name, truncate_size=tensor.shape[0])])[0]
                     values += tensor.numel()
-                    if not torch.equal(torch.tensor(got, dtype=torch.float32).reshape(tensor.shape), tensor):
+                    if not torch.equal(gather_sync([inspect_weight(engine.url, tensor_name)])[0].float(), tensor):
                         differ.append((engine.name, tensor_name))
             original = _original(hf_dir)
             case.update(differ=differ, values=values, read=len(expected) * len(engines),

@@ -1,7 +1,7 @@
-"""Block-FP8 weight sync (issue 35) from a TP=2×PP=2 actor (a tiny Qwen2) on 4 gloo ranks into two real CPU engine
+"""Block-FP8 weight sync (issue 35) from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real CPU engine
 servers started from its FP8 checkpoint that behave as TP=2 SGLang engines (two payloads per update, two group
-members each), by both transports: every tensor and scale verified by the transport, then every quantized weight
-and scale read back from both engines equal, bit for bit, to the trainer's weights quantized independently."""
+members each), by both transports: every tensor and scale verified by the transport that such an engine answers whole, then every
+quantized weight and scale read whole from both engines equal, bit for bit, to the trainer's weights quantized independently."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def synced(tmp_path_factory):
     from megarl.models.tiny import save_tiny
 
     root = tmp_path_factory.mktemp("fp8_sync")
-    hf_dir = save_tiny(root / "qwen2", num_layers=4, hidden_size=128, intermediate_size=256)
-    fp8_dir = root / "qwen2_fp8"
+    hf_dir = save_tiny(root / "llama", arch="llama", num_layers=4, hidden_size=128, intermediate_size=256)
+    fp8_dir = root / "llama_fp8"
     write_fp8_checkpoint(hf_dir, fp8_dir)
     with engine_servers(fp8_dir, root, num_engines=2, tp_size=sync_jobs.TP) as servers:
         first, second = (p.url for p in servers.processes)
@@ -42,6 +42,10 @@ def test_fp8_weights_and_scales_arrive_bit_exact_in_tp2_engines(synced, case):
     assert rank0["read"] == 2 * 2 * rank0["quantized"]  # weight and scale, from both engines
     assert rank0["moved"], "the perturbed weights quantize as the checkpoint's did: a sync that delivers nothing passes"
     merged = merge_stats([r["cases"][case]["stats"] for r in results if r["cases"][case]["stats"] is not None])
-    # Every tensor and the scale of every quantized one, verified by the transport on both engines.
-    assert merged["weight_sync/verified_tensors"] == rank0["names"] + rank0["quantized"]
+    # Verified by the transport as far as a TP=2 SGLang Llama answers: per layer o_proj and down_proj with their
+    # scales (gathered whole) and 2 norms, and the final norm (4 x 6 + 1 of 38 + 28 scales); q/k/v and gate/up are
+    # TP rank 0's slices and their scales refused (narrowed by weight rows), the embedding a vocabulary shard.
+    assert (rank0["names"], rank0["quantized"]) == (38, 28)
+    assert merged["weight_sync/verified_tensors"] == 25
+    assert merged["weight_sync/unverified_tensors"] == 66 - 25
     assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == 2

@@ -171,14 +171,17 @@ def test_a_resumed_expert_parallel_run_is_bit_exact(ep):
 @pytest.mark.parametrize("case", [0, 1], ids=["tensor", "distributed"])
 def test_both_transports_deliver_every_expert_over_expert_parallelism(ep, case):
     """TP=2 × EP=2: each rank holds half the experts; both transports deliver every tensor (experts by the
-    checkpoint's per-expert names, which the engine loads), and the engine verifies all of them."""
+    checkpoint's per-expert names, which the engine loads), each read whole from the engine equal to the trainer's.
+    SGLang's Qwen3-MoE has no ``get_weights_by_name``: the transport reports the engine unverified, none verified."""
     from megarl.sync import merge_stats
 
     ranks, sync_cases = ep
     results = [rank["sync"] for rank in ranks]
+    rank0 = results[0]["cases"][case]
+    assert rank0["differ"] == [] and rank0["read"] == rank0["names"] * len(sync_cases[case][1]) > 50
     merged = merge_stats([r["cases"][case]["stats"] for r in results if r["cases"][case]["stats"] is not None])
-    assert merged["weight_sync/verified_tensors"] == results[0]["cases"][case]["names"]
-    assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == len(sync_cases[case][1])
+    assert merged["weight_sync/verified_tensors"] == merged["weight_sync/unverified_tensors"] == 0
+    assert merged["weight_sync/verified_engines"] == 0 and merged["weight_sync/engines"] == len(sync_cases[case][1])
     assert sorted({r["ep_rank"] for r in results}) == [0, 1]
 
 

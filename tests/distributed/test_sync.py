@@ -1,4 +1,4 @@
-"""Weight transports (megarl.sync, issue 14) from a TP=2×PP=2 actor (a tiny Qwen2) on 4 gloo ranks into two real CPU engine
+"""Weight transports (megarl.sync, issue 14) from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real CPU engine
 servers that behave as TP=2 SGLang engines (two payloads per update, two group members each).
 
 One 4-rank job (sync_jobs.transports_job) runs three cases, each twice, after changing every weight:
@@ -8,7 +8,8 @@ One 4-rank job (sync_jobs.transports_job) runs three cases, each twice, after ch
   only (per_replica: stage 1's stripes go point to point);
 - ``distributed``: each stage's TP-0 rank broadcasts its own buckets to both engines (two groups of 5).
 
-Every tensor is verified by the transport and read back again by rank 0 against an independent full export.
+The transport verifies what a TP=2 SGLang Llama answers whole (``/get_weights_by_name``: its gathered and replicated
+tensors), and rank 0 reads every tensor whole (``/megarl/inspect_weight``) against an independent full export.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def synced(tmp_path_factory):
     from megarl.models.tiny import save_tiny
 
     root = tmp_path_factory.mktemp("sync")
-    hf_dir = save_tiny(root / "qwen2", num_layers=4)  # tied embeddings, q/k/v biases
+    hf_dir = save_tiny(root / "llama", arch="llama", num_layers=4)  # tied embeddings; SGLang reads a Llama back
     with engine_servers(hf_dir, root, num_engines=2, tp_size=sync_jobs.TP) as servers:
         first, second = (p.url for p in servers.processes)
         engine_0 = {"index": 0, "url": first, "tp": 2}
@@ -50,8 +51,12 @@ def test_every_tensor_arrives_bit_exact(synced, case):
     for attempt in range(2):
         merged = merge_stats([r["cases"][case]["stats"][attempt] for r in results
                               if r["cases"][case]["stats"][attempt] is not None])
-        # The first sync is verified by the transport, the second by rank 0's read-back above.
-        assert merged["weight_sync/verified_tensors"] == (rank0["names"] if attempt == 0 else 0)
+        # The first sync is verified by the transport as far as a TP=2 SGLang Llama answers whole (per layer its 2
+        # norms, o_proj and down_proj, gathered; the final norm: 4 x 4 + 1 of 38), the rest (q/k/v, gate/up and the
+        # embedding, TP rank 0's slices) counted unverified; the second by rank 0's whole read above.
+        assert rank0["names"] == 38
+        assert merged["weight_sync/verified_tensors"] == (17 if attempt == 0 else 0)
+        assert merged["weight_sync/unverified_tensors"] == (21 if attempt == 0 else 0)
         assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == engines
         assert merged["weight_sync/buckets"] > 10  # dozens of small buckets: the double buffers take turns
 

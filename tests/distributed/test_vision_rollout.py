@@ -75,11 +75,14 @@ def test_actor_recomputes_the_engines_log_probs_and_learns(tiny):
     for r in results:
         assert len(r["steps"]) == 2 and all(applied and math.isfinite(loss) for applied, loss, _ in r["steps"])
     assert any(norm > 0 for _, _, norm in output["steps"])
-    # Both transports took every weight to the engine, the vision tower's (checkpoint names) among them, and read
-    # each one back equal (the transport's verification).
+    # Both transports took every weight to the engine, the vision tower's (checkpoint names) among them: each one
+    # read whole from the engine equals the trainer's. SGLang's Qwen2.5-VL cannot read weights back: the
+    # transport's verification reports the engine unverified.
     for transport in ("tensor", "distributed"):
         cases = [case for r in results for case in r["sync"] if case[0] == transport]
         names, tower = cases[0][2], cases[0][3]
-        merged = merge_stats([stats for _, stats, _, _ in cases if stats])
-        assert tower > 0 and merged["weight_sync/verified_tensors"] == names, transport
-        assert merged["weight_sync/verified_engines"] == merged["weight_sync/engines"] == 1
+        (differ,) = [case[4] for case in cases if case[4] is not None]
+        assert tower > 0 and differ == [], (transport, differ[:5])
+        merged = merge_stats([stats for _, stats, _, _, _ in cases if stats])
+        assert merged["weight_sync/verified_tensors"] == 0 and merged["weight_sync/verified_engines"] == 0
+        assert merged["weight_sync/engines"] == 1

@@ -217,7 +217,8 @@ def image_rollout(hf_dir: str, data_file: str, log_dir: str, *, n: int, temperat
 def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
     """The Megatron actor (TP=2 × PP=2, packed) recomputes the rollout's log-probs, takes PPO steps, then syncs its
     weights (the vision tower's included) into a CPU engine server by each transport of ``sync_cases``
-    (``(transport, engine fields)``), every tensor read back and verified by the transport."""
+    (``(transport, engine fields)``), every tensor read whole from the engine on rank 0 (``/megarl/inspect_weight``:
+    SGLang's Qwen2.5-VL answers no ``/get_weights_by_name``, so the transport reports the engine unverified)."""
     from megarl.algo.mismatch import mismatch_metrics
     from megarl.config import ActorConfig, OptimConfig
     from megarl.parallel import ParallelDims
@@ -235,16 +236,26 @@ def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
     steps = actor.update(batch, temperature=temperature)
     out = {"steps": [(s.applied, s.loss, s.grad_norm) for s in steps], "output_rank": before is not None,
            "sync": []}
-    from megarl.rollout.client import EngineAddress
+    from megarl.rollout import event_loop
+    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     exporter = sharded.exporter(torch.float32)
     names = [n for unit in exporter.units for n in unit.hf_names]
     for index, (name, fields) in enumerate(sync_cases):
-        transport = make_transport(name, sharded.groups, [EngineAddress(**f) for f in fields], device="cpu")
+        engines = [EngineAddress(**f) for f in fields]
+        truth = {n: t.clone() for bucket in exporter.iter_full(1 << 20) for n, t in bucket}
+        transport = make_transport(name, sharded.groups, engines, device="cpu")
         stats = transport.sync(exporter, bucket_bytes=1 << 16, version=f"v{index}", verify_names=names)
-        out["sync"].append((name, stats, len(names), sum(n.startswith("visual.") for n in names)))
         transport.close()
+        torch.distributed.barrier()
+        differ = None
+        if torch.distributed.get_rank() == 0:  # every tensor whole, as held (SGLang's VL models answer no read-back)
+            with event_loop.holding():
+                differ = [(e.name, n) for e in engines for n, t in truth.items()
+                          if not torch.equal(gather_sync([inspect_weight(e.url, n)])[0].float(), t)]
+        out["sync"].append((name, stats, len(names), sum(n.startswith("visual.") for n in names), differ))
         torch.distributed.barrier()
     if before is not None:
         out["mismatch"] = mismatch_metrics(batch["rollout_log_probs"], before["log_probs"],

@@ -154,7 +154,7 @@ def test_sync_delivers_every_tensor_exactly(check):
     assert [s["bucket_mb"] for s in sync["syncs"]] == [512, 4]
     for run in sync["syncs"]:
         assert run["differing"] == [] and run["values_read_back"] > 0 and run["gbps"] > 0
-        assert run["verified_by_transport"] == 8
+        assert run["verified_by_transport"] == 0  # a Qwen2: the engine answers no read-back, as SGLang's
     assert sync["syncs"][1]["values_read_back"] > sync["syncs"][0]["values_read_back"]  # whole tensors too
     assert sync["engine_weight_version"] == "2"
     assert finite(sync["gap_after_sync"]["mean"]) and sync["gap_after_sync"]["mean"] <= sync["gap_bound"]
@@ -173,14 +173,12 @@ def test_lora_stage_checks_the_adapters_and_their_sync(check):
 
 def test_fp8_stage_checks_the_quantized_sync(check):
     """FP8 rollout on the device: an engine started from the block-FP8 checkpoint gets the actor's weights as FP8 byte
-    buckets, a sample verified whole and every quantized weight and scale read back (first rows, all of the small
-    ones) equal to the actor's quantized here, its log-probs finite."""
-    from megarl.config.rollout import RolloutConfig
-
+    buckets, every quantized weight and scale read from the engine (first rows, all of the small ones) equal to the
+    actor's quantized here, its log-probs finite."""
     fp8 = check["records"]["fp8"]
     assert fp8["quantized_weights"] == 2 * 7 and fp8["differing"] == [] and fp8["values_read_back"] > 0
-    # a sample verified whole by the transport (each weight with its scale), the rest's first rows read back
-    assert fp8["verified_by_transport"] == 2 * min(RolloutConfig.verify_weights, fp8["quantized_weights"])
+    # the transport's sample refused (SGLang's Qwen2 reads nothing back): the engine reported unverified
+    assert fp8["verified_by_transport"] == 0 and fp8["unverifiable_engines"] == 1
     assert fp8["whole_read_back"] == 2 * fp8["quantized_weights"]  # the tiny shape's are all small: read whole
     assert fp8["gap"]["tokens"] > 0 and finite(fp8["gap"]["mean"])
 
@@ -188,12 +186,12 @@ def test_fp8_stage_checks_the_quantized_sync(check):
 def test_vl_stage_serves_images_and_syncs_the_vision_tower(check):
     """A vision-language policy on the device: an engine generates from image prompts, the actor recomputes the
     log-probs within the engine stage's bound and takes an update, and every weight, the tower's too, reaches the
-    server: a sample verified whole, the first rows of every tensor read back equal."""
+    server: the first rows of every tensor read from the engine equal."""
     vl = check["records"]["vl"]
     assert vl["gap"]["tokens"] > 0 and finite(vl["gap"]["mean"]) and vl["image_tokens"] > 0
     assert vl["bound"] is None or vl["gap"]["mean"] <= vl["bound"]
     assert vl["applied"] and vl["tower_tensors"] > 0 and vl["differing"] == [] and vl["values_read_back"] > 0
-    assert vl["verified_by_transport"] == 8  # half of rollout.verify_weights' sample from the tower, half the rest
+    assert vl["verified_by_transport"] == 0 and vl["unverifiable_engines"] == 1  # SGLang's Qwen2.5-VL reads nothing
 
 
 def test_mfu_line_has_both_sides_and_a_ratio(check):

@@ -70,6 +70,15 @@ def _overrides(assets, name: str, *extra: str) -> list[str]:
         f"trainer.log_dir={root / name / 'runs'}", f"trainer.experiment_name={name}", *extra]
 
 
+def _unverifiable(metrics: dict[str, float], engines: int = 2) -> None:
+    """SGLang's Qwen2 (its MoE and VL models, DeepSeek-V3) has no ``get_weights_by_name``, and megarl's CPU engine
+    answers as SGLang does: the weight sync asks, gets HTTP 400 and reports every engine unverified (the run warns
+    once). The engines' log-probs against the trainer's (``mismatch/abs_logp_diff_mean``, bounded by each test) are
+    then the check that the weights arrived."""
+    assert metrics["weight_sync/engines"] == engines
+    assert metrics["weight_sync/verified_engines"] == 0 and metrics["weight_sync/verified_tensors"] == 0
+
+
 def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets):
     """Issue 34: a GRPO run scored by a generative judge (a model served by a CPU engine server of its own, on a pool
     of its own, behind a router of its own): every row is asked, the verdicts logged with the answers they were read
@@ -151,8 +160,8 @@ def test_fp8_rollout_syncs_quantized_weights_and_measures_their_gap(assets, tran
     assert (trainer.run_dir / ENGINE_DIR / "config.json").is_file()
     config = AutoConfig.from_pretrained(assets["model"])
     quantized = fp8_names(family_for(config), config)
-    # Every tensor and the scale of every quantized one, read back bit for bit (weight_sync/verified_tensors).
-    assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names) + len(quantized)
+    assert len(quantized) == 2 * 7
+    _unverifiable(metrics)
     assert metrics["mismatch/abs_logp_diff_mean"] > 1e-3  # FP8's gap (at most 1e-5 without it: the other tests)
     assert metrics["rollout_corr/kl"] != 0 and math.isfinite(metrics["actor/pg_loss"])
     assert metrics["rollout_corr/rollout_is_mean"] > 0
@@ -207,9 +216,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
     for step, metrics in full.history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
-        # Every tensor of the model was compared after every sync, on both engines.
-        assert metrics["weight_sync/verified_tensors"] == len(full.roles.weight_names)
-        assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
+        _unverifiable(metrics)  # the engines' log-probs are the trainer's after every sync:
         assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5, metrics["mismatch/abs_logp_diff_mean"]
         assert metrics["actor/skipped_steps"] == 0
         assert metrics["actor/grad_norm"] > 0
@@ -313,10 +320,10 @@ def test_ppo_with_critic(assets):
         assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0
         assert "critic/values/mean" in metrics and "critic/kl" in metrics
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
-    assert "actor/pg_loss" in both and both["weight_sync/verified_engines"] == 2
-    # Engines on their own pool get the weights by broadcast (issue 14), every tensor read back.
+    assert "actor/pg_loss" in both
+    # Engines on their own pool get the weights by broadcast (issue 14).
     assert trainer.roles.weight_transport == "distributed"
-    assert both["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+    _unverifiable(both)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
     assert set(trainer.roles.plan.pools) == {"global", "rollout"}
 
@@ -362,8 +369,7 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
     assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) <= 1e-4 and metrics["rollout_corr/kl"] <= 1e-5
     assert trainer.roles.weight_transport == "distributed"
     assert trainer.cfg.actor_rollout_ref.actor.parallel.cp == 2
-    assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
-    assert metrics["weight_sync/verified_engines"] == metrics["weight_sync/engines"] == 2
+    _unverifiable(metrics)
     # Recomputing at 0.7 instead differs by 0.43 nat per token on this model (measured).
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5, metrics["mismatch/abs_logp_diff_mean"]
     assert metrics["actor/skipped_steps"] == 0
@@ -379,16 +385,18 @@ def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
         (_, metrics), = trainer.history
         assert metrics["actor/skipped_steps"] == 2  # both mini-batches
         assert math.isnan(metrics["actor/loss"])
-        # Nothing was applied: the engines (synced and verified after the step) hold the initial weights.
-        assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+        # Nothing was applied: the engines (synced after the step) hold the initial weights, read whole by megarl's
+        # own look into its CPU engine (SGLang's Qwen2 reads nothing back).
+        _unverifiable(metrics)
         from safetensors.torch import load_file
 
         from megarl.rollout.client import run_sync
+        from megarl.rollout.cpu_engine.read_back import inspect_weight
 
         initial = load_file(str(Path(assets["model"]) / "model.safetensors"))
         for name in trainer.roles.weight_names:
-            held = run_sync(trainer.roles.engines[0].get_weights_by_name(name, truncate_size=initial[name].shape[0]))
-            assert torch.tensor(held).equal(initial[name].float()), name
+            held = run_sync(inspect_weight(trainer.roles.engines[0].url, name))
+            assert held.equal(initial[name].float()), name
         trainer.roles.actor.kill_rank(1)
         start = time.monotonic()
         with pytest.raises(WorkerError) as error:
@@ -472,7 +480,7 @@ def test_multi_turn_grpo_with_tools(assets, tmp_path):
     assert "rollout/finish_abort_frac" not in metrics
     assert metrics["response_length/mean"] > 0
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
-    assert metrics["weight_sync/verified_engines"] == 2
+    _unverifiable(metrics)
 
 
 def test_multi_turn_ppo_critic_trains_on_the_actors_tokens(assets, tmp_path):
@@ -797,9 +805,8 @@ def test_moe_grpo_replays_the_engines_routing(assets):
     for trainer in (replay, compare):
         for _, metrics in trainer.history:
             assert all(math.isfinite(v) for v in metrics.values())
-            assert metrics["actor/skipped_steps"] == 0 and metrics["weight_sync/verified_engines"] == 2
-            # Both transports: every tensor (the expert bias in fp32 among them) read back from both engines
-            assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+            assert metrics["actor/skipped_steps"] == 0
+            _unverifiable(metrics)  # SGLang's DeepSeek-V3 reads nothing back; the replayed routing (0) is the check
             assert metrics["moe/routing_decisions"] > 0  # the rows' tokens but their last, over 2 sparse layers
     for _, metrics in replay.history:
         assert metrics["moe/routing_mismatch"] == 0.0
@@ -844,7 +851,7 @@ def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lo
     layers = 2  # the assets' tiny model
     for metrics in (first, second):
         if lora_sync == "merged":
-            assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)  # merged HF tensors
+            _unverifiable(metrics)  # merged HF tensors of a Qwen2
         else:  # A and B of q, k, v, o, gate, up and down in every layer, on each of the 2 engines
             assert metrics["weight_sync/verified_tensors"] == 2 * 7 * layers
             assert metrics["weight_sync/verified_engines"] == 2
@@ -924,7 +931,7 @@ def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
     scores = [row["critic/score/mean"] for row in steps]
     assert sum(scores[-5:]) / 5 - sum(scores[:5]) / 5 >= 0.1, scores
     assert max(row["mismatch/abs_logp_diff_mean"] for row in steps) < 1e-5
-    assert all(row["weight_sync/verified_engines"] == 2 for row in steps)
+    assert all(row["weight_sync/verified_engines"] == 0 for row in steps)  # SGLang's Qwen2.5-VL reads nothing back
 
 
 def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
@@ -955,7 +962,7 @@ def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
     assert all(math.isfinite(v) for v in metrics.values())
     assert "rollout/finish_abort_frac" not in metrics and metrics["response_length/mean"] > 0
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5
-    assert metrics["weight_sync/verified_engines"] == 2
+    _unverifiable(metrics)
 
 
 def test_ppo_of_a_vision_language_policy_with_a_critic_reading_the_images(assets, tmp_path):
@@ -978,6 +985,6 @@ def test_ppo_of_a_vision_language_policy_with_a_critic_reading_the_images(assets
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["critic/vf_loss"] > 0 and metrics["critic/grad_norm"] > 0 and "actor/pg_loss" in metrics
     assert trainer.roles.weight_transport == "distributed"
-    assert metrics["weight_sync/verified_tensors"] == len(trainer.roles.weight_names)
+    _unverifiable(metrics)
     assert any(name.startswith("visual.") for name in trainer.roles.weight_names)
     assert metrics["mismatch/abs_logp_diff_mean"] <= 1e-5

@@ -239,7 +239,7 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
                                         [list(t.shape) for t in bucket.tensors], "cpu")
     assert [m.start_idx for m in empty.metadata] == offsets
     sent = dict(zip(bucket.names, bucket.tensors))
-    with engine_servers(tmp_path / "fp8", tmp_path / "logs", extra_args=("--enable-weight-inspection",)) as servers:
+    with engine_servers(tmp_path / "fp8", tmp_path / "logs") as servers:
         client = servers.engines[0]
 
         async def update():

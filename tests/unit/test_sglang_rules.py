@@ -98,8 +98,8 @@ def test_sglang_reads_a_llama_back_as_its_tp_rank_0_holds_it():
 def test_megarls_engine_reads_back_a_llama_at_tp_2_and_refuses_the_rest(tmp_path):
     """The strict engine's answers on a tiny Llama at TP 2: TP rank 0's half of q/k/v/gate/up, whole o_proj,
     down_proj and norms, the embedding's first shard of its padded vocabulary (446 -> 448 rows -> 224; a stacked
-    name's FP8 scale: ``test_strict_engine``); a Qwen2 refuses every read (and answers ``/megarl/inspect_weight`` only when started
-    with ``--enable-weight-inspection``, its tests' own read)."""
+    name's FP8 scale: ``test_strict_engine``); a Qwen2 refuses every read (its weights are seen only by megarl's own
+    ``inspect_weight``, which tests and tools use and the weight sync never does)."""
     from megarl.models.tiny import save_tiny
     from megarl.rollout.cpu_engine.hf_engine import HFEngine
     from megarl.rollout.cpu_engine.read_back import ReadBackRefused

@@ -355,3 +355,18 @@ def test_a_local_spec_built_on_a_machine_with_te_gets_the_local_specs_config(mon
     assert not local.masked_softmax_fusion and not local.moe_grouped_gemm
     deepseek = moe_jobs.tiny_moe_config("deepseek_v3")
     assert not family_for(deepseek).uses_te()  # MLA: the local spec always
+
+
+def test_no_production_module_reads_an_engine_by_megarls_own_route():
+    """The CPU engine's ``/megarl/inspect_weight`` shows any model's weights whole, which SGLang cannot: tests and
+    tools may look with it, but the weight sync and everything else under ``megarl/`` outside the CPU engine reads
+    back only as SGLang lets it (``/get_weights_by_name``), or CI would verify what a cluster cannot."""
+    from pathlib import Path
+
+    import megarl
+
+    root = Path(megarl.__file__).parent
+    users = [str(path.relative_to(root)) for path in root.rglob("*.py")
+             if ("inspect_weight" in path.read_text() or "INSPECT_ROUTE" in path.read_text())
+             and path.parent != root / "rollout" / "cpu_engine"]
+    assert users == []

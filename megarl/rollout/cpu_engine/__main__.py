@@ -55,9 +55,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="answer return_routed_experts (mixture-of-experts models), as SGLang's flag")
     parser.add_argument("--enable-step-gate", action="store_true",
                         help="serve /step_gate, which holds generation at a given token (for tests; module doc)")
-    parser.add_argument("--enable-weight-inspection", action="store_true",
-                        help="serve /megarl/inspect_weight: any weight whole as held (megarl only, for tests and "
-                             "tools; /get_weights_by_name answers as SGLang's, Llama-class models only)")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters, as SGLang's flag")
     parser.add_argument("--max-lora-rank", type=int, default=0, help="the highest adapter rank served")
     parser.add_argument("--max-loras-per-batch", type=int, default=8,
@@ -78,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     server = EngineServer(engine, model_path=args.model_path, seed=args.random_seed, tp_size=args.tp_size,
                           enable_return_routed_experts=args.enable_return_routed_experts,
                           enable_step_gate=args.enable_step_gate,
-                          enable_weight_inspection=args.enable_weight_inspection,
                           admin_key=os.environ.pop(ADMIN_KEY_ENV, None),
                           enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
                           lora_target_modules=tuple(args.lora_target_modules))

@@ -35,8 +35,8 @@ VOCAB_PADDING = 64
 SCALE_BLOCK = 128
 """Rows of a block-FP8 scale's block."""
 INSPECT_ROUTE = "/megarl/inspect_weight"
-"""megarl's CPU engine's own read of any weight as held (``--enable-weight-inspection``; :func:`inspect_weight`):
-for tests and tools that look into the engine, never for the weight sync, which reads back as SGLang lets it."""
+"""megarl's CPU engine's own read of any weight as held (:func:`inspect_weight`): for tests and tools that look into
+the engine, never for the weight sync, which reads back as SGLang lets it."""
 FAILED = "Get parameter by name failed"
 """SGLang's answer (HTTP 400) when the model's ``get_weights_by_name`` returns nothing."""
 
@@ -105,10 +105,11 @@ def _local_rows(name: str, tensor: torch.Tensor, hf_config, tp: int) -> int:
     return rows // tp
 
 
-async def inspect_weight(url: str, name: str) -> torch.Tensor:
-    """Weight ``name`` whole as megarl's CPU engine server at ``url`` (started with ``--enable-weight-inspection``)
-    holds it, in its dtype; for tests and tools (SGLang has no such route)."""
-    async with aiohttp.ClientSession() as session, session.post(url + INSPECT_ROUTE, json={"name": name}) as reply:
+async def inspect_weight(url: str, name: str, rows: int | None = None) -> torch.Tensor:
+    """Weight ``name`` whole (or its first ``rows``) as megarl's CPU engine server at ``url`` holds it, in its dtype;
+    for tests and tools (SGLang has no such route)."""
+    body = {"name": name} if rows is None else {"name": name, "rows": rows}
+    async with aiohttp.ClientSession() as session, session.post(url + INSPECT_ROUTE, json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(f"{url}{INSPECT_ROUTE} {name!r}: HTTP {reply.status}: {await reply.text()}")
         body = await reply.json()

@@ -73,8 +73,7 @@ class EngineServer:
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
                  enable_return_routed_experts: bool = False, enable_step_gate: bool = False,
-                 enable_weight_inspection: bool = False, admin_key: str | None = None, enable_lora: bool = False,
-                 max_lora_rank: int = 0,
+                 admin_key: str | None = None, enable_lora: bool = False, max_lora_rank: int = 0,
                  lora_target_modules: tuple[str, ...] = (),
                  arrival_wait_s: tuple[float, float] = (ARRIVAL_QUIET_S, ARRIVAL_WAIT_MAX_S)) -> None:
         if tp_size < 1:
@@ -103,8 +102,6 @@ class EngineServer:
         self._holding = False  # the engine thread waits in control under a pause (no forward pass runs)
         self._steps = 0  # decoding steps of the running batch: tokens of each of its unfinished rows
         self.enable_step_gate = enable_step_gate
-        self.enable_weight_inspection = enable_weight_inspection
-        """Serve ``/megarl/inspect_weight`` (megarl's tests and tools: any model's weights as held; SGLang has none)."""
         self._admin_key = admin_key or None
         self._hold_at: int | None = None  # the step gate (module docstring): hold once the rows have this many tokens
         self._gate_held = False  # the engine thread waits at the step gate
@@ -142,13 +139,12 @@ class EngineServer:
             web.post("/update_weight_version", self.update_weight_version),
             web.post("/abort_request", self.abort_request),
             web.get("/v1/loads", self.loads),
+            web.post(INSPECT_ROUTE, self.inspect_weight),  # megarl's own, for its tests and tools
         ]
         if self.lora is not None:
             routes += self.lora.routes()
         if self.enable_step_gate:
             routes += [web.get("/step_gate", self.step_gate_state), web.post("/step_gate", self.step_gate)]
-        if self.enable_weight_inspection:
-            routes.append(web.post(INSPECT_ROUTE, self.inspect_weight))
         app.add_routes(routes)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -560,15 +556,18 @@ class EngineServer:
         return web.json_response(values)
 
     async def inspect_weight(self, request: web.Request) -> web.Response:
-        """``/megarl/inspect_weight`` (``--enable-weight-inspection``): weight ``name`` whole as this engine holds it
-        (an FP8 engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. megarl's tests and
-        tools look into the engine with it; the weight sync never does (it asks ``/get_weights_by_name``, as of
-        SGLang)."""
-        name = (await json_body(request)).get("name")
+        """``/megarl/inspect_weight``: weight ``name`` whole (or its first ``rows``) as this engine holds it (an FP8
+        engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. SGLang has no such route: megarl's tests and tools
+        look into this engine with it, the weight sync never does (it asks ``/get_weights_by_name``, answered as
+        SGLang answers it; ``tests/unit/test_strict_engine.py`` checks that no production module calls it)."""
+        body = await json_body(request)
+        name, rows = body.get("name"), body.get("rows")
         try:
             tensor = await self._off_loop(self.engine.inspect_weight, name)
         except KeyError:
             raise RequestError(f"{INSPECT_ROUTE}: no weight named {name!r}") from None
+        if rows is not None:
+            tensor = tensor[:int(rows)]
         return web.json_response({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
                                   "values": tensor.float().cpu().flatten().tolist()})
 
