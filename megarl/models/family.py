@@ -125,12 +125,11 @@ class ModelFamily:
     # ----------------------------------------------------------------------------- config
     def uses_te(self, use_te: bool | None = None) -> bool:
         """Whether this family's layers are built on TransformerEngine's spec: ``use_te`` (None: when TE is importable
-        and a GPU is present), never for multi-latent attention (its rules name the local spec's tensors,
-        :mod:`megarl.models.mla`). The one choice :meth:`block_spec` builds by and :meth:`transformer_config` sets
-        TE-only fusions by."""
+        and a GPU is present; multi-latent attention too, on TE's MLA spec: :mod:`megarl.models.mla`). The one
+        choice :meth:`block_spec` builds by and :meth:`transformer_config` sets TE-only fusions by."""
         if use_te is None:
             use_te = torch.cuda.is_available() and _te_importable()
-        return use_te and self.mla is None
+        return bool(use_te)
 
     def transformer_config(self, hf_config, dims: ParallelDims, *, use_te: bool | None = None, **overrides):
         """Megatron ``TransformerConfig`` for ``hf_config`` split by ``dims``, for layers built on TE's spec or not
@@ -189,8 +188,11 @@ class ModelFamily:
             masked_softmax_fusion=use_te,
             bias_activation_fusion=on_gpu,
             bias_dropout_fusion=on_gpu,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
+            # TE's fused RoPE (THD too); multimodal RoPE and MLA's (training-only, YaRN-only in Megatron) unfused.
+            apply_rope_fusion=use_te and self.vision is None and self.mla is None,
+            # TE's layers accumulate weight gradients into main_grad; the output layer (Megatron's own linear) then
+            # needs apex's fused_weight_gradient_mlp_cuda, so only where that extension is importable.
+            gradient_accumulation_fusion=use_te and _importable("fused_weight_gradient_mlp_cuda"),
             persist_layer_norm=on_gpu,
             batch_p2p_sync=on_gpu,
             # With gloo, batched p2p posts sends and receives in one fixed order on every rank;
@@ -253,8 +255,11 @@ class ModelFamily:
             moe_grouped_gemm=use_te,
             # All-to-all: ranks hold different token counts (packed sequences); the same path on CPU (gloo).
             moe_token_dispatcher_type="alltoall",
+            # Megatron's fused top-k returns before its RouterReplay is consulted (moe_utils'
+            # topk_routing_with_score_function), which megarl's routing replay drives: the router stays unfused.
             moe_router_fusion=False,
-            moe_permute_fusion=False,
+            # TE's fused token permutation (TE >= 2.1), where TE is there.
+            moe_permute_fusion=use_te and _te_at_least("2.1.0"),
             expert_model_parallel_size=dims.ep,
             expert_tensor_parallel_size=dims.expert_tp,
             moe_shared_expert_intermediate_size=moe.shared_ffn_size(hf_config) or None,
@@ -364,7 +369,8 @@ class ModelFamily:
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                               normalization="RMSNorm", vp_stage=vp_stage)
         if use_te:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=config.qk_layernorm, multi_latent_attention=self.mla is not None)
         from megarl.parallel.cpu_support import local_block_spec
 
         if self.moe is not None:
@@ -390,6 +396,26 @@ def _te_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` imports (an optional compiled extension)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _te_at_least(version: str) -> bool:
+    """Whether TransformerEngine of at least ``version`` is installed (Megatron's own check)."""
+    try:
+        from megatron.core.utils import is_te_min_version
+
+        return bool(is_te_min_version(version))
+    except Exception:  # noqa: BLE001 - no TE, or none readable: the fusion stays off
+        return False
 
 
 FAMILIES: dict[str, ModelFamily] = {}

@@ -22,9 +22,12 @@ de-interleaves the rotary dimensions before rotating them by halves, which Megat
 rotary rows need no permutation. The softmax scale is ``mscale² / sqrt(nope + rope)`` on both sides, YaRN's
 ``mscale`` from ``mscale_all_dim``.
 
-An MLA family builds Megatron's local layer spec, on CPU and GPU (:mod:`megarl.parallel.cpu_support` point 14: its
-down projections replicated over TP, as TransformerEngine's spec has them; TE's spec also fuses the q/kv norms into
-the up projections, names these rules do not give yet).
+On CPU an MLA family builds Megatron's local layer spec (:mod:`megarl.parallel.cpu_support` point 14: its down
+projections replicated over TP, as TransformerEngine's spec has them); on a GPU with TransformerEngine, TE's MLA spec
+(``get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)``: fused attention, grouped GEMM), which
+fuses the q and kv norms into the up projections (``linear_q_up_proj.layer_norm_weight``,
+``linear_kv_up_proj.layer_norm_weight``: the rules' ``te_megatron`` names) and keeps the input norm its own
+(``input_layernorm.weight``, a ``TENorm``: the down projections are plain ``TELinear``).
 """
 
 from __future__ import annotations
@@ -133,11 +136,13 @@ def mla_weights(prefix: str = "model.") -> list[WeightRule]:
     return [
         WeightRule(m_attn + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), Split.REPLICATED,
                    linear=True, coload=FUSED_A_PROJ),
-        WeightRule(m_attn + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), Split.REPLICATED),
+        WeightRule(m_attn + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), Split.REPLICATED,
+                   te_megatron=m_attn + "linear_q_up_proj.layer_norm_weight"),
         WeightRule(m_attn + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), Split.COLUMN),
         WeightRule(m_attn + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), Split.REPLICATED,
                    linear=True, coload=FUSED_A_PROJ),
-        WeightRule(m_attn + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), Split.REPLICATED),
+        WeightRule(m_attn + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), Split.REPLICATED,
+                   te_megatron=m_attn + "linear_kv_up_proj.layer_norm_weight"),
         WeightRule(m_attn + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), Split.COLUMN),
         WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW),
     ]

@@ -145,9 +145,9 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool | str, moe=None, prefix: st
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
     rules = [
         WeightRule("embedding.word_embeddings.weight", (f"{prefix}embed_tokens.weight",), Split.VOCAB),
-        WeightRule(
+        WeightRule(  # TE fuses it into linear_qkv; MLA's down projections are plain TELinear, its TENorm stays
             m_layer + "input_layernorm.weight", (layer + "input_layernorm.weight",), Split.REPLICATED,
-            te_megatron=m_attn + "linear_qkv.layer_norm_weight",
+            te_megatron=m_attn + "linear_qkv.layer_norm_weight" if attention is None else None,
         ),
     ]
     rules += attention if attention is not None else _qkv_attention(attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm)

@@ -366,6 +366,7 @@ def _set_finalize(config, model_chunks, forward_only: bool) -> None:
     """
     if forward_only or not all(hasattr(chunk, "finish_grad_sync") for chunk in model_chunks):
         config.finalize_model_grads_func = None
+        config.no_sync_func = config.grad_sync_func = None
         return
     from megatron.core.distributed import finalize_model_grads
 
@@ -373,3 +374,10 @@ def _set_finalize(config, model_chunks, forward_only: bool) -> None:
         finalize_model_grads(model, num_tokens=None, **kwargs)
 
     config.finalize_model_grads_func = finalize
+    if model_chunks[0].ddp_config.overlap_grad_reduce:
+        # As Megatron's training loop: the buckets' collectives start during the last micro-batch's backward pass
+        # only (no_sync holds them before), each chunk's once its pipeline stage is done with it.
+        no_sync = [chunk.no_sync for chunk in model_chunks]
+        start = [chunk.start_grad_sync for chunk in model_chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.grad_sync_func = start[0] if len(start) == 1 else start

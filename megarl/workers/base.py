@@ -38,6 +38,9 @@ class Worker:
     role: str = "worker"
     """Role name used in errors and logs; subclasses set it (``actor``, ``ref``, ...)."""
 
+    env_vars: dict[str, str] = {}
+    """Environment of this role's processes besides megarl's defaults (:class:`megarl.workers.group.WorkerGroup`)."""
+
     rank: int = -1
     world_size: int = 0
     local_rank: int = 0

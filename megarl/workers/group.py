@@ -133,7 +133,7 @@ class WorkerGroup:
         if gpu_share and not pool.use_gpu:
             raise ValueError(f"{self.role}: num_gpus={gpu_share} on pool {pool.name!r} which has CPU-only bundles")
         cpu_share = pool.cpus_per_bundle * (gpu_share or 1.0) if num_cpus is None else num_cpus
-        env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+        env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **worker_cls.env_vars, **(env or {})}
         remote_cls = ray.remote(worker_cls)
         self._actors = []
         try:

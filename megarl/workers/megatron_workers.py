@@ -82,6 +82,12 @@ def step_metrics(results, prefix: str) -> dict[str, float]:
 class _MegatronWorker(Worker):
     """Common parts: the role's sharded model, coordinates, checkpoints."""
 
+    env_vars = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    """Megatron's tensor-parallel layers launch their asynchronous all-gather / reduce-scatter before the gradient
+    computation they overlap and rely on one hardware queue to keep that order (``tensor_parallel/layers.py``: "we
+    rely on CUDA_DEVICE_MAX_CONNECTIONS=1"); the Megatron ranks' processes alone get it (an SGLang engine's keep
+    CUDA's default)."""
+
     sharded = None
     """This rank's :class:`ShardedModel` of the role."""
 

@@ -193,8 +193,11 @@ class ShardedModel:
     def _wrap_ddp(self, chunks, optim: OptimConfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        # On GPU the gradients' reduce(-scatter) runs bucket by bucket during the backward pass (Megatron's
+        # overlap_grad_reduce: its hooks start each bucket's collective once its last gradient is in, and
+        # finish_grad_sync waits for them before the optimizer step); gloo's ranks reduce once after it.
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=torch.cuda.is_available(),
             use_distributed_optimizer=optim.use_distributed_optimizer,
         )
         return [

@@ -178,6 +178,9 @@ def test_megatrons_fused_softmax_only_with_transformer_engine(monkeypatch, te):
     hf_config = tiny_qwen2_config(build_tiny_tokenizer())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(family_module, "_te_importable", lambda: te)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", object(), raising=False)  # TE's (RoPE fusion)
     family = family_module.family_for(hf_config)
     config = family.transformer_config(hf_config, ParallelDims(), params_dtype=torch.bfloat16)
     assert (config.masked_softmax_fusion, config.use_cpu_initialization) == (te, False)

@@ -344,8 +344,11 @@ def test_a_local_spec_built_on_a_machine_with_te_gets_the_local_specs_config(mon
     from megarl.config.parallel import ParallelDims
     from megarl.models import family as family_module
 
+    from megatron.core.models.common.embeddings import rope_utils
+
     monkeypatch.setattr(family_module, "_te_importable", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", object(), raising=False)  # TE's (RoPE fusion)
     config = moe_jobs.tiny_moe_config("qwen3_moe")
     family = family_for(config)
     assert family.uses_te() and not family.uses_te(False)
@@ -353,8 +356,7 @@ def test_a_local_spec_built_on_a_machine_with_te_gets_the_local_specs_config(mon
     local = family.transformer_config(config, ParallelDims(), use_te=False, perform_initialization=False)
     assert with_te.masked_softmax_fusion and with_te.moe_grouped_gemm
     assert not local.masked_softmax_fusion and not local.moe_grouped_gemm
-    deepseek = moe_jobs.tiny_moe_config("deepseek_v3")
-    assert not family_for(deepseek).uses_te()  # MLA: the local spec always
+    assert with_te.apply_rope_fusion and not local.apply_rope_fusion
 
 
 def test_no_production_module_reads_an_engine_by_megarls_own_route():
