@@ -102,7 +102,7 @@ class ShardedModel:
                  recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
                  router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
                  moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
-                 lora=None, score_head: bool = False, **transformer_overrides):
+                 lora=None, score_head: bool = False, use_te: bool | None = None, **transformer_overrides):
         from megarl.convert import load_hf_into
         from megarl.models import build_model_chunks, family_for
         from megarl.models.hf_config import load_hf_config
@@ -135,7 +135,8 @@ class ShardedModel:
         transformer_overrides |= self.megatron_overrides
         # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1):
         # its model and config are the local spec's on any machine.
-        use_te = False if lora is not None else None
+        # ``use_te``: None builds TE's spec where TE and a GPU are (False: the local spec, a check's reference).
+        use_te = False if lora is not None else use_te
         self.config = self.family.transformer_config(
             self.hf_config, self.groups.dims, use_te=use_te, params_dtype=params_dtype,
             **_recompute_fields(recompute_granularity, recompute_num_layers),
