@@ -194,11 +194,12 @@ class ShardedModel:
     def _wrap_ddp(self, chunks, optim: OptimConfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        # On GPU the gradients' reduce(-scatter) runs bucket by bucket during the backward pass (Megatron's
-        # overlap_grad_reduce: its hooks start each bucket's collective once its last gradient is in, and
-        # finish_grad_sync waits for them before the optimizer step); gloo's ranks reduce once after it.
+        # The gradients' reduce(-scatter) runs bucket by bucket during the last micro-batch's backward pass
+        # (Megatron's overlap_grad_reduce: its hooks start each bucket's collective once its last gradient is in,
+        # finish_grad_sync waits for them before the optimizer step; the schedule's no_sync_func holds them on the
+        # other micro-batches: megarl.parallel.pipeline). The same path on gloo and NCCL.
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=torch.cuda.is_available(),
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True,
             use_distributed_optimizer=optim.use_distributed_optimizer,
         )
         return [
