@@ -23,6 +23,11 @@ order (``--stages`` picks some), each with its models written under ``--work``:
                cuda_graph and weights, resume the weights, the ``tensor`` transport's sync of changed weights,
                resume the rest, then the engine's log-probs against the actor's. Pass: the gap after the sync
                within 4x of HF bf16's error, and smaller than before the sync.
+  lora         a TP=2 LoRA actor and an engine serving LoRA (TP=2) on its GPUs, as ``lora_sync=adapters`` runs: the
+               engine releases what megarl's ``EngineMemory`` releases for it (not the weights: the adapters-only
+               sync never rewrites them), one update, the adapters alone synced (each rank's payload on its own GPU),
+               then the engine's log-probs naming the adapter against the actor's. Pass: within 4x of HF bf16's
+               error, the engine's base model not, every adapter tensor checked, nothing left released.
   distributed  the actor on GPU 0, a Llama engine on GPU 1 (Llama: the family SGLang reads weights back from): the
                ``distributed`` transport (a weight group over NCCL) in bf16 and, into an engine started from the FP8
                checkpoint, in block FP8, every tensor verified by the transport as SGLang answers; and megarl's
@@ -57,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check's helpers 
 import gpu_check as single
 import torch
 
-STAGES = ("te_parity", "te_moe", "offload", "colocated", "distributed", "deepseek")
+STAGES = ("te_parity", "te_moe", "offload", "colocated", "lora", "distributed", "deepseek")
 DTYPE = single.DTYPE
 LR = single.LR
 ENGINE_START_S = 600.0
@@ -75,7 +80,7 @@ class Sizes:
 
 
 # ------------------------------------------------------------------------------------------------- rank jobs
-def _actor(model_dir: str, dims_fields: dict, sizes: Sizes, *, use_te=None, optim_fields=None):
+def _actor(model_dir: str, dims_fields: dict, sizes: Sizes, *, use_te=None, optim_fields=None, lora=None):
     """An ``ActorRole`` over a trainable bf16 ``ShardedModel`` of ``model_dir`` on this rank's ``ParallelDims``."""
     from megarl.config.actor import ActorConfig
     from megarl.config.model import OptimConfig
@@ -84,7 +89,8 @@ def _actor(model_dir: str, dims_fields: dict, sizes: Sizes, *, use_te=None, opti
     from megarl.workers.sharded_model import ShardedModel
 
     optim = OptimConfig(lr=LR, clip_grad=1.0, **(optim_fields or {}))
-    model = ShardedModel(model_dir, ParallelDims(**dims_fields), params_dtype=DTYPE, optim=optim, use_te=use_te)
+    model = ShardedModel(model_dir, ParallelDims(**dims_fields), params_dtype=DTYPE, optim=optim, use_te=use_te,
+                         lora=lora)
     rows = sizes.rows // model.groups.dims.dp  # this DP rank's share of one mini-batch of every row
     config = ActorConfig(ppo_mini_batch_size=sizes.rows, ppo_micro_batch_size_per_gpu=rows, optim=optim)
     return ActorRole(model, config, micro_batch_size=rows)
@@ -189,7 +195,7 @@ def _perturb(chunks, seed: int) -> None:
                 param.add_(noise * (0.3 * float(param.float().std()) if param.numel() > 1 else 0.01))
 
 
-def _engine_gap(actor, url: str, sizes: Sizes, seed: int) -> dict:
+def _engine_gap(actor, url: str, sizes: Sizes, seed: int, lora_name: str | None = None) -> dict:
     """Rank 0 samples from the engine (T=1, log-probs), every rank recomputes them with the actor."""
     import torch.distributed as dist
 
@@ -202,7 +208,7 @@ def _engine_gap(actor, url: str, sizes: Sizes, seed: int) -> dict:
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, 400, (8 + 3 * row,), generator=g).tolist() for row in range(sizes.engine_rows)]
         params = SamplingParams(max_new_tokens=sizes.engine_response, temperature=1.0, ignore_eos=True)
-        client = EngineClient(url, name="engine 0")
+        client = EngineClient(url, name="engine 0", lora_name=lora_name)
         outputs = run_sync(client.generate_batch(prompts, params, seed=seed, return_logprob=True))
         P, R = max(map(len, prompts)), sizes.engine_response
         ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
@@ -257,6 +263,51 @@ def colocated_job(model_dir: str, url: str, sizes: Sizes) -> dict:
         dist.barrier()
         after = _engine_gap(actor, url, sizes, seed=4)
     return {"before": before, "after": after, "buckets": (stats or {}).get("weight_sync/buckets")}
+
+
+def lora_job(model_dir: str, url: str, sizes: Sizes) -> dict:
+    """A TP=2 LoRA actor and a TP=2 engine serving LoRA on the same GPUs, as a run with ``lora_sync=adapters``: the
+    engine releases what ``EngineMemory`` releases for it (never the weights: the adapters-only sync does not
+    rewrite them), one PPO update, the adapters alone synced (each rank's payload on its own GPU), then the
+    engine's log-probs naming the adapter against the actor's."""
+    import torch.distributed as dist
+
+    from megarl.config.lora import LoraSpec
+    from megarl.controller.engine_memory import EngineMemory
+    from megarl.rollout import event_loop
+    from megarl.rollout.client import EngineAddress, EngineClient
+    from megarl.rollout.lora_wire import ADAPTER_NAME
+    from megarl.sync import make_transport
+
+    spec = LoraSpec(rank=8, alpha=16.0, init_b="random")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with event_loop.holding():
+        actor = _actor(model_dir, {"tp": 2}, sizes, lora=spec)
+        model = actor.model
+        memory = EngineMemory([EngineClient(url, name="engine 0")], enabled=True, sync_rewrites_weights=False)
+        if dist.get_rank() == 0:
+            memory.release(weights=True)  # what the trainer asks before training: kv_cache and cuda_graph only
+        batch = single.rl_batch(sizes.rows, sizes.prompt, sizes.response, model.hf_config.vocab_size, seed=21)
+        (loss, grad_norm), = _ppo_steps(actor, batch, 1)
+        if dist.get_rank() == 0:
+            memory.resume(["weights"])
+        transport = make_transport("adapters", model.groups, [EngineAddress(index=0, url=url, tp=2,
+                                                                            host_ranks=(0, 1))],
+                                   device=device, lora_config=spec.peft_config(model_dir))
+        try:
+            stats = transport.sync(model.exporter(DTYPE), bucket_bytes=1 << 20, version="lora")
+        finally:
+            transport.close()
+        if dist.get_rank() == 0:
+            memory.resume(["kv_cache", "cuda_graph"])
+            released = sorted(memory.released)
+        dist.barrier()
+        base = _engine_gap(actor, url, sizes, seed=23)  # the engine's base model against the adapted actor
+        after = _engine_gap(actor, url, sizes, seed=23, lora_name=ADAPTER_NAME)
+    out = {"base_vs_adapted": base, "after": after, "grad_norm": grad_norm}
+    if dist.get_rank() == 0:
+        out.update(verified=(stats or {}).get("verified_checks"), still_released=released)
+    return out
 
 
 def distributed_job(model_dir: str, urls: dict, sizes: Sizes) -> dict:
@@ -337,7 +388,8 @@ class Check:
         env = {} if self.cuda else {"CUDA_VISIBLE_DEVICES": ""}
         return run_ranks(fn, world, *args, timeout_s=timeout_s, env=env)
 
-    def engine(self, model_dir: Path, *, gpus: str, tp: int, name: str, memory_saver: bool = False) -> str:
+    def engine(self, model_dir: Path, *, gpus: str, tp: int, name: str, memory_saver: bool = False,
+               extra: tuple[str, ...] | list[str] = ()) -> str:
         """Start an engine server on ``gpus`` (SGLang on GPUs; megarl's CPU server rehearsing); its URL."""
         from megarl.parallel.net import free_port
         from megarl.rollout.server_process import ServerProcess
@@ -347,12 +399,12 @@ class Check:
             argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--tp-size", str(tp),
                     "--mem-fraction-static", str(self.args.mem_fraction), "--dtype", "bfloat16", "--random-seed", "1",
                     "--host", "127.0.0.1", "--port", str(port), "--skip-server-warmup", "--context-length", "512",
-                    "--disable-cuda-graph", *(["--enable-memory-saver"] if memory_saver else [])]
+                    "--disable-cuda-graph", *(["--enable-memory-saver"] if memory_saver else []), *extra]
             env = {"CUDA_VISIBLE_DEVICES": gpus}
         else:
             argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
                     str(port), "--dtype", "bfloat16", "--tp-size", str(tp), "--random-seed", "1",
-                    "--context-length", "512"]
+                    "--context-length", "512", *extra]
             env = {"OMP_NUM_THREADS": "1"}
         url = f"http://127.0.0.1:{port}"
         server = ServerProcess(argv, name=name, url=url, log_path=self.out / f"{name.replace(' ', '_')}.log", env=env)
@@ -477,6 +529,26 @@ def stage_colocated(check: Check, out: dict) -> None:
                  and rank0["after"]["mean"] < rank0["before"]["mean"])
 
 
+def stage_lora(check: Check, out: dict) -> None:
+    from megarl.config.lora import LoraSpec
+    from megarl.plan.engine_gpus import lora_flags
+
+    model_dir = check.qwen()
+    flags = lora_flags(LoraSpec(rank=8, alpha=16.0))
+    url = check.engine(model_dir, gpus="0,1", tp=2, name="lora engine", memory_saver=True, extra=flags)
+    try:
+        rank0 = check.ranks(lora_job, 2, str(model_dir), url, check.sizes)[0]
+    finally:
+        check.stop_engines()
+    from transformers import AutoConfig
+
+    floor = check.floor(model_dir, check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=11))
+    out.update(rank0, bound=4 * floor)
+    after, base = rank0["after"], rank0["base_vs_adapted"]
+    out["ok"] = (after["tokens"] > 0 and after["mean"] <= 4 * floor < base["mean"] and rank0["verified"] > 0
+                 and rank0["still_released"] == [])
+
+
 def stage_distributed(check: Check, out: dict) -> None:
     from megarl.config.rollout import resolve_transport
     from megarl.convert.fp8 import write_fp8_checkpoint
@@ -517,7 +589,8 @@ def stage_deepseek(check: Check, out: dict) -> None:
 
 
 RUNNERS = {"te_parity": stage_te_parity, "te_moe": stage_te_moe, "offload": stage_offload,
-           "colocated": stage_colocated, "distributed": stage_distributed, "deepseek": stage_deepseek}
+           "colocated": stage_colocated, "lora": stage_lora, "distributed": stage_distributed,
+           "deepseek": stage_deepseek}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["te_parity", "te_moe", "offload", "colocated", "distributed", "deepseek"]
+STAGES = ["te_parity", "te_moe", "offload", "colocated", "lora", "distributed", "deepseek"]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,12 @@ def test_distributed_transport_verifies_a_llama_in_bf16_and_fp8(check):
                                             "buckets": 1, "gbps": 0, "names": 20}
     assert (record["fp8"]["verified_tensors"], record["fp8"]["unverified_tensors"]) == (14, 20)
     assert record["colocated_distributed_refused"] is True
+
+
+def test_adapters_only_lora_keeps_the_engine_weights_and_serves_the_adapter(check):
+    """As ``lora_sync=adapters`` runs: the engine never releases its weights (the strict engine would refuse to
+    generate from released ones, as SGLang would generate garbage), the adapters arrive checked, and the engine's
+    log-probs naming the adapter are the adapted actor's while its base model's are not."""
+    record = check[1]["lora"]
+    assert record["still_released"] == [] and record["verified"] == 2 * 7 * 2  # A and B of 7 modules, 2 layers
+    assert record["after"]["mean"] <= record["bound"] < record["base_vs_adapted"]["mean"]
