@@ -12,8 +12,11 @@ order (``--stages`` picks some), each with its models written under ``--work``:
                and one PPO step's gradient norm at TP=2 with sequence parallelism on TE's spec, against TP=1 on the
                local spec, both against HF fp32. Pass: each within 3x of HF bf16's own error from HF fp32, the
                gradient norms within 5 %.
-  te_moe       a tiny Qwen3-MoE at EP=2 (TE's grouped GEMM on GPUs): HF -> Megatron -> HF export bit for bit, and
-               its log-probs against HF fp32's. Pass: every tensor equal, the log-probs within 1e-3.
+  te_moe       a tiny Qwen3-MoE at EP=2 (TE's grouped GEMM on GPUs): HF -> Megatron -> HF export bit for bit, its
+               log-probs against HF fp32's; then rows an engine (GPU 1, ``--enable-return-routed-experts``) sampled
+               with the experts it routed every token to, recomputed replaying that routing. Pass: every tensor
+               equal, the log-probs within 1e-3, the replay exact and the trainer's own routers agreeing with the
+               engine's on at least 75 % of (token, layer) pairs (a misread layout would not).
   offload      a DP=2 actor: three PPO updates with Megatron's offload (parameters, gradients, optimizer states)
                and onload around each, against three without; then with the hybrid CPU optimizer
                (``optimizer_cpu_offload``, half the states on the host) and megarl's offload of parameters and
@@ -137,15 +140,17 @@ def parity_job(model_dir: str, dims_fields: dict, use_te, batch, sizes: Sizes) -
     return {"logp": logp, "grad_norm": grad_norm, "loss": loss, "te": _uses_te(model), "rank": model.groups.dims.dp}
 
 
-def moe_job(model_dir: str, batch) -> dict:
-    """EP=2: the checkpoint loaded and exported (rank 0 compares every tensor) and the log-probs of ``batch``."""
+def moe_job(model_dir: str, batch, routing: dict) -> dict:
+    """EP=2: the checkpoint loaded and exported (rank 0 compares every tensor), the log-probs of ``batch``, and the
+    engine's rows of ``routing`` recomputed replaying the experts the engine routed each token to (the routing
+    measured against the trainer's own routers)."""
     from safetensors.torch import load_file
 
     import torch.distributed as dist
     from megarl.config.parallel import ParallelDims
     from megarl.workers.sharded_model import ShardedModel
 
-    model = ShardedModel(model_dir, ParallelDims(ep=2), params_dtype=torch.float32)
+    model = ShardedModel(model_dir, ParallelDims(ep=2), params_dtype=torch.float32, router_replay=True)
     exported = {n: t.detach().float().cpu().clone() for bucket in model.exporter(torch.float32).iter_full(1 << 24)
                 for n, t in bucket}
     out = {"grouped_gemm": bool(model.config.moe_grouped_gemm), "te": _uses_te(model)}
@@ -157,6 +162,13 @@ def moe_job(model_dir: str, batch) -> dict:
         out["extra"] = sorted(set(exported) - set(original))
     outputs = model.forward_logprobs([{"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}])
     out["logp"] = outputs[0]["logp"].float().cpu() if outputs else None
+    micro = [{"input_ids": routing["input_ids"], "attention_mask": routing["attention_mask"],
+              "rollout_routed_experts": routing["routed"]}]
+    for replay in (False, True):
+        outputs = model.forward_logprobs(micro, measure_routing=True, replay_routing=replay)
+        key = "replayed" if replay else "own"
+        out[f"{key}_counts"] = model.last_routing_counts.sum(0).tolist()
+        out[f"{key}_logp"] = outputs[0]["logp"].float().cpu() if outputs else None
     return out
 
 
@@ -472,19 +484,64 @@ def stage_te_parity(check: Check, out: dict) -> None:
                  and (te["te"] or check.rehearse))
 
 
+def _routed_rollout(url: str, hf_config, sizes: Sizes, seed: int) -> dict:
+    """Rows sampled from the engine at ``url`` (T=1) with the experts it routed every token to, laid out as a batch."""
+    from megarl.rollout.client import EngineClient, run_sync
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.manager import routed_experts_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 400, (6 + 2 * row,), generator=g).tolist() for row in range(sizes.engine_rows)]
+    shape = (int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok))
+    params = SamplingParams(max_new_tokens=sizes.engine_response, temperature=1.0, ignore_eos=True)
+    from megarl.rollout import event_loop
+
+    with event_loop.holding():
+        client = EngineClient(url, name="moe engine")
+        outputs = run_sync(client.generate_batch(prompts, params, seed=seed, return_logprob=True,
+                                                 routing_shape=shape))
+    P, R = max(map(len, prompts)), sizes.engine_response
+    ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
+    mask, engine_logp = torch.zeros_like(ids), torch.zeros(len(prompts), P + R)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+        n = len(output.output_ids)
+        ids[row, P - len(prompt):P + n] = torch.tensor(prompt + list(output.output_ids))
+        mask[row, P - len(prompt):P + n] = 1
+        engine_logp[row, P - 1:P - 1 + n] = torch.tensor(output.output_logprobs)  # position t: log p(token t+1)
+    routed = routed_experts_tensor(prompts, outputs, prompt_width=P, response_width=R, shape=shape)
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, P - 1:P - 1 + R] = mask[:, P:].bool()
+    return {"input_ids": ids, "attention_mask": mask, "routed": routed, "engine_logp": engine_logp, "scored": scored}
+
+
 def stage_te_moe(check: Check, out: dict) -> None:
     model_dir = _tiny(check.work / "qwen3_moe", "qwen3_moe", num_experts=4)
     from transformers import AutoConfig
 
-    batch = check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=12)
-    ranks = check.ranks(moe_job, 2, str(model_dir), batch)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    batch = check.batch(hf_config.vocab_size, seed=12)
+    url = check.engine(model_dir, gpus="1", tp=1, name="moe engine", extra=["--enable-return-routed-experts"])
+    try:
+        routing = _routed_rollout(url, hf_config, check.sizes, seed=15)
+    finally:
+        check.stop_engines()
+    ranks = check.ranks(moe_job, 2, str(model_dir), batch, routing)
     fp32 = check.hf_logprobs(model_dir, batch, (torch.float32,))[torch.float32]
     pairs = single.next_token_pairs(batch["attention_mask"])
     rank0 = ranks[0]
     err = float((rank0["logp"] - fp32)[pairs].abs().mean())
+    scored = routing["scored"]
+    gaps = {key: float((rank0[f"{key}_logp"] - routing["engine_logp"])[scored].abs().mean())
+            for key in ("own", "replayed")}
+    mismatch, natural, decisions = rank0["replayed_counts"]
     out.update(grouped_gemm=rank0["grouped_gemm"], te=rank0["te"], tensors=rank0["tensors"],
-               differ=rank0["differ"][:10], extra=rank0["extra"][:10], logp_vs_hf_fp32=err)
-    out["ok"] = (not rank0["differ"] and not rank0["extra"] and err <= 1e-3
+               differ=rank0["differ"][:10], extra=rank0["extra"][:10], logp_vs_hf_fp32=err,
+               routing_decisions=decisions, replayed_mismatch=mismatch, natural_mismatch_frac=natural / max(decisions, 1),
+               engine_gap_own_routing=gaps["own"], engine_gap_replayed=gaps["replayed"])
+    # The engine's routing read in megarl's layout: replayed exactly, and mostly what the trainer's routers choose
+    # themselves (a misread layout would disagree on ~1 - top_k / experts of the pairs).
+    out["ok"] = (not rank0["differ"] and not rank0["extra"] and err <= 1e-3 and decisions > 0 and mismatch == 0
+                 and natural / decisions <= 0.25 and math.isfinite(gaps["replayed"])
                  and (rank0["grouped_gemm"] or check.rehearse))
 
 
