@@ -88,7 +88,9 @@ def local_ray_settings() -> None:
 
 def run_failures() -> tuple[type[BaseException], ...]:
     """Failures whose message names the part that failed (a worker's role and rank, an engine and its URL, a
-    reward row, the share of failed rollouts, a server that did not start, a checkpoint that could not be written)."""
+    reward row, the share of failed rollouts, a server that did not start, a checkpoint that could not be written, a
+    judge's answers)."""
+    from megarl.controller.judge import JudgeError
     from megarl.controller.metrics import RolloutFailureError
     from megarl.controller.run_checkpoints import CheckpointSaveError
     from megarl.reward.manager import RewardError
@@ -96,7 +98,7 @@ def run_failures() -> tuple[type[BaseException], ...]:
     from megarl.rollout.server_process import ServerStartError
     from megarl.workers.group import WorkerError
 
-    return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError, CheckpointSaveError
+    return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError, CheckpointSaveError, JudgeError
 
 
 def failure_report(error: BaseException, step: int, log_dir, max_lines: int = 20) -> str:

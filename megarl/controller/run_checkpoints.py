@@ -62,6 +62,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from megarl.errors import FieldsError
+
 POINTER_NAME = "latest_checkpointed_iteration.txt"
 TRAINER_STATE_NAME = "trainer_state.json"
 STEP_PREFIX = "global_step_"
@@ -78,7 +80,7 @@ SAMPLE_BLOCKS = 8
 _HASH_THREADS = 4
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(FieldsError, RuntimeError):
     """A checkpoint could not be written (:meth:`CheckpointManager.save_failed`); nothing committed is lost."""
 
     def __init__(self, message: str, step: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from megarl.errors import FieldsError
 from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.event_loop import gather_sync, run_sync, submit
 from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, Route, request_body
@@ -36,7 +37,7 @@ CONTROL_TIMEOUT_S = 600.0
 """Limit of one control call (weights, memory, pause); generation has none (``generate_timeout_s``)."""
 
 
-class EngineError(RuntimeError):
+class EngineError(FieldsError, RuntimeError):
     """An engine server refused a request or could not be reached."""
 
     def __init__(self, message: str, *, engine: str, url: str, route: str, status: int | None = None) -> None:

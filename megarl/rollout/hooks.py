@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from megarl.errors import FieldsError
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.05
@@ -38,7 +40,7 @@ WATCH_S = 0.1
 """How often a waiting call checks its loop."""
 
 
-class HookTimeout(Exception):
+class HookTimeout(FieldsError, Exception):
     """A hook call did not finish within the runner's time limit."""
 
     def __init__(self, hook: str, timeout_s: float, loop_blocked_s: float, loop_blocked: bool) -> None:

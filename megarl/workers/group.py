@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from megarl.config.parallel import Coordinates
+from megarl.errors import FieldsError
 from megarl.data import Batch
 from megarl.parallel.net import node_ip
 from megarl.workers.base import Worker
@@ -61,7 +62,7 @@ from megarl.workers.base import Worker
 R = TypeVar("R")
 
 
-class WorkerError(RuntimeError):
+class WorkerError(FieldsError, RuntimeError):
     """A rank of a worker group failed, died or timed out; the message names role, rank and method."""
 
     def __init__(self, message: str, *, role: str, rank: int | None, method: str):
