@@ -11,7 +11,9 @@ before Hydra composes (docs/verl_migration.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -85,6 +87,11 @@ def load_config(overrides: Sequence[str] = (), *, config_dir: str | Path = CONFI
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build the dataclasses of a composed tree; a section's ``ValueError`` is re-raised with its full key."""
     _check_known_keys(cfg, "")
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException:  # a broken interpolation: building the dataclasses names it
+        tree = OmegaConf.to_container(cfg, resolve=False)
+    _refuse_nan(tree, "")
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{' and '.join(missing)} must be set (the base config names no model or data): set "
@@ -101,6 +108,20 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"the composed config is a {type(run).__name__}, not a RunConfig: configs/config.yaml must "
                           f"list the schema first in its defaults")
     return run
+
+
+def _refuse_nan(node: Any, key: str) -> None:
+    """Refuse a NaN anywhere in the tree, naming its key: every comparison with NaN is false, so a check such as
+    ``value <= 0`` lets it through (``engine_timeout_s=nan`` turned the frozen-engine watch off; ``lora_alpha=nan`` and
+    ``kl_loss_coef=nan`` trained nothing to rc 0). No setting means anything by NaN."""
+    if isinstance(node, float) and math.isnan(node):
+        raise ConfigError(f"{key}=nan: set a number")
+    if isinstance(node, dict):
+        for name, value in node.items():
+            _refuse_nan(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            _refuse_nan(value, f"{key}[{index}]")
 
 
 def _check_known_keys(node: DictConfig, key: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 
 import pytest
@@ -466,3 +467,17 @@ def test_lora_sync_modes_and_what_they_refuse():
                                          r"actor_rollout_ref.rollout.lora_sync=merged"):
         load_config(lora + partial)
     load_config(lora + partial + ["actor_rollout_ref.rollout.lora_sync=merged"])
+
+
+@pytest.mark.parametrize("override", [
+    "actor_rollout_ref.rollout.engine_timeout_s=nan", "actor_rollout_ref.model.lora_alpha=nan",
+    "actor_rollout_ref.actor.kl_loss_coef=nan", "actor_rollout_ref.rollout.temperature=nan",
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout=nan",
+    "algorithm.kl_ctrl.kl_coef=nan"])
+def test_nan_is_refused_wherever_it_is_set(override):
+    """Every comparison with NaN is false, so ``value <= 0`` checks let it through: ``engine_timeout_s=nan`` turned
+    the frozen-engine watch off, ``lora_alpha=nan`` and ``kl_loss_coef=nan`` trained nothing to rc 0. Refused before
+    anything runs, naming the key."""
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=nan: set a number$"):
+        load_config([override])
