@@ -15,6 +15,7 @@ rollout manager.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -257,7 +258,10 @@ def check_policy_support(cfg: RunConfig) -> None:
     from megarl.models import family_for
     from megarl.models.hf_config import load_hf_config
 
-    family = family_for(load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code))
+    hf_config = load_hf_config(model.local_path, trust_remote_code=model.trust_remote_code)
+    family = family_for(hf_config)
+    if model.lora_rank and family.vision is None:
+        check_lora_rank(model.lora_spec, hf_config, model.path)
     if model.lora_rank and family.moe is not None:
         raise ValueError(f"actor_rollout_ref.model.lora_rank={model.lora_rank}: LoRA on mixture-of-experts models is "
                          f"not supported yet (actor_rollout_ref.model.path={model.path!r} is a {family.name} model, "
@@ -273,6 +277,31 @@ def check_policy_support(cfg: RunConfig) -> None:
             raise ValueError(f"{key}: not supported yet with a vision-language policy (actor_rollout_ref.model.path="
                              f"{model.path!r} is a {family.name} model); turn it off (docs/training.md, "
                              f"'Vision-language models')")
+
+
+def lora_widths(hf_config, modules: Sequence[str]) -> dict[str, int]:
+    """The narrower side (``min(in, out)``) of each adapted HF module of a decoder with ``hf_config``'s sizes."""
+    hidden, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    ffn = int(hf_config.intermediate_size)
+    sides = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim),
+             "v_proj": (hidden, kv * head_dim), "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, ffn),
+             "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)}
+    return {m: min(sides[m]) for m in modules}
+
+
+def check_lora_rank(spec, hf_config, path: str) -> None:
+    """Refuse a LoRA rank above an adapted layer's narrower side: ``B A`` of rank ``r`` over a layer of width
+    ``w < r`` has rank ``w`` at most, so the extra rows and columns are memory and compute for nothing (a rank of
+    100 000 on a 64-wide model took the machine's memory minutes later, naming nothing)."""
+    widths = lora_widths(hf_config, spec.hf_target_modules)
+    module, width = min(widths.items(), key=lambda item: item[1])
+    if spec.rank > width:
+        raise ValueError(f"actor_rollout_ref.model.lora_rank={spec.rank} is above the width of the adapted "
+                         f"{module} ({width} of actor_rollout_ref.model.path={path!r}): an adapter's rank is at most "
+                         f"its layer's narrower side; set lora_rank <= {width} (typically 8-64), or leave {module} "
+                         f"out of actor_rollout_ref.model.target_modules")
 
 
 def routing_shape(cfg: RunConfig) -> tuple[int, int] | None:

@@ -252,6 +252,24 @@ def test_lora_on_a_mixture_of_experts_policy_is_refused_before_ray(tmp_path):
                                            "actor_rollout_ref.model.lora_rank=8"]))
 
 
+def test_a_lora_rank_above_the_adapted_layers_width_is_refused_before_ray(tmp_path):
+    """The tiny Qwen2's narrowest adapted modules are k_proj and v_proj (64 -> 2 key/value heads x 16 = 32): a rank
+    of 32 is the most an adapter there can use; 100 000 (which took the machine's memory minutes into a run) is
+    refused naming the module and the key; without k/v in the targets, q_proj/o_proj's 64 bound it."""
+    from megarl.controller.run_inputs import check_policy_support
+    from megarl.models.tiny import save_tiny
+
+    dense = save_tiny(tmp_path / "dense")
+    base = ["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.model.init=pretrained"]
+    check_policy_support(_load_config([*base, "actor_rollout_ref.model.lora_rank=32"]))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=100000 is above the width of the adapted "
+                                         r"k_proj \(32 of actor_rollout_ref.model.path=.*set lora_rank <= 32"):
+        check_policy_support(_load_config([*base, "actor_rollout_ref.model.lora_rank=100000"]))
+    with pytest.raises(ValueError, match=r"lora_rank=65 is above the width of the adapted (o_proj|q_proj) \(64"):
+        check_policy_support(_load_config([*base, "actor_rollout_ref.model.lora_rank=65",
+                                           "actor_rollout_ref.model.target_modules=[linear_proj]"]))
+
+
 @pytest.mark.parametrize("setting", ["actor_rollout_ref.model.lora_rank=8",
                                      "actor_rollout_ref.actor.parallel.cp=2", "reward_model.enable=true"])
 def test_what_a_vision_language_policy_cannot_do_yet_is_refused_before_ray(tmp_path, setting):
