@@ -20,6 +20,9 @@ class GenerationConfig:
     """Responses per prompt (verl's ``data.n_samples``); None: ``actor_rollout_ref.rollout.n``."""
     batch_size: int = 128
     """Prompts sent to the engines per round (verl's ``data.batch_size``)."""
+    overwrite: bool = False
+    """Write over an existing ``output_path`` (refused otherwise, before anything runs). An input file of
+    ``data.train_files`` is never written over."""
 
     def __post_init__(self) -> None:
         check_positive("generation.n_samples", self.n_samples, allow_none=True)

@@ -74,6 +74,7 @@ def generate_responses(cfg: RunConfig, console=print) -> GenerationSummary:
         prompts, _ = build_datasets(cfg, tokenizer, plugins, console=console)
     except (ValueError, FileNotFoundError) as error:
         raise GenerationInputError(str(error)) from error
+    _check_output(cfg, prompts, output)
     _check_writable(prompts, output)
     with phases("starting Ray"):
         ray = init_ray(cfg, console=console)
@@ -106,6 +107,24 @@ def generate_responses(cfg: RunConfig, console=print) -> GenerationSummary:
     console(f"wrote {summary.prompts} prompts with {n} response(s) each to {summary.output_path} "
             f"({summary.prompts_dropped} dropped as longer than data.max_prompt_length; {summary.seconds:.0f} s)")
     return summary
+
+
+def _check_output(cfg: RunConfig, prompts, output: Path) -> None:
+    """Before Ray: never write over an input (the prompts a filter dropped would be lost with it), over another
+    existing file only with ``generation.overwrite``; prompts that already hold responses are refused, naming the
+    file."""
+    inputs = [Path(f).expanduser() for f in cfg.data.train_files]
+    for index, source in enumerate(inputs):
+        if output.exists() and source.exists() and output.resolve() == source.resolve():
+            raise GenerationInputError(f"generation.output_path={output} is data.train_files[{index}], the prompts "
+                                       f"it reads: megarl-generate never writes over its input; name another file")
+    if output.exists() and not cfg.generation.overwrite:
+        raise GenerationInputError(f"generation.output_path={output} exists: set generation.overwrite=true to "
+                                   f"replace it, or name another file")
+    if len(prompts) and "responses" in prompts.source_row(0):
+        raise GenerationInputError(f"data.train_files={[str(f) for f in inputs]}: the rows already have a "
+                                   f"'responses' column (megarl-generate's output?), which megarl-generate writes; "
+                                   f"point data.train_files at the prompts, or drop the column")
 
 
 def _check_writable(prompts, output: Path) -> None:

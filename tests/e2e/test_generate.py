@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -112,3 +113,24 @@ def test_the_command_refuses_a_run_without_an_output_path_or_several_greedy_samp
     mixed = _overrides(assets, str(assets["root"] / "mixed.parquet"))  # chat lists and strings in one column
     assert generate_main(mixed) == 2
     assert "cannot share one parquet schema" in capsys.readouterr().err
+
+
+def test_the_output_never_replaces_an_input_or_an_existing_file_unasked(assets, capsys):
+    """``data.output_path`` equal to ``data.path`` would rewrite the prompts, losing those a filter dropped: refused,
+    as is any existing file unless ``generation.overwrite=true``; prompts that already hold responses (a previous
+    output) are refused by name. All before Ray starts (the input files keep their bytes)."""
+    before = Path(assets["chats"]).read_bytes()
+    same = _overrides(assets, assets["chats"], f"data.path={assets['chats']}", "generation.overwrite=true")
+    assert generate_main(same) == 2
+    assert "is data.train_files[0], the prompts it reads: megarl-generate never writes over its input" in \
+        capsys.readouterr().err
+    assert Path(assets["chats"]).read_bytes() == before
+    existing = assets["root"] / "existing.jsonl"
+    existing.write_text("keep me\n")
+    assert generate_main(_overrides(assets, str(existing), f"data.path={assets['chats']}")) == 2
+    assert f"generation.output_path={existing} exists: set generation.overwrite=true" in capsys.readouterr().err
+    assert existing.read_text() == "keep me\n"
+    answered = assets["root"] / "answered.jsonl"
+    answered.write_text(json.dumps({"prompt": "What is 1 + 1?", "responses": ["2"]}) + "\n")
+    assert generate_main(_overrides(assets, str(assets["root"] / "again.jsonl"), f"data.path={answered}")) == 2
+    assert "the rows already have a 'responses' column" in capsys.readouterr().err
