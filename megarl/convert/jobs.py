@@ -283,7 +283,11 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
 
     source = mcore if isinstance(mcore, McoreSource) else read_mcore_source(mcore)
     out = Path(out)
-    check_output(out, force, {"--mcore": source.directory, "--hf-config": hf_config_dir})
+    # A LoRA checkpoint's base model is an input too: replacing it with the merged weights would apply the
+    # adapters twice at a later resume or export, silently.
+    base_input = None if source.lora is None else (base_dir or source.base_dir)
+    base_flag = "--base" if base_dir else "(the base model the LoRA checkpoint names)"
+    check_output(out, force, {"--mcore": source.directory, "--hf-config": hf_config_dir, base_flag: base_input})
     config_dir, config_flag = _source_config(source, hf_config_dir)
     hf_config = _load_hf_config(config_dir, "--hf-config" if hf_config_dir else "the checkpoint's own config")
     family = family_for(hf_config)

@@ -126,6 +126,14 @@ def test_a_lora_checkpoint_exports_merged_and_as_pefts_adapters(tmp_path):
     actor = results[0]["logp"]
     source = export_source(tmp_path / "actor")
     assert source.lora is not None and source.lora.targets == ("linear_qkv", "linear_fc2")
+    # The base the checkpoint names is an input: never the output, --force or not (it would be replaced by the merged
+    # weights, and a later export would apply the adapters twice), nor with --base naming it.
+    before = (path / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"is the input \(the base model the LoRA checkpoint names\)"):
+        jobs.mcore_to_hf(source, path, force=True)
+    with pytest.raises(ValueError, match=r"is the input --base"):
+        jobs.mcore_to_hf(source, path, force=True, peft=True, base_dir=path)
+    assert (path / "model.safetensors").read_bytes() == before
     jobs.mcore_to_hf(source, tmp_path / "merged")
     jobs.mcore_to_hf(source, tmp_path / "adapter", peft=True)
     config = __import__("json").loads((tmp_path / "adapter" / "adapter_config.json").read_text())
