@@ -81,6 +81,79 @@ def _unknown(path: str, key: str, fields: list[str], what: str) -> str:
     return f"{path}.{key}: not a field of Megatron's {what} (megatron-core){hint}"
 
 
+def typed_value(value: Any, hint: Any) -> Any:
+    """``value`` as a field annotated ``hint`` holds it: an enum's member by name (``attention_backend=flash`` ->
+    ``AttnBackend.flash``; Megatron compares members, and a string matches none, silently), a number for a number,
+    a bool for a bool, one of a ``Literal``'s values; ``ValueError`` saying what the field takes otherwise. Types it
+    cannot check (callables, dtypes) pass as given."""
+    import enum
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return typed_value(value, option)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(" or ".join(errors))
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise ValueError(f"one of {list(args)}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("a list")
+        return [typed_value(v, args[0]) for v in value] if args else list(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if isinstance(value, hint):
+            return value
+        names = [m.name for m in hint]
+        if isinstance(value, str) and value in names:
+            return hint[value]
+        raise ValueError(f"one of {names} ({hint.__name__})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError("true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError("an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError("a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError("a string")
+    return value
+
+
+def typed_transformer_overrides(overrides: Mapping[str, Any], path: str = "override_transformer_config"
+                                ) -> dict[str, Any]:
+    """``overrides`` with each value as its ``TransformerConfig`` field holds it (:func:`typed_value`);
+    ``ValueError`` naming ``<path>.<key>``, the value and what the field takes."""
+    import typing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer import TransformerConfig
+
+    hints = typing.get_type_hints(TransformerConfig)
+    out = {}
+    for key, value in overrides.items():
+        try:
+            out[key] = typed_value(value, hints[key]) if key in hints else value
+        except ValueError as error:
+            raise ValueError(f"{path}.{key}={value!r}: Megatron's TransformerConfig.{key} takes {error}") from None
+    return out
+
+
 def check_transformer_overrides(role: str, overrides: Mapping[str, Any], *, device: str) -> None:
     """Raise ``ValueError`` naming ``<role>.megatron.override_transformer_config.<key>`` for a key that is not a
     field of ``TransformerConfig``, one megarl sets itself, or a GPU-only fusion switched on with ``device=cpu``."""
@@ -101,6 +174,7 @@ def check_transformer_overrides(role: str, overrides: Mapping[str, Any], *, devi
         if device == "cpu" and key in GPU_ONLY_TRANSFORMER and value:
             raise ValueError(f"{path}.{key}={value!r} needs GPU kernels (trainer.device=cpu): remove it or set it "
                              f"to false")
+    typed_transformer_overrides(overrides, path)
 
 
 def check_optimizer_overrides(role: str, overrides: Mapping[str, Any], *, device: str,

@@ -130,7 +130,10 @@ class ShardedModel:
             transformer_overrides.update(
                 moe_router_load_balancing_type=moe_load_balancing_type if moe_aux_loss_coeff else "none",
                 moe_aux_loss_coeff=float(moe_aux_loss_coeff), moe_z_loss_coeff=float(moe_z_loss_coeff) or None)
-        self.megatron_overrides = dict(megatron_overrides or {})
+        from megarl.config.megatron import typed_transformer_overrides
+
+        # as the fields hold them: an enum's member by name (a string would match none of Megatron's comparisons)
+        self.megatron_overrides = typed_transformer_overrides(megatron_overrides or {})
         """The role's ``megatron.override_transformer_config`` (checked by the config), set last."""
         transformer_overrides |= self.megatron_overrides
         # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1):

@@ -39,6 +39,12 @@ def test_the_overrides_land_in_the_role_sections():
     (f"{TC}.bf16=true", "set actor_rollout_ref.model.dtype instead"),
     (f"{TC}.moe_aux_loss_coeff=0.1", f"set {A}.moe_aux_loss_coeff instead"),
     (f"{TC}.apply_rope_fusion=true", "apply_rope_fusion=True needs GPU kernels (trainer.device=cpu)"),
+    (f"{TC}.attention_dropout=abc", f"{A}.megatron.override_transformer_config.attention_dropout='abc': Megatron's "
+                                    f"TransformerConfig.attention_dropout takes a number"),
+    (f"{TC}.attention_backend=flashh", "attention_backend='flashh': Megatron's TransformerConfig.attention_backend "
+                                       "takes one of ['flash', 'fused', 'unfused', 'local', 'auto'] (AttnBackend)"),
+    (f"{TC}.deallocate_pipeline_outputs=maybe", "takes true or false"),
+    (f"{TC}.moe_token_dispatcher_type=all2all", "takes one of ['allgather', 'alltoall', 'flex']"),
     (f"{OC}.adam_beta1=0.5", f"{A}.optim.override_optimizer_config.adam_beta1: megarl sets this field itself: "
                              f"set {A}.optim.betas instead"),
     (f"{OC}.lrr=0.5", f"{A}.optim.override_optimizer_config.lrr: not a field of Megatron's OptimizerConfig"),
@@ -71,3 +77,17 @@ def test_the_offloaded_fraction_follows_megatrons_defaults():
     assert offloaded_fraction({"optimizer_offload_fraction": 0.5}) == 0.0  # without optimizer_cpu_offload
     assert offloaded_fraction({"optimizer_cpu_offload": True}) == 0.0  # Megatron's default fraction
     assert offloaded_fraction({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.7}) == 0.7
+
+
+def test_an_enum_field_gets_its_member_by_name():
+    """``attention_backend=flash`` was accepted and ignored: Megatron compares ``AttnBackend`` members, and the string
+    matched none. The model gets the member; numbers and booleans keep their types."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megarl.config.megatron import typed_transformer_overrides
+
+    cfg = _load(f"{TC}.attention_backend=flash", f"{TC}.attention_dropout=0")
+    overrides = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    typed = typed_transformer_overrides(overrides)
+    assert typed == {"attention_backend": AttnBackend.flash, "attention_dropout": 0.0}
+    assert isinstance(typed["attention_dropout"], float)
