@@ -71,10 +71,10 @@ class ModelFamily:
         prefixes = tuple(f"model.layers.{first + k}." for k in range(extra))
         return [name for name in names if prefixes and name.startswith(prefixes)]
 
-    @property
-    def qkv_bias(self) -> bool:
-        """Whether the q/k/v projections carry a bias (a rule maps one)."""
-        return any(rule.megatron.endswith("linear_qkv.bias") for rule in self.weights)
+    def qkv_bias(self, hf_config) -> bool:
+        """Whether the q/k/v projections of ``hf_config``'s model carry a bias (a rule that applies to it maps one:
+        Qwen2's always, GLM-4.5's under its ``attention_bias``)."""
+        return any(rule.megatron.endswith("linear_qkv.bias") for rule in self.weight_rules(hf_config))
 
     def qk_norm(self, hf_config) -> bool:
         """RMSNorm on queries and keys per head (Qwen3; GLM-4.5 under ``use_qk_norm``; MLA's low-rank norms)."""
@@ -159,7 +159,7 @@ class ModelFamily:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=self.qkv_bias,
+            add_qkv_bias=self.qkv_bias(hf_config),
             qk_layernorm=self.qk_norm(hf_config),
             init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
             hidden_dropout=0.0,

@@ -1,4 +1,5 @@
-"""GLM-4.5 / GLM-4.6 MoE family (``Glm4MoeForCausalLM``): attention with q/k/v biases, per-head q/k norms where
+"""GLM-4.5 / GLM-4.6 MoE family (``Glm4MoeForCausalLM``): attention with q/k/v biases where ``attention_bias`` (the
+published checkpoints), per-head q/k norms where
 ``use_qk_norm`` (GLM-4.5 and 4.6; not GLM-4.5-Air) and partial rotary embeddings (``partial_rotary_factor``:
 Megatron's ``rotary_percent``), the first ``first_k_dense_replace`` layers dense, then
 mixture-of-experts MLPs with a sigmoid router (top-k by score plus the aux-loss-free ``e_score_correction_bias``,
@@ -21,7 +22,8 @@ GLM4_MOE = register(
         name="glm4_moe",
         architectures=("Glm4MoeForCausalLM",),
         bias_settings=(),
-        weights=decoder_weights(qkv_bias=True, qk_norm="use_qk_norm", moe=GLM4_MOE_EXPERTS),
+        # q/k/v biases under attention_bias (the published checkpoints' true; transformers' default false)
+        weights=decoder_weights(qkv_bias="attention_bias", qk_norm="use_qk_norm", moe=GLM4_MOE_EXPERTS),
         moe=GLM4_MOE_EXPERTS,
         extra_layers_key="num_nextn_predict_layers",  # GLM-4.5's checkpoints hold an MTP layer after the model's
     )

@@ -134,7 +134,7 @@ def coload_key(at) -> tuple | None:
     return None if at.rule.coload is None else (at.layer, at.expert, at.rule.coload)
 
 
-def decoder_weights(*, qkv_bias: bool, qk_norm: bool | str, moe=None, prefix: str = "model.",
+def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, prefix: str = "model.",
                     attention: list[WeightRule] | None = None) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
     checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
@@ -199,13 +199,15 @@ def decoder_weights(*, qkv_bias: bool, qk_norm: bool | str, moe=None, prefix: st
     return tuple(rules)
 
 
-def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool, qk_norm: bool | str) -> list[WeightRule]:
-    """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output."""
+def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: bool | str) -> list[WeightRule]:
+    """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output (a string
+    for ``qkv_bias`` or ``qk_norm``: the HF config flag they exist under)."""
     rules = [WeightRule(m_attn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN,
                         Fuse.QKV)]
     if qkv_bias:
         rules.append(
-            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV)
+            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV,
+                       when=qkv_bias if isinstance(qkv_bias, str) else None)
         )
     if qk_norm:  # a string: the config flag they exist under
         when = qk_norm if isinstance(qk_norm, str) else None

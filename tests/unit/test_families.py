@@ -357,3 +357,22 @@ def test_kimi_k2s_model_type_is_read_as_deepseek_v3_and_its_config_kept(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"(?s)contains custom code .*trust_remote_code=True"):
         load_hf_config(tmp_path)  # transformers' own error: the repository's code could read it
+
+
+@pytest.mark.parametrize("attention_bias", [True, False])
+def test_glm4_moe_reads_its_attention_bias_from_the_config(attention_bias):
+    """GLM-4.5's published checkpoints set ``attention_bias: true``; transformers' default is false, and a checkpoint
+    without the key has no q/k/v biases. The rules, Megatron's ``add_qkv_bias`` and the tensors transformers builds
+    agree either way (they were refused as "missing tensors q_proj.bias")."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _glm(attention_bias=attention_bias)
+    family = family_for(cfg)
+    assert family.qkv_bias(cfg) == attention_bias
+    assert family.transformer_config(cfg, ParallelDims(tp=1, pp=1)).add_qkv_bias == attention_bias
+    names = {n for at in family.weight_instances(cfg) for n in at.hf_names}
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    attention = {n for n in hf.state_dict() if ".self_attn." in n and not family.skipped_tensors(cfg, [n])}
+    assert {n for n in names if ".self_attn." in n} == attention  # (transformers 5 fuses its experts' tensors)
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == attention_bias
