@@ -39,12 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarl-generate: invalid config: {error}", file=sys.stderr)
         return 2
     from megarl.controller.generate import GenerationInputError, generate_responses
+    from megarl.controller.interrupts import TERMINATED_EXIT_CODE, Terminated, terminate_as_interrupt
 
+    terminate_as_interrupt()  # kill / scancel / docker stop: stopped as a Ctrl-C is
     try:
-        generate_responses(cfg)
+        generate_responses(cfg)  # every process it starts has ended when it returns or raises
     except GenerationInputError as error:
         print(f"megarl-generate: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        terminated = isinstance(interrupt, Terminated)
+        print(f"megarl-generate: {'terminated (SIGTERM)' if terminated else 'interrupted'}; engines and Ray "
+              f"stopped, nothing written", file=sys.stderr)
+        return TERMINATED_EXIT_CODE if terminated else 130
     return 0
 
 

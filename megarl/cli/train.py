@@ -48,19 +48,23 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
 
+    from megarl.controller.interrupts import TERMINATED_EXIT_CODE, Terminated, terminate_as_interrupt
     from megarl.controller.run_checkpoints import RunDirectoryInUse
     from megarl.controller.trainer import RunInputError, Trainer
 
+    terminate_as_interrupt()  # kill / scancel / docker stop: stopped as a Ctrl-C is
     trainer = Trainer(cfg)
     try:
         trainer.fit()
     except (RunDirectoryInUse, RunInputError) as error:
         print(f"megarl-train: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         trainer.shutdown()
-        print(f"megarl-train: interrupted at step {trainer.global_step}; workers and Ray stopped", file=sys.stderr)
-        return 130
+        terminated = isinstance(interrupt, Terminated)
+        print(f"megarl-train: {'terminated (SIGTERM)' if terminated else 'interrupted'} at step "
+              f"{trainer.global_step}; workers and Ray stopped", file=sys.stderr)
+        return TERMINATED_EXIT_CODE if terminated else 130
     except run_failures() as error:  # the run names what failed: that, not pages of traceback
         trainer.shutdown()
         failed_step = getattr(error, "step", trainer.global_step + 1)  # a checkpoint's failure names its step

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megarl.config.schema import RunConfig
 from megarl.controller.build import build_datasets, build_roles, build_rollout_manager, init_ray, load_agent_plugins
+from megarl.controller.interrupts import interrupts_deferred
 from megarl.controller.progress import Phases
 from megarl.controller.run_inputs import check_run_inputs, prepare_policy
 from megarl.data.files import write_rows
@@ -76,10 +77,10 @@ def generate_responses(cfg: RunConfig, console=print) -> GenerationSummary:
         raise GenerationInputError(str(error)) from error
     _check_output(cfg, prompts, output)
     _check_writable(prompts, output)
-    with phases("starting Ray"):
-        ray = init_ray(cfg, console=console)
-    roles = manager = None
+    ray = roles = manager = None
     try:
+        with interrupts_deferred("Ray has started"), phases("starting Ray"):  # then the finally below stops it
+            ray = init_ray(cfg, console=console)
         log_dir = output.parent / f".{output.name}.logs"  # the engine servers' and the router's logs
         log_dir.mkdir(exist_ok=True)
         roles = build_roles(cfg, log_dir, phase=phases, training=False)
