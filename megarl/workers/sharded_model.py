@@ -200,9 +200,11 @@ class ShardedModel:
         # The gradients' reduce(-scatter) runs bucket by bucket during the last micro-batch's backward pass
         # (Megatron's overlap_grad_reduce: its hooks start each bucket's collective once its last gradient is in,
         # finish_grad_sync waits for them before the optimizer step; the schedule's no_sync_func holds them on the
-        # other micro-batches: megarl.parallel.pipeline). The same path on gloo and NCCL.
+        # other micro-batches: megarl.parallel.pipeline). The same path on gloo and NCCL. Not for a vision-language
+        # model: a step whose last micro-batch holds no image leaves the tower without gradients, and a bucket whose
+        # parameters never all report one is never sent ("Communication call has not been issued for this bucket").
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.family.vision is None,
             use_distributed_optimizer=optim.use_distributed_optimizer,
         )
         return [
