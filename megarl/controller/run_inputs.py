@@ -242,12 +242,38 @@ def check_resume_layout(cfg: RunConfig, checkpoint: Path | None) -> None:
             raise ValueError(f"checkpoint {checkpoint} has no {role}/ directory, and this run trains a {role}; resume "
                              f"from a checkpoint of a run like this one, or start fresh (trainer.resume_mode=disable)")
         dims = parallel.for_world(data_parallel_size(cfg, parallel) * parallel.model_parallel_size)
-        mismatch = layout_mismatch(read_model_metadata(checkpoint / role), dims)
+        meta = read_model_metadata(checkpoint / role)
+        if role == "actor":
+            _check_resume_lora(cfg, checkpoint / role, meta.get("lora"))
+        mismatch = layout_mismatch(meta, dims)
         if mismatch is not None:
             raise ValueError(f"checkpoint {checkpoint / role} was {mismatch}: its optimizer and RNG states load only "
                              f"at the saved layout; set {key}.* (tp, pp, vpp, cp, ep, etp) and the world size "
                              f"(trainer.n_gpus_per_node, trainer.nnodes or trainer.n_cpu_ranks) to match it, or "
                              f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
+
+
+def _check_resume_lora(cfg: RunConfig, directory: Path, saved: dict | None) -> None:
+    """Refuse, before Ray, resuming adapters of another rank, scale or targets than the config's (or adapters into a
+    run without them, or the reverse): their tensors and optimizer states load only as saved."""
+    spec = cfg.actor_rollout_ref.model.lora_spec
+    wanted = None if spec is None else {"rank": spec.rank, "alpha": float(spec.alpha),
+                                        "targets": sorted(spec.targets)}
+    have = None if saved is None else {"rank": saved["rank"], "alpha": float(saved["alpha"]),
+                                       "targets": sorted(saved["targets"])}
+    if wanted == have:
+        return
+    key = "actor_rollout_ref.model"
+    if have is None or wanted is None:
+        what = "no LoRA adapters" if have is None else f"LoRA adapters ({have})"
+        raise ValueError(f"checkpoint {directory} holds {what}, and this run {'has' if wanted else 'has none'}"
+                         f"{f' ({wanted})' if wanted else ''}: set {key}.lora_rank to match it, or start fresh "
+                         f"(trainer.resume_mode=disable, or another trainer.experiment_name)")
+    differ = [f"{name} {have[name]} (this run: {wanted[name]})" for name in ("rank", "alpha", "targets")
+              if have[name] != wanted[name]]
+    raise ValueError(f"checkpoint {directory} holds LoRA adapters of {', '.join(differ)}: they and their optimizer "
+                     f"states load only as saved; set {key}.lora_rank, lora_alpha and target_modules to match, or "
+                     f"start fresh (trainer.resume_mode=disable, or another trainer.experiment_name)")
 
 
 def check_policy_support(cfg: RunConfig) -> None:

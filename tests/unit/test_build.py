@@ -196,6 +196,32 @@ def test_a_checkpoint_saved_at_another_layout_is_refused_before_ray(tmp_path):
         check_resume_layout(ppo, checkpoint)
 
 
+def test_a_lora_checkpoint_of_other_adapters_is_refused_before_ray(tmp_path):
+    """Resuming adapters of another rank or targets failed after Ray and the model build, the cause only in
+    error.log: the checkpoint's model.json says what it holds, and the set-up refuses a mismatch naming the keys."""
+    import json
+
+    from megarl.controller.run_inputs import check_resume_layout
+    from megarl.workers.model_checkpoint import METADATA_FILE
+
+    checkpoint = tmp_path / "global_step_2"
+    layout = {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "dp": 1, "ep": 1, "etp": 2}
+    _role_checkpoint(checkpoint / "actor", layout, 2)
+    meta = json.loads((checkpoint / "actor" / METADATA_FILE).read_text())
+    meta["lora"] = {"rank": 8, "alpha": 16.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
+    (checkpoint / "actor" / METADATA_FILE).write_text(json.dumps(meta))
+    lora = [f"{ARR}.model.lora_rank=8", f"{ARR}.model.lora_alpha=16"]
+    check_resume_layout(load_config(lora), checkpoint)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters of rank 8 \(this run: 16\): .* set "
+                                         r"actor_rollout_ref\.model\.lora_rank, lora_alpha and target_modules"):
+        check_resume_layout(load_config([f"{ARR}.model.lora_rank=16", f"{ARR}.model.lora_alpha=16"]), checkpoint)
+    with pytest.raises(ValueError, match=r"targets \['linear_fc1', 'linear_fc2', 'linear_proj', 'linear_qkv'\] "
+                                         r"\(this run: \['linear_qkv'\]\)"):
+        check_resume_layout(load_config([*lora, f"{ARR}.model.target_modules=[linear_qkv]"]), checkpoint)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters .* and this run has none"):
+        check_resume_layout(load_config(), checkpoint)
+
+
 def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
     """Issue 31: megarl-train's own Ray cluster authenticates with a fresh token, and its driver's Ray takes loopback
     as the node's address (the pinned Ray's own switch, which its node-address choice reads), put back when the run
