@@ -23,7 +23,7 @@ import torch
 
 from megarl.config.schema import RunConfig
 from megarl.config.checks import data_parallel_size
-from megarl.controller.tracking_backends import missing_logger_packages
+from megarl.controller.tracking_backends import missing_logger_packages, unreachable_trackers
 from megarl.data.dataset import missing_scoring_columns
 from megarl.data.files import data_format, read_columns
 from megarl.warmstart.addition_data import ADDITION_DATA_DIR, ADDITION_DATA_FILES, ensure_addition_data
@@ -213,7 +213,7 @@ def check_run_inputs(cfg: RunConfig) -> None:
     ``trainer.device`` it asks for (a local cluster only; with ``RAY_ADDRESS`` the cluster decides), and
     the multi-turn tool and interaction files exist, the packages of the chosen ``trainer.logger`` are installed.
     Each error names the key."""
-    missing = missing_logger_packages(cfg.trainer.logger)
+    missing = missing_logger_packages(cfg.trainer.logger) or unreachable_trackers(cfg.trainer.logger)
     if missing:
         raise ValueError(missing)
     if cfg.trainer.device == "cuda" and not os.environ.get("RAY_ADDRESS") and not torch.cuda.is_available():

@@ -54,6 +54,59 @@ MLFLOW_KEY_LIMIT = 250
 SWANLAB_KEY_LIMIT = 512
 
 
+REACH_TIMEOUT_S = 5.0
+"""How long the check before Ray waits for a hosted tracker's server (wandb stalled 109 s and mlflow 254 s on an
+unreachable one, then failed with a traceback)."""
+
+
+def unreachable_trackers(loggers: Sequence[str], timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why a chosen hosted tracker cannot start (wandb online without an API key; wandb's or an HTTP MLflow
+    server that does not answer a connection within ``timeout_s``), saying what to set; else None. Offline modes and
+    file stores need nothing."""
+    problems = []
+    if "wandb" in loggers and os.environ.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun"):
+        base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+        if not (os.environ.get("WANDB_API_KEY") or _netrc_password(base)):
+            problems.append("trainer.logger has wandb, and no wandb API key is set (WANDB_API_KEY, or `wandb login`): "
+                            "set one, or WANDB_MODE=offline to write the run locally (`wandb sync` uploads it later)")
+        elif (why := _unreachable(base, timeout_s)) is not None:
+            problems.append(f"trainer.logger has wandb, and its server {base} cannot be reached ({why}): check the "
+                            f"network or WANDB_BASE_URL, or set WANDB_MODE=offline")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in loggers and uri.startswith(("http://", "https://")):
+        if (why := _unreachable(uri, timeout_s)) is not None:
+            problems.append(f"trainer.logger has mlflow, and MLFLOW_TRACKING_URI={uri} cannot be reached ({why}): "
+                            f"start the server or unset MLFLOW_TRACKING_URI (the run's own SQLite store under "
+                            f"trainer.log_dir)")
+    return "; ".join(problems) or None
+
+
+def _netrc_password(url: str) -> str | None:
+    """The ``~/.netrc`` (or ``$NETRC``) password for ``url``'s host: where ``wandb login`` keeps the key."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(urlsplit(url).hostname or "")
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return entry[2] if entry else None
+
+
+def _unreachable(url: str, timeout_s: float) -> str | None:
+    """Why no TCP connection to ``url``'s host and port opens within ``timeout_s``; None when one does."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            return None
+    except OSError as error:
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def missing_logger_packages(loggers: Sequence[str]) -> str | None:
     """Why the chosen loggers cannot run here (packages they import are not installed), naming the extras to
     install; else None."""

@@ -213,3 +213,45 @@ def test_swanlab_offline_writes_the_step_metrics(tmp_path, monkeypatch):
                        "val/acc/mean@4": expected_history("val/acc/mean@4")}
     (config,) = (tmp_path / "proj" / "exp" / "swanlog").glob("run-*/files/config.yaml")
     assert "experiment_name" in config.read_text()
+
+
+def test_a_hosted_tracker_that_cannot_start_is_refused_before_ray(tmp_path, monkeypatch):
+    """wandb online without a key, and a wandb or MLflow server that does not answer, are refused by the run's
+    input check, saying what to set (they used to stall 109 s and 254 s, then end in a traceback); an offline wandb
+    and MLflow's own SQLite store need nothing; a server that listens passes."""
+    import socket
+
+    from megarl.controller.tracking_backends import unreachable_trackers
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: a connection is refused at once
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    assert unreachable_trackers(["console", "jsonl", "tensorboard", "mlflow"]) is None  # SQLite under log_dir
+    assert "no wandb API key is set (WANDB_API_KEY, or `wandb login`)" in unreachable_trackers(["wandb"])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert unreachable_trackers(["wandb"]) is None
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "netrc").write_text(f"machine 127.0.0.1 login user password {'k' * 40}\n")
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port}")
+    assert f"its server http://127.0.0.1:{closed_port} cannot be reached (ConnectionRefusedError" in \
+        unreachable_trackers(["wandb"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port}")
+    assert f"MLFLOW_TRACKING_URI=http://127.0.0.1:{closed_port} cannot be reached" in unreachable_trackers(["mlflow"])
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("WANDB_BASE_URL", url)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        assert unreachable_trackers(["wandb", "mlflow"]) is None
+    from megarl.config import load_config
+    from megarl.controller.run_inputs import check_run_inputs
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port}")
+    with pytest.raises(ValueError, match="trainer.logger has mlflow, and MLFLOW_TRACKING_URI="):
+        check_run_inputs(load_config(["recipe=tiny_cpu_grpo", "trainer.logger=[console,mlflow]"]))
