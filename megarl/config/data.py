@@ -55,6 +55,9 @@ class DataConfig:
     image_key: str | None = default_of(PromptDataset, "image_key")
     """The column holding each row's images (verl's ``images``: bytes or paths, placed at the prompt's ``<image>``
     markers; a vision-language model's data). None: read every file as text."""
+    max_image_pixels: int = default_of(PromptDataset, "max_image_pixels")
+    """The most pixels a row's image may have: a larger one (or a decompression bomb) skips its row, counted, before
+    it is decoded."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch (seeded by ``trainer.seed``)."""
 
@@ -63,6 +66,7 @@ class DataConfig:
         check_positive("data.val_batch_size", self.val_batch_size, allow_none=True)
         check_positive("data.max_prompt_length", self.max_prompt_length)
         check_positive("data.max_response_length", self.max_response_length)
+        check_positive("data.max_image_pixels", self.max_image_pixels)
         check_choice("data.truncation", self.truncation, TRUNCATION_MODES)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one training data file (.parquet, .json, "
@@ -79,4 +83,5 @@ class DataConfig:
             "metadata_key": self.metadata_key,
             "apply_chat_template_kwargs": dict(self.apply_chat_template_kwargs),
             "apply_chat_template": self.apply_chat_template, "image_key": self.image_key,
+            "max_image_pixels": self.max_image_pixels,
         }

@@ -41,7 +41,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.data.chat import check_messages, encode_prompts, render_prompt, row_tool_names
-from megarl.data.images import BadImage, SkippedRow, image_messages, load_images
+from megarl.data.images import MAX_IMAGE_PIXELS, BadImage, SkippedRow, image_messages, load_images
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class PromptDataset(torch.utils.data.Dataset):
                  tool_schemas: Mapping[str, Mapping[str, Any]] | None = None, label_key: str | None = None,
                  data_source_key: str = "data_source", data_source: str | None = None,
                  metadata_key: str | None = None, apply_chat_template: bool = True, image_key: str | None = "images",
-                 processor: Any = None) -> None:
+                 max_image_pixels: int = MAX_IMAGE_PIXELS, processor: Any = None) -> None:
         if max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {max_prompt_length}")
         if truncation not in TRUNCATION_MODES:
@@ -195,6 +195,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if not files:
             raise ValueError("PromptDataset needs at least one data file (data.train_files / data.val_files)")
         self.data_files = [str(Path(f).expanduser()) for f in files]
+        self.max_image_pixels = max_image_pixels
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
@@ -287,11 +288,13 @@ class PromptDataset(torch.utils.data.Dataset):
             return False
         return any(images for images in table.column(self.image_key).to_pylist())
 
-    def _row_images(self, table: Any, row: int, where: str) -> list:
+    def _row_images(self, table: Any, row: int, where: str, path: str) -> list:
         """Row ``row``'s images, decoded (none without an image column); :class:`BadImage` when one is unreadable."""
         if self.processor is None or self.image_key is None or self.image_key not in table.column_names:
             return []
-        return load_images(table.column(self.image_key)[row].as_py(), where)
+        base_dir = Path(path).parent  # relative image paths: from the data file's directory
+        return load_images(table.column(self.image_key)[row].as_py(), where, base_dir=base_dir,
+                           max_pixels=self.max_image_pixels)
 
     def _map_columns(self, table: Any, path: str) -> Any:
         """``table`` with verl's ``data_source``, ``reward_model`` and ``extra_info`` columns made from the
@@ -360,7 +363,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 for r in range(len(checked)):
                     where = f"{path} row {r}"
                     try:
-                        images = self._row_images(table, r, where)
+                        images = self._row_images(table, r, where, path)
                         checked[r] = image_messages(checked[r], len(images), where)
                     except (BadImage, ValueError) as error:
                         self.skipped.append(SkippedRow(path, r, str(error)))
@@ -450,7 +453,7 @@ class PromptDataset(torch.utils.data.Dataset):
         table = self._tables[file_number]
         record = table.slice(row, 1).to_pylist()[0]
         messages = self._checked_prompt(record.pop(self.prompt_key), where)
-        images = self._row_images(table, row, where)
+        images = self._row_images(table, row, where, self.data_files[file_number])
         if self.processor is not None and self.image_key in record:
             record.pop(self.image_key)
         if images:

@@ -43,9 +43,18 @@ class SkippedRow:
     reason: str
 
 
-def load_image(image: Any, where: str):
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""The most pixels an image may have (``data.max_image_pixels``'s default): its header is read first, and a larger
+one is refused before it is decoded (a 144-megapixel PNG of 17 KB cost the driver 515 MB). Vision-language
+processors resize far below it (Qwen2.5-VL's ``max_pixels``: 12.8 M)."""
+
+
+def load_image(image: Any, where: str, *, base_dir: str | Path | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
+               paths: bool = True):
     """One image of a row (verl's forms: ``{"bytes"}``, ``{"path"}``, a path, a base64 data URI, a PIL image) as an
-    RGB PIL image, fully decoded; :class:`BadImage` naming ``where`` when it is missing or corrupt."""
+    RGB PIL image, fully decoded; :class:`BadImage` naming ``where`` when it is missing, corrupt, or larger than
+    ``max_pixels`` (decompression bombs included). A relative path is read from ``base_dir`` (the data file's
+    directory), not the working directory; ``paths=False`` refuses paths altogether (an engine's request)."""
     from PIL import Image, UnidentifiedImageError
 
     source = image
@@ -61,29 +70,42 @@ def load_image(image: Any, where: str):
         elif isinstance(source, str) and source.startswith("data:image"):
             opened = Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1])))
         elif isinstance(source, (str, Path)):
+            if not paths:
+                raise BadImage(f"{where}: a file path; this engine takes images as data URIs or base64 only")
             path = Path(str(source).removeprefix("file://")).expanduser()
+            if not path.is_absolute() and base_dir is not None:
+                path = Path(base_dir) / path
             if not path.is_file():
                 raise BadImage(f"{where}: the image file {str(path)!r} does not exist")
             opened = Image.open(path)
         else:
             raise BadImage(f"{where}: an image is a {type(source).__name__}; give bytes, a path or a base64 data URI")
+        width, height = opened.size
+        if width * height > max_pixels:
+            raise BadImage(f"{where}: {width} x {height} = {width * height:,} pixels, above data.max_image_pixels="
+                           f"{max_pixels:,} (refused before decoding it)")
         opened.load()
         return opened.convert("RGB")
     except UnidentifiedImageError as error:
         raise BadImage(f"{where}: the image cannot be decoded (not an image format PIL reads)") from error
+    except Image.DecompressionBombError as error:
+        raise BadImage(f"{where}: the image is a decompression bomb ({error})") from error
     except (OSError, ValueError, SyntaxError) as error:
         if isinstance(error, BadImage):
             raise
         raise BadImage(f"{where}: the image cannot be decoded ({type(error).__name__}: {error})") from error
 
 
-def load_images(images: Any, where: str) -> list:
-    """A row's images (its image column's value: a list, or None for none) as RGB PIL images."""
+def load_images(images: Any, where: str, *, base_dir: str | Path | None = None,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> list:
+    """A row's images (its image column's value: a list, or None for none) as RGB PIL images (relative paths from
+    ``base_dir``)."""
     if images is None:
         return []
     if not isinstance(images, Sequence) or isinstance(images, (str, bytes)):
         images = [images]
-    return [load_image(image, f"{where} image {i}") for i, image in enumerate(images)]
+    return [load_image(image, f"{where} image {i}", base_dir=base_dir, max_pixels=max_pixels)
+            for i, image in enumerate(images)]
 
 
 def image_uri(image) -> str:

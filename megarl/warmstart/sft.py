@@ -149,7 +149,7 @@ def read_sft_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> lis
                                  f"warm start trains on prompt -> ground truth (build the file with "
                                  f"tools/make_addition_data.py)")
             messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-            images = load_images(row.get(IMAGE_COLUMN), f"{file} row {index}")
+            images = load_images(row.get(IMAGE_COLUMN), f"{file} row {index}", base_dir=Path(file).parent)
             if images:
                 messages = image_messages(messages, len(images), f"{file} row {index}")
             rows.append(SFTRow(messages, str(ground_truth), row["data_source"], tuple(images)))

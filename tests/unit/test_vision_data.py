@@ -133,3 +133,63 @@ def test_image_rows_written_as_json_read_back_with_their_images(data_file, proce
     for i in range(2):
         assert back[i]["input_ids"].tolist() == original[i]["input_ids"].tolist()
         assert torch.equal(back[i]["multi_modal_inputs"]["pixel_values"], original[i]["multi_modal_inputs"]["pixel_values"])
+
+
+def _huge_png(width: int, height: int) -> bytes:
+    """A PNG of ``width`` x ``height`` black pixels that compresses to a few KB (a decompression bomb's shape)."""
+    import struct
+    import zlib
+
+    raw = zlib.compress(b"".join(b"\0" + bytes(width) for _ in range(height)), 9)  # filter 0, grayscale 8-bit
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")
+
+
+def test_oversized_images_and_bombs_skip_their_rows_before_decoding(tmp_path, processor):
+    """A 12000 x 12000 PNG (a few hundred KB, 144 megapixels: 515 MB decoded on the driver) is refused from its
+    header at data.max_image_pixels, and PIL's decompression bomb (beyond 2 x its own limit) is a skipped row, not a
+    traceback; relative image paths are read from the data file's directory, not the working directory."""
+    from PIL import Image
+
+    from megarl.data.images import BadImage, load_image
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "small.png").write_bytes(_png(30, 40, 5))
+    big = _huge_png(12000, 12000)
+    assert len(big) < 1_000_000
+    rows = [("<image>big", [{"bytes": big, "path": None}]),
+            ("<image>relative", [{"bytes": None, "path": "pics/small.png"}])]
+    table = pa.table({"data_source": ["squares"] * 2, "prompt": [[{"role": "user", "content": t}] for t, _ in rows],
+                      "images": [i for _, i in rows], "reward_model": [{"ground_truth": "1", "style": "rule"}] * 2})
+    pq.write_table(table, tmp_path / "train.parquet")
+    dataset = _dataset(tmp_path / "train.parquet", processor, max_prompt_length=256)
+    assert len(dataset) == 1 and dataset.num_skipped == 1
+    (skip,) = dataset.skipped
+    assert skip.row == 0 and "12000 x 12000 = 144,000,000 pixels, above data.max_image_pixels=16,777,216" in skip.reason
+    assert dataset[0]["multi_modal_data"]["image"][0].size == (40, 30)
+    limit = Image.MAX_IMAGE_PIXELS
+    with pytest.raises(BadImage, match="decompression bomb"):
+        load_image(_huge_png(20000, 20000), "row 7", max_pixels=10 ** 12)  # past PIL's own 2 x limit
+    assert Image.MAX_IMAGE_PIXELS == limit
+
+
+def test_the_engine_takes_no_file_paths_in_image_data(tmp_path):
+    """The engine's /generate reads data URIs and base64 only: a path is refused the same way whether the file
+    exists, is unreadable or is missing (an open route must not read, or tell apart, the machine's files)."""
+    from megarl.rollout.cpu_engine.requests import RequestError, row_images
+
+    (tmp_path / "real.png").write_bytes(_png(20, 20, 1))
+    messages = []
+    for path in (tmp_path / "real.png", tmp_path / "missing.png", "/etc/shadow"):
+        with pytest.raises(RequestError) as refused:
+            row_images([str(path)], 1, batched=True, multimodal=True)
+        messages.append(str(refused.value).replace(str(path), "PATH"))
+    assert len(set(messages)) == 1 and "neither a data URI nor base64" in messages[0]
+    import base64
+
+    (image,), = row_images([base64.b64encode(_png(20, 20, 1)).decode()], 1, batched=True, multimodal=True)
+    assert image.size == (20, 20)

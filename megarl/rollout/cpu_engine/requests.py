@@ -65,7 +65,9 @@ def per_row(value: Any, num: int, key: str) -> list[Any]:
 
 def row_images(image_data: Any, num: int, batched: bool, multimodal: bool) -> list[list | None]:
     """Each row's images from SGLang's ``image_data`` (a batched request's: one entry per row; an entry is an image
-    or a list of them, each a base64 data URI, raw base64 or a file path; None for none) as decoded RGB images."""
+    or a list of them, each a base64 data URI or raw base64; None for none) as decoded RGB images. File paths are
+    refused, whether the file exists or not: megarl sends data URIs, and an open route must not read, or tell
+    apart, the machine's files."""
     from megarl.data.images import BadImage, load_image
 
     if image_data is None:
@@ -81,10 +83,14 @@ def row_images(image_data: Any, num: int, batched: bool, multimodal: bool) -> li
         images = images if isinstance(images, list) else [images]
         decoded = []
         for k, image in enumerate(images):
-            if isinstance(image, str) and not image.startswith("data:") and "/" not in image[:256]:
-                image = base64.b64decode(image)  # raw base64, as SGLang accepts it
+            if isinstance(image, str) and not image.startswith("data:"):
+                try:
+                    image = base64.b64decode(image, validate=True)  # raw base64, as SGLang accepts it
+                except ValueError:
+                    raise RequestError(f"/generate: image_data[{i}][{k}] is neither a data URI nor base64 (this "
+                                       f"engine takes no file paths or URLs)") from None
             try:
-                decoded.append(load_image(image, f"image_data[{i}][{k}]"))
+                decoded.append(load_image(image, f"image_data[{i}][{k}]", paths=False))
             except BadImage as error:
                 raise RequestError(f"/generate: {error}") from error
         out.append(decoded or None)
