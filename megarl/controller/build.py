@@ -614,6 +614,7 @@ class RayConnection:
         if ray.is_initialized():
             ray.shutdown()
         if self.reaper is not None:
+            self.reaper.end_run_processes()  # Ray's agents exit within seconds: the reaper is for real leftovers
             self.reaper.close()
         if self.restore is not None:
             self.restore()

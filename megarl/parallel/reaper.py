@@ -26,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from megarl.parallel.shared_memory import remove_shared_memory
 
 RUN_ID_VARIABLE = "MEGARL_RUN_ID"
 """The environment variable that tags a run's processes."""
+RENDEZVOUS_PREFIX = "megarl_rendezvous_"
+"""A run's rank rendezvous files in the temporary directory: ``<prefix><run id>_<random>`` (removed at shutdown,
+and by the reaper when the driver was killed)."""
 GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL for the run's processes still alive when the driver has ended."""
 
@@ -42,6 +46,17 @@ class Reaper:
 
     def __init__(self, process: subprocess.Popen, write_fd: int, run_id: str, previous: str | None) -> None:
         self.process, self.run_id, self._write_fd, self._previous = process, run_id, write_fd, previous
+
+    def end_run_processes(self, wait_s: float = 10.0) -> list[int]:
+        """The run's orderly end, before :meth:`close`: Ray's agents take a few seconds to exit after
+        ``ray.shutdown()``; wait up to ``wait_s`` for every process of the run to end on its own, then end the rest
+        as the reaper would (SIGTERM, SIGKILL after :data:`GRACE_S`), quietly. The reaper then finds nothing, and
+        its message is left for real leftovers (a killed driver's). Returns the pids that had to be ended."""
+        tracker = _Tracker(self.run_id, {os.getpid(), self.process.pid})
+        deadline = time.monotonic() + wait_s
+        while tracker.refresh() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return reap(tracker)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """The run has ended: the reaper ends what of it is left and exits (waited for); processes this one starts
@@ -160,6 +175,8 @@ def reap(tracker: _Tracker) -> list[int]:
         time.sleep(0.1)
     _signal_all(tracker.refresh(), signal.SIGKILL)
     remove_shared_memory(pids)
+    for leftover in Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}{tracker.run_id}_*"):
+        leftover.unlink(missing_ok=True)  # the ranks' rendezvous files (megarl.workers.group)
     return pids
 
 

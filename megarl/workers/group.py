@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 from megarl.config.parallel import Coordinates
 from megarl.errors import FieldsError
+from megarl.parallel.reaper import RENDEZVOUS_PREFIX, RUN_ID_VARIABLE
 from megarl.data import Batch
 from megarl.parallel.net import node_ip
 from megarl.workers.base import Worker
@@ -161,7 +162,9 @@ class WorkerGroup:
         # listen on every interface whatever its address.
         rendezvous_file = None
         if set(by_node) == {node_ip()}:
-            rendezvous_file = os.path.join(tempfile.gettempdir(), f"megarl_rendezvous_{uuid.uuid4().hex}")
+            # named by the run (the reaper removes a killed driver's)
+            run = f"{os.environ[RUN_ID_VARIABLE]}_" if os.environ.get(RUN_ID_VARIABLE) else ""
+            rendezvous_file = os.path.join(tempfile.gettempdir(), f"{RENDEZVOUS_PREFIX}{run}{uuid.uuid4().hex}")
         self.rendezvous_file = rendezvous_file
         per_rank = []
         for rank, info in enumerate(infos):

@@ -247,6 +247,13 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
 
         held = shared_memory()
         assert held, "the tensor transport's bucket buffers exist after step 1's weight sync"
+        import tempfile
+
+        from megarl.parallel.reaper import RENDEZVOUS_PREFIX, RUN_ID_VARIABLE
+
+        run_id = next(env[RUN_ID_VARIABLE] for env in map(_environ, started) if RUN_ID_VARIABLE in env)
+        rendezvous = list(Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}{run_id}_*"))
+        assert rendezvous, "the ranks met through a file named by the run"
         os.kill(run.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         run.wait(timeout=60)
@@ -269,3 +276,4 @@ def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.status(), " ".join(p.cmdline())) for p in alive]
     assert shared_memory() == [], f"left in /dev/shm by the run's processes: {shared_memory()}"
+    assert not any(path.exists() for path in rendezvous), rendezvous  # removed by the reaper

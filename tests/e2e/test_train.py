@@ -621,6 +621,7 @@ def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
     # the shutdown may print a finalizer's interrupted traceback, which is not the run's report).
     driver = [line for line in run.stderr.splitlines() if not re.search(r"\(\w+ pid=\d+(, ip=\S+)?\)", line)]
     assert not [line for line in driver if "Traceback" in line], run.stderr[-3000:]
+    assert "megarl reaper" not in run.stderr  # a failed run's shutdown leaves nothing behind either
     log = assets["root"] / "fails" / "runs" / "megarl" / "fails" / "error.log"
     assert f"(the whole traceback: {log})" in report and "Traceback" in log.read_text()
     (run_file,) = (log.parent / "wandb").glob("offline-run-*/run-*.wandb")
@@ -924,6 +925,7 @@ def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
                       "actor_rollout_ref.model.init=tiny_sft",
                       "trainer.logger=[console,jsonl]", "trainer.save_freq=-1"], cwd=tmp_path, timeout_s=850)
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "megarl reaper" not in run.stderr  # the shutdown ended Ray's agents itself: nothing was left behind
     assert (tmp_path / "data" / "squares" / "train.parquet").is_file()
     lines = (tmp_path / "runs" / "megarl" / "tiny_cpu_vl_grpo" / "metrics.jsonl").read_text().splitlines()
     steps = [row for row in map(json.loads, lines) if "critic/score/mean" in row]
