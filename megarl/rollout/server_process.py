@@ -120,6 +120,11 @@ class ServerProcess:
         if self._proc.poll() is None:
             self._proc.wait(timeout=timeout_s)
 
+    def kill(self) -> None:
+        """SIGKILL the process group now, without waiting (a process about to end itself)."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+
     def __repr__(self) -> str:
         return f"ServerProcess({self.name} at {self.url}, pid {self.pid})"
 

@@ -109,6 +109,11 @@ class EngineServerWorker(Worker):
         if self.server is not None:
             self.server.stop()
 
+    def before_exit(self) -> None:
+        """Its server goes with it (SIGKILL to the server's process group: nothing waits at this point)."""
+        if self.server is not None and self.server.exit_code() is None:
+            self.server.kill()
+
 
 def _hf_device(device: str, local_rank: int) -> str:
     """The hf engine's torch device for ``trainer.device``: on CUDA its own GPU, ``cuda:<local_rank>``. The group's
