@@ -89,11 +89,11 @@ class Worker:
         torch = sys.modules.get("torch")  # one that imports torch later reads OMP_NUM_THREADS then (an engine
         if torch is not None:  # server's owner never does: it need not pay torch's import)
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        self.quiet_sigterm()
+        self._quiet_sigterm()
 
-    def quiet_sigterm(self) -> None:
+    def _quiet_sigterm(self) -> None:
         """Make SIGTERM (how a shutdown's kill reaches a worker) end this process at once and quietly, after
-        :meth:`before_exit`. Ray's own handler raises ``SystemExit`` wherever the process is, and one landing in
+        :meth:`_before_exit`. Ray's own handler raises ``SystemExit`` wherever the process is, and one landing in
         a finalizer (``Popen.__del__`` of an engine's owner) printed a traceback into the run's failure report.
         Only from the main thread (Ray runs a plain actor's tasks there); elsewhere nothing changes."""
         import signal
@@ -104,14 +104,14 @@ class Worker:
 
         def ended(signum, frame) -> None:
             try:
-                self.before_exit()
+                self._before_exit()
             finally:
                 os._exit(128 + signum)
 
         signal.signal(signal.SIGTERM, ended)
 
-    def before_exit(self) -> None:
-        """What this worker must end before its process does (a SIGTERM: :meth:`quiet_sigterm`); nothing here."""
+    def _before_exit(self) -> None:
+        """What this worker must end before its process does (a SIGTERM: :meth:`_quiet_sigterm`); nothing here."""
 
     def init_parallel(self, dims, backend: str | None = None, *, seed: int | None = 1234,
                       timeout_s: float = 600.0) -> Coordinates:

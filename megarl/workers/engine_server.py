@@ -109,7 +109,7 @@ class EngineServerWorker(Worker):
         if self.server is not None:
             self.server.stop()
 
-    def before_exit(self) -> None:
+    def _before_exit(self) -> None:
         """Its server goes with it (SIGKILL to the server's process group: nothing waits at this point)."""
         if self.server is not None and self.server.exit_code() is None:
             self.server.kill()

@@ -17,7 +17,7 @@ from megarl.workers.engine_server import EngineServerWorker
 worker = EngineServerWorker.__new__(EngineServerWorker)
 worker.server = ServerProcess([sys.executable, "-c", "import time; time.sleep(120)"], name="engine 0",
                               url="http://127.0.0.1:1", log_path=sys.argv[1]).start()
-worker.quiet_sigterm()
+worker._quiet_sigterm()
 print(worker.server.pid, flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 print("still running", flush=True)
