@@ -214,7 +214,7 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
                                 lora_name=lora_name) for a in addresses]
         with phase("starting sglang-router"):
             router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
-                                  log_dir=log_dir)
+                                  log_dir=log_dir, control_key=admin_key)
         routers.append(router)
         judge = None
         if judge_set is not None:
@@ -273,7 +273,7 @@ def _start_judge(cfg: RunConfig, judge_set: EngineSet, pools: dict, probed: dict
     built.append(group)
     with phase("starting the judge's sglang-router"):
         router = start_router([a.url for a in addresses], policy=rollout.router_policy, log_dir=log_dir,
-                              log_name="judge_router.log")
+                              log_name="judge_router.log", control_key=admin_key)
     routers.append(router)
     engines = [EngineClient(a.url, name=f"judge {a.name}", admin_key=a.admin_key, control_timeout_s=a.timeout_s)
                for a in addresses]

@@ -31,18 +31,29 @@ from pathlib import Path
 from megarl.config.rollout import ROUTER_POLICIES
 from megarl.rollout.server_process import ServerProcess, free_port
 
+ROUTER_KEY_ENV = "MEGARL_ROUTER_CONTROL_KEY"
+"""The run's key for the router's control plane, handed over in the environment (never on a command line, which
+every local user can read) and popped by :data:`ROUTER_MAIN`."""
+
 ROUTER_MAIN = """
-import argparse, sys
+import argparse, os, sys
 from sglang_router.router import Router
 from sglang_router.router_args import RouterArgs
 parser = argparse.ArgumentParser(prog="sglang-router")
 RouterArgs.add_cli_args(parser, use_router_prefix=False)
-args = RouterArgs.from_cli_args(parser.parse_args(sys.argv[1:]), use_router_prefix=False)
+argv = sys.argv[1:]
+key = os.environ.pop("MEGARL_ROUTER_CONTROL_KEY", None)
+if key:
+    argv += ["--control-plane-api-keys", "megarl:megarl run:admin:" + key]
+args = RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
 args._validate_router_args()
 Router.from_args(args).start()
 """
 """What ``python -m sglang_router.launch_router`` runs for the Rust router, with the same flags, minus its
-import of the Python mini load balancer (which imports all of sglang: ~9 s against 0.1 s here)."""
+import of the Python mini load balancer (which imports all of sglang: ~9 s against 0.1 s here). With the run's key
+in :data:`ROUTER_KEY_ENV` the router's control plane (``/workers``: list, add, remove) answers only requests
+carrying it (sglang-router's ``--control-plane-api-keys``, an admin key): without it any local process could
+register a worker of its own and receive the run's prompts. ``/generate`` stays open, as the engines' is."""
 
 
 def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: str,
@@ -70,13 +81,17 @@ def workers_registered(worker_urls: Sequence[str], body: bytes) -> bool:
 
 
 def start_router(worker_urls: Sequence[str], *, policy: str, log_dir: str | Path, host: str = "127.0.0.1",
-                 timeout_s: float = 120.0, log_name: str = "router.log") -> ServerProcess:
+                 timeout_s: float = 120.0, log_name: str = "router.log", control_key: str | None = None
+                 ) -> ServerProcess:
     """Start sglang-router on a free port of this machine and wait until it has registered every engine of
-    ``worker_urls``, healthy (its log: ``log_dir / log_name``)."""
+    ``worker_urls``, healthy (its log: ``log_dir / log_name``). ``control_key``: the run's key; the router's
+    control plane then refuses requests without it (see :data:`ROUTER_MAIN`)."""
     port = free_port(host)
     router = ServerProcess(router_command(worker_urls, host=host, port=port, policy=policy), name="sglang-router",
                            url=f"http://{host}:{port}", log_path=Path(log_dir) / log_name, health_path="/workers",
-                           ready=functools.partial(workers_registered, worker_urls))
+                           ready=functools.partial(workers_registered, worker_urls),
+                           env={ROUTER_KEY_ENV: control_key} if control_key else None,
+                           health_headers={"Authorization": f"Bearer {control_key}"} if control_key else None)
     router.start()
     try:
         router.wait_healthy(timeout_s)

@@ -49,7 +49,8 @@ class ServerProcess:
 
     def __init__(self, argv: Sequence[str], *, name: str, url: str, log_path: str | os.PathLike,
                  env: Mapping[str, str] | None = None, inherit_env: bool = True, health_path: str = "/health",
-                 ready: Callable[[bytes], bool] | None = None) -> None:
+                 ready: Callable[[bytes], bool] | None = None, health_headers: Mapping[str, str] | None = None
+                 ) -> None:
         self.argv, self.name, self.url = list(argv), name, url.rstrip("/")
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -58,6 +59,8 @@ class ServerProcess:
         self.health_path = health_path
         self.ready = ready
         """What the ``health_path`` answer's body must say besides its 200 (None: the 200 is enough)."""
+        self.health_headers = dict(health_headers or {})
+        """Headers of the ``health_path`` request (a keyed route's ``Authorization``)."""
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -95,7 +98,8 @@ class ServerProcess:
                 raise ServerStartError(f"{self.name} ({self.url}) exited with code {code} before it was healthy; "
                                        f"its log {self.log_path} ends:\n{log_tail(self.log_path)}")
             try:
-                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as reply:
+                probe = urllib.request.Request(self.url + self.health_path, headers=self.health_headers)
+                with urllib.request.urlopen(probe, timeout=2) as reply:
                     if reply.status == 200 and (self.ready is None or self.ready(reply.read())):
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
