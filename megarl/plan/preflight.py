@@ -147,11 +147,52 @@ def host_memory_bytes(cfg: RunConfig) -> int:
 
 
 def preflight(cfg: RunConfig) -> RunPlan | None:
-    """The trainer's check before placing anything: the plan of a cuda run (raises when it does not fit);
-    None on cpu, where there is no device memory to plan."""
+    """The trainer's check before placing anything: the plan of a cuda run (raises when it does not fit); on cpu,
+    where there is no device memory to plan, the host memory the run's weights and states take at least
+    (:func:`cpu_host_bytes`; raises when the machine has less), and None."""
     if cfg.trainer.device == "cpu":
+        parts = cpu_host_bytes(cfg)
+        available = host_memory_bytes(cfg)
+        if sum(parts.values()) > available:
+            shown = ", ".join(f"{name} {bytes_ / GiB:.1f}" for name, bytes_ in parts.items() if bytes_)
+            raise ValueError(f"this cpu run holds at least {sum(parts.values()) / GiB:.1f} GiB in host memory ({shown} "
+                             f"GiB; activations and KV caches come on top), more than the machine's "
+                             f"{available / GiB:.1f} GiB (trainer.host_memory_gb): use a smaller model "
+                             f"({ARR}.model.path), a lower {ARR}.model.lora_rank, fewer engines or ranks "
+                             f"(trainer.n_cpu_ranks), or run on GPUs (trainer.device=cuda)")
         return None
     return plan_run(cfg)
+
+
+def cpu_host_bytes(cfg: RunConfig) -> dict[str, int]:
+    """What a cpu run's processes hold in host memory at least, by part: every data-parallel replica's weights
+    (LoRA adapters included), the trainable parameters' fp32 gradients and Adam moments (sharded over the replicas
+    by the distributed optimizer), the reference model's and the critic's copies, and each engine's weights in the
+    rollout's dtype (megarl's CPU engine holds its model whole)."""
+    from megarl.plan.memory import DTYPE_BYTES
+
+    arr = cfg.actor_rollout_ref
+    model = architecture_for(arr.model.path, key=f"{ARR}.model.path")
+    placement = placement_for(cfg)
+    weight, engine = DTYPE_BYTES[arr.model.dtype], DTYPE_BYTES[arr.rollout.dtype]
+    spec = arr.model.lora_spec
+    params = model.num_params
+    adapters = model.lora_param_count(spec) if spec is not None else 0
+    trainable = adapters if spec is not None else params
+    dp = placement.role("actor").dims.dp
+    shards = 1 if arr.actor.optim.use_distributed_optimizer else dp
+    parts = {"actor weights": (params + adapters) * dp * weight,
+             "actor gradients": trainable * dp * 4,
+             "actor Adam moments": trainable * 8 * shards,
+             "reference weights": params * dp * weight if cfg.needs_ref and spec is None else 0,
+             "engine weights": params * engine * len(placement.engines)}
+    if cfg.critic.enable:
+        critic = model if cfg.critic.model_path is None else architecture_for(cfg.critic.model_path,
+                                                                            key="critic.model_path")
+        critic_dp = placement.role("critic").dims.dp
+        parts["critic weights, gradients and Adam moments"] = critic.num_params * critic_dp * (weight + 4) + \
+            critic.num_params * 8 * (1 if cfg.critic.optim.use_distributed_optimizer else critic_dp)
+    return parts
 
 
 def _check_model_layouts(cfg: RunConfig, model: Architecture, critic_model: Architecture | None,

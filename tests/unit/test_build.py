@@ -222,6 +222,28 @@ def test_a_lora_checkpoint_of_other_adapters_is_refused_before_ray(tmp_path):
         check_resume_layout(load_config(), checkpoint)
 
 
+def test_a_cpu_run_whose_weights_and_states_exceed_the_machine_is_refused_before_ray(tmp_path):
+    """On cpu the planner has no device memory to plan, but the run's weights, gradients, Adam moments, reference
+    and engine copies still take host memory: a run that cannot hold them is refused before Ray, with the parts."""
+    from megarl.models.tiny import save_tiny
+    from megarl.plan.preflight import cpu_host_bytes, preflight
+
+    dense = save_tiny(tmp_path / "dense")
+    base = ["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={dense}", "actor_rollout_ref.model.init=pretrained"]
+    cfg = load_config(base)
+    parts = cpu_host_bytes(cfg)
+    from megarl.models.sizes import architecture_for
+
+    params = architecture_for(str(dense), key="model.path").num_params
+    # tiny recipe: TP=2 on 2 ranks (one replica), fp32, a reference model (KL loss), two engines
+    assert parts == {"actor weights": params * 4, "actor gradients": params * 4, "actor Adam moments": params * 8,
+                     "reference weights": params * 4, "engine weights": 2 * params * 4}
+    assert preflight(cfg) is None
+    with pytest.raises(ValueError, match=r"this cpu run holds at least 0\.\d GiB in host memory \(actor weights "
+                                         r".*more than the machine's 0\.0 GiB \(trainer.host_memory_gb\)"):
+        preflight(load_config([*base, "trainer.host_memory_gb=0.000001"]))
+
+
 def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
     """Issue 31: megarl-train's own Ray cluster authenticates with a fresh token, and its driver's Ray takes loopback
     as the node's address (the pinned Ray's own switch, which its node-address choice reads), put back when the run
