@@ -571,38 +571,40 @@ def stage_offload(check: Check, out: dict) -> None:
     out["ok"] = same and refused
 
 
-def stage_colocated(check: Check, out: dict) -> None:
-    model_dir = check.qwen()
-    url = check.engine(model_dir, gpus="0,1", tp=2, name="colocated engine", memory_saver=True)
+def _engine_stage(check: Check, job, model_dir: Path, *, world: int, gpus: str, tp: int, name: str, seed: int,
+                  memory_saver: bool = False, extra=()) -> tuple[dict, float]:
+    """Start an engine on ``model_dir``, run ``job`` on ``world`` ranks against it, stop it: rank 0's result and the
+    bound of an engine-actor gap (4x HF bf16's error on this model)."""
+    url = check.engine(model_dir, gpus=gpus, tp=tp, name=name, memory_saver=memory_saver, extra=extra)
     try:
-        rank0 = check.ranks(colocated_job, 2, str(model_dir), url, check.sizes)[0]
+        rank0 = check.ranks(job, world, str(model_dir), url, check.sizes)[0]
     finally:
         check.stop_engines()
     from transformers import AutoConfig
 
-    floor = check.floor(model_dir, check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=11))
-    out.update(rank0, bound=4 * floor)
-    out["ok"] = (rank0["after"]["tokens"] > 0 and rank0["after"]["mean"] <= 4 * floor
-                 and rank0["after"]["mean"] < rank0["before"]["mean"])
+    return rank0, 4 * check.floor(model_dir, check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=seed))
+
+
+def _closed(gap_after: dict, gap_before: dict, bound: float) -> bool:
+    """The sync closed the gap: tokens compared, within ``bound`` after, and not before."""
+    return gap_after["tokens"] > 0 and gap_after["mean"] <= bound < gap_before["mean"]
+
+
+def stage_colocated(check: Check, out: dict) -> None:
+    rank0, bound = _engine_stage(check, colocated_job, check.qwen(), world=2, gpus="0,1", tp=2,
+                                 name="colocated engine", seed=11, memory_saver=True)
+    out.update(rank0, bound=bound)
+    out["ok"] = _closed(rank0["after"], rank0["before"], bound)
 
 
 def stage_lora(check: Check, out: dict) -> None:
     from megarl.config.lora import LoraSpec
     from megarl.plan.engine_gpus import lora_flags
 
-    model_dir = check.qwen()
-    flags = lora_flags(LoraSpec(rank=8, alpha=16.0))
-    url = check.engine(model_dir, gpus="0,1", tp=2, name="lora engine", memory_saver=True, extra=flags)
-    try:
-        rank0 = check.ranks(lora_job, 2, str(model_dir), url, check.sizes)[0]
-    finally:
-        check.stop_engines()
-    from transformers import AutoConfig
-
-    floor = check.floor(model_dir, check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=11))
-    out.update(rank0, bound=4 * floor)
-    after, base = rank0["after"], rank0["base_vs_adapted"]
-    out["ok"] = (after["tokens"] > 0 and after["mean"] <= 4 * floor < base["mean"] and rank0["verified"] > 0
+    rank0, bound = _engine_stage(check, lora_job, check.qwen(), world=2, gpus="0,1", tp=2, name="lora engine",
+                                 seed=11, memory_saver=True, extra=lora_flags(LoraSpec(rank=8, alpha=16.0)))
+    out.update(rank0, bound=bound)
+    out["ok"] = (_closed(rank0["after"], rank0["base_vs_adapted"], bound) and rank0["verified"] > 0
                  and rank0["still_released"] == [])
 
 
@@ -632,17 +634,10 @@ def stage_distributed(check: Check, out: dict) -> None:
 
 def stage_deepseek(check: Check, out: dict) -> None:
     model_dir = _tiny(check.work / "deepseek_v3", "deepseek_v3", num_experts=4, num_layers=2)
-    url = check.engine(model_dir, gpus="1", tp=1, name="deepseek engine")
-    try:
-        rank0 = check.ranks(deepseek_job, 1, str(model_dir), url, check.sizes)[0]
-    finally:
-        check.stop_engines()
-    from transformers import AutoConfig
-
-    floor = check.floor(model_dir, check.batch(AutoConfig.from_pretrained(model_dir).vocab_size, seed=14))
-    out.update(rank0, bound=4 * floor)
-    out["ok"] = (rank0["after"]["tokens"] > 0 and rank0["after"]["mean"] <= 4 * floor
-                 and rank0["after"]["mean"] < rank0["before"]["mean"] and (rank0["te"] or check.rehearse))
+    rank0, bound = _engine_stage(check, deepseek_job, model_dir, world=1, gpus="1", tp=1, name="deepseek engine",
+                                 seed=14)
+    out.update(rank0, bound=bound)
+    out["ok"] = _closed(rank0["after"], rank0["before"], bound) and (rank0["te"] or check.rehearse)
 
 
 RUNNERS = {"te_parity": stage_te_parity, "te_moe": stage_te_moe, "offload": stage_offload,

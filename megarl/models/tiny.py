@@ -107,26 +107,24 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
+def _dense_config(config_class, architecture: str, tokenizer, *, hidden_size: int, num_layers: int, num_heads: int,
+                  num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, **fields):
+    """A dense decoder's config for ``tokenizer`` (vocabulary, special ids) with these sizes and ``fields``."""
+    return config_class(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                        max_position_embeddings=max_position_embeddings, bos_token_id=None,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        architectures=[architecture], **fields)
+
+
 def tiny_qwen2_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 512):
     """A Qwen2 config for ``tokenizer`` (vocabulary, special ids), tied embeddings."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["Qwen2ForCausalLM"],
-    )
+    return _dense_config(Qwen2Config, "Qwen2ForCausalLM", tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
 def tiny_llama_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
@@ -135,22 +133,10 @@ def tiny_llama_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, 
     """A Llama config for ``tokenizer`` (no biases, GQA): the family whose SGLang model reads weights back."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["LlamaForCausalLM"],
-    )
+    return _dense_config(LlamaConfig, "LlamaForCausalLM", tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         tie_word_embeddings=tie_word_embeddings)
 
 
 def tiny_qwen3_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
