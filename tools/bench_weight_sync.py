@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                         help="timed rounds, the methods interleaved; the best of each is kept (default: %(default)s)")
     parser.add_argument("--sample-ms", type=float, default=1.0,
                         help="RSS sampling interval of the memory measurement in ms (default: %(default)s)")
+    # A Llama by default: the family whose SGLang model answers the transport's read-back (the engines answer as
+    # SGLang does: a Qwen2 answers none, and the check would find the engines unverifiable).
+    parser.set_defaults(family="llama")
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("bench_weight_sync runs the CPU engine servers: --device cpu")

@@ -127,7 +127,7 @@ def test_broken_override_names_the_key(override, key):
     ("trainer.device=tpu", "trainer.device"),
     (f"{ARR}.actor.optim.lr=0", f"{ARR}.actor.optim"),
     (f"{ARR}.actor.router_replay.mode=R3", f"{ARR}.actor.router_replay.mode"),
-    (f"{ARR}.model.tiny_arch=llama", f"{ARR}.model.tiny_arch"),
+    (f"{ARR}.model.tiny_arch=gpt2", f"{ARR}.model.tiny_arch"),
 ])
 def test_section_check_names_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

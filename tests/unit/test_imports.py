@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("config",),
     ("algo", "data", "reward"),
-    ("seeds", "_lazy"),
+    ("seeds", "_lazy", "errors"),
 )
 """Top first: a package imports packages of its own layer or a lower one (DEVELOPERS.md's line)."""
 LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}

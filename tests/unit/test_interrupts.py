@@ -28,6 +28,7 @@ def test_sigterm_raises_terminated_a_keyboard_interrupt(handlers):
 
 @pytest.mark.parametrize("signum, raised", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)])
 def test_a_deferred_block_finishes_then_raises_and_restores_the_handlers(handlers, capsys, signum, raised):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job starts with SIGINT ignored)
     terminate_as_interrupt()
     finished = []
     with pytest.raises(raised) as caught:
