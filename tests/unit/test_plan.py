@@ -364,8 +364,12 @@ def test_smaller_gpu_is_refused_with_the_phase_and_keys():
         plan_run(cfg)
 
 
-def test_preflight_is_skipped_on_cpu_and_plans_cuda_runs(plan_7b):
-    assert preflight(load_config(["recipe=tiny_cpu_grpo"])) is None
+def test_preflight_checks_host_memory_on_cpu_and_plans_cuda_runs(plan_7b, tmp_path):
+    from megarl.models.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "tiny")  # a cpu run's pre-flight reads the model's sizes (no device plan)
+    assert preflight(load_config(["recipe=tiny_cpu_grpo", f"actor_rollout_ref.model.path={model}",
+                                  "actor_rollout_ref.model.init=pretrained"])) is None
     plan = preflight(load_config(["recipe=qwen2_5_7b_grpo"]))
     assert plan is not None and plan.worst.peak == plan_7b.worst.peak
 
