@@ -536,7 +536,8 @@ def stage_te_moe(check: Check, out: dict) -> None:
     mismatch, natural, decisions = rank0["replayed_counts"]
     out.update(grouped_gemm=rank0["grouped_gemm"], te=rank0["te"], tensors=rank0["tensors"],
                differ=rank0["differ"][:10], extra=rank0["extra"][:10], logp_vs_hf_fp32=err,
-               routing_decisions=decisions, replayed_mismatch=mismatch, natural_mismatch_frac=natural / max(decisions, 1),
+               routing_decisions=decisions, replayed_mismatch=mismatch,
+               natural_mismatch_frac=natural / max(decisions, 1),
                engine_gap_own_routing=gaps["own"], engine_gap_replayed=gaps["replayed"])
     # The engine's routing read in megarl's layout: replayed exactly, and mostly what the trainer's routers choose
     # themselves (a misread layout would disagree on ~1 - top_k / experts of the pairs).

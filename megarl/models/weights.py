@@ -206,8 +206,8 @@ def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: boo
                         Fuse.QKV)]
     if qkv_bias:
         rules.append(
-            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN, Fuse.QKV,
-                       when=qkv_bias if isinstance(qkv_bias, str) else None)
+            WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN,
+                       Fuse.QKV, when=qkv_bias if isinstance(qkv_bias, str) else None)
         )
     if qk_norm:  # a string: the config flag they exist under
         when = qk_norm if isinstance(qk_norm, str) else None

@@ -119,8 +119,8 @@ def test_sigterm_during_training_stops_engine_servers_router_and_ray(tmp_path):
     """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID).
     The signal is SIGTERM (what kill, scancel and docker stop send; it used to end the driver with SIGABRT and Ray's
     C++ stack, no line of megarl's): stopped as a Ctrl-C is (the same path: ``Terminated`` is a
-    ``KeyboardInterrupt``), rc 143 and one line. It lands while a step's rollout is inside the engines: after step 1 the test pauses every engine in
-    place and waits until a request waits or is held there (so the run is in its generation phase, on a
+    ``KeyboardInterrupt``), rc 143 and one line. It lands while a step's rollout is inside the engines: after step 1
+    the test pauses every engine in place and waits until a request waits or is held there (so the run is in its generation phase, on a
     machine of any speed). That is step 2's rollout, or on a fast machine a later one's (step 2 may have
     generated before the pause arrived): the message names the last step the run printed."""
     import asyncio

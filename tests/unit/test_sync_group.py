@@ -95,7 +95,8 @@ def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers
     sent = {"model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=generator),
             "model.layers.0.self_attn.o_proj.weight": torch.randn(4, 4, generator=generator),
             "model.norm.weight": torch.randn(4, generator=generator)}
-    others = {f"model.layers.0.self_attn.{p}.weight": torch.randn(4, 4, generator=generator) for p in ("k_proj", "v_proj")}
+    others = {f"model.layers.0.self_attn.{p}.weight": torch.randn(4, 4, generator=generator)
+              for p in ("k_proj", "v_proj")}
     engine = _TpSlicingEngine({**sent, **others})  # q_proj stacks with k/v_proj
     assert len(run_sync(engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", 100))) == 2
     assert gather_sync([verify_engine(engine, sent)])[0] == ["model.layers.0.self_attn.q_proj.weight"]

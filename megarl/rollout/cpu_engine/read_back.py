@@ -1,7 +1,8 @@
 """What ``/get_weights_by_name`` answers, as SGLang 0.5.23 answers it.
 
 SGLang reads a weight back only through its model class's ``get_weights_by_name``, and of the families megarl serves
-only Llama's class (and Mistral's, derived from it) has one (:attr:`megarl.models.family.ModelFamily.engine_reads_back`);
+only Llama's class (and Mistral's, derived from it) has one
+(:attr:`megarl.models.family.ModelFamily.engine_reads_back`);
 for every other model the route answers HTTP 400 ("Get parameter by name failed"). Llama's answers what its TP rank 0
 holds, named by the checkpoint's names:
 

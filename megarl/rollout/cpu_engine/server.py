@@ -557,8 +557,8 @@ class EngineServer:
 
     async def inspect_weight(self, request: web.Request) -> web.Response:
         """``/megarl/inspect_weight``: weight ``name`` whole (or its first ``rows``) as this engine holds it (an FP8
-        engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. SGLang has no such route: megarl's tests and tools
-        look into this engine with it, the weight sync never does (it asks ``/get_weights_by_name``, answered as
+        engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. SGLang has no such route:
+        megarl's tests and tools look into this engine with it, the weight sync never does (it asks ``/get_weights_by_name``, answered as
         SGLang answers it; ``tests/unit/test_strict_engine.py`` checks that no production module calls it)."""
         body = await json_body(request)
         name, rows = body.get("name"), body.get("rows")
