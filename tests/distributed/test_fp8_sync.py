@@ -1,4 +1,4 @@
-"""Block-FP8 weight sync (issue 35) from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real CPU engine
+"""Block-FP8 weight sync from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real CPU engine
 servers started from its FP8 checkpoint that behave as TP=2 SGLang engines (two payloads per update, two group
 members each), by both transports: every tensor and scale verified by the transport that such an engine answers
 whole, then every quantized weight and scale read whole from both engines equal, bit for bit, to the trainer's

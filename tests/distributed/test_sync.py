@@ -1,4 +1,4 @@
-"""Weight transports (megarl.sync, issue 14) from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real
+"""Weight transports (megarl.sync) from a TP=2×PP=2 actor (a tiny Llama) on 4 gloo ranks into two real
 CPU engine servers that behave as TP=2 SGLang engines (two payloads per update, two group members each).
 
 One 4-rank job (sync_jobs.transports_job) runs three cases, each twice, after changing every weight:
