@@ -51,7 +51,7 @@ class Reaper:
         """The run's orderly end, before :meth:`close`: Ray's agents take a few seconds to exit after
         ``ray.shutdown()``; wait up to ``wait_s`` for every process of the run to end on its own, then end the rest
         as the reaper would (SIGTERM, SIGKILL after :data:`GRACE_S`), quietly. The reaper then finds nothing, and
-        its message is left for real leftovers (a killed driver's). Returns the pids that had to be ended."""
+        its message is left for real leftovers (a killed driver's). Returns what had to be ended, as ``name (pid)``."""
         tracker = _Tracker(self.run_id, {os.getpid(), self.process.pid})
         deadline = time.monotonic() + wait_s
         while tracker.refresh() and time.monotonic() < deadline:
@@ -91,18 +91,35 @@ def start_reaper() -> Reaper:
     return Reaper(process, write_fd, run_id, previous)
 
 
+ENDED_STATES = ("Z", "X")
+"""``/proc/<pid>/stat`` states of a process that has ended: a zombie (``Z``) stays listed until its parent waits for
+it, which a container's first process may never do for the orphans it inherits; no signal reaches it."""
+
+
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of ``pid`` from ``/proc/<pid>/stat``; None when it is gone."""
+    """(parent pid, start time in clock ticks) of ``pid`` from ``/proc/<pid>/stat``; None when it is gone or has
+    ended (:data:`ENDED_STATES`)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] in ENDED_STATES:
+        return None
     return int(fields[1]), int(fields[19])
 
 
+def describe(pid: int) -> str:
+    """``name (pid)`` of a process, its name from ``/proc/<pid>/comm`` (``?`` when it is gone)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        name = "?"
+    return f"{name} ({pid})"
+
+
 def _processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, start time) of every process."""
+    """pid -> (parent pid, start time) of every live process (a zombie has ended: :data:`ENDED_STATES`)."""
     out = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and (stat := _stat(int(proc.name))) is not None:
@@ -163,12 +180,13 @@ def _signal_all(pids: list[int], signum: int) -> None:
             pass
 
 
-def reap(tracker: _Tracker) -> list[int]:
+def reap(tracker: _Tracker) -> list[str]:
     """End every process of the run (SIGTERM, then SIGKILL after :data:`GRACE_S`) and remove their shared memory;
-    the pids it found."""
+    what it found, as ``name (pid)``."""
     pids = tracker.refresh()
     if not pids:
         return []
+    names = [describe(pid) for pid in pids]
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and tracker.refresh():
@@ -177,7 +195,7 @@ def reap(tracker: _Tracker) -> list[int]:
     remove_shared_memory(pids)
     for leftover in Path(tempfile.gettempdir()).glob(f"{RENDEZVOUS_PREFIX}{tracker.run_id}_*"):
         leftover.unlink(missing_ok=True)  # the ranks' rendezvous files (megarl.workers.group)
-    return pids
+    return names
 
 
 TRACK_EVERY_S = 1.0
@@ -195,9 +213,10 @@ def main(argv: list[str]) -> int:
                 break  # end of file: the driver closed the pipe or ended
             if not readable:
                 tracker.refresh()
-    pids = reap(tracker)
-    if pids:
-        print(f"megarl reaper: ended {len(pids)} process(es) the run left behind", file=sys.stderr)
+    ended = reap(tracker)
+    if ended:
+        print(f"megarl reaper: ended {len(ended)} process(es) the run left behind: {', '.join(ended)}",
+              file=sys.stderr)
     return 0
 
 

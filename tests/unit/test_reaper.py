@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from megarl.parallel.reaper import RUN_ID_VARIABLE, start_reaper, tagged_processes
+from megarl.parallel.reaper import RUN_ID_VARIABLE, _Tracker, start_reaper, tagged_processes
 
 
 def test_closing_the_reaper_ends_the_runs_processes_and_spares_the_driver_and_others():
@@ -57,3 +57,36 @@ def test_the_reaper_ends_the_runs_processes_when_the_driver_dies():
         assert not os.path.exists(f"/proc/{reaper_pid}")
     finally:
         driver.kill()
+
+
+def test_a_zombie_has_ended_for_the_orderly_end_and_the_reaper():
+    """A process of the run that has exited but that nobody waited for yet (a zombie: a container's first process
+    may never wait for the orphans it inherits) is still listed in /proc, and no signal reaches it. It has ended:
+    the orderly end returns at once, and the reaper has nothing to report."""
+    reaper = start_reaper()
+    run_id = reaper.run_id
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in tagged_processes(run_id)
+        tracker = _Tracker(run_id, {os.getpid(), reaper.process.pid})  # as the reaper's own, seen while it lived
+        assert child.pid in tracker.refresh()
+        child.stdin.close()  # it exits; this process does not wait for it yet
+        state = ""
+        deadline = time.monotonic() + 60
+        while state != "Z" and time.monotonic() < deadline:
+            stat = open(f"/proc/{child.pid}/stat").read()
+            state = stat[stat.rindex(")") + 2:].split()[0]
+            time.sleep(0.05)
+        assert state == "Z"
+        assert child.pid not in tagged_processes(run_id)
+        assert child.pid not in tracker.refresh()
+        start = time.monotonic()
+        assert reaper.end_run_processes(wait_s=30) == []
+        assert time.monotonic() - start < 30  # it did not wait out its limit for a process that had ended
+        reaper.close()
+        assert reaper.process.returncode == 0
+        assert child.wait(timeout=30) == 0  # exited on its own
+    finally:
+        reaper.close()
