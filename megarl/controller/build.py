@@ -302,7 +302,7 @@ def stop_engine_servers(group: WorkerGroup) -> None:
 def _group(cfg: RunConfig, worker_cls, pool, share: float, **kwargs) -> WorkerGroup:
     gpu = 0.0 if cfg.trainer.device == "cpu" else share
     return WorkerGroup(worker_cls, pool, num_cpus=share, num_gpus=gpu, timeout_s=cfg.trainer.worker_timeout_s,
-                       **kwargs)
+                       timeout_setting="trainer.worker_timeout_s", **kwargs)
 
 
 def _build_actor(cfg: RunConfig, pool, share: float) -> WorkerGroup:

@@ -98,7 +98,9 @@ class WorkerGroup:
     ``args``/``kwargs`` go to every rank's constructor. ``num_gpus``/``num_cpus`` are each
     rank's share of its bundle (``None``: the whole bundle's GPU when the pool has GPUs, and
     ``pool.cpus_per_bundle`` CPUs divided the same way). ``env`` adds environment variables
-    to every rank. ``timeout_s`` bounds every call unless a call gives its own.
+    to every rank. ``timeout_s`` bounds every call unless a call gives its own, and the ranks' start
+    (``start_timeout_s``, None: the same; starting a rank imports torch and Megatron, minutes on a loaded
+    machine). ``timeout_setting`` is the setting a late rank's error names (default: "the timeout").
 
     Every call takes a method of ``worker_cls`` (``ActorWorker.update_actor``, inherited ones
     such as ``Worker.ping`` included), never its name; anything else raises ``TypeError``
@@ -118,7 +120,8 @@ class WorkerGroup:
         num_cpus: float | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = 600.0,
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float | None = None,
+        timeout_setting: str | None = None,
     ):
         import ray
 
@@ -130,7 +133,7 @@ class WorkerGroup:
         self.bundles = tuple(range(pool.size)) if bundles is None else tuple(bundles)
         if not self.bundles:
             raise ValueError(f"{self.role}: a worker group needs at least one bundle")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.timeout_setting = timeout_s, timeout_setting
         gpu_share = (1.0 if pool.use_gpu else 0.0) if num_gpus is None else num_gpus
         if gpu_share and not pool.use_gpu:
             raise ValueError(f"{self.role}: num_gpus={gpu_share} on pool {pool.name!r} which has CPU-only bundles")
@@ -144,7 +147,7 @@ class WorkerGroup:
                                scheduling_strategy=pool.scheduling_strategy(bundle),
                                runtime_env={"env_vars": env_vars}, max_restarts=0, max_task_retries=0)
                 self._actors.append(remote_cls.options(**options).remote(*args, **(kwargs or {})))
-            self._setup_env(start_timeout_s)
+            self._setup_env(timeout_s if start_timeout_s is None else start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -254,7 +257,8 @@ class WorkerGroup:
             if remaining <= 0:
                 late = sorted(ranks[index[r]] for r in pending)
                 raise WorkerError(f"{self.role}.{method}: ranks {late} did not answer within {timeout_s:.0f} s "
-                                  f"(hung in a collective or still working; raise the timeout if it is slow)",
+                                  f"(hung in a collective or still working; raise {self.timeout_setting or 'the timeout'} if it "
+                                  f"is slow)",
                                   role=self.role, rank=late[0], method=method)
             done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             for ref in done:

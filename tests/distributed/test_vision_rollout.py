@@ -80,7 +80,7 @@ def test_actor_recomputes_the_engines_log_probs_and_learns(tiny):
     # transport's verification reports the engine unverified.
     for transport in ("tensor", "distributed"):
         cases = [case for r in results for case in r["sync"] if case[0] == transport]
-        names, tower = cases[0][2], cases[0][3]
+        tower = cases[0][3]
         (differ,) = [case[4] for case in cases if case[4] is not None]
         assert tower > 0 and differ == [], (transport, differ[:5])
         merged = merge_stats([stats for _, stats, _, _, _ in cases if stats])
