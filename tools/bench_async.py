@@ -1,4 +1,4 @@
-"""Benchmark: synchronous against asynchronous training, side by side in one run (issue 16).
+"""Benchmark: synchronous against asynchronous training, side by side in one run.
 
 The tiny CPU recipe (``configs/recipe/tiny_cpu_grpo.yaml``) with the engines on their own resources: the actor
 on one gloo rank (TP=1) and one HF engine server on its own pool (``hybrid_engine=false``), so on a 2-core

@@ -1,6 +1,6 @@
 """Benchmark: forward + backward of one batch padded against packed (THD), on one CPU rank.
 
-Issue 15's row: a batch of ``--rows`` sequences of seeded lengths uniform in ``--min-len``..``--max-len`` (16-512
+The workload: a batch of ``--rows`` sequences of seeded lengths uniform in ``--min-len``..``--max-len`` (16-512
 by default), through :func:`megarl.parallel.forward_backward` once padded to the longest row
 (``packed=False``) and once packed end to end (``packed=True``: megarl's per-segment attention), on a random
 model (``--layers`` ≥ 4, ``--hidden`` 256). Both see the same rows and loss (the mean log-prob of the real

@@ -1,4 +1,4 @@
-"""The scoring models of a training step (issue 34): the teacher's log-probs of the student's sampled tokens
+"""The scoring models of a training step: the teacher's log-probs of the student's sampled tokens
 (on-policy distillation) and the reward model's score of each response. Each is a role of its own
 (:class:`~megarl.workers.megatron_workers.TeacherWorker`, :class:`~megarl.workers.megatron_workers.RewardModelWorker`),
 called between the reference and the advantages; the teacher's signal enters around the advantage estimator

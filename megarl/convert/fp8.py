@@ -1,4 +1,4 @@
-"""Block-FP8 HF checkpoints (FP8 rollout, issue 35): the tensors of a model with its linear weights quantized
+"""Block-FP8 HF checkpoints (FP8 rollout): the tensors of a model with its linear weights quantized
 (:mod:`megarl.models.fp8`), as DeepSeek-V3's and Qwen3-FP8's checkpoints hold them, so that SGLang's FP8 loader
 serves them and transformers loads them (dequantized on a CPU).
 

@@ -158,7 +158,7 @@ def checkpoint_job(hf_dir: str, root: str) -> dict:
     out["dp_resumed"] = _step(other, SAVE_AFTER + 2, vocab)
     out["dp_params_equal"] = all(torch.equal(dp_params[n], t) for n, t in _params(other).items())
 
-    # ------------- damaged files (issue 12): every rank refuses before the collective load, naming the file
+    # ------------- damaged files: every rank refuses before the collective load, naming the file
     from pathlib import Path
 
     out["damaged"] = {}

@@ -1,6 +1,6 @@
 """megarl-convert: a round trip through the CLI at different layouts, and every refusal it promises.
 
-Refusals of bad input (issue 12: a --hf-config whose shapes differ, a truncated file, an unwritable
+Refusals of bad input (a --hf-config whose shapes differ, a truncated file, an unwritable
 --out) come from the CLI's own process before any rank is spawned: those tests make spawning fail.
 """
 
@@ -149,7 +149,7 @@ def test_mcore_to_hf_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, caps
     assert "is not a megarl Megatron checkpoint" in err
 
 
-# ------------------------------------------------------------- issue 12: refused before any rank starts
+# ------------------------------------------------------------- Refused before any rank starts
 def _refused(argv, capsys, *fragments):
     """The CLI exits 2 within seconds with one line (no traceback) holding every fragment."""
     start = time.monotonic()
@@ -276,7 +276,7 @@ def test_force_never_replaces_an_input(hf_dir, mcore_dir, tmp_path, capsys, no_r
 
 
 def test_moe_round_trip_through_cli_at_tp2_ep2(tmp_path):
-    """Issue 17: HF -> Megatron at TP=2 × EP=2 (4 ranks, each reading its experts) -> HF (as saved) is bit-exact;
+    """HF -> Megatron at TP=2 × EP=2 (4 ranks, each reading its experts) -> HF (as saved) is bit-exact;
     the checkpoint holds each sparse layer's experts on one axis, one key per layer (a dense layer among them)."""
     from megarl.convert.dist_checkpoint import read_dist_metadata
     from tests.distributed import moe_jobs
@@ -298,7 +298,7 @@ def test_moe_round_trip_through_cli_at_tp2_ep2(tmp_path):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2"])
 def test_every_moe_family_round_trips_through_cli_at_tp2_ep2(name, tmp_path, capsys):
-    """Issue 37: each MoE family's tiny model (Qwen3-MoE's is above) HF -> Megatron at TP=2 × EP=2 -> HF is bit-exact:
+    """Each MoE family's tiny model (Qwen3-MoE's is above) HF -> Megatron at TP=2 × EP=2 -> HF is bit-exact:
     Mixtral, Qwen2-MoE (gated shared expert), GLM-4.5 (q/k norms, sigmoid router's bias), DeepSeek-V3 (MLA, its
     multi-token-prediction layer skipped and said so), Kimi-K2 (``model_type: kimi_k2``). The checkpoint's own
     config.json comes back."""
@@ -322,7 +322,7 @@ def test_every_moe_family_round_trips_through_cli_at_tp2_ep2(name, tmp_path, cap
 
 
 def test_kimi_k2_round_trip_through_cli_on_an_uneven_pipeline(tmp_path):
-    """Issue 37: Kimi-K2 (DeepSeek-V3's architecture, ``model_type: kimi_k2``) HF -> Megatron at PP=2 with a first
+    """Kimi-K2 (DeepSeek-V3's architecture, ``model_type: kimi_k2``) HF -> Megatron at PP=2 with a first
     stage of 1 layer of 4 (``--first-stage-layers``, as DeepSeek-V3's 61 layers need) × EP=2 -> HF (as saved) is
     bit-exact, and the checkpoint's own config.json comes back as it was."""
     from tests.distributed import moe_jobs

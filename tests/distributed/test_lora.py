@@ -1,4 +1,4 @@
-"""LoRA adapters on Megatron's linear layers (issue 33): the same adapted model at TP=2 (with and without sequence
+"""LoRA adapters on Megatron's linear layers: the same adapted model at TP=2 (with and without sequence
 parallelism), PP=2 and TP2×PP2 gives TP=1's log-probs and adapter gradients (whole, in PEFT's layout) within 1e-5;
 only the adapters train (no gradient and no optimizer state for the base, whose weights stay bit for bit); the
 weight export merges ``W + alpha / rank · B A``; with the adapters off the model is the base (the reference)."""

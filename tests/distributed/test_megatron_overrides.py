@@ -1,4 +1,4 @@
-"""The Megatron passthrough reaches Megatron (issue 32 item 6): a role's ``override_transformer_config`` lands in the
+"""The Megatron passthrough reaches Megatron: a role's ``override_transformer_config`` lands in the
 model's ``TransformerConfig`` and changes what it computes (``hidden_dropout``), and ``override_optimizer_config`` lands
 in the optimizer's ``OptimizerConfig``; the fields megarl derives stay as they were."""
 

@@ -1,7 +1,7 @@
 """Engine checkpoints: a resumed run equals the uninterrupted one bit for bit; crashes leave the last one.
 
 One 4-rank job (tests/distributed/checkpoint_jobs.py) produces every number asserted here; megarl-convert
-turns its checkpoint into HF (issue 32).
+turns its checkpoint into HF.
 """
 
 import json
@@ -106,7 +106,7 @@ def test_a_truncated_file_is_named_on_every_rank(job):
             assert "cannot be loaded" in error and ".tmp_global_step_3" in error  # the checkpoint directory
 
 
-# ------------------------------------------- issue 32: megarl-convert mcore-to-hf reads a training checkpoint
+# ------------------------------------------- ``megarl-convert`` mcore-to-hf reads a training checkpoint
 def test_a_checkpoint_keeps_the_hf_config_it_was_built_from(job):
     ranks, root, hf_dir = job
     actor = Path(root) / f"global_step_{SAVE_AFTER}" / "actor"

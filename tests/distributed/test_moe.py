@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (issue 17, issue 37): Qwen3-MoE, Mixtral, Qwen2-MoE (a gated shared expert), GLM-4.5
+"""Mixture-of-experts families: Qwen3-MoE, Mixtral, Qwen2-MoE (a gated shared expert), GLM-4.5
 MoE, DeepSeek-V3 (multi-latent attention with YaRN, group-limited routing, an MTP layer in the checkpoint) and
 Kimi-K2 (DeepSeek-V3's architecture under a ``model_type`` of its own) in Megatron equal HF transformers.
 
@@ -187,7 +187,7 @@ def test_both_transports_deliver_every_expert_over_expert_parallelism(ep, case):
 
 @pytest.mark.parametrize("layout", list(moe_jobs.ROUTING_LAYOUTS))
 def test_routing_replay_and_measurement(ep, layout):
-    """Issue 17 item 5: measured against the routing HF computes (what an fp32 engine returns) nothing differs, at
+    """Measured against the routing HF computes (what an fp32 engine returns) nothing differs, at
     every layout (the token order of each rank's routers is right: packed, SP-split, pipelined, padded); replaying
     a perturbed routing uses it exactly (0 differ, measured from the routing maps) where the routers by themselves
     would differ on many (token, layer) pairs (50–83 % here), and gives HF's log-probs under the same forced routing."""
@@ -217,7 +217,7 @@ def test_replayed_training_recomputes_each_micro_batchs_own_routing(ep):
 
 
 def test_aux_and_z_losses_are_normalised_the_same_at_every_layout(ep):
-    """Issue 17 item 4: with the load-balancing (0.1) and z (0.01) losses on, one step over the same four one-row
+    """With the load-balancing (0.1) and z (0.01) losses on, one step over the same four one-row
     micro-batches gives the same gradient norm, logged losses and expert load at EP1 (DP4), EP2, TP2×EP2 with SP
     (each rank half the tokens: Megatron's per-token setting would scale the router's gradient by them) and EP2×PP2
     (two micro-batches per rank); padding (the pack's alignment, PP's common shape) is left out; the losses change
@@ -238,7 +238,7 @@ def test_aux_and_z_losses_are_normalised_the_same_at_every_layout(ep):
 
 
 def test_expert_bias_moves_by_the_routed_counts_and_resumes(ep):
-    """Aux-loss-free balancing (issue 37): after one step each GLM-4.5 router's bias moved by the rate towards the
+    """Aux-loss-free balancing: after one step each GLM-4.5 router's bias moved by the rate towards the
     mean load, counted from HF's routing of the batch's real tokens (padding left out: packed and padded agree);
     the bias is checkpointed, and a resumed run's next step equals the uninterrupted one's; a bf16 export carries it
     in fp32, in the layout SGLang's receive bucket computes."""

@@ -1,4 +1,4 @@
-"""A reward model from an HF sequence-classification checkpoint (issue 34, build item 3): megarl's scores equal
+"""A reward model from an HF sequence-classification checkpoint: megarl's scores equal
 transformers' at TP=2 and PP=2 (one 4-rank job, :mod:`tests.distributed.reward_model_jobs`)."""
 
 from __future__ import annotations

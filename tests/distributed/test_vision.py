@@ -1,4 +1,4 @@
-"""Vision-language models (issue 36): a tiny Qwen2.5-VL and a tiny Qwen3-VL (interleaved multimodal RoPE, DeepStack)
+"""Vision-language models: a tiny Qwen2.5-VL and a tiny Qwen3-VL (interleaved multimodal RoPE, DeepStack)
 in Megatron equal transformers.
 
 One 2-rank job runs every layout (TP=1, TP=2, TP=2 with sequence parallelism, PP=2; padded and packed) on a batch

@@ -1,4 +1,4 @@
-"""Vision-language rollouts (issue 36): image prompts in verl's format go through sglang-router to megarl's CPU
+"""Vision-language rollouts: image prompts in verl's format go through sglang-router to megarl's CPU
 engine server (``image_data``), which generates what transformers generates, token for token (greedy; Qwen2.5-VL
 and Qwen3-VL); the
 Megatron actor (TP=2 × PP=2, packed) recomputes the sampled tokens' log-probs within 1e-5 of the engine's and

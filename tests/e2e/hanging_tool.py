@@ -1,4 +1,4 @@
-"""A tool whose hooks hang on the rows that ask for it (issue 12, item 2, under a real run).
+"""A tool whose hooks hang on the rows that ask for it.
 
 A row's ``tools_kwargs.hang.create_kwargs.hang`` names the hook that never returns in time:
 ``create`` and ``release`` block their thread (``time.sleep``, the mistake of calling blocking

@@ -1,4 +1,4 @@
-"""Asynchronous training through Ray (issue 16): generation overlaps training, engines on their own pool.
+"""Asynchronous training through Ray: generation overlaps training, engines on their own pool.
 
 one_step_off: step k > 1 trains samples generated with the weights of step k - 2 (staleness exactly 1);
 fully_async with partial rollouts: samples within the bound, requests held across syncs keep their tokens. Both

@@ -1,4 +1,4 @@
-"""End-to-end training on CPU through Ray: GRPO and PPO steps, resume, failures (issue 6 acceptance).
+"""End-to-end training on CPU through Ray: GRPO and PPO steps, resume, failures.
 
 One local Ray cluster for the module; every trainer places its own workers (actor TP=2 on
 2 gloo ranks with the reference in the same processes, 2 HF engines, a TP=2 critic for
@@ -80,7 +80,7 @@ def _unverifiable(metrics: dict[str, float], engines: int = 2) -> None:
 
 
 def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets):
-    """Issue 34: a GRPO run scored by a generative judge (a model served by a CPU engine server of its own, on a pool
+    """A GRPO run scored by a generative judge (a model served by a CPU engine server of its own, on a pool
     of its own, behind a router of its own): every row is asked, the verdicts logged with the answers they were read
     from; rows with garbage answers are counted and left out of the update, and the run goes on. A judge whose
     every answer is garbage stops the run at its first step, naming the setting."""
@@ -142,7 +142,7 @@ def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_fp8_rollout_syncs_quantized_weights_and_measures_their_gap(assets, transport):
-    """Issue 35: engines serving block FP8 (CPU engine servers started from the run's FP8 copy of the policy) get
+    """Engines serving block FP8 (CPU engine servers started from the run's FP8 copy of the policy) get
     every sync's linear weights quantized, by either transport: every tensor and every scale read back equal to the
     quantized bits; the rollout/training gap is FP8's (measured: 3.4e-3 nat per token against ~1e-6 without), and
     rollout correction reports it."""
@@ -208,7 +208,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
                         "trainer.log_val_generations=3"))
     assert [s for s, _ in full.history] == [1, 2, 3]
     assert full.roles.weight_transport == "tensor"  # colocated engines open handles to the actor's buckets
-    # Issue 31: the buckets' shared-memory files of the run's (killed) workers are gone with the run.
+    # The buckets' shared-memory files of the run's (killed) workers are gone with the run.
     from megarl.parallel.shared_memory import shared_memory_files
 
     pids = [info["pid"] for group in full.roles.groups for info in group.node_infos]
@@ -272,7 +272,7 @@ def test_grpo_steps_resume_and_crashed_save(assets):
 
 
 def _convert_run_root_equals_the_export(run_dir: Path, saved: Path, out: Path) -> None:
-    """Issue 32: ``megarl-convert mcore-to-hf --mcore <run root>`` turns the run's last checkpoint (the actor at
+    """``megarl-convert mcore-to-hf --mcore <run root>`` turns the run's last checkpoint (the actor at
     TP=2, saved with its optimizer) into an HF directory that transformers loads, holding the tensors the trainer's
     own export wrote bit for bit, so its logits equal the trained actor's exactly (fp32, same weights, same kernels)."""
     import subprocess
@@ -321,7 +321,7 @@ def test_ppo_with_critic(assets):
         assert "critic/values/mean" in metrics and "critic/kl" in metrics
     assert "actor/pg_loss" not in warm and "weight_sync/verified_tensors" not in warm
     assert "actor/pg_loss" in both
-    # Engines on their own pool get the weights by broadcast (issue 14).
+    # Engines on their own pool get the weights by broadcast.
     assert trainer.roles.weight_transport == "distributed"
     _unverifiable(both)
     assert both["mismatch/abs_logp_diff_mean"] <= 1e-5
@@ -351,7 +351,7 @@ def test_greedy_rollouts_recompute_at_the_recorded_temperature(assets):
     """``rollout.do_sample=false`` with ``temperature=0.7``: the engines decode greedily and report log-probs at
     T=1 (the batch's meta says so); the actor recomputes at the meta's temperature, not the setting's.
 
-    REINFORCE++ (GRPO would refuse greedy samples: they are alike), with the engines on their own pool: the weights go by broadcast (issue 14), every tensor read back;
+    REINFORCE++ (GRPO would refuse greedy samples: they are alike), with the engines on their own pool: the weights go by broadcast, every tensor read back;
     and with context parallelism on the actor (cp=2, packed): the recomputed log-probs gathered over the CP ranks
     equal the engines', and the weights the CP ranks send are the engines' after the update."""
     trainer = _run(_config(assets, "greedy", "trainer.total_steps=1", "actor_rollout_ref.rollout.do_sample=false",
@@ -408,7 +408,7 @@ def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
 
 
 def test_rows_the_reward_function_cannot_score_are_skipped_and_counted(assets):
-    """Issue 12: reward_model.on_error=skip: rows whose reward function raises score 0, are left out of the
+    """``reward_model.on_error=skip``: rows whose reward function raises score 0, are left out of the
     update (all-zero loss mask) and counted; the step trains on the others."""
     messages = []
     cfg = _config(assets, "reward_skip", "trainer.total_steps=1", "data.shuffle=false",
@@ -520,7 +520,7 @@ def test_multi_turn_ppo_critic_trains_on_the_actors_tokens(assets, tmp_path):
 
 
 def test_hanging_tool_hooks_cost_their_time_limit_and_are_counted(assets, tmp_path):
-    """Issue 12, item 2 under a real run: tool hooks that never return (create and release blocking their thread,
+    """Tool hooks that never return (create and release blocking their thread,
     calc_reward awaiting forever) used to stall training (0 steps in 240 s). Each now costs tool_timeout_s=2,
     is counted per hook, fails its rollout where the result matters, and the run trains on."""
     import pyarrow as pa
@@ -558,7 +558,7 @@ def test_hanging_tool_hooks_cost_their_time_limit_and_are_counted(assets, tmp_pa
 
 def test_two_runs_into_one_directory(assets):
     """Two real megarl-train runs into one checkpoint directory: the second refuses at once, naming the first
-    run's PID; the first run is untouched and finishes with its checkpoints (issue 12, item 1)."""
+    run's PID; the first run is untouched and finishes with its checkpoints."""
     import subprocess
     import sys
 
@@ -586,7 +586,7 @@ def test_two_runs_into_one_directory(assets):
     manager = CheckpointManager(assets["root"] / "shared" / "ckpt" / "megarl" / "shared")
     assert manager.latest().name == "global_step_2" and manager.steps() == [1, 2]
 
-    # Issue 12 (a truncated checkpoint file): cut a shard of the newest checkpoint; the next run falls back to
+    # Cut a shard of the newest checkpoint; the next run falls back to
     # step 1, saying which file of which checkpoint is damaged, instead of failing the same way on every restart.
     shard = manager.path(2) / "actor" / "dist" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
@@ -600,7 +600,7 @@ def test_two_runs_into_one_directory(assets):
 
 
 def test_a_failed_run_says_what_failed_in_a_few_lines(assets):
-    """Issue 31: a run that fails after Ray started (here the reward function raises on some rows, with
+    """A run that fails after Ray started (here the reward function raises on some rows, with
     ``on_error=raise``) prints the error's own message, naming the row, and where the traceback went, instead of
     60-100 lines of traceback first; exit code 1, nothing left running. Its wandb run (offline) ends as failed."""
 
@@ -650,7 +650,7 @@ def test_shared_memory_of_another_nodes_workers_is_removed_there(assets):
 
 
 def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):
-    """Issue 31: a checkpoint root on a full device (a 1 MiB tmpfs; the save needs several) used to fail with
+    """A checkpoint root on a full device (a 1 MiB tmpfs; the save needs several) used to fail with
     ``CheckpointException ranks:dict_keys([])``; now the run names the device, its free space and what to do, the
     partial save is removed, exit code 1."""
     import subprocess
@@ -676,7 +676,7 @@ def test_a_full_disk_during_a_save_says_so_and_loses_nothing(assets, tmp_path):
 
 
 def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
-    """Issue 12, item 3 end to end: megarl-train on an empty model directory exits 2 before Ray starts, naming the
+    """``megarl-train`` on an empty model directory exits 2 before Ray starts, naming the
     key and the missing files (it used to fail inside transformers with "need sentencepiece or tiktoken")."""
     import subprocess
     import sys
@@ -694,7 +694,7 @@ def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
 
 
 def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_the_run(assets):
-    """Issue 13: SIGKILL one engine server while its share of the step's generation is inside it (paused in place
+    """SIGKILL one engine server while its share of the step's generation is inside it (paused in place
     just before the requests leave, so the share waits there, on a machine of any speed; 384 tokens a row): the
     step fails with an error naming the engine and its URL (seen gone, not waited out); after shutdown no engine
     server or router process is left (checked by PID), and the run no longer holds the driver's event loop."""
@@ -712,7 +712,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         trainer.setup()
         pids = trainer.roles.rollout.call_all(EngineServerWorker.server_pid) + [trainer.roles.router.pid]
         assert all(pid is not None for pid in pids)
-        # Issue 31: a run on one machine serves its engines and router on loopback only.
+        # A run on one machine serves its engines and router on loopback only.
         import psutil
 
         listening = {(c.laddr.ip, c.laddr.port) for pid in pids for c in psutil.Process(pid).net_connections("tcp")
@@ -822,7 +822,7 @@ def test_moe_grpo_replays_the_engines_routing(assets):
 
 @pytest.mark.parametrize("lora_sync", ["adapters", "merged"])
 def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lora_sync):
-    """Issue 33 end to end: a LoRA actor (TP=2) trains two GRPO steps; no reference model is built (the KL term is
+    """A LoRA actor (TP=2) trains two GRPO steps; no reference model is built (the KL term is
     against the actor with its adapters off, zero at the first step, where B = 0). ``adapters``: the engines serve
     LoRA and get the adapters alone, every tensor's checksum checked by every engine rank, and generate naming the
     adapter (the engines' log-probs are the trainer's); ``merged``: they get the merged weights, every tensor read
@@ -867,7 +867,7 @@ def test_lora_grpo_trains_adapters_only_against_the_base_as_reference(assets, lo
 
 @pytest.mark.parametrize("layout", ["tp=2", "pp=2"])
 def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_student_does(assets, layout):
-    """Issue 34: a teacher (its own workers, at TP=2 or PP=2) given the student's own weights scores the student's
+    """A teacher (its own workers, at TP=2 or PP=2) given the student's own weights scores the student's
     (TP=1) sampled tokens with the same log-probs at the first step (the teacher's layouts equal TP=1 within 1e-5:
     the per-token log-ratio is 0); once the student has moved, the reverse KL is what the step trains against."""
     trainer = _run(_config(assets, f"teacher_{layout.replace('=', '')}", "trainer.total_steps=2",
@@ -884,7 +884,7 @@ def test_a_teacher_with_the_students_weights_scores_its_tokens_as_the_student_do
 
 
 def test_a_reward_model_scores_every_response_of_a_grpo_step(assets):
-    """Issue 34: a reward model (an HF sequence-classification checkpoint of the policy's tokenizer, its own ranks at
+    """A reward model (an HF sequence-classification checkpoint of the policy's tokenizer, its own ranks at
     TP=2) scores every response of a GRPO step; with ``combine=replace`` its scores are the step's rewards."""
     import torch
     from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
@@ -912,7 +912,7 @@ def test_a_reward_model_scores_every_response_of_a_grpo_step(assets):
 
 
 def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
-    """Issue 36: ``recipe=tiny_cpu_vl_grpo`` as a user runs it (its own data: images of coloured squares written to
+    """``recipe=tiny_cpu_vl_grpo`` as a user runs it (its own data: images of coloured squares written to
     data/squares/, its own SFT warm start of a tiny Qwen2.5-VL), 30 GRPO steps through the real path: image prompts
     to the engines, the images to the actor's first stage. The sampled reward rises by 0.1 or more (measured:
     0.517 over the first 5 steps, 0.698 over the last 5; greedy validation 0.745 -> 0.805), the engines' log-probs
@@ -933,7 +933,7 @@ def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
 
 
 def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
-    """Issue 36: multi-turn GRPO of a tiny Qwen2.5-VL on image prompts (a tool that answers with an image offered):
+    """Multi-turn GRPO of a tiny Qwen2.5-VL on image prompts (a tool that answers with an image offered):
     every turn's request carries the conversation's images to the engines, and the actor recomputes the engines'
     log-probs on the conversations, images at their placeholders."""
     import yaml
@@ -964,7 +964,7 @@ def test_multi_turn_rollouts_of_a_vision_language_policy(assets, tmp_path):
 
 
 def test_ppo_of_a_vision_language_policy_with_a_critic_reading_the_images(assets, tmp_path):
-    """Issue 36: PPO (GAE) on image prompts: the critic (a value head on the same vision-language model, its tower on
+    """PPO (GAE) on image prompts: the critic (a value head on the same vision-language model, its tower on
     its first stage) trains on the rows' images, the actor's micro-batches padded where the critic's are packed
     (multimodal positions either way), the weights reaching the engines by broadcast."""
     from megarl.models.tiny import save_tiny_vl

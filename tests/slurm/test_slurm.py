@@ -1,4 +1,4 @@
-"""Multi-node runs through Slurm (issue 7 acceptance): real sbatch jobs on a local Slurm.
+"""Multi-node runs through Slurm: real sbatch jobs on a local Slurm.
 
 The module starts a two-node Slurm on this machine (tools/slurm_local.sh: nodes n1 and n2, each its
 own slurmd) and submits the sbatch files in slurm/. Every job goes through the shared bring-up

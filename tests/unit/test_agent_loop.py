@@ -529,7 +529,7 @@ class HangingTool(BaseTool):
 @pytest.mark.parametrize("hang", ["async", "blocking"])
 @pytest.mark.parametrize("hook", ["create", "calc_reward", "release", "execute"])
 def test_every_tool_hook_is_bounded_and_counted(tok, hook, hang):
-    """Issue 12, item 2: a tool hook that never returns (awaiting forever, or blocking its thread) costs the
+    """A tool hook that never returns (awaiting forever, or blocking its thread) costs the
     time limit, is counted as ``num_timeouts/<hook>``, and fails the request only where its result matters
     (create, calc_reward); execute answers the model with an error; release is counted and logged."""
     tools = {"hang": HangingTool({"hook": hook, "hang": hang, "seconds": 3.0}, schema("hang"))}

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with images (issue 36): a vision-language policy's prompt image and an image a tool returns
+"""Multi-turn rollouts with images: a vision-language policy's prompt image and an image a tool returns
 (``ToolResponse``) are placed in the conversation (each placeholder expanded to its merged patches, loss mask 0),
 sent to the engine with every turn (``image_data``), and carried to the batch (``multi_modal_inputs``), where the
 trainer's positions find exactly those images."""

@@ -1,4 +1,4 @@
-"""Run set-up before Ray: the policy's directory is checked, naming the key and what is missing (issue 12, item 3)."""
+"""Run set-up before Ray: the policy's directory is checked, naming the key and what is missing."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_a_complete_model_directory_passes(tmp_path, monkeypatch):
 
 
 def test_missing_data_is_refused_and_never_filled_in_except_at_the_tiny_recipe_paths(tmp_path, monkeypatch):
-    """Issue 12: the tiny recipe's generator used to write addition problems wherever data.train_files pointed."""
+    """The tiny recipe's generator used to write addition problems wherever data.train_files pointed."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"data\.train_files: data/addtion/train\.parquet does not exist"):
         prepare_policy(load_config(["data.train_files=[data/addtion/train.parquet]"]))  # the tiny recipe, a typo
@@ -74,7 +74,7 @@ def test_missing_data_is_refused_and_never_filled_in_except_at_the_tiny_recipe_p
 
 
 def test_data_without_the_prompt_column_or_not_parquet_is_refused_naming_the_file(tmp_path):
-    """Issue 12: under the tiny recipe a file without a ``prompt`` column failed in the warm start with a pyarrow
+    """Under the tiny recipe a file without a ``prompt`` column failed in the warm start with a pyarrow
     schema dump; now every data file's schema is read first, and the error names the key, the file and the column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -123,7 +123,7 @@ def test_a_block_fp8_policy_without_fp8_engines_is_refused_naming_the_key(tmp_pa
 
 
 def test_prompts_that_only_fit_without_the_tool_schemas_are_refused_before_placement(tmp_path):
-    """Issue 12: the tiny recipe with the GSM8K tool used to fail every rollout ("prompt has 401 tokens ... more
+    """The tiny recipe with the GSM8K tool used to fail every rollout ("prompt has 401 tokens ... more
     than 64") and go on with rc 0; the schemas now count when filtering, and a set left empty is an error."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -245,7 +245,7 @@ def test_a_cpu_run_whose_weights_and_states_exceed_the_machine_is_refused_before
 
 
 def test_a_local_ray_cluster_is_put_on_loopback_with_a_token(monkeypatch):
-    """Issue 31: megarl-train's own Ray cluster authenticates with a fresh token, and its driver's Ray takes loopback
+    """``megarl-train``'s own Ray cluster authenticates with a fresh token, and its driver's Ray takes loopback
     as the node's address (the pinned Ray's own switch, which its node-address choice reads), put back when the run
     ends; the environment is left alone (a process that inherited the switch could not start a multi-node cluster);
     a joined cluster and the user's settings are left as they are. (The e2e Ctrl-C test lists the run's listening

@@ -213,7 +213,7 @@ def _flaky_server(drops: int):
 
 
 def test_reads_are_retried_when_the_connection_fails_and_other_calls_are_not():
-    """Issue 31, item 5: ``/model_info`` (a read) survives two dropped connections (the engine named if all three
+    """``/model_info`` (a read) survives two dropped connections (the engine named if all three
     tries fail); ``/pause_generation`` (a control call) is never repeated: the first failure is the error."""
     from megarl.rollout.client import EngineClient, EngineError, run_sync
 

@@ -423,7 +423,7 @@ def test_greedy_duplicates_under_a_critic_are_a_warning(caplog):
 
 
 def test_lora_settings_take_verls_keys_and_name_what_is_wrong():
-    """Issue 33: actor_rollout_ref.model.lora_rank / lora_alpha / target_modules (verl's keys): all-linear, Megatron's
+    """``actor_rollout_ref.model.lora_rank`` / ``lora_alpha`` / ``target_modules`` (verl's keys): all-linear, Megatron's
     or PEFT's names; a fused layer's parts together; refusals name the setting."""
     from megarl.config import load_config
     from megarl.config.lora import lora_targets

@@ -228,7 +228,7 @@ def test_apply_chat_template_kwargs_reach_the_template(tokenizer, tmp_path):
 
 
 def test_the_length_filter_counts_the_tool_schemas_of_each_row(tokenizer, tmp_path):
-    """Issue 12: with multi-turn tools the chat template adds each row's tool schemas to its prompt; the filter
+    """With multi-turn tools the chat template adds each row's tool schemas to its prompt; the filter
     counts them (the row's tools: those its tools_kwargs names, else all), and so does the row's input_ids."""
     # (transformers renders with trim_blocks: the newline after {% endfor %} goes)
     templated = build_tokenizer("{% if tools %}{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n"

@@ -1,4 +1,4 @@
-"""On-policy distillation's signal (issue 34, build item 2), hand-computed, and the teacher's settings."""
+"""On-policy distillation's signal, hand-computed, and the teacher's settings."""
 
 import pytest
 import torch

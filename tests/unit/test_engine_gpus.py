@@ -1,7 +1,7 @@
 """Engine servers' GPUs (megarl.plan.engine_gpus): the pure mapping, the sglang launch command, and the
 Ray probe on fake GPUs.
 
-Layouts (issue 13, item 5): 8 TP=1 engines per node, 2 TP=4, 1 TP=8, and a TP=16 engine over two nodes,
+Layouts: 8 TP=1 engines per node, 2 TP=4, 1 TP=8, and a TP=16 engine over two nodes,
 with hand-written expectations. The Ray tests run one local Ray node with 8 fake GPUs
 (``ray.init(num_gpus=8)``); a single Ray node cannot host a two-node engine, so the TP=16 case feeds
 the pure mapping a hand-made probe result of two 8-GPU nodes.

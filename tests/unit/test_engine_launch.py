@@ -1,4 +1,4 @@
-"""SGLang engine servers started as a run starts them, on two Ray nodes of 8 fake GPUs each (issue 13, items 1
+"""SGLang engine servers started as a run starts them, on two Ray nodes of 8 fake GPUs each (items 1
 and 5): probe → GPUs per engine → launch command per node → the owning worker's process.
 
 ``ray.cluster_utils.Cluster`` runs two raylets here (two Ray nodes, one IP), each with ``num_gpus=8``. SGLang

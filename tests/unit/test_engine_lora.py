@@ -1,4 +1,4 @@
-"""LoRA on megarl's CPU engine server (issue 33, build item 3): SGLang's LoRA routes and ``lora_path``, with the
+"""LoRA on megarl's CPU engine server: SGLang's LoRA routes and ``lora_path``, with the
 numbers of ``peft`` itself.
 
 An adapter made with ``peft`` on a tiny Qwen2 is loaded into the server from tensors (SGLang's payloads, one per

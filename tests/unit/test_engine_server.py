@@ -1,4 +1,4 @@
-"""megarl's CPU engine server, a real process, driven by the one HTTP client (issue 13).
+"""megarl's CPU engine server, a real process, driven by the one HTTP client.
 
 The model is a tiny random Qwen2 (project code). Each test talks HTTP to one server started
 for the module; the numbers are checked against :class:`HFEngine` in this process with the
@@ -489,7 +489,7 @@ def test_a_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
 
 
 def test_the_trainers_memory_phases_keep_engine_weights_valid(client, local):
-    """Issue 13, item 4, with the trainer's own phase code against a real server: a step that syncs releases the
+    """With the trainer's own phase code against a real server: a step that syncs releases the
     weights too and resumes them before the sync, kv after; a critic warm-up step keeps the weights (it used to
     resume released weights without a sync: garbage on SGLang) and only kv comes back; tags never released are
     never resumed (SGLang refuses that)."""

@@ -1,4 +1,4 @@
-"""Block FP8 (issue 35): quantize -> dequantize within e4m3's rounding bound, block by block, over random weights of
+"""Block FP8: quantize -> dequantize within e4m3's rounding bound, block by block, over random weights of
 awkward shapes and magnitudes and over a real model's weights (SmolLM2's); which tensors of each family are
 quantized; the format SGLang 0.5.23's FP8 loader reads."""
 

@@ -1,4 +1,4 @@
-"""The hook runner: tool and interaction hooks on their own event loop thread, each call bounded (issue 12, item 2)."""
+"""The hook runner: tool and interaction hooks on their own event loop thread, each call bounded."""
 
 import asyncio
 import threading

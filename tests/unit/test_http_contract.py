@@ -1,4 +1,4 @@
-"""The wire format pinned to the installed sglang (issue 13, build item 3).
+"""The wire format pinned to the installed sglang.
 
 megarl's table of what it sends and reads (:data:`megarl.rollout.http_api.ROUTES`) is checked
 against sglang's own sources, read with ``ast`` by :mod:`tests.sglang_source`: every

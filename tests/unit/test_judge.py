@@ -1,4 +1,4 @@
-"""A generative judge (issue 34): its settings, its template and parsers, and a :class:`Judge` asking a real CPU engine
+"""A generative judge: its settings, its template and parsers, and a :class:`Judge` asking a real CPU engine
 server behind a real sglang-router: verdicts equal to what the engine answers, garbage counted, time-outs counted
 (requests held at the engine's step gate: they cannot finish, whatever the machine's speed), the concurrency bound,
 and the share of failures that stops a run."""

@@ -1,4 +1,4 @@
-"""Megatron's dataclasses passed through (issue 32 item 6): ``<role>.megatron.override_transformer_config.*`` and
+"""Megatron's dataclasses passed through: ``<role>.megatron.override_transformer_config.*`` and
 ``<role>.optim.override_optimizer_config.*`` land in the role's config as given; a key that is not a field of
 Megatron's dataclass, one megarl sets itself, a GPU-only fusion or the hybrid CPU optimizer on CPU is refused,
 naming the key and what to do."""

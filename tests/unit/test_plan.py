@@ -215,7 +215,7 @@ def test_chunks_in_flight_follow_megatron_warmup():
     assert chunks_in_flight(pp=4, vpp=5, pp_rank=0, num_micro_batches=2) == 10
 
 
-# ------------------------------------------------------------- packed and padded micro-batches (issue 15)
+# ------------------------------------------------------------- packed and padded micro-batches
 
 
 def test_micro_batch_counts_aligned_packed_or_padded_tokens_before_the_cp_split():
@@ -489,7 +489,7 @@ def test_engines_on_every_tp_group_are_fed_by_the_replica_they_sit_on():
     ("intermediate_size", None, "has no intermediate_size"),
 ])
 def test_architecture_values_are_checked_before_planning(tmp_path, field, value, message):
-    """Issue 12, item 4: a broken config.json is refused at once, naming the key, the file and the field
+    """A broken config.json is refused at once, naming the key, the file and the field
     (hidden_size 0 was a ZeroDivisionError; 10⁶ layers took 156 s; 10⁸ hung inside transformers' config)."""
     import json
     import time
@@ -510,7 +510,7 @@ def test_architecture_values_are_checked_before_planning(tmp_path, field, value,
 
 
 def test_megarl_plan_on_a_zero_width_config_exits_2_naming_the_field(tmp_path):
-    """Issue 12, item 4 end to end: the real ``megarl-plan`` process on a config.json with hidden_size 0 (it died
+    """The real ``megarl-plan`` process on a config.json with hidden_size 0 (it died
     with ZeroDivisionError) exits 2 within seconds, one line naming the key, the file and the field."""
     import json
     import subprocess
@@ -546,7 +546,7 @@ def test_cli_prints_each_sglang_engine_servers_gpus(capsys):
     assert "\nEngines" not in hf.report()  # hf engines are not SGLang servers
 
 
-# --------------------------------------------------------------------------- mixture of experts (issue 17)
+# --------------------------------------------------------------------------- mixture of experts
 
 
 def _tiny_moe(kind):
@@ -734,7 +734,7 @@ FRONTIER = {  # recipe -> (GPUs, GB per GPU, layers per pipeline stage, experts 
 
 @pytest.mark.parametrize("recipe", FRONTIER)
 def test_the_frontier_moe_recipes_fit_their_clusters(recipe):
-    """Issue 37: DeepSeek-V3 671B (32 x 8 H100), Kimi-K2 (32 x 8 H200), GLM-4.5 355B and Qwen3-235B-A22B (16 x 8
+    """DeepSeek-V3 671B (32 x 8 H100), Kimi-K2 (32 x 8 H200), GLM-4.5 355B and Qwen3-235B-A22B (16 x 8
     H100) are planned as fitting, their layers split over the stages as the recipes say (the last stage lighter
     where they do not split evenly), each GPU holding its share of every sparse layer's experts."""
     gpus, memory, layers, experts = FRONTIER[recipe]
@@ -836,7 +836,7 @@ def test_30b_a3b_on_one_node_is_refused_naming_the_keys(capsys):
 
 
 def test_a_step_larger_than_the_drivers_memory_does_not_fit(plan_7b):
-    """Issue 31: megarl-plan said "fits" for 10^16 trajectories per step. A step's batch lives on the driver; its
+    """``megarl-plan`` said "fits" for 10^16 trajectories per step. A step's batch lives on the driver; its
     token ids alone (int64, prompt + response) bound it from below."""
     rows = 512 * 4  # data.train_batch_size x rollout.n of the recipe
     assert plan_7b.trajectories == rows and plan_7b.batch_bytes_at_least == rows * SEQ * 8
@@ -854,7 +854,7 @@ def test_a_step_larger_than_the_drivers_memory_does_not_fit(plan_7b):
 
 
 def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only():
-    """Issue 33: rank-64 adapters on every linear layer of Llama-3.1-70B at TP=8 on one 8 x 80 GB node: the base's
+    """Rank-64 adapters on every linear layer of Llama-3.1-70B at TP=8 on one 8 x 80 GB node: the base's
     weights stay, gradients and optimizer state are the adapters' (per layer and rank: A whole and B's rows / 8 for
     QKV and fc1, A's columns / 8 and B whole for the output projection and fc2), and no reference model is held."""
     plan = plan_run(load_config(["recipe=llama3_1_70b_lora_grpo"]))
@@ -891,7 +891,7 @@ def test_the_70b_lora_recipe_fits_one_node_with_the_adapters_training_state_only
 
 
 def test_the_teacher_is_planned_beside_the_student_and_a_teacher_that_does_not_fit_is_named():
-    """Issue 34: Qwen2.5-7B teaching Qwen2.5-0.5B on one 8 x 80 GB node: the teacher's own ranks (TP=2, dp=4) hold
+    """Qwen2.5-7B teaching Qwen2.5-0.5B on one 8 x 80 GB node: the teacher's own ranks (TP=2, dp=4) hold
     its weights (7B / 2 in bf16) on every GPU in every phase and its forward in its own phase; a forward that does not
     fit names teacher.log_prob_micro_batch_size_per_gpu first."""
     from megarl.plan.report import format_report
@@ -913,7 +913,7 @@ def test_the_teacher_is_planned_beside_the_student_and_a_teacher_that_does_not_f
 
 
 def test_the_reward_model_is_planned_beside_the_policy():
-    """Issue 34: Skywork-Reward-Llama-3.1-8B (a LlamaForSequenceClassification: Llama's body, a one-label head) scoring
+    """Skywork-Reward-Llama-3.1-8B (a LlamaForSequenceClassification: Llama's body, a one-label head) scoring
     Llama-3.1-8B's responses on one 8 x 80 GB node, its own ranks at TP=2: its weights (body / 2 plus the head, bf16)
     on every GPU in every phase, its forward in its own phase; a forward that does not fit names its key."""
     from megarl.plan.report import format_report
@@ -936,7 +936,7 @@ def test_the_reward_model_is_planned_beside_the_policy():
 
 
 def test_a_judge_is_planned_on_its_own_pool_and_one_without_room_is_refused_naming_the_key():
-    """Issue 34: Qwen2.5-7B judging on its own node (four SGLang engines of TP=2): each judge GPU holds its weights'
+    """Qwen2.5-7B judging on its own node (four SGLang engines of TP=2): each judge GPU holds its weights'
     TP shard (bf16, the vocabulary padded as SGLang pads it) and a KV cache of gpu_memory_utilization x GPU less the
     context and the weights (hand-computed here); a cache smaller than one judge request is refused naming the keys."""
     from megarl.models.family import sglang_padded_vocab
@@ -970,7 +970,7 @@ def test_a_judge_is_planned_on_its_own_pool_and_one_without_room_is_refused_nami
 
 
 def test_fp8_engines_hold_their_linear_weights_in_one_byte():
-    """Issue 35: with rollout.quantization=fp8 an engine GPU holds its linear weights' TP shard in FP8 (1 byte, an
+    """With rollout.quantization=fp8 an engine GPU holds its linear weights' TP shard in FP8 (1 byte, an
     fp32 scale per 128 x 128 block) and the rest in BF16; SGLang's KV pool gets what that frees."""
     bf16 = plan_run(load_config(["recipe=llama3_1_70b_grpo"]))
     fp8 = plan_run(load_config(["recipe=llama3_1_70b_grpo", "actor_rollout_ref.rollout.quantization=fp8"]))
@@ -984,7 +984,7 @@ def test_fp8_engines_hold_their_linear_weights_in_one_byte():
 
 
 def test_an_fp8_sync_moves_the_quantized_bytes_and_holds_two_more_buffers():
-    """Issue 35: the engines of the 70B recipe receive its FP8 buckets: 0.515 of the BF16 bytes (as
+    """The engines of the 70B recipe receive its FP8 buckets: 0.515 of the BF16 bytes (as
     tools/bench_fp8_sync.py measures over the same layout), and each sending GPU holds two quantized bucket buffers
     more, and the transients of quantizing one row of blocks (128 rows) of the widest weight, down_proj's
     (K = 28672: 12 bytes per element)."""

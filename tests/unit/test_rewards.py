@@ -290,7 +290,7 @@ def test_manager_logs_num_examine_samples_per_data_source(tokenizer, caplog):
     assert caplog.text.count("[response]") == 1 and "[ground_truth] 1" in caplog.text
 
 
-# ------------------------------------------------------------------------- scoring errors (issue 12)
+# ------------------------------------------------------------------------- scoring errors
 
 def _source(tmp_path, text, name="reward.py"):
     path = tmp_path / name

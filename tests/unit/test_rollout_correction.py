@@ -1,4 +1,4 @@
-"""Rollout correction (issue 35; verl's ``algorithm.rollout_correction``): importance weights and rejection against
+"""Rollout correction (verl's ``algorithm.rollout_correction``): importance weights and rejection against
 the rollout/training mismatch, hand-computed on small batches; the settings and their refusals; the batch the step
 hands the actor."""
 

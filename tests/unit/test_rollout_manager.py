@@ -1,4 +1,4 @@
-"""RolloutManager over real CPU engine servers behind a real sglang-router (issue 13).
+"""RolloutManager over real CPU engine servers behind a real sglang-router.
 
 The module starts two engine servers (seeds 0 and 1) and sglang-router (round robin, retries
 off) over them once (:func:`tests.engine_servers.engine_servers`). Generation goes through the
@@ -434,7 +434,7 @@ def test_engines_paused_past_the_routers_health_checks_still_get_requests(server
 
 
 def test_a_frozen_engine_is_named_and_one_that_comes_back_goes_on(servers, tokenizer, batch):
-    """Issue 31: SIGSTOP engine 1 while its share of a rollout is inside it (held at its step gate): the rollout
+    """SIGSTOP engine 1 while its share of a rollout is inside it (held at its step gate): the rollout
     fails naming it once it has answered nothing for ``engine_timeout_s`` (it used to hang silently); frozen for
     less than that, it goes on and the rollout completes."""
     import concurrent.futures

@@ -1,4 +1,4 @@
-"""A step's rollout metrics (finish reasons, multi-turn counters) and the failed-rollout limit (issue 12)."""
+"""A step's rollout metrics (finish reasons, multi-turn counters) and the failed-rollout limit."""
 
 import pytest
 

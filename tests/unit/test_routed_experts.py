@@ -1,4 +1,4 @@
-"""Routed experts from the engines (issue 17, routing replay): what the CPU engine returns, over SGLang's wire.
+"""Routed experts from the engines (routing replay): what the CPU engine returns, over SGLang's wire.
 
 The engine captures the top-k experts of every token it computes (prompt and sampled, the last sampled one excepted:
 SGLang's ``[seqlen - 1, num_hidden_layers, top_k]``); the numbers are checked against one teacher-forced forward of

@@ -204,7 +204,7 @@ def test_a_run_owns_its_directory(tmp_path):
     cm.RunLock(root).acquire().release()
 
 
-# ---------------------------------------------------------------------- manifest (issue 12: truncated files)
+# ---------------------------------------------------------------------- manifest (Truncated files)
 def _save_model_like(manager: CheckpointManager, step: int):
     """A checkpoint with shard-like files in sub-directories, like the trainer's."""
     tmp = manager.begin(step)
@@ -339,7 +339,7 @@ def test_a_dangling_symlink_root_is_named(tmp_path):
 
 
 def test_a_save_is_refused_up_front_when_the_disk_has_less_room_than_the_last_checkpoint(tmp_path):
-    """Issue 31: a full disk used to surface as ``CheckpointException ranks:dict_keys([])``. The last checkpoint
+    """A full disk used to surface as ``CheckpointException ranks:dict_keys([])``. The last checkpoint
     here is a sparse file larger than the disk's free space (no space is used)."""
     import shutil
 

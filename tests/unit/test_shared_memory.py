@@ -1,4 +1,4 @@
-"""Weight-sync buffers in shared memory are unlinked when their process is killed (issue 31: /dev/shm filled up,
+"""Weight-sync buffers in shared memory are unlinked when their process is killed (/dev/shm used to fill up,
 1.17 GB after 25 runs): the files of a killed process are found by its PID and removed; a live one's are kept."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""verl's names accepted as what they are (issue 32): verl's five Megatron example scripts compose and validate with
+"""verl's names accepted as what they are: verl's five Megatron example scripts compose and validate with
 ``rollout.name=vllm → sglang`` as the only change, carrying verl's values; ``rollout.name=vllm`` exits 2 naming
 SGLang; a key with no meaning here is refused with the nearest keys.
 

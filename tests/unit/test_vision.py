@@ -1,4 +1,4 @@
-"""Vision-language families (issue 36): megarl's view of a Qwen2.5-VL config, the vision tower's weight rules and
+"""Vision-language families: megarl's view of a Qwen2.5-VL config, the vision tower's weight rules and
 sizes, multimodal positions, and what is refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Image prompts in verl's format (issue 36): images decoded and checked per row before training, prompt lengths
+"""Image prompts in verl's format: images decoded and checked per row before training, prompt lengths
 counted with each image's tokens, the model's inputs (expanded placeholders, pixel values, patch grids) and the
 engine's (one placeholder per image, the images)."""
 
