@@ -28,7 +28,7 @@ from megarl.data.batch import Batch
 from megarl.data.dataset import collate
 from megarl.seeds import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from megarl.rollout.client import EngineClient, EngineError, gather_sync
+from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
 from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.manager import RolloutManager
@@ -404,25 +404,39 @@ def test_sampling_seeds_go_to_megarls_engine_only(tokenizer, batch, engine):
 
 def test_engines_paused_past_the_routers_health_checks_still_get_requests(servers, tokenizer, batch, tmp_path):
     """A weight sync pauses the engines (SGLang's /health and /ready fail then; the CPU server's /health is 503):
-    the router megarl starts must not drop them. Its health checks are off; here they would run every second,
-    drop a worker after one failure and take it back after five successes, so an engine paused for 3 s would
-    still be out when generation resumes (checked without ``--disable-health-check``: "No available workers")."""
+    the router megarl starts must not drop them. Beside it runs the same router with health checks on (every second,
+    a worker dropped after one failure and taken back after five successes): the engines stay paused until that one
+    has dropped them (its ``/workers``), and megarl's still lists them all healthy and serves the rollout after."""
     from megarl.rollout.router import router_command, workers_registered
+    from tests.engine_servers import get_json, wait_for
 
-    port = free_port()
-    argv = router_command([e.url for e in servers.engines], host="127.0.0.1", port=port, policy="round_robin") + [
-        "--health-check-interval-secs", "1", "--health-check-timeout-secs", "1", "--health-failure-threshold", "1",
-        "--health-success-threshold", "5"]
-    router = ServerProcess(argv, name="sglang-router", url=f"http://127.0.0.1:{port}",
-                           log_path=tmp_path / "router.log", health_path="/workers",
-                           ready=functools.partial(workers_registered, [e.url for e in servers.engines]))
-    generator = EngineClient(router.url, name="sglang-router")
+    urls = [e.url for e in servers.engines]
+
+    def router(name: str, health_checks: bool) -> ServerProcess:
+        port = free_port()
+        argv = router_command(urls, host="127.0.0.1", port=port, policy="round_robin") + [
+            "--health-check-interval-secs", "1", "--health-check-timeout-secs", "1", "--health-failure-threshold",
+            "1", "--health-success-threshold", "5"]
+        if health_checks:
+            argv.remove("--disable-health-check")
+        return ServerProcess(argv, name=name, url=f"http://127.0.0.1:{port}", log_path=tmp_path / f"{name}.log",
+                             health_path="/workers", ready=functools.partial(workers_registered, urls))
+
+    megarls, checking = router("sglang-router", False), router("checking-router", True)
+    generator = EngineClient(megarls.url, name="sglang-router")
+
+    def registered(answer: dict) -> bool:
+        return workers_registered(urls, json.dumps(answer).encode())
+
     try:
-        router.start().wait_healthy(60)
+        megarls.start().wait_healthy(60)
+        checking.start().wait_healthy(60)
         gather_sync([e.pause_generation("in_place") for e in servers.engines])
         try:
             assert not any(gather_sync([e.health() for e in servers.engines]))
-            time.sleep(3)
+            run_sync(wait_for(checking.url, "/workers", lambda answer: not registered(answer),
+                              "dropped a paused engine"))
+            assert registered(run_sync(get_json(megarls.url, "/workers")))
         finally:
             gather_sync([e.continue_generation() for e in servers.engines])
         manager = RolloutManager(generator, servers.engines, tokenizer, RolloutConfig(n=2, seed=0), prompt_length=P,
@@ -430,7 +444,8 @@ def test_engines_paused_past_the_routers_health_checks_still_get_requests(server
         assert len(manager.generate(batch)) == 2 * len(batch)
     finally:
         close_clients([generator])
-        router.stop()
+        megarls.stop()
+        checking.stop()
 
 
 def test_a_frozen_engine_is_named_and_one_that_comes_back_goes_on(servers, tokenizer, batch):
