@@ -29,6 +29,26 @@ def tiny_tokenizer() -> Any:
     return build_tiny_tokenizer()
 
 
+class Together:
+    """A rendezvous that shows callers run concurrently, on a machine of any speed: :meth:`arrive` returns once
+    ``count`` callers are inside at once. Callers run one after another never get there: the first fails after
+    ``guard_s`` (a guard against a hang, never a measure of speed)."""
+
+    def __init__(self, count: int, guard_s: float = 60.0) -> None:
+        self.count, self.guard_s, self.arrived = count, guard_s, 0
+
+    async def arrive(self) -> None:
+        import time
+
+        self.arrived += 1
+        deadline = time.monotonic() + self.guard_s
+        while self.arrived < self.count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.arrived} of {self.count} callers were inside at once after "
+                                     f"{self.guard_s:.0f} s: they do not run concurrently")
+            await asyncio.sleep(0.001)
+
+
 @dataclasses.dataclass(frozen=True)
 class Turn:
     """One scripted assistant turn."""
@@ -41,6 +61,8 @@ class Turn:
     """Answer with finish reason ``abort`` and no tokens."""
     delay_s: float = 0.0
     """Seconds to wait (asynchronously) before answering."""
+    together: Together | None = None
+    """Answer only once this rendezvous is full (concurrent calls), before ``delay_s``."""
 
 
 def fake_logprobs(num_tokens: int) -> list[float]:
@@ -92,6 +114,8 @@ class ScriptedEngine:
         self.calls.append((list(input_ids), sampling_params))
         self.images.append(None if image_data is None else list(image_data))
         turn = self._turn(input_ids)
+        if turn.together is not None:
+            await turn.together.arrive()
         if turn.delay_s:
             await asyncio.sleep(turn.delay_s)
         return self._answer(turn, sampling_params, return_logprob)

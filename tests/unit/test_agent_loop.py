@@ -11,7 +11,7 @@ tokenising the final messages with the chat template in one go.
 import asyncio
 import dataclasses
 import json
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_f
 from megarl.rollout.interaction import Gsm8kInteraction
 from megarl.rollout.request import AsyncRolloutRequest, FinishReasonType, Message, RequestState
 from megarl.rollout.tools import BaseTool, load_tools
-from tests.scripted_engine import ScriptedEngine, Turn, fake_logprobs, tiny_tokenizer
+from tests.scripted_engine import ScriptedEngine, Together, Turn, fake_logprobs, tiny_tokenizer
 
 EOS = "<|im_end|>"
 GEN = "<|im_start|>assistant\n"
@@ -72,10 +72,13 @@ class ExplodingTool(BaseTool):
 
 
 class NapTool(BaseTool):
-    """Sleeps ``config["seconds"]`` then answers ``config["reply"]``."""
+    """Sleeps ``config["seconds"]`` (or, with ``config["together"]``, waits until that rendezvous is full) then
+    answers ``config["reply"]``."""
 
     async def execute(self, instance_id, parameters, **execute_kwargs):
-        await asyncio.sleep(self.config["seconds"])
+        if "together" in self.config:
+            await self.config["together"].arrive()
+        await asyncio.sleep(self.config.get("seconds", 0))
         return self.config["reply"], 0.0, {}
 
 
@@ -310,9 +313,7 @@ def test_tool_timeout(tok):
     tools = {"nap": NapTool({"seconds": 30, "reply": "zz"}, schema("nap"))}
     turn = "Waiting.\n" + call("nap", {})
     loop, _ = make_loop(tok, {Q1: [turn, "Too slow. #### 72"]}, tools=tools, tool_timeout_s=0.2)
-    start = time.perf_counter()
-    [req] = run(loop, [request(tools_kwargs={})])
-    assert time.perf_counter() - start < 2.0
+    [req] = run(loop, [request(tools_kwargs={})])  # the 30 s nap's reply would be "zz"
     assert req.state is RequestState.COMPLETED and req.finish_reason is FinishReasonType.STOP
     error = "Error: tool 'nap' timed out after 0.2 s."
     check_sequence(tok, req, [*assistant(turn), (tool_turn(error), 0), (GEN, 0), *assistant("Too slow. #### 72")])
@@ -397,13 +398,12 @@ def test_interaction_at_the_turn_limit_ends_without_a_reply(tok):
 
 
 def test_several_calls_in_one_turn_run_concurrently(tok):
-    tools = {"nap_a": NapTool({"seconds": 0.3, "reply": "slept a"}, schema("nap_a")),
-             "nap_b": NapTool({"seconds": 0.3, "reply": "slept b"}, schema("nap_b"))}
+    together = Together(2)  # each call answers only once both are running: one after another they never would
+    tools = {"nap_a": NapTool({"together": together, "reply": "slept a"}, schema("nap_a")),
+             "nap_b": NapTool({"together": together, "reply": "slept b"}, schema("nap_b"))}
     turn = call("nap_a", {}) + "\n" + call("nap_b", {})
     loop, _ = make_loop(tok, {Q1: [turn, "Rested. #### 72"]}, tools=tools)
-    start = time.perf_counter()
     [req] = run(loop, [request(tools_kwargs={})])
-    assert time.perf_counter() - start < 0.5
     check_sequence(tok, req, [*assistant(turn), (tool_turn("slept a", "slept b"), 0), (GEN, 0),
                               *assistant("Rested. #### 72")])
     check_equals_template(tok, req)
@@ -411,13 +411,13 @@ def test_several_calls_in_one_turn_run_concurrently(tok):
 
 def test_requests_run_concurrently_and_come_back_sorted(tok):
     questions = [f"Question number {i}: what is {i} + {i}?" for i in range(3)]
-    # Later rows answer sooner, so completion order is the reverse of the input order.
-    scripts = {q: [Turn(f"#### {2 * i}", delay_s=0.3 - 0.1 * i)] for i, q in enumerate(questions)}
+    # All six answer once all six are in the engine; later rows then answer sooner, so completion order is the
+    # reverse of the input order.
+    together = Together(6)
+    scripts = {q: [Turn(f"#### {2 * i}", delay_s=0.3 - 0.1 * i, together=together)] for i, q in enumerate(questions)}
     loop, _ = make_loop(tok, scripts)
     batch = Batch(non_tensors={"raw_prompt": [[{"role": "user", "content": q}] for q in questions]})
-    start = time.perf_counter()
     requests = run(loop, requests_from_batch(batch, n=2))
-    assert time.perf_counter() - start < 0.6
     assert [(r.batch_data_id, r.rollout_offset) for r in requests] == [(i, k) for i in range(3) for k in range(2)]
     for r in requests:
         assert r.messages[-1].content == f"#### {2 * r.batch_data_id}"
@@ -499,13 +499,17 @@ def test_tool_create_failure_fails_the_request(tok):
 
 class HangingTool(BaseTool):
     """A GSM8K-like tool whose ``config["hang"]`` hook never returns: ``"async"`` awaits forever, ``"blocking"``
-    sleeps in the event loop's thread (the mistake the hook runner contains). Other hooks behave."""
+    blocks the event loop's thread (the mistake the hook runner contains) until ``config["release"]`` (a
+    ``threading.Event``) is set, 60 s at most, having set ``config["blocked"]`` when there is one. Other hooks
+    behave."""
 
     async def _maybe_hang(self, hook):
         if self.config.get("hook") != hook:
             return
         if self.config["hang"] == "blocking":
-            time.sleep(self.config.get("seconds", 3.0))
+            if "blocked" in self.config:
+                self.config["blocked"].set()
+            self.config["release"].wait(60)
         else:
             await asyncio.Event().wait()
 
@@ -532,12 +536,14 @@ def test_every_tool_hook_is_bounded_and_counted(tok, hook, hang):
     """A tool hook that never returns (awaiting forever, or blocking its thread) costs the
     time limit, is counted as ``num_timeouts/<hook>``, and fails the request only where its result matters
     (create, calc_reward); execute answers the model with an error; release is counted and logged."""
-    tools = {"hang": HangingTool({"hook": hook, "hang": hang, "seconds": 3.0}, schema("hang"))}
+    release = threading.Event()
+    tools = {"hang": HangingTool({"hook": hook, "hang": hang, "release": release}, schema("hang"))}
     turn = "Checking.\n" + call("hang", {})
     loop, _ = make_loop(tok, {Q1: [turn, "Done. #### 72"]}, tools=tools, tool_timeout_s=0.3)
-    start = time.perf_counter()
-    [req] = run(loop, [request(tools_kwargs={})])
-    assert time.perf_counter() - start < 2.5  # the 3 s blocking hook does not hold the loop (nor its result)
+    try:
+        [req] = run(loop, [request(tools_kwargs={})])  # finished while the blocking hook still blocks its thread
+    finally:
+        release.set()
     assert req.metrics[f"num_timeouts/{hook}"] == 1
     if hook in ("create", "calc_reward"):
         assert req.state is RequestState.FAILED and req.finish_reason is FinishReasonType.ABORT
@@ -551,26 +557,34 @@ def test_every_tool_hook_is_bounded_and_counted(tok, hook, hang):
 
 
 def test_a_blocking_tool_does_not_stall_the_event_loop(tok):
-    """While a tool blocks its thread for 1.5 s, a coroutine on the agent loop's event loop keeps ticking."""
-    tools = {"hang": HangingTool({"hook": "calc_reward", "hang": "blocking", "seconds": 1.5}, schema("hang"))}
-    loop, _ = make_loop(tok, {Q1: ["#### 72"]}, tools=tools, tool_timeout_s=1.0)
-    ticks = []
+    """While a tool blocks its thread, a coroutine on the agent loop's event loop keeps ticking: the tool is
+    released only once the ticker has ticked five times during the block (the block would otherwise last until
+    the tool's 60 s guard, and its reward be lost), on a machine of any speed."""
+    release, blocked = threading.Event(), threading.Event()
+    config = {"hook": "calc_reward", "hang": "blocking", "release": release, "blocked": blocked}
+    tools = {"hang": HangingTool(config, schema("hang"))}
+    loop, _ = make_loop(tok, {Q1: ["#### 72"]}, tools=tools, tool_timeout_s=None)
+    ticks_while_blocked = []
 
     async def main():
         async def ticker():
             while True:
-                ticks.append(time.perf_counter())
-                await asyncio.sleep(0.05)
+                if blocked.is_set():
+                    ticks_while_blocked.append(None)
+                    if len(ticks_while_blocked) == 5:
+                        release.set()
+                await asyncio.sleep(0.01)
 
         task = asyncio.ensure_future(ticker())
-        done = await loop.run([request(tools_kwargs={})])
-        task.cancel()
-        return done
+        try:
+            return await loop.run([request(tools_kwargs={})])
+        finally:
+            task.cancel()
+            release.set()
 
     [req] = asyncio.run(main())
-    assert req.state is RequestState.FAILED and req.metrics["num_timeouts/calc_reward"] == 1
-    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert len(ticks) >= 15 and max(gaps) < 0.5
+    assert len(ticks_while_blocked) >= 5
+    assert req.state is RequestState.COMPLETED and req.reward_scores == {"hang": 1.0}
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
