@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -151,10 +150,9 @@ def test_mcore_to_hf_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, caps
 
 # ------------------------------------------------------------- Refused before any rank starts
 def _refused(argv, capsys, *fragments):
-    """The CLI exits 2 within seconds with one line (no traceback) holding every fragment."""
-    start = time.monotonic()
+    """The CLI exits 2 with one line (no traceback) holding every fragment; before any rank (the ``no_ranks``
+    fixture fails a test whose conversion spawns ranks)."""
     err = _fails(argv, capsys)
-    assert time.monotonic() - start < 30, "refusals come before any rank (they take seconds)"
     assert err.startswith("megarl-convert: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment in err, (fragment, err)

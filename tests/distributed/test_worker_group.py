@@ -198,8 +198,8 @@ def test_colocated_worker_classes_share_bundles(cluster, tp_group):
             side.call_rank(0, SideWorker.fail)
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"ref.nap: ranks \[0, 1, 2, 3\] did not answer within 0 s"):
-            side.call_all(SideWorker.nap, 3.0, timeout_s=0.3)
-        assert time.monotonic() - start < 2
+            side.call_all(SideWorker.nap, 600.0, timeout_s=0.3)
+        assert time.monotonic() - start < 300  # at the call's limit, not the nap's end
     finally:
         side.shutdown()
 
@@ -212,15 +212,15 @@ def test_killed_worker_ends_a_blocked_call_with_role_and_rank(tp_group):
     killer = threading.Timer(1.0, tp_group.kill_rank, args=(1,))
     killer.start()
     with pytest.raises(WorkerError, match=r"actor rank 1 died during slow_barrier") as info:
-        tp_group.call_all(TPWorker.slow_barrier, 3.0, timeout_s=60)
+        tp_group.call_all(TPWorker.slow_barrier, 3.0, timeout_s=600)
     killer.join()
     assert info.value.rank == 1 and info.value.role == "actor"
-    assert time.monotonic() - refs_started < 1.0 + 5.0  # killed at 1 s; the others would wait 60 s
+    assert time.monotonic() - refs_started < 300  # seen dead; the others would wait out the call's 600 s
     # A call on the dead rank fails at once, too.
     start = time.monotonic()
     with pytest.raises(WorkerError, match="actor rank 1 died during ping"):
-        tp_group.call_rank(1, Worker.ping, timeout_s=30)
-    assert time.monotonic() - start < 5
+        tp_group.call_rank(1, Worker.ping, timeout_s=600)
+    assert time.monotonic() - start < 300  # at once, not at the call's limit
 
 
 def _wandb_as_megatron_sees_it() -> str:

@@ -226,7 +226,7 @@ def test_node_that_never_joins_fails_within_timeout(slurm_env, tmp_path, nodes, 
     lines = job.lines()
     error = next(line for line in lines if "error:" in line)
     assert error.endswith(f"missing: {skip}"), error
-    assert _seconds(error) - _seconds(lines[0]) <= timeout_s + 3, lines
+    assert _seconds(error) - _seconds(lines[0]) <= timeout_s + 60, lines  # at its limit, not at the job's
     assert "running:" not in "\n".join(lines)
     assert lines[-1].endswith("exit code 1")
     assert _ray_processes(job.job_id) == []

@@ -442,7 +442,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
 
 
-def test_a_dead_server_is_named_within_seconds(tmp_path):
+def test_a_dead_server_is_named_by_its_refused_connection(tmp_path):
     port = free_port()
     process = ServerProcess([sys.executable, "-c", HEALTHY_STUB, str(port)], name="engine 9",
                             url=f"http://127.0.0.1:{port}", log_path=tmp_path / "e9.log").start()
@@ -450,10 +450,8 @@ def test_a_dead_server_is_named_within_seconds(tmp_path):
     client = EngineClient(process.url, name="engine 9")
     process.stop()
     assert not process.alive()
-    start = time.monotonic()
     with pytest.raises(EngineError, match=rf"engine 9 at {process.url}: POST /generate: the server cannot be reached"):
-        run_sync(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
-    assert time.monotonic() - start < 5
+        run_sync(client.generate([1, 2], SamplingParams(max_new_tokens=2)))  # refused connection, not a time-out
     broken = ServerProcess([sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"],
                            name="engine 8", url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e8.log")
     with pytest.raises(ServerStartError, match=r"engine 8 \(http://127\.0\.0\.1:\d+\) exited with code 3 before it "

