@@ -18,8 +18,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.trainer import LinksConfig
 from megarl.models.sizes import Architecture
 from megarl.plan.memory import DTYPE_BYTES
-from megarl.plan.placement import PlacementPlan
-from megarl.plan.report import expert_groups
+from megarl.plan.placement import PlacementPlan, expert_groups
 
 
 def all_to_all_bytes_per_token(*, hidden: int, topk: int, ep: int, dtype_bytes: int) -> float:

@@ -105,7 +105,11 @@ from megarl.plan.activations import (
     moe_layer_activation_bytes,
 )
 from megarl.plan.placement import PlacementPlan, megatron_coordinates
-from megarl.plan.report import ROWS
+
+ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "teacher_weights",
+        "reward_model_weights", "activations", "logits", "forward", "critic_activations", "critic_forward",
+        "teacher_forward", "reward_model_forward", "engine_weights", "kv_cache", "sync_buffers", "cuda_context")
+"""Memory rows of a GPU, in report order."""
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = GiB // 2

@@ -463,3 +463,41 @@ def create_pools(plan: PlacementPlan, *, use_gpu: bool = True, cpus_per_bundle: 
             pool.remove()
         raise
     return pools
+
+
+def ranges(values: Sequence[int]) -> str:
+    """``0-7,16-23`` for sorted integers."""
+    values = sorted(values)
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def rank_groups(dims, axis: str) -> list[list[int]]:
+    """Ranks of each ``axis`` group (ranks sharing the other coordinates), in rank order."""
+    index = {"tp": 0, "cp": 1, "dp": 2, "pp": 3}[axis]
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(dims.world_size):
+        coords = megatron_coordinates(rank, dims)
+        groups.setdefault(coords[:index] + coords[index + 1:], []).append(rank)
+    return sorted(groups.values())
+
+
+def expert_groups(dims, axis: str = "ep") -> list[list[int]]:
+    """Ranks of each expert-parallel (``ep``), expert-tensor-parallel (``etp``) or expert-data-parallel (``edp``)
+    group: a pipeline stage's ``tp × cp × dp`` ranks regrouped in Megatron's expert order, ``etp`` fastest, then
+    ``ep``, then expert data parallelism."""
+    stage = dims.tp * dims.cp * dims.dp
+    etp, ep = dims.expert_tp, dims.ep
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(dims.world_size):
+        local = rank % stage
+        coords = (local % etp, local // etp % ep, local // (etp * ep))
+        key = tuple(c for c, name in zip(coords, ("etp", "ep", "edp")) if name != axis)
+        groups.setdefault((rank // stage, *key), []).append(rank)
+    return sorted(groups.values())

@@ -4,8 +4,8 @@ weight sync and all-to-all traffic per step.
 Pure arithmetic on the config and the model's sizes (no Ray, no GPU, no weights): ``megarl-plan`` prints it
 (:meth:`RunPlan.report`), and :func:`preflight` lets the trainer refuse a run before placing anything. Its
 parts: the placement (:mod:`megarl.plan.placement`), the memory model (:mod:`megarl.plan.memory`), the weight
-sync (:mod:`megarl.plan.weight_sync`), the all-to-all (:mod:`megarl.plan.all_to_all`); its text (the report,
-the refusal messages) is :mod:`megarl.plan.report`, which imports none of them.
+sync (:mod:`megarl.plan.weight_sync`), the all-to-all (:mod:`megarl.plan.all_to_all`), gathered as data in
+:mod:`megarl.plan.run_plan`; its text (the report, the refusal messages) is :mod:`megarl.plan.report`.
 
 A plan that does not fit (a phase above ``trainer.gpu_memory_gb``, or an SGLang engine left with
 KV room for less than one sequence) raises ``ValueError`` naming the settings that would help.
@@ -13,84 +13,28 @@ KV room for less than one sequence) raises ``ValueError`` naming the settings th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture, architecture_for
-from megarl.plan.all_to_all import AllToAllPlan, plan_all_to_all
-from megarl.plan.judge import JudgePlan, plan_judge
-from megarl.plan.memory import CUDA_CONTEXT_BYTES, GiB, GpuPlan, MemoryModel
+from megarl.plan.all_to_all import plan_all_to_all
+from megarl.plan.judge import plan_judge
+from megarl.plan.memory import CUDA_CONTEXT_BYTES, GiB, MemoryModel
 from megarl.plan.placement import PlacementPlan, placement_for
-from megarl.plan.report import format_report, host_optimizer_problem, host_problem, kv_problem, overflow_problem
-from megarl.plan.weight_sync import SyncPlan, plan_weight_sync
+from megarl.plan.report import format_report, plan_problems
+from megarl.plan.run_plan import PlanFigures
+from megarl.plan.weight_sync import plan_weight_sync
 
 ARR = "actor_rollout_ref"
-TOKEN_ID_BYTES = 8
-"""A token id on the driver (int64, as the rollout's batches hold them)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """The pre-flight plan of a run: placement, memory per kind of GPU, weight-sync volume."""
-
-    cfg: RunConfig
-    model: Architecture
-    critic_model: Architecture | None
-    placement: PlacementPlan
-    gpu_memory_bytes: int
-    gpus: tuple[GpuPlan, ...]
-    sync: SyncPlan
-    max_seq: int
-    all_to_all: AllToAllPlan | None = None
-    """The actor's expert-parallel all-to-all per step (None: a dense model)."""
-    host_memory_bytes: int = 0
-    """The driver machine's memory (``trainer.host_memory_gb``)."""
-    host_optimizer_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Node -> optimizer state Megatron's hybrid optimizer keeps in its host memory (``optimizer_cpu_offload``)."""
-    scorers: dict[str, Architecture] = dataclasses.field(default_factory=dict)
-    """The scoring models' sizes by role: ``teacher`` (``teacher.enable``), ``reward_model``
-    (``reward_model.enable``)."""
-    judge: JudgePlan | None = None
-    """A generative judge's engines on their own pool (``reward_model.judge.enable``)."""
-
-    @property
-    def teacher_model(self) -> Architecture | None:
-        return self.scorers.get("teacher")
-
-    @property
-    def trajectories(self) -> int:
-        """Trajectories per step: ``data.train_batch_size`` prompts × ``rollout.n`` samples."""
-        return self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
-
-    @property
-    def batch_bytes_at_least(self) -> int:
-        """A lower bound of a step's batch on the driver: its token ids alone (int64, up to ``max_seq`` each); the
-        masks, log-probs, advantages and the rest come on top."""
-        return self.trajectories * self.max_seq * TOKEN_ID_BYTES
-
-    @property
-    def worst(self) -> GpuPlan:
-        """The kind of GPU with the highest phase peak."""
-        return max(self.gpus, key=lambda g: g.peak)
+class RunPlan(PlanFigures):
+    """The pre-flight plan of a run: its figures (:class:`~megarl.plan.run_plan.PlanFigures`), whether it fits, and
+    its printable report."""
 
     def problems(self) -> list[str]:
         """Why the run does not fit (empty when it does), each naming the settings that would help."""
-        out = []
-        worst = self.worst
-        if worst.peak > self.gpu_memory_bytes:
-            out.append(overflow_problem(self, worst))
-        for gpu in self.gpus:
-            if gpu.engine == "sglang" and (gpu.kv_tokens or 0) < self.max_seq:
-                out.append(kv_problem(self, gpu))
-                break
-        if self.batch_bytes_at_least > self.host_memory_bytes:
-            out.append(host_problem(self))
-        if self.host_optimizer_bytes and max(self.host_optimizer_bytes.values()) > self.host_memory_bytes:
-            out.append(host_optimizer_problem(self))
-        if self.judge is not None:
-            out += self.judge.problems()
-        return out
+        return plan_problems(self)
 
     @property
     def fits(self) -> bool:

@@ -10,66 +10,31 @@ layout (EP / ETP / expert-DP groups) and the all-to-all volume per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from megarl.config.megatron import offloaded_fraction
 from megarl.plan.engine_gpus import engine_gpus, planned_bundle_gpus
-from megarl.plan.placement import GLOBAL_POOL, engine_replica, megatron_coordinates
+from megarl.plan.memory import ROWS
+from megarl.plan.placement import (
+    GLOBAL_POOL,
+    engine_replica,
+    expert_groups,
+    megatron_coordinates,
+    rank_groups,
+    ranges,
+)
+from megarl.plan.run_plan import PlanFigures
 
 if TYPE_CHECKING:
     from megarl.plan.memory import GpuPlan
-    from megarl.plan.preflight import RunPlan
 
 GiB = 1 << 30
 ARR = "actor_rollout_ref"
-ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "teacher_weights",
-        "reward_model_weights", "activations", "logits", "forward", "critic_activations", "critic_forward",
-        "teacher_forward", "reward_model_forward", "engine_weights", "kv_cache", "sync_buffers", "cuda_context")
-"""Memory rows of a GPU, in report order."""
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
-
-
-def ranges(values: Sequence[int]) -> str:
-    """``0-7,16-23`` for sorted integers."""
-    values = sorted(values)
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ",".join(out)
-
-
-def _groups(dims, axis: str) -> list[list[int]]:
-    """Ranks of each ``axis`` group (ranks sharing the other coordinates), in rank order."""
-    index = {"tp": 0, "cp": 1, "dp": 2, "pp": 3}[axis]
-    groups: dict[tuple, list[int]] = {}
-    for rank in range(dims.world_size):
-        coords = megatron_coordinates(rank, dims)
-        groups.setdefault(coords[:index] + coords[index + 1:], []).append(rank)
-    return sorted(groups.values())
-
-
-def expert_groups(dims, axis: str = "ep") -> list[list[int]]:
-    """Ranks of each expert-parallel (``ep``), expert-tensor-parallel (``etp``) or expert-data-parallel (``edp``)
-    group: a pipeline stage's ``tp × cp × dp`` ranks regrouped in Megatron's expert order, ``etp`` fastest, then
-    ``ep``, then expert data parallelism."""
-    stage = dims.tp * dims.cp * dims.dp
-    etp, ep = dims.expert_tp, dims.ep
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(dims.world_size):
-        local = rank % stage
-        coords = (local % etp, local // etp % ep, local // (etp * ep))
-        key = tuple(c for c, name in zip(coords, ("etp", "ep", "edp")) if name != axis)
-        groups.setdefault((rank // stage, *key), []).append(rank)
-    return sorted(groups.values())
 
 
 def _format_groups(groups: list[list[int]], limit: int = 4) -> str:
@@ -84,7 +49,7 @@ def _stage_layers(num_layers: int, dims, stage: int) -> str:
     return ranges(dims.stage_layers(num_layers, stage))
 
 
-def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
+def _role_lines(plan: PlanFigures, role: str, prefix: str, sizes) -> list[str]:
     placement = plan.placement.role(role)
     dims = placement.dims
     pool = plan.placement.pools[placement.pool]
@@ -95,7 +60,7 @@ def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
     for axis in ("tp", "cp", "pp", "dp"):
         size = getattr(dims, axis)
         if size > 1:
-            groups = _groups(dims, axis)
+            groups = rank_groups(dims, axis)
             lines.append(f"  {axis.upper()} groups ({len(groups)} groups of {size}): {_format_groups(groups)}")
     for stage in range(dims.pp):
         gpus = [r for r in range(dims.world_size) if megatron_coordinates(r, dims)[3] == stage]
@@ -117,7 +82,7 @@ def _role_lines(plan: RunPlan, role: str, prefix: str, sizes) -> list[str]:
     return lines
 
 
-def _placement_lines(plan: RunPlan) -> list[str]:
+def _placement_lines(plan: PlanFigures) -> list[str]:
     placement = plan.placement
     lines = [f"pool {p.name}: {p.size} GPUs on {len(p.nodes)} node(s), {ranges(range(p.size))}"
              for p in placement.pools.values()]
@@ -151,7 +116,7 @@ def _nodes(nodes: tuple[int, ...]) -> str:
     return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {ranges(nodes)}"
 
 
-def _engine_gpu_lines(plan: RunPlan) -> list[str]:
+def _engine_gpu_lines(plan: PlanFigures) -> list[str]:
     """Each SGLang engine server's node, GPUs in TP order, ``CUDA_VISIBLE_DEVICES`` and ``base_gpu_id``, from the
     plan alone (:func:`~megarl.plan.engine_gpus.planned_bundle_gpus`: bundle b on GPU b mod n of node b div n)."""
     if plan.cfg.actor_rollout_ref.rollout.name != "sglang":
@@ -165,7 +130,7 @@ def _engine_gpu_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
-def _row_names(plan: RunPlan) -> dict[str, str]:
+def _row_names(plan: PlanFigures) -> dict[str, str]:
     cfg = plan.cfg
     arr = cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
@@ -211,7 +176,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
-def memory_table(plan: RunPlan) -> list[str]:
+def memory_table(plan: PlanFigures) -> list[str]:
     """The per-kind memory table (GiB): rows, phase totals, peak vs the GPU, KV tokens."""
     kinds = plan.gpus
     names = _row_names(plan)
@@ -236,7 +201,7 @@ def memory_table(plan: RunPlan) -> list[str]:
 _LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "infiniband": "InfiniBand", "hbm": "HBM"}
 
 
-def _sync_lines(plan: RunPlan) -> list[str]:
+def _sync_lines(plan: PlanFigures) -> list[str]:
     sync, arr = plan.sync, plan.cfg.actor_rollout_ref
     links = sync.links
     engines = plan.placement.engines
@@ -275,7 +240,7 @@ def _sync_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
-def _all_to_all_lines(plan: RunPlan) -> list[str]:
+def _all_to_all_lines(plan: PlanFigures) -> list[str]:
     a2a, model = plan.all_to_all, plan.model
     if a2a is None:
         return []
@@ -292,7 +257,7 @@ def _all_to_all_lines(plan: RunPlan) -> list[str]:
     return [per_token, per_step]
 
 
-def _engine_note(plan: RunPlan) -> list[str]:
+def _engine_note(plan: PlanFigures) -> list[str]:
     rollout = plan.cfg.actor_rollout_ref.rollout
     if rollout.name != "sglang":
         return ["  hf engines reserve no KV pool: each caches its share of the batch while it generates"]
@@ -305,7 +270,7 @@ def _engine_note(plan: RunPlan) -> list[str]:
             f"{rollout.gpu_memory_utilization} x GPU - memory in use then ({held} GiB; {why}) - engine weights"]
 
 
-def format_report(plan: RunPlan) -> str:
+def format_report(plan: PlanFigures) -> str:
     """The whole printable plan."""
     cfg, model = plan.cfg, plan.model
     trainer = cfg.trainer
@@ -336,7 +301,7 @@ def format_report(plan: RunPlan) -> str:
     a2a = _all_to_all_lines(plan)
     if a2a:
         lines += a2a + [""]
-    problems = plan.problems()
+    problems = plan_problems(plan)
     worst = plan.worst
     lines.append(f"driver: a step's {plan.trajectories:,} trajectories of up to {plan.max_seq:,} tokens take at least "
                  f"{_gib(plan.batch_bytes_at_least)} GiB (token ids alone) of its {_gib(plan.host_memory_bytes)} GiB")
@@ -354,7 +319,7 @@ def format_report(plan: RunPlan) -> str:
 # ------------------------------------------------------------------------------ refusals
 
 
-def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
+def _advice(plan: PlanFigures, row: str, phase: str) -> str | None:
     """Settings that shrink ``row`` in ``phase``."""
     arr = plan.cfg.actor_rollout_ref
     actor, rollout, critic = arr.actor, arr.rollout, plan.cfg.critic
@@ -424,7 +389,7 @@ def _advice(plan: RunPlan, row: str, phase: str) -> str | None:
     return None
 
 
-def overflow_problem(plan: RunPlan, gpu: GpuPlan) -> str:
+def overflow_problem(plan: PlanFigures, gpu: GpuPlan) -> str:
     """The message for a kind of GPU whose peak phase exceeds the GPU: the largest parts and what shrinks them."""
     names = _row_names(plan)
     phase = gpu.peak_phase
@@ -442,7 +407,7 @@ def overflow_problem(plan: RunPlan, gpu: GpuPlan) -> str:
             + "; ".join(advice))
 
 
-def host_problem(plan: RunPlan) -> str:
+def host_problem(plan: PlanFigures) -> str:
     """The message for a step's batch that cannot fit in the driver's memory."""
     return (f"a step's {plan.trajectories:,} trajectories (data.train_batch_size={plan.cfg.data.train_batch_size} x "
             f"{ARR}.rollout.n={plan.cfg.actor_rollout_ref.rollout.n}) of up to {plan.max_seq:,} tokens take at least "
@@ -451,14 +416,14 @@ def host_problem(plan: RunPlan) -> str:
             f"{ARR}.rollout.n or data.max_response_length")
 
 
-def _host_optimizer_line(plan: RunPlan) -> str:
+def _host_optimizer_line(plan: PlanFigures) -> str:
     per_node = plan.host_optimizer_bytes
     return (f"host memory: Megatron's hybrid optimizer (optim.override_optimizer_config.optimizer_cpu_offload) keeps "
             f"{_gib(max(per_node.values()))} GiB of optimizer state on the fullest node (nodes "
             f"{', '.join(str(n) for n in sorted(per_node))}; fp32 params, m, v and grads of its share)")
 
 
-def host_optimizer_problem(plan: RunPlan) -> str:
+def host_optimizer_problem(plan: PlanFigures) -> str:
     """The message for offloaded optimizer states that do not fit in a node's host memory."""
     return (f"Megatron's hybrid optimizer would keep {_gib(max(plan.host_optimizer_bytes.values()))} GiB of optimizer "
             f"state in a node's host memory, more than its {_gib(plan.host_memory_bytes)} GiB (trainer.host_memory_gb): "
@@ -466,7 +431,7 @@ def host_optimizer_problem(plan: RunPlan) -> str:
             f"data-parallel ranks (trainer.nnodes)")
 
 
-def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:
+def kv_problem(plan: PlanFigures, gpu: GpuPlan) -> str:
     """The message for SGLang engines left with KV room for less than one sequence."""
     rollout = plan.cfg.actor_rollout_ref.rollout
     axes = "tp / pp / ep" if plan.model.is_moe else "tp / pp"
@@ -477,3 +442,23 @@ def kv_problem(plan: RunPlan, gpu: GpuPlan) -> str:
             f"{_gib(gpu.rows['engine_weights'])} GiB): raise "
             f"{ARR}.rollout.gpu_memory_utilization, raise {ARR}.rollout.tensor_model_parallel_size, or shrink the "
             f"training state per GPU ({ARR}.actor.parallel.{axes})")
+
+
+def plan_problems(plan: PlanFigures) -> list[str]:
+    """Why the run does not fit (empty when it does), each naming the settings that would help."""
+    out = []
+    worst = plan.worst
+    if worst.peak > plan.gpu_memory_bytes:
+        out.append(overflow_problem(plan, worst))
+    for gpu in plan.gpus:
+        if gpu.engine == "sglang" and (gpu.kv_tokens or 0) < plan.max_seq:
+            out.append(kv_problem(plan, gpu))
+            break
+    if plan.batch_bytes_at_least > plan.host_memory_bytes:
+        out.append(host_problem(plan))
+    if plan.host_optimizer_bytes and max(plan.host_optimizer_bytes.values()) > plan.host_memory_bytes:
+        out.append(host_optimizer_problem(plan))
+    if plan.judge is not None:
+        out += plan.judge.problems()
+    return out
+

@@ -46,8 +46,7 @@ from megarl.models.weights import Split
 from megarl.plan.all_to_all import ep_link
 from megarl.models.fp8 import BLOCK, QUANTIZE_BYTES_PER_ELEMENT, fp8_bytes
 from megarl.plan.memory import DTYPE_BYTES
-from megarl.plan.placement import PlacementPlan, engine_replica, megatron_coordinates
-from megarl.plan.report import expert_groups
+from megarl.plan.placement import PlacementPlan, engine_replica, expert_groups, megatron_coordinates
 from megarl.sync import RankLayout, transport_class
 
 

@@ -80,15 +80,15 @@ def package_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except the bodies of ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, except (unless ``type_checking``) the bodies of ``if TYPE_CHECKING:``."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -107,15 +107,16 @@ def _resolve(name: str, modules: dict[str, Path]) -> str:
     return ".".join(parts)
 
 
-def collect_edges(root: Path = PACKAGE_ROOT) -> list[Edge]:
-    """Every import of a module of ``root``'s package by a module of it (self-imports left out)."""
+def collect_edges(root: Path = PACKAGE_ROOT, type_checking: bool = False) -> list[Edge]:
+    """Every import of a module of ``root``'s package by a module of it (self-imports left out; those under
+    ``if TYPE_CHECKING:`` only with ``type_checking``)."""
     modules = module_names(root)
     top = root.name
     edges = []
     for module, path in modules.items():
         is_package = path.name == "__init__.py"
         file = str(path.relative_to(root.parent))
-        for node in _imports(ast.parse(path.read_text(), filename=file)):
+        for node in _imports(ast.parse(path.read_text(), filename=file), type_checking):
             targets: list[str] = []
             named: list[str] = []  # the modules the statement names (must exist)
             if isinstance(node, ast.Import):
@@ -271,6 +272,13 @@ def test_packages_import_each_other_without_cycles(edges):
 def test_modules_import_each_other_without_cycles(edges):
     problems = cycles(edges, lambda module: module)
     assert not problems, "module cycles:\n" + "\n".join(problems)
+
+
+def test_no_cycle_even_through_type_checking_imports():
+    """Imports made only for type annotations do not run, but a cycle through them still means two modules that
+    each need the other to be read: a layer that is not one."""
+    problems = cycles(collect_edges(type_checking=True), lambda module: module)
+    assert not problems, "module cycles through type-checking imports:\n" + "\n".join(problems)
 
 
 # ------------------------------------------------------------------------------- the checker itself
