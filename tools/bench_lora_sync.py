@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("bench_lora_sync runs the CPU engine server: --device cpu")
+    from megarl.config.lora import LoraSpec
     from megarl.models.tiny import build_tiny_tokenizer
     from megarl.parallel.launch import run_ranks
     from megarl.plan.engine_gpus import lora_flags
-    from megarl.config.lora import LoraSpec
     from megarl.rollout.server_process import ServerProcess, free_port
 
     torch.set_num_threads(1)

@@ -685,8 +685,8 @@ def run_vl(ctx: Context, out: dict) -> None:
     from megarl.config.rollout import RolloutConfig
     from megarl.data.batch import Batch
     from megarl.data.images import ImageProcessor, image_uri
-    from megarl.models.tiny import save_tiny_vl
     from megarl.models.hf_config import load_hf_config
+    from megarl.models.tiny import save_tiny_vl
     from megarl.rollout.client import EngineAddress, run_sync
     from megarl.rollout.engine import SamplingParams
     from megarl.sync.base import verify_sample

@@ -144,9 +144,9 @@ def moe_job(model_dir: str, batch, routing: dict) -> dict:
     """EP=2: the checkpoint loaded and exported (rank 0 compares every tensor), the log-probs of ``batch``, and the
     engine's rows of ``routing`` recomputed replaying the experts the engine routed each token to (the routing
     measured against the trainer's own routers)."""
+    import torch.distributed as dist
     from safetensors.torch import load_file
 
-    import torch.distributed as dist
     from megarl.config.parallel import ParallelDims
     from megarl.workers.sharded_model import ShardedModel
 

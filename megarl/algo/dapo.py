@@ -23,7 +23,6 @@ import torch
 
 from megarl.algo.groups import group_count, group_index, group_max, group_min
 
-
 REWARD_EXTRA = "reward_extra"
 """The batch field of scored rollouts holding, per row, the reward function's extra values (a dict)."""
 

@@ -15,6 +15,7 @@ from megarl._lazy import first_use
 if TYPE_CHECKING:
     from megarl.config.actor import ActorConfig, RefConfig, RouterReplayConfig
     from megarl.config.algorithm import AlgorithmConfig, CustomRewardFunction, KLControlConfig, RewardConfig
+    from megarl.config.checks import data_parallel_size, validate
     from megarl.config.critic import CriticConfig
     from megarl.config.data import DataConfig
     from megarl.config.loading import CONFIG_DIR, ConfigError, compose_config, load_config, to_run_config
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from megarl.config.rollout import MultiTurnConfig, RolloutConfig, ValKwargs
     from megarl.config.schema import SCHEMA_NAME, ActorRolloutRefConfig, RunConfig, register_schema
     from megarl.config.trainer import TrainerConfig
-    from megarl.config.checks import data_parallel_size, validate
 
 _MODULES = {
     "actor": ("ActorConfig", "RefConfig", "RouterReplayConfig"),

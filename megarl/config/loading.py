@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megarl.config.checks import validate
 from megarl.config.keys import did_you_mean, is_declared
 from megarl.config.schema import RunConfig, register_schema
-from megarl.config.checks import validate
 from megarl.config.verl_keys import VerlKeyError, check_equal, translate
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

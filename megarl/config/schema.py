@@ -34,8 +34,8 @@ import dataclasses
 from pathlib import Path
 
 from megarl.config.actor import ActorConfig, RefConfig
-from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.algorithm import AlgorithmConfig, RewardConfig
+from megarl.config.async_training import AsyncTrainingConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
 from megarl.config.generation import GenerationConfig

@@ -22,34 +22,33 @@ from typing import Any
 
 import ray
 
+from megarl.config.checks import data_parallel_size
 from megarl.config.model import ModelSource
 from megarl.config.rollout import EngineConfig
 from megarl.config.schema import RunConfig
-from megarl.config.checks import data_parallel_size
-from megarl.data.dataset import PromptDataset
 from megarl.controller import role_memory
 from megarl.controller.progress import no_phases
+from megarl.data.dataset import PromptDataset
 from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 from megarl.parallel.reaper import Reaper, start_reaper
+from megarl.parallel.shared_memory import remove_shared_memory
 from megarl.plan.placement import JUDGE_POOL, PlacementPlan, create_pools, engine_replica, placement_for
-from megarl.seeds import SEED_STREAM_ENGINE, SEED_STREAM_JUDGE_ENGINE, derive_seed
 from megarl.reward import RewardManager
 from megarl.reward.manager import OverlongPenalty
-from megarl.parallel.shared_memory import remove_shared_memory
 from megarl.rollout import event_loop
 from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
-from megarl.rollout.manager import RolloutManager
 from megarl.rollout.lora_wire import ADAPTER_NAME
+from megarl.rollout.manager import RolloutManager
 from megarl.rollout.router import start_router
 from megarl.rollout.server_process import ServerProcess
 from megarl.rollout.tools.base import BaseTool
 from megarl.rollout.tools.registry import load_tools
+from megarl.seeds import SEED_STREAM_ENGINE, SEED_STREAM_JUDGE_ENGINE, derive_seed
 from megarl.sync import resolve_transport
 from megarl.workers.engine_server import EngineServerWorker
 from megarl.workers.group import WorkerGroup
 from megarl.workers.megatron_workers import ActorWorker, CriticWorker, RewardModelWorker, TeacherWorker
-
 
 
 @dataclasses.dataclass

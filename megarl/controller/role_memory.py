@@ -14,6 +14,7 @@ from typing import Any
 from megarl.config.schema import RunConfig
 from megarl.workers.megatron_workers import ActorWorker
 
+
 def offload_flags(cfg: RunConfig, role: str) -> dict[str, bool]:
     """What ``role`` keeps on the host between its phases (the keyword arguments of the workers' ``offload``)."""
     if role in ("teacher", "reward_model"):

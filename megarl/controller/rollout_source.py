@@ -23,10 +23,11 @@ from megarl.config.schema import RunConfig
 from megarl.controller.metrics import sample_staleness, staleness_metrics, timer
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
-from megarl.seeds import SEED_STREAM_ASYNC_ROLLOUT, SEED_STREAM_ROLLOUT, derive_seed
 from megarl.rollout.buffer import GroupStatus, RolloutBuffer
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
+from megarl.seeds import SEED_STREAM_ASYNC_ROLLOUT, SEED_STREAM_ROLLOUT, derive_seed
+
 
 class Scorer:
     """``token_level_scores`` and the reward function's per-row extras (:data:`REWARD_EXTRA`) of a batch; one call

@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from megarl.config.schema import RunConfig
 from megarl.config.checks import data_parallel_size
+from megarl.config.schema import RunConfig
 from megarl.controller.tracking_backends import missing_logger_packages, unreachable_trackers
 from megarl.data.dataset import missing_scoring_columns
 from megarl.data.files import data_format, read_columns

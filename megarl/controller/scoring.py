@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from megarl.controller.judge import judge_step_metrics
 from megarl.algo.distill import apply_to_advantages, apply_to_rewards, distill_metrics, reverse_kl
 from megarl.config.schema import RunConfig
+from megarl.controller.judge import judge_step_metrics
 from megarl.controller.metrics import timer
 from megarl.data.batch import Batch
 from megarl.reward.manager import combine_model_scores

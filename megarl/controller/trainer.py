@@ -29,6 +29,7 @@ from megarl.algo.dapo import REWARD_EXTRA
 from megarl.algo.kl import apply_kl_penalty, build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
+from megarl.controller import role_memory
 from megarl.controller.build import (
     RayConnection,
     Roles,
@@ -39,12 +40,13 @@ from megarl.controller.build import (
     init_ray,
     load_agent_plugins,
 )
-from megarl.controller import role_memory
+from megarl.controller.correction import correct_rollouts
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 from megarl.controller.generate import decode_responses
 from megarl.controller.interrupts import interrupts_deferred
-from megarl.controller.progress import Phases, run_summary
+from megarl.controller.judge import JudgedRows, judged_rewards
 from megarl.controller.metrics import (
+    ValidationRows,
     check_failed_rollouts,
     data_metrics,
     mean_dicts,
@@ -53,11 +55,8 @@ from megarl.controller.metrics import (
     throughput_metrics,
     timer,
     timing_metrics,
-    ValidationRows,
 )
-from megarl.controller.correction import correct_rollouts
-from megarl.controller.judge import JudgedRows, judged_rewards
-from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_step
+from megarl.controller.progress import Phases, run_summary
 from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import (
@@ -67,11 +66,12 @@ from megarl.controller.run_inputs import (
     prepare_policy,
     routing_shape,
 )
+from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_step
 from megarl.controller.tracking import Tracking, dump_generations, run_log_dir
-from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
+from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.plan.preflight import preflight
 from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state

@@ -24,8 +24,14 @@ import torch
 from megarl.convert.export import Bucket, empty_buffer
 from megarl.convert.hf_io import HFCheckpoint, ShardedWriter, check_checkpoint, copy_side_files
 from megarl.convert.layout import Slice
-from megarl.models.fp8 import (FP8_DTYPE, QUANTIZATION_CONFIG, num_blocks, quantize_block_fp8,
-                               quantize_block_fp8_into, scale_name)
+from megarl.models.fp8 import (
+    FP8_DTYPE,
+    QUANTIZATION_CONFIG,
+    num_blocks,
+    quantize_block_fp8,
+    quantize_block_fp8_into,
+    scale_name,
+)
 
 
 def fp8_names(family, hf_config) -> frozenset[str]:

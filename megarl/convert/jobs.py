@@ -27,10 +27,16 @@ from typing import Any
 
 import torch
 
-from megarl.convert.hf_io import (HFCheckpoint, ShardedWriter, check_checkpoint, check_hf_files, copy_side_files,
-                                  set_config_dtype)
-from megarl.convert.preflight import check_mcore_files, check_mcore_shapes, check_output
 from megarl.config.parallel import ParallelDims
+from megarl.convert.hf_io import (
+    HFCheckpoint,
+    ShardedWriter,
+    check_checkpoint,
+    check_hf_files,
+    copy_side_files,
+    set_config_dtype,
+)
+from megarl.convert.preflight import check_mcore_files, check_mcore_shapes, check_output
 
 FORMAT = "megarl-mcore"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,7 +12,6 @@ from megarl.convert.layout import ModelSizes, Slice, fuse, hf_slices
 from megarl.convert.param_map import local_parameters
 from megarl.models.weights import RuleAt
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from megarl.config.parallel import ParallelDims
 from megarl.convert.layout import ModelSizes, hf_slices
 from megarl.models.weights import WeightRule, coload_key
-from megarl.config.parallel import ParallelDims
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(?P<e>\d+)\.")

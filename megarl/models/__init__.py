@@ -1,7 +1,17 @@
 """Model families: HF config -> Megatron TransformerConfig, layer spec and GPTModel chunks."""
 
 from megarl.models import (  # noqa: F401  (register the families)
-    deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe, qwen3_vl)
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mixtral,
+    qwen2,
+    qwen2_5_vl,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    qwen3_vl,
+)
 from megarl.models.build import build_gpt_model, build_model_chunks, layer_offset
 from megarl.models.family import FAMILIES, ModelFamily, family_for
 

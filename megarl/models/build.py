@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from megarl.models.family import ModelFamily
 from megarl.config.parallel import ParallelDims
+from megarl.models.family import ModelFamily
 
 
 def build_gpt_model(

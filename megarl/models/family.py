@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megarl.config.parallel import ParallelDims
 from megarl.models.mla import MLASpec, rope_parameters
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
 from megarl.models.weights import RuleAt, WeightRule, coload_key
-from megarl.config.parallel import ParallelDims
 
 # Llama 3.x RoPE scaling constants that Megatron's RotaryEmbedding hard-codes.
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

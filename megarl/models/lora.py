@@ -37,6 +37,7 @@ import torch
 
 from megarl.config.lora import COLUMN_TARGETS, TARGETS, LoraSpec
 
+
 def _is_column(module: Any) -> bool:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 

@@ -32,6 +32,7 @@ import torch
 
 from megarl.seeds import derive_row_seed
 
+
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     """The ids generation stops at: the tokenizer's EOS, then those of the model's config and generation
     config (chat models often list several, e.g. ``<|im_end|>`` and ``<|endoftext|>``), as SGLang does.

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 from collections.abc import Sequence
+
 import torch
 
 from megarl.models.weights import Split, WeightRule

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
 CHUNK_ELEMENTS = 1 << 24
 """Logit elements (rows × V/tp) one chunk of rows handles at a time: 64 MiB per fp32 temporary. The fp32
 copies of the logits that the softmax needs exist one chunk at a time, never for all T rows (Qwen's 152k

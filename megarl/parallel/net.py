@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 
-
 RAY_LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Ray's switch (read when Ray is imported) that, off, makes it take 127.0.0.1 as the node's address, as it does on
 macOS and Windows; its servers (GCS, raylet, workers, agents) then listen there only, otherwise on every interface.

@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.parallel.logprob import vocab_parallel_logprobs
-from megarl.parallel.packing import (Prepared, pack_alignment, packed_length, prepare_packed, prepare_padded,
-                                     token_mask)
+from megarl.parallel.packing import Prepared, pack_alignment, packed_length, prepare_packed, prepare_padded, token_mask
 
 if TYPE_CHECKING:
     from megarl.parallel.groups import ProcessGroups

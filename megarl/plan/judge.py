@@ -15,6 +15,7 @@ import math
 from megarl.config.schema import RunConfig
 from megarl.models.sizes import Architecture
 from megarl.plan.memory import DTYPE_BYTES
+
 KEY = "reward_model.judge"
 
 

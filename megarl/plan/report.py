@@ -20,8 +20,8 @@ from megarl.plan.placement import (
     engine_replica,
     expert_groups,
     megatron_coordinates,
-    rank_groups,
     ranges,
+    rank_groups,
 )
 from megarl.plan.run_plan import PlanFigures
 

@@ -41,10 +41,10 @@ from megarl.config.rollout import resolve_transport
 from megarl.config.schema import RunConfig
 from megarl.config.trainer import LinksConfig
 from megarl.convert.param_map import Unit
+from megarl.models.fp8 import BLOCK, QUANTIZE_BYTES_PER_ELEMENT, fp8_bytes
 from megarl.models.sizes import Architecture
 from megarl.models.weights import Split
 from megarl.plan.all_to_all import ep_link
-from megarl.models.fp8 import BLOCK, QUANTIZE_BYTES_PER_ELEMENT, fp8_bytes
 from megarl.plan.memory import DTYPE_BYTES
 from megarl.plan.placement import PlacementPlan, engine_replica, expert_groups, megatron_coordinates
 from megarl.sync import RankLayout, transport_class

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+
 import torch
 
 ADAPTER_NAME = "megarl-actor"

@@ -66,11 +66,11 @@ import torch
 
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.seeds import derive_row_seed
 from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.event_loop import run_sync
 from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_params_for
+from megarl.rollout.event_loop import run_sync
 from megarl.rollout.hooks import HookRunner
+from megarl.seeds import derive_row_seed
 
 _PROMPT_TENSORS = ("input_ids", "attention_mask", "position_ids")
 WATCHED_ROUTE = "/v1/loads"

@@ -32,9 +32,9 @@ from typing import Any
 
 from megarl.data.batch import Batch
 from megarl.rollout import event_loop
-from megarl.seeds import derive_seed
 from megarl.rollout.buffer import GroupRecord, GroupStatus, RolloutBuffer
 from megarl.rollout.manager import RolloutManager
+from megarl.seeds import derive_seed
 
 PAUSE_MODES_WITH_CONTINUATION = ("retract", "in_place")
 """Pause modes under which held requests continue after an update (``abort`` ends them: their rows would have

@@ -33,8 +33,15 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import EngineAddress, run_sync, submit
-from megarl.sync.base import (WeightTransport, all_gather_handles, close_sessions, expected_copy, flattened_payload,
-                              host_group, verify_and_report)
+from megarl.sync.base import (
+    WeightTransport,
+    all_gather_handles,
+    close_sessions,
+    expected_copy,
+    flattened_payload,
+    host_group,
+    verify_and_report,
+)
 
 NUM_BUFFERS = 2
 """Bucket buffers per rank (double buffering: the engine loads one while the next is built)."""

@@ -32,9 +32,19 @@ from typing import Any
 
 import torch
 
-from megarl.warmstart.sft import (_batch_order, _file_lock, _sha256_json, _torch_threads, build_in_place,
-                                  encode_prompt_ids, lr_factor, read_marker, read_sft_rows, rule_score,
-                                  sample_responses)
+from megarl.warmstart.sft import (
+    _batch_order,
+    _file_lock,
+    _sha256_json,
+    _torch_threads,
+    build_in_place,
+    encode_prompt_ids,
+    lr_factor,
+    read_marker,
+    read_sft_rows,
+    rule_score,
+    sample_responses,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -54,9 +54,9 @@ import torch
 
 from megarl.data.files import read_columns, read_table
 from megarl.data.images import image_messages, load_images
-from megarl.parallel.pipeline import vision_inputs
 from megarl.models.sampling import eos_token_ids, generate
 from megarl.models.tiny import VISION_ARCHS, build_tiny_model, tiny_image_processor, tiny_tokenizer
+from megarl.parallel.pipeline import vision_inputs
 from megarl.reward.registry import default_compute_score
 from megarl.seeds import sft_probe_seed
 

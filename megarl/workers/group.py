@@ -54,10 +54,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from megarl.config.parallel import Coordinates
-from megarl.errors import FieldsError
-from megarl.parallel.reaper import RENDEZVOUS_PREFIX, RUN_ID_VARIABLE
 from megarl.data import Batch
+from megarl.errors import FieldsError
 from megarl.parallel.net import node_ip
+from megarl.parallel.reaper import RENDEZVOUS_PREFIX, RUN_ID_VARIABLE
 from megarl.workers.base import Worker
 
 R = TypeVar("R")

@@ -14,8 +14,8 @@ def rollout_batch(hf_dir: str, *, n: int = 4, temperature: float = 0.8, log_dir:
 
     from transformers import AutoTokenizer
 
-    from megarl.data.dataset import collate
     from megarl.config import RolloutConfig
+    from megarl.data.dataset import collate
     from megarl.rollout import RolloutManager
     from tests.engine_servers import engine_servers
 
@@ -54,10 +54,9 @@ def fake_grpo(batch, *, prompts: int, n: int):
 
 def actor_job(hf_dir: str, batch, temperature: float) -> dict:
     from megarl.algo.mismatch import mismatch_metrics
+    from megarl.config import ActorConfig, OptimConfig
     from megarl.parallel import ParallelDims
-    from megarl.config import ActorConfig
     from megarl.workers.actor import ActorRole
-    from megarl.config import OptimConfig
     from megarl.workers.sharded_model import ShardedModel
 
     sharded = ShardedModel(hf_dir, ParallelDims(tp=2, pp=2), optim=OptimConfig(lr=2e-3, clip_grad=1.0))

@@ -67,10 +67,10 @@ def _step(sharded, step: int, vocab_size: int) -> dict:
 
 
 def checkpoint_job(hf_dir: str, root: str) -> dict:
+    from megarl.config import OptimConfig
     from megarl.controller.run_checkpoints import CheckpointManager, load_trainer_state
     from megarl.parallel import ParallelDims
     from megarl.workers import model_checkpoint as ckpt
-    from megarl.config import OptimConfig
     from megarl.workers.sharded_model import ShardedModel
 
     manager = CheckpointManager(root, max_to_keep=2)

@@ -101,9 +101,9 @@ def _vf_loss(values, batch) -> float:
 
 def _layout(hf_dir, batch, tp, pp, ckpt_dir=None) -> dict:
     """Values, one update (+ checkpoint save and learning at TP2×PP2) at one layout."""
+    from megarl.config import CriticConfig
     from megarl.convert import save_dist_checkpoint
     from megarl.data.batch import Batch
-    from megarl.config import CriticConfig
     from megarl.workers.critic import CriticRole
     from megarl.workers.megatron_workers import step_metrics
 
@@ -145,9 +145,9 @@ def _layout(hf_dir, batch, tp, pp, ckpt_dir=None) -> dict:
 
 def _reload(hf_dir, ckpt_dir, batch) -> dict:
     """The TP2×PP2 checkpoint loaded into a fresh TP1 critic (random body: no HF weights)."""
+    from megarl.config import CriticConfig
     from megarl.convert import load_dist_checkpoint
     from megarl.data.batch import Batch
-    from megarl.config import CriticConfig
     from megarl.workers.critic import CriticRole
 
     sharded = _sharded(hf_dir, 1, 1, load_weights=False)

@@ -403,12 +403,12 @@ def _expert_bias(hf_dir: str, root: str) -> dict:
 
 
 def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> dict:
+    from safetensors.torch import load_file
+
     from megarl.convert import load_hf_into
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import ParallelDims, forward_backward, init_parallel
     from tests.distributed import parity_jobs as pj
-
-    from safetensors.torch import load_file
 
     cfg = tiny_moe_config(name)
     family = family_for(cfg)

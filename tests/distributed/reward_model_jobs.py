@@ -32,12 +32,11 @@ def last_response_token(batch) -> torch.Tensor:
 
 
 def scores_job(hf_dir: str, batch: dict) -> dict:
-    from megarl.parallel import ParallelDims, destroy_parallel
-    from megarl.workers.sharded_model import ShardedModel
-
     from megarl.config.algorithm import RewardConfig
     from megarl.data.batch import Batch
+    from megarl.parallel import ParallelDims, destroy_parallel
     from megarl.workers.critic import RewardModelRole
+    from megarl.workers.sharded_model import ShardedModel
 
     out = {}
     rows = Batch(tensors={**batch, "responses": batch["input_ids"][:, PROMPT:]})

@@ -57,8 +57,8 @@ def _rows(batch, rows):
 
 def sharded_model_job(hf_dir: str, batch: dict, layouts=tuple(LAYOUTS)) -> dict:
     from megarl.algo.losses import agg_norm, policy_loss
-    from megarl.parallel import ParallelDims
     from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
     from megarl.workers.sharded_model import ShardedModel
 
     global_norm = agg_norm(batch["loss_mask"], "token-mean")

@@ -6,8 +6,8 @@ from megarl.parallel.launch import run_ranks
 def _steps(path):
     import torch
 
-    from megarl.parallel import ParallelDims
     from megarl.config import OptimConfig
+    from megarl.parallel import ParallelDims
     from megarl.workers.sharded_model import ShardedModel
 
     results = {}

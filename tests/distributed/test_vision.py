@@ -19,7 +19,6 @@ import torch
 from megarl.parallel.launch import run_ranks
 from tests.distributed import vision_jobs
 
-
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 

@@ -35,8 +35,8 @@ def test_greedy_rollout_equals_transformers_generate(tiny, arch):
     from transformers import AutoModelForImageTextToText
 
     from megarl.data.images import ImageProcessor
-    from megarl.models.tiny import save_tiny_vl
     from megarl.models.hf_config import load_hf_config
+    from megarl.models.tiny import save_tiny_vl
 
     root, hf_dir, data = tiny
     if arch != "qwen2_5_vl":

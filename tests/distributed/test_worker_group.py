@@ -8,11 +8,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megarl.plan.placement import ResourcePool, make_placement  # noqa: E402
 from megarl.data import Batch  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
+from megarl.plan.placement import ResourcePool, make_placement  # noqa: E402
 from megarl.workers.base import Worker, busy  # noqa: E402
-from megarl.workers.group import WorkerGroup, WorkerError  # noqa: E402
+from megarl.workers.group import WorkerError, WorkerGroup  # noqa: E402
 
 ray = pytest.importorskip("ray")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

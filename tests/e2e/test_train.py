@@ -24,9 +24,9 @@ import torch  # noqa: E402
 ray = pytest.importorskip("ray")
 
 from megarl.config import load_config  # noqa: E402
+from megarl.controller.judge import JudgeError  # noqa: E402
 from megarl.controller.run_checkpoints import CheckpointManager  # noqa: E402
 from megarl.controller.trainer import Trainer  # noqa: E402
-from megarl.controller.judge import JudgeError  # noqa: E402
 from megarl.workers.group import WorkerError  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +37,8 @@ TIMED = ("timing_s/", "timing_per_token_ms/", "perf/", "weight_sync/seconds", "w
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from megarl.warmstart.addition_data import ensure_addition_data
     from megarl.models.tiny import save_tiny
+    from megarl.warmstart.addition_data import ensure_addition_data
 
     root = tmp_path_factory.mktemp("e2e")
     train, test = ensure_addition_data(root / "data", num_train=64, num_test=8, seed=0)
@@ -146,9 +146,10 @@ def test_fp8_rollout_syncs_quantized_weights_and_measures_their_gap(assets, tran
     every sync's linear weights quantized, by either transport: every tensor and every scale read back equal to the
     quantized bits; the rollout/training gap is FP8's (measured: 3.4e-3 nat per token against ~1e-6 without), and
     rollout correction reports it."""
+    from transformers import AutoConfig
+
     from megarl.convert.fp8 import ENGINE_DIR, fp8_names
     from megarl.models import family_for
-    from transformers import AutoConfig
 
     layout = [] if transport == "tensor" else ["actor_rollout_ref.hybrid_engine=false",
                                                 "actor_rollout_ref.rollout.pool_nodes=[2]"]

@@ -106,8 +106,8 @@ def slurm_env():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from megarl.warmstart.addition_data import ensure_addition_data
     from megarl.models.tiny import save_tiny
+    from megarl.warmstart.addition_data import ensure_addition_data
 
     root = tmp_path_factory.mktemp("slurm_assets")
     train, test = ensure_addition_data(root / "data", num_train=64, num_test=8, seed=0)

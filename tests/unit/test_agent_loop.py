@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.data.batch import Batch
 from megarl.config import MultiTurnConfig, RolloutConfig
-from megarl.rollout.engine import sampling_params_for
+from megarl.data.batch import Batch
 from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
+from megarl.rollout.engine import sampling_params_for
 from megarl.rollout.interaction import Gsm8kInteraction
 from megarl.rollout.request import AsyncRolloutRequest, FinishReasonType, Message, RequestState
 from megarl.rollout.tools import BaseTool, load_tools

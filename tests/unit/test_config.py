@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import re
 
-
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -26,8 +25,8 @@ from megarl.config import (
     to_run_config,
     validate,
 )
-
-from megarl.config import compose_config as _compose_config, load_config as _load_config
+from megarl.config import compose_config as _compose_config
+from megarl.config import load_config as _load_config
 
 TINY = "recipe=tiny_cpu_grpo"
 """The config these tests vary (megarl-train's default; the base config, a GPU run, names no model or data); a

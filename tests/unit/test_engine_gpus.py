@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from megarl.config.lora import LoraSpec
-
 from megarl.config.model import ModelConfig
 from megarl.config.rollout import RolloutConfig
+from megarl.parallel import ParallelDims
 from megarl.plan.engine_gpus import (
     BundleGpu,
     EngineGpus,
@@ -30,7 +30,6 @@ from megarl.plan.engine_gpus import (
     sglang_launch_command,
 )
 from megarl.plan.placement import EnginePlacement, ResourcePool, make_placement
-from megarl.parallel import ParallelDims
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 

@@ -16,10 +16,10 @@ import torch
 
 from megarl.convert.export import Bucket
 from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
-from megarl.sync.base import flattened_payload
-from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
+from megarl.sync.base import flattened_payload
 from tests.engine_servers import get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11]]

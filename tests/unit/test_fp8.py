@@ -7,8 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.models.fp8 import (BLOCK, FP8_MAX, QUANTIZATION_CONFIG, dequantize_block_fp8, error_bound, expand_scales,
-                               num_blocks, quantize_block_fp8, scale_name)
+from megarl.models.fp8 import (
+    BLOCK,
+    FP8_MAX,
+    QUANTIZATION_CONFIG,
+    dequantize_block_fp8,
+    error_bound,
+    expand_scales,
+    num_blocks,
+    quantize_block_fp8,
+    scale_name,
+)
 
 
 def _check(weight: torch.Tensor) -> float:
@@ -208,6 +217,8 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
     FP8 weights (packed widest first, as SGLang's receiver lays them out), sent as one flattened-bucket payload
     (shared memory) into a CPU engine server started on an FP8 checkpoint: it holds the FP8 values and scales bit for
     bit, and the norms."""
+    from transformers import AutoConfig
+
     from megarl.convert.export import Bucket
     from megarl.convert.fp8 import fp8_names, quantize_bucket, write_fp8_checkpoint
     from megarl.models import family_for
@@ -216,7 +227,6 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
     from megarl.rollout.event_loop import run_sync
     from megarl.sync.base import flattened_payload
     from tests.engine_servers import engine_servers
-    from transformers import AutoConfig
 
     source = save_tiny(tmp_path / "bf16", num_layers=1, hidden_size=256, intermediate_size=512)
     write_fp8_checkpoint(source, tmp_path / "fp8")

@@ -13,11 +13,11 @@ import asyncio
 
 import pytest
 
-from tests import sglang_source
-from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE
 from megarl.rollout.client import sampling_params_dict
+from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http_api import GENERATE_META_READS, MEMORY_TAGS, PAUSE_MODES, ROUTES, request_body
+from tests import sglang_source
 
 
 def test_the_pinned_sglang_is_the_one_read():

@@ -12,13 +12,21 @@ import torch
 
 from megarl.config import load_config
 from megarl.config.judge import JudgeConfig, JudgeModelSource, JudgeRolloutConfig
-from megarl.controller.judge import (FAILURES, Judge, JudgedReward, JudgeError, JudgeRow, judge_rows,
-                                     judge_step_metrics)
+from megarl.controller.judge import FAILURES, Judge, JudgedReward, JudgeError, JudgeRow, judge_rows, judge_step_metrics
 from megarl.data.batch import Batch
 from megarl.reward import RewardManager
 from megarl.reward.manager import last_valid_positions
-from megarl.reward.verdicts import (DEFAULT_TEMPLATE, GarbageVerdict, boxed, check_template, fill_template,
-                                    last_number, load_parser, score_tag, yes_no)
+from megarl.reward.verdicts import (
+    DEFAULT_TEMPLATE,
+    GarbageVerdict,
+    boxed,
+    check_template,
+    fill_template,
+    last_number,
+    load_parser,
+    score_tag,
+    yes_no,
+)
 from megarl.rollout.event_loop import run_sync
 from tests.engine_servers import engine_servers, get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
@@ -185,8 +193,9 @@ def test_verdicts_are_what_the_engine_answers_each_row_seeded_by_its_key(servers
     for row, verdict in zip(rows, verdicts):
         assert verdict.verdict == len(verdict.answer) % 11 and verdict.score == verdict.verdict / 10
     # The answer is the engine's own for the templated chat prompt (asked directly, with the judge's seed).
-    from megarl.seeds import SEED_STREAM_JUDGE, derive_seed
     import zlib
+
+    from megarl.seeds import SEED_STREAM_JUDGE, derive_seed
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Grade 1 for What is 0 + 1?"}],
                                         add_generation_prompt=True, tokenize=True)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.parallel.packing import (pack_alignment, packed_length, prepare_packed, prepare_padded, round_up,
-                                     zigzag_index)
+from megarl.parallel.packing import (
+    pack_alignment,
+    packed_length,
+    prepare_packed,
+    prepare_padded,
+    round_up,
+    zigzag_index,
+)
 
 # Left-padded prompts, right-padded responses; one row fills the width, one is empty.
 IDS = torch.tensor([[0, 0, 11, 12, 13, 14, 0, 0, 0],

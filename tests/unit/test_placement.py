@@ -2,8 +2,8 @@
 
 import pytest
 
-from megarl.plan.placement import PoolSpec, make_placement, megatron_coordinates, plan_placement
 from megarl.parallel import ParallelDims
+from megarl.plan.placement import PoolSpec, make_placement, megatron_coordinates, plan_placement
 
 
 def test_pool_spec_locates_bundles_node_by_node():

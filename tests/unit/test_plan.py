@@ -13,9 +13,9 @@ import pytest
 
 from megarl.cli.plan import main as plan_main
 from megarl.config import load_config
+from megarl.config.parallel import ParallelDims
 from megarl.models.known import KNOWN_ARCHITECTURES, known_config, known_name, resolve_hf_config
 from megarl.models.sizes import Architecture
-from megarl.config.parallel import ParallelDims
 from megarl.parallel.packing import pack_alignment
 from megarl.plan.activations import (
     MicroBatch,

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from megarl.config import RolloutConfig
+from megarl.convert.export import Bucket
 from megarl.data.dataset import collate
-from megarl.seeds import derive_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.buffer import RolloutBuffer
 from megarl.rollout.client import run_sync
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
+from megarl.seeds import derive_seed
 from megarl.sync.base import flattened_payload
-from megarl.convert.export import Bucket
 from tests.engine_servers import engine_servers, set_step_gate, wait_held_at_gate
 
 P, R, N = 16, 6, 4

@@ -26,13 +26,13 @@ import torch
 from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
 from megarl.data.batch import Batch
 from megarl.data.dataset import collate
-from megarl.seeds import derive_row_seed
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
-from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.seeds import derive_row_seed
 from tests.engine_servers import close_clients, engine_servers
 from tests.unit.test_hf_engine import eos_prone
 

@@ -15,8 +15,8 @@ import torch
 
 from megarl.models.tiny import build_tiny_tokenizer
 from megarl.rollout.client import run_sync
-from megarl.rollout.engine import SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
+from megarl.rollout.engine import SamplingParams
 from tests.distributed import moe_jobs
 from tests.engine_servers import engine_servers
 

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.reward import RewardManager, ScorerRegistry, default_compute_score
-from megarl.reward import geometry, gsm8k, hendrycks_math, math_dapo, prime_math, search_qa, verified_math
+from megarl.reward import (
+    RewardManager,
+    ScorerRegistry,
+    default_compute_score,
+    geometry,
+    gsm8k,
+    hendrycks_math,
+    math_dapo,
+    prime_math,
+    search_qa,
+    verified_math,
+)
 
 # verl's default_compute_score table: data_source -> the megarl module that scores it.
 VERL_TABLE = {

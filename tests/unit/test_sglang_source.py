@@ -9,10 +9,10 @@ these tests fail (``SGLangSourceError``), they do not skip.
 from __future__ import annotations
 
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests import sglang_source as src
 

@@ -14,11 +14,11 @@ from megarl.config import load_config
 from megarl.convert.param_map import buckets
 from megarl.models import family_for
 from megarl.models.mla import FUSED_A_PROJ
+from megarl.models.tiny import build_tiny_tokenizer
 from megarl.plan.preflight import plan_run
 from megarl.plan.weight_sync import _units
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
 from megarl.rollout.engine import SamplingParams, update_weights
-from megarl.models.tiny import build_tiny_tokenizer
 from tests.distributed import moe_jobs
 
 
@@ -300,9 +300,9 @@ def test_fp8_quantization_works_one_row_of_blocks_at_a_time():
     than that row; the planner counts it on every quantizing GPU."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from megarl.convert.export import Bucket
     from megarl.convert.fp8 import quantize_bucket
     from megarl.models.fp8 import QUANTIZE_BYTES_PER_ELEMENT, quantize_block_fp8
-    from megarl.convert.export import Bucket
     from megarl.plan.weight_sync import _WeightSync
 
     torch.manual_seed(0)
@@ -341,10 +341,10 @@ def test_a_local_spec_built_on_a_machine_with_te_gets_the_local_specs_config(mon
     """LoRA builds Megatron's local spec even where TransformerEngine is importable; its config must then not ask for
     TE-only kernels (masked_softmax_fusion imports scaled_masked_softmax_cuda, which no package ships), nor grouped
     GEMM. The choice is one function (ModelFamily.uses_te) for the spec and the config."""
+    from megatron.core.models.common.embeddings import rope_utils
+
     from megarl.config.parallel import ParallelDims
     from megarl.models import family as family_module
-
-    from megatron.core.models.common.embeddings import rope_utils
 
     monkeypatch.setattr(family_module, "_te_importable", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

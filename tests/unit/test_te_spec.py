@@ -157,9 +157,10 @@ def test_overlapped_gradient_reduction_waits_for_the_last_micro_batch():
 def test_megatron_ranks_run_with_one_cuda_connection(worker):
     """Megatron's TP layers rely on ``CUDA_DEVICE_MAX_CONNECTIONS=1`` to order their overlapped collectives before
     the computation they hide behind; megarl's Megatron roles get it, its engine servers do not."""
+    from megatron.core.tensor_parallel import layers
+
     from megarl.workers import megatron_workers
     from megarl.workers.engine_server import EngineServerWorker
-    from megatron.core.tensor_parallel import layers
 
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in inspect.getsource(layers)
     assert getattr(megatron_workers, worker).env_vars == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

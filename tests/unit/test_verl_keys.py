@@ -248,7 +248,8 @@ def test_plus_forms_of_declared_keys_are_accepted():
 
 
 def test_a_typo_in_a_recipe_names_the_nearest_key(tmp_path):
-    from megarl.config.loading import CONFIG_DIR, ConfigError as Error
+    from megarl.config.loading import CONFIG_DIR
+    from megarl.config.loading import ConfigError as Error
 
     (tmp_path / "recipe").mkdir()
     (tmp_path / "config.yaml").write_text((CONFIG_DIR / "config.yaml").read_text())

@@ -41,13 +41,13 @@ from typing import Any
 import torch
 
 from megarl.data.images import ImageProcessor
-from megarl.models.sampling import RoutingCapture, VisionPrompts, eos_token_ids, sample_continuations
 from megarl.models.hf_config import read_hf_config
+from megarl.models.sampling import RoutingCapture, VisionPrompts, eos_token_ids, sample_continuations
 from megarl.models.vision import hub_name, is_multimodal, model_config
 from megarl.rollout.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
 from megarl.rollout.cpu_engine.lora import applied as lora_applied
-from megarl.seeds import MAX_SEED, derive_row_seed
 from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
+from megarl.seeds import MAX_SEED, derive_row_seed
 
 logger = logging.getLogger("megarl.engine_server")
 

@@ -30,14 +30,24 @@ import torch
 from aiohttp import web
 
 from megarl.models.sampling import ABORT, REBUILD
-from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.requests import (RequestError, errors, generate_answer, is_control, json_body,
-                                               memory_tags, per_row, result, row_images, sampling_params,
-                                               while_connected)
 from megarl.rollout.cpu_engine.lora import LoraRoutes
 from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE, ReadBackRefused
+from megarl.rollout.cpu_engine.requests import (
+    RequestError,
+    errors,
+    generate_answer,
+    is_control,
+    json_body,
+    memory_tags,
+    per_row,
+    result,
+    row_images,
+    sampling_params,
+    while_connected,
+)
 from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
+from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
 from megarl.rollout.http_api import PAUSE_MODES
 from megarl.rollout.weight_group import join_group
 

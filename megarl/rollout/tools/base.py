@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+
 @dataclasses.dataclass
 class ToolResponse:
     """A tool's answer with images (verl's ``ToolResponse``): ``execute`` may return it in place of text. The images
