@@ -1,4 +1,4 @@
-"""Megatron-Core's fused elementwise functions eager from their import on (``megarl.parallel.cpu_support`` point 13).
+"""Megatron-Core's fused elementwise functions eager from their import on (``megarl.parallel.megatron_patches`` point 13).
 
 ``megatron.core.jit`` binds ``jit_fuser`` to ``torch.compile`` when it is imported, and the modules imported after it
 decorate their functions with it: each decoration imports torch's compiler stack (dynamo, inductor: about 4 s of CPU
@@ -41,6 +41,6 @@ class EagerMegatronFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Idempotent; a no-op once ``megatron.core.jit`` is imported (``cpu_support`` then undoes the compilation)."""
+    """Idempotent; a no-op once ``megatron.core.jit`` is imported (``megatron_patches`` then undoes the compilation)."""
     if JIT_MODULE not in sys.modules and not any(isinstance(f, EagerMegatronFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, EagerMegatronFinder())

@@ -361,7 +361,7 @@ class ModelFamily:
     def block_spec(self, config, *, vp_stage: int | None = None, use_te: bool | None = None):
         """The transformer block's spec: TransformerEngine's layer spec when TE is importable and a GPU is present,
         else Megatron's local one with megarl's attention and norms, final norm included
-        (:func:`megarl.parallel.cpu_support.local_block_spec`: packing, context and sequence parallelism)."""
+        (:func:`megarl.models.local_spec.local_block_spec`: packing, context and sequence parallelism)."""
         from megatron.core.models.gpt import gpt_layer_specs
 
         use_te = self.uses_te(use_te)
@@ -371,7 +371,7 @@ class ModelFamily:
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
                 qk_layernorm=config.qk_layernorm, multi_latent_attention=self.mla is not None)
-        from megarl.parallel.cpu_support import local_block_spec
+        from megarl.models.local_spec import local_block_spec
 
         if self.moe is not None:
             layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,

@@ -22,7 +22,7 @@ de-interleaves the rotary dimensions before rotating them by halves, which Megat
 rotary rows need no permutation. The softmax scale is ``mscale² / sqrt(nope + rope)`` on both sides, YaRN's
 ``mscale`` from ``mscale_all_dim``.
 
-On CPU an MLA family builds Megatron's local layer spec (:mod:`megarl.parallel.cpu_support` point 14: its down
+On CPU an MLA family builds Megatron's local layer spec (:mod:`megarl.parallel.megatron_patches` point 14: its down
 projections replicated over TP, as TransformerEngine's spec has them); on a GPU with TransformerEngine, TE's MLA spec
 (``get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)``: fused attention, grouped GEMM), which
 fuses the q and kv norms into the up projections (``linear_q_up_proj.layer_norm_weight``,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.parallel import Coordinates, ParallelDims
-from megarl.parallel import cpu_support
+from megarl.parallel import cpu_support, megatron_patches
 from megarl.parallel.net import RENDEZVOUS_FILE_VARIABLE
 from megarl.seeds import stage_seed
 
@@ -119,6 +119,7 @@ def init_parallel(
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    megatron_patches.apply()
     cpu_support.install()
     init_distributed(backend, timeout_s=timeout_s)
     dims = dims.for_world(dist.get_world_size())

@@ -64,7 +64,7 @@ def test_logprobs_ignore_surrounding_padding(parity, family):
 
 
 def test_a_rank_runs_one_gloo_event_loop_for_all_its_groups(parity):
-    """Megatron's ~20 gloo groups share one TCP device per process (cpu_support point 12): one loop thread,
+    """Megatron's ~20 gloo groups share one TCP device per process (megatron_patches point 12): one loop thread,
     not one per group (each wakes 100 times a second and listens on a port of its own)."""
     for rank in parity:
         assert rank["gloo"]["groups"] >= 10, rank["gloo"]

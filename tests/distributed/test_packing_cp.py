@@ -1,6 +1,6 @@
 """Packing, context and sequence parallelism: log-probs, values and one PPO step of the actor and the
 critic equal DP=4 within 1e-5, padded or packed, at CP=2, TP2×CP2 and PP2×CP2, and TP=2 with sequence parallelism
-(CPU attention and norms of megarl.parallel.cpu_support)."""
+(CPU attention and norms of megarl.models.local_spec)."""
 
 import math
 

@@ -156,7 +156,7 @@ def test_on_gpu_the_default_group_has_gloo_for_host_tensors_beside_nccl(monkeypa
 
 # ------------------------------------------------------------------------------ N3, N4, N5, MoE: CUDA without TE
 def test_the_local_specs_norms_are_built_on_the_models_device_in_its_dtype(monkeypatch):
-    from megarl.parallel.cpu_support import CpuRMSNorm
+    from megarl.models.local_spec import CpuRMSNorm
 
     config = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, use_cpu_initialization=False,
                              params_dtype=torch.bfloat16)
@@ -188,7 +188,7 @@ def test_megatrons_fused_softmax_only_with_transformer_engine(monkeypatch, te):
 
 def _attention(cp: int):
     """megarl's core attention without Megatron's state: only megarl's part of the forward runs."""
-    from megarl.parallel.cpu_support import core_attention
+    from megarl.models.local_spec import core_attention
 
     cls = core_attention()
     attention = cls.__new__(cls)
@@ -230,8 +230,10 @@ def test_packed_rope_reads_no_bounds_from_the_device(fake_device):
 
     from megatron.core.models.common.embeddings import rope_utils
 
+    from megarl.parallel import megatron_patches
     from megarl.parallel.cpu_support import cpu_support
 
+    megatron_patches.apply()  # megarl's THD RoPE (point 9)
     lengths = [6, 4, 10]
     bounds = _device_bounds(fake_device, lengths)
     group = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
@@ -246,7 +248,7 @@ def test_packed_rope_reads_no_bounds_from_the_device(fake_device):
 def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_device, cp):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megarl.parallel.cpu_support import core_attention
+    from megarl.models.local_spec import core_attention
 
     masks = []
 
@@ -272,7 +274,7 @@ def test_packed_attention_plans_are_on_the_queries_device(monkeypatch, fake_devi
 
 
 def test_padded_context_parallel_attention_mask_is_on_the_queries_device(monkeypatch, fake_device):
-    from megarl.parallel.cpu_support import core_attention
+    from megarl.models.local_spec import core_attention
 
     masks = []
 
@@ -297,14 +299,15 @@ def test_install_prepares_megatron_for_the_local_spec_on_cuda_too(monkeypatch):
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.moe import moe_utils
 
-    from megarl.parallel import cpu_support
+    from megarl.parallel import cpu_support, megatron_patches
 
     megatron_rope = getattr(rope_utils._apply_rotary_pos_emb_thd, "megatron", rope_utils._apply_rotary_pos_emb_thd)
     monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", megatron_rope)
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
-    monkeypatch.setattr(cpu_support, "_PATCHED_LOCAL_SPEC", False, raising=False)
+    monkeypatch.setattr(megatron_patches, "_APPLIED", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     current_device = torch.cuda.current_device
+    megatron_patches.apply()  # as megarl.parallel.init_parallel does on every machine
     cpu_support.install()
     assert moe_utils.te_general_gemm is None
     assert rope_utils._apply_rotary_pos_emb_thd.megatron is megatron_rope
@@ -343,7 +346,7 @@ def _compare_attention(layer_scaling: bool) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megarl.parallel.cpu_support import core_attention
+    from megarl.models.local_spec import core_attention
 
     tp = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
     config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
@@ -391,15 +394,15 @@ def test_megatrons_fused_functions_run_eager():
     import megatron.core  # noqa: F401  (its package imports some fused functions, compiled then)
     from megatron.core import jit
 
-    from megarl.parallel import cpu_support
+    from megarl.parallel import megatron_patches
 
-    cpu_support.install()
+    megatron_patches.apply()
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.transformer.attention  # noqa: F401
     import megatron.core.transformer.moe.router  # noqa: F401
     from megatron.core.fusions import fused_bias_dropout, fused_bias_swiglu
 
-    assert cpu_support.compiled_megatron_functions() == []
+    assert megatron_patches.compiled_megatron_functions() == []
     assert jit.jit_fuser(len) is len  # a no-op from now on
     x = torch.randn(3, 4)
     out = fused_bias_dropout.bias_dropout_add_fused_inference((x.clone(), None), x.clone(), 0.0)

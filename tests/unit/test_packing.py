@@ -171,13 +171,13 @@ def test_segment_batches_group_short_segments_and_leave_long_ones_alone():
 @pytest.mark.parametrize("cp, rank", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("whole_pack", [False, True])
 def test_cpu_thd_rope_equals_megatrons(cp, rank, whole_pack):
-    """cpu_support point 9: one cached index per pack selects what Megatron's per-sequence loop selects."""
+    """megatron_patches point 9: one cached index per pack selects what Megatron's per-sequence loop selects."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megarl.parallel import cpu_support
+    from megarl.parallel import megatron_patches
 
     before = rope_utils._apply_rotary_pos_emb_thd
-    cpu_support._patch_thd_rope()
+    megatron_patches._patch_thd_rope()
     patched = rope_utils._apply_rotary_pos_emb_thd
     megatron = patched.megatron
     try:

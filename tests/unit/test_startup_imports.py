@@ -48,16 +48,16 @@ def test_the_packages_names_still_load_on_first_use():
 
 
 def test_megatron_imports_without_torchs_compiler_and_compiles_nothing():
-    """``megarl`` makes Megatron's ``jit_fuser`` a no-op as ``megatron.core.jit`` is imported (``cpu_support`` point
-    13), so the modules after it decorate nothing with ``torch.compile`` and torch's compiler stack (dynamo, inductor:
+    """``megarl`` makes Megatron's ``jit_fuser`` a no-op as ``megatron.core.jit`` is imported (``megatron_patches``
+    point 13), so the modules after it decorate nothing with ``torch.compile`` and torch's compiler stack (dynamo, inductor:
     about 4 s of CPU per process) is not imported with Megatron."""
     seen = _run("import json, sys\n"
                 "import megarl, megatron.core\n"
                 "from megatron.core import jit\n"
                 "from megatron.core.fusions import fused_bias_swiglu\n"
-                "from megarl.parallel import cpu_support\n"
+                "from megarl.parallel import megatron_patches\n"
                 "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, 'inductor': 'torch._inductor' in sys.modules,"
-                " 'fuser': jit.jit_fuser.__name__, 'compiled': cpu_support.compiled_megatron_functions()}))")
+                " 'fuser': jit.jit_fuser.__name__, 'compiled': megatron_patches.compiled_megatron_functions()}))")
     assert seen == {"dynamo": False, "inductor": False, "fuser": "noop_decorator", "compiled": []}
 
 
