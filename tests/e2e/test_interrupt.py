@@ -1,4 +1,4 @@
-"""Ctrl-C while ``ray.init`` runs (issue 12): the run exits cleanly (rc 130, one line, no traceback; it used to
+"""Ctrl-C while ``ray.init`` runs: the run exits cleanly (rc 130, one line, no traceback; it used to
 segfault with rc 139) and no Ray process it started outlives it."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _engine_urls(log_root) -> list[str]:
 
 
 def test_sigterm_during_training_stops_engine_servers_router_and_ray(tmp_path):
-    """Issue 13: interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID).
+    """Interrupted mid-run, no engine server, router or Ray process outlives megarl-train (by PID).
     The signal is SIGTERM (what kill, scancel and docker stop send; it used to end the driver with SIGABRT and Ray's
     C++ stack, no line of megarl's): stopped as a Ctrl-C is (the same path: ``Terminated`` is a
     ``KeyboardInterrupt``), rc 143 and one line. It lands while a step's rollout is inside the engines: after step 1
@@ -145,7 +145,7 @@ def test_sigterm_during_training_stops_engine_servers_router_and_ray(tmp_path):
         _read_until(run, output, lambda line: line.startswith("step 1:"))
         started = _run_pids(tag) - {run.pid}
         assert len(started) > 3  # the run's engine servers, router and Ray processes are up (tagged)
-        # Issue 31: the run's own Ray cluster authenticates with a token of its own (only its processes hold it).
+        # The run's own Ray cluster authenticates with a token of its own (only its processes hold it).
         # (Ray's GCS and raylet: processes forked without exec show the driver's environment as it was at its start.)
         ray_servers = [pid for pid in started if any(name in _cmdline(pid) for name in ("gcs_server", "raylet"))]
         environs = [_environ(pid) for pid in ray_servers]
@@ -153,7 +153,7 @@ def test_sigterm_during_training_stops_engine_servers_router_and_ray(tmp_path):
         assert all(len(environ.get("RAY_AUTH_TOKEN", "")) == 64 for environ in environs)
         urls = _engine_urls(tmp_path / "runs")
         assert urls, list((tmp_path / "runs").rglob("*"))
-        # Issue 31: on one machine nothing of the run listens beyond loopback: Ray's servers, workers and agents,
+        # On one machine nothing of the run listens beyond loopback: Ray's servers, workers and agents,
         # the training ranks, the engine servers and the router.
         import psutil
 
@@ -228,7 +228,7 @@ def test_ctrl_c_during_ray_init_exits_cleanly_and_leaves_no_process(tmp_path):
 
 
 def test_a_killed_driver_leaves_no_process_and_no_shared_memory(tmp_path):
-    """Issue 31: ``kill -9`` of megarl-train once the weight sync's shared-memory buffers exist (after step 1):
+    """``kill -9`` of megarl-train once the weight sync's shared-memory buffers exist (after step 1):
     within 30 s no process of the run is left (Ray's dashboard and runtime-env agents used to outlive the driver by
     about a minute, still listening) and none of its ``/dev/shm/torch_<pid>_*`` files (they used to stay until the
     next run's start)."""
