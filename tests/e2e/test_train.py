@@ -782,7 +782,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_moe_grpo_replays_the_engines_routing(assets):
-    """Issues 17 and 37: GRPO on a tiny DeepSeek-V3 (multi-latent attention with YaRN; a dense layer, then 8 experts
+    """GRPO on a tiny DeepSeek-V3 (multi-latent attention with YaRN; a dense layer, then 8 experts
     in 2 groups, top-2 by sigmoid score plus bias, one shared expert) at EP=2 over the 2 actor ranks, engines in bf16
     (as on GPUs): with ``router_replay.mode=replay`` the old-log-prob pass routes every token as the engine did
     (mismatch 0, measured from the routers' maps) though its routers by themselves would not always; with
