@@ -293,7 +293,7 @@ class Context:
         self._server = None
         self.client = None
         self.out = Path(args.out or args.work)
-        """Where the JSON lines and the engine's log go (``$OUT`` on the lent machine: they come back)."""
+        """Where the JSON lines and the engine's log go (a directory the machine's caller collects)."""
         self.floor: float | None = None
         """Parity's mean |HF bf16 - HF fp32|: how far bf16 alone moves log-probs on this model and data."""
         self.recorder: Recorder | None = None

@@ -1,4 +1,4 @@
-"""Turn GSM8K files, as published, into megarl's parquet prompt schema (digest §2.1).
+"""Turn GSM8K files, as published, into megarl's parquet prompt schema (verl's columns).
 
 Input: local files with one record per problem holding ``question`` and ``answer`` (the
 answer's last line is ``#### <number>``): the Hugging Face parquet files
@@ -46,7 +46,7 @@ VARIANTS = ("plain", "tool")
 """``plain``: single-turn prompts; ``tool``: multi-turn prompts for the ``calc_gsm8k_reward`` tool."""
 
 TOOL_NAME = "calc_gsm8k_reward"
-"""The GSM8K tool the multi-turn variant asks the model to call (digest §4.11)."""
+"""The GSM8K tool the multi-turn variant asks the model to call (verl's GSM8K tool)."""
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 """Appended (after a space) to every question, in both variants."""
@@ -58,7 +58,7 @@ TOOL_SYSTEM_PROMPT = (
     "before giving the final answer, at least once, and refine your answer if necessary. "
     "Put your final answer in the format of `#### <answer>`."
 )
-"""System message of the ``tool`` variant (digest §4.11)."""
+"""System message of the ``tool`` variant (as verl's GSM8K multi-turn recipe words it)."""
 
 Record = dict[str, Any] | str
 """One input record: the parsed dict, or (a ``str``) why it could not be read."""

@@ -5,7 +5,7 @@ top-k, expert FFN size and router normalisation, the HF module and tensor names 
 tensor per expert, as ``save_pretrained`` writes them and SGLang loads them), and the rule that says which layers
 are sparse. The family derives Megatron's MoE settings and the expert weight rules from it.
 
-Router mapping (measured against HF, feasibility D): HF routers take the softmax over all experts, then the top-k;
+Router mapping (measured against HF's routers): HF routers take the softmax over all experts, then the top-k;
 with ``norm_topk_prob`` (Qwen3-MoE) or always (Mixtral) the k weights are renormalised, which is Megatron's top-k
 then softmax over the k logits (``moe_router_pre_softmax=False``); without it the weights stay the full softmax's
 (``moe_router_pre_softmax=True``).

@@ -189,7 +189,7 @@ class ShardedModel:
             from megarl.parallel.routing import routers
 
             # Megatron's per-token loss setting would scale the aux and z losses by each rank's token count
-            # (feasibility A); megarl scales their coefficients per step instead (train_step).
+            # (measured); megarl scales their coefficients per step instead (train_step).
             for chunk in chunks:
                 for router in routers(chunk):
                     router.calculate_per_token_loss = False

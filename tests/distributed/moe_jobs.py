@@ -250,7 +250,7 @@ EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "
              "qwen2_moe": ["ep2", "tp2_ep2_sp"], "glm4_moe": ["ep2", "tp2_ep2_sp"],
              "deepseek_v3": ["ep2", "tp2_ep2_sp"]}
 """The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all but EP4: the same
-code as EP2 with a larger group, measured equal in feasibility A; left out for the suite's time)."""
+code as EP2 with a larger group, measured equal; left out for the suite's time)."""
 
 
 def ep_job(ep1_cases: dict, cases: dict, root: str, sync_cases: list, routing_case: dict) -> dict:

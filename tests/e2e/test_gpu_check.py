@@ -1,4 +1,4 @@
-"""``tools/gpu_check.py --shape tiny`` end to end on CPU, set up as on the lent GPU machine: every stage passes with
+"""``tools/gpu_check.py --shape tiny`` end to end on CPU, set up as on a bare GPU machine: every stage passes with
 real numbers, with Ray, Hydra, sglang-router, datasets and pyarrow blocked in the check's process and in its engine
 server's (that machine has none of them), and sglang served by ``sglang_min`` (``tools/make_sglang_min.py``, built
 here from the installed sglang and put ahead of it on ``PYTHONPATH``, as docs/gpu.md does).
@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["parity", "engine", "ppo", "sync", "lora", "fp8", "vl", "mfu"]
 BLOCKED = ("ray", "hydra", "sglang_router", "pyarrow")
-"""Not on the lent GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
+"""Not on a bare GPU machine (pyarrow reads parquet prompt data, which the check has none of)."""
 SGLANG_PIECES = {"sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch",
                  "sglang.srt.utils.weight_versions", "sglang.srt.utils.msgspec_utils", "sglang.srt.weight_sync",
                  "sglang.srt.weight_sync.tensor_bucket"}

@@ -37,7 +37,7 @@ def test_gae_hand_case_one_row():
 
 
 def test_gae_seeds_worked_example():
-    # seeds-digest §3.4 (S3): gamma=1, lam=0.95; delta5 = 0.999 - 0.95 = 0.049, A5 = 0.049;
+    # A worked example: gamma=1, lam=0.95; delta5 = 0.999 - 0.95 = 0.049, A5 = 0.049;
     # delta4 = -0.003 + 0.95 - 0.92 = 0.027, A4 = 0.027 + 0.95*0.049 = 0.07355.
     values = T([[0.82, 0.85, 0.88, 0.90, 0.92, 0.95]], dtype=torch.float64)
     rewards = T([[-0.003, -0.002, -0.003, -0.002, -0.003, 0.999]], dtype=torch.float64)
