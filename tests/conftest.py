@@ -1,7 +1,9 @@
-"""Test-wide settings: one torch thread per process, GPU tests skipped without a GPU, the process's event loop held
-for the session (the engine clients' sessions and their synchronous callers run on it)."""
+"""Test-wide settings: each test marked by its tier (its folder), one torch thread per process, GPU tests skipped
+without a GPU, the process's event loop held for the session (the engine clients' sessions and their synchronous
+callers run on it)."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -11,8 +13,17 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
+"""The folders of tests/, each a tier of the same name (pyproject.toml's markers)."""
+
 
 def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        tier = Path(item.fspath).relative_to(root).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test outside the tiers' folders {TIERS}")
+        item.add_marker(getattr(pytest.mark, tier))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -25,7 +25,7 @@ engine's bundle r:
 - the server sees the node's GPUs and ``base_gpu_id`` is the engine's first GPU: right only when
   the engine's GPU ids are consecutive and ascending in TP order, which Ray does not promise (a
   ``STRICT_PACK`` group placed after another group was removed gets e.g. GPUs 0, 1, 4, 5: see
-  tests/unit/test_engine_gpus.py), and only when the server's process really sees the whole node
+  tests/integration/test_engine_gpus.py), and only when the server's process really sees the whole node
   (a Ray actor sees only its own bundle's GPU unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``
   is set, as slime does for its engines).
 

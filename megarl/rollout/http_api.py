@@ -4,7 +4,7 @@ One table, :data:`ROUTES`, is the wire format: the client (:mod:`megarl.rollout.
 every request body with :func:`request_body`, which refuses a field the route's entry does not
 list, and reads only the response fields listed; the CPU engine server
 (:mod:`megarl.rollout.cpu_engine`) serves exactly these routes. The contract test
-(``tests/unit/test_http_contract.py``) checks the table against the installed sglang's own
+(``tests/integration/test_http_contract.py``) checks the table against the installed sglang's own
 sources: every route is served with that method, every field sent is a field of the route's
 request dataclass in ``sglang/srt/managers/io_struct.py``, every field read is one SGLang returns.
 

@@ -53,7 +53,7 @@ def _routing_case(hf_dir: str) -> dict:
     from megarl.parallel.routing import routed_mask
     from megarl.rollout.engine import FinishReason, GenerateOutput
     from megarl.rollout.manager import routed_experts_tensor
-    from tests.unit.test_routed_experts import teacher_forced_routing
+    from tests.integration.test_routed_experts import teacher_forced_routing
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     P, R, gen = moe_jobs.ROUTING_P, moe_jobs.ROUTING_R, torch.Generator().manual_seed(5)
