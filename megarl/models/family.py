@@ -181,6 +181,28 @@ class ModelFamily:
             # mini-batch (megarl.algo): Megatron must neither divide by the number of
             # micro-batches nor average over data-parallel ranks.
             calculate_per_token_loss=True,
+            **self._device_kwargs(on_gpu=on_gpu, use_te=use_te),
+            # Megatron's default ("full") is deprecated in favour of an empty list.
+            cuda_graph_scope=[],
+        )
+        if overrides.get("perform_initialization") is False and not on_gpu:
+            # Megatron's CPU init path sets the tensor-parallel attributes of linear weights
+            # (tensor_model_parallel, partition_dim) only while initialising them: without them
+            # gradient-norm clipping treats sharded weights as duplicates and gets the norm wrong.
+            raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
+        if self.moe is not None:
+            kwargs.update(self._moe_kwargs(hf_config, dims, use_te=use_te))
+        if self.mla is not None:
+            self.mla.check(hf_config)
+            kwargs.update(self.mla.config_kwargs(hf_config))
+        if self.vision is not None:
+            kwargs.update(self._vision_kwargs(hf_config, dims, sizes["num_layers"], overrides))
+        kwargs.update(overrides)
+        return (TransformerConfig if self.mla is None else MLATransformerConfig)(**kwargs)
+
+    def _device_kwargs(self, *, on_gpu: bool, use_te: bool) -> dict[str, Any]:
+        """The settings that follow the machine (CUDA or not) and the layer spec (TransformerEngine's or not)."""
+        return dict(
             # Fused kernels exist only on GPU.
             use_cpu_initialization=not on_gpu,
             # Megatron's fused masked softmax (local attention) imports a kernel that no package ships
@@ -199,36 +221,25 @@ class ModelFamily:
             # with two pipeline ranks under interleaving (prev == next) that pairs an activation
             # with a gradient of the same shape. The even/odd-ordered path pairs them correctly.
             batch_p2p_comm=on_gpu,
-            # Megatron's default ("full") is deprecated in favour of an empty list.
-            cuda_graph_scope=[],
         )
-        if overrides.get("perform_initialization") is False and not on_gpu:
-            # Megatron's CPU init path sets the tensor-parallel attributes of linear weights
-            # (tensor_model_parallel, partition_dim) only while initialising them: without them
-            # gradient-norm clipping treats sharded weights as duplicates and gets the norm wrong.
-            raise ValueError("perform_initialization=False is not supported on CPU (it leaves TP attributes unset)")
-        if self.moe is not None:
-            kwargs.update(self._moe_kwargs(hf_config, dims, use_te=use_te))
-        if self.mla is not None:
-            self.mla.check(hf_config)
-            kwargs.update(self.mla.config_kwargs(hf_config))
-        if self.vision is not None:
-            if dims.cp > 1:
-                raise ValueError(f"parallel.cp={dims.cp}: the {self.name} family (multimodal RoPE) runs without "
-                                 "context parallelism; set cp=1 and split the model with tp/pp")
-            kwargs["mrope_section"] = self.vision.mrope_section(hf_config)
-            deepstack = self.vision.deepstack_layers(hf_config)
-            per_chunk = len(dims.chunk_layers(sizes["num_layers"], 0))
-            if deepstack > per_chunk:
-                raise ValueError(f"parallel.pp={dims.pp}: the first pipeline stage holds {per_chunk} layer(s), and "
-                                 f"the {self.name} family adds its vision features to the first {deepstack} "
-                                 "(DeepStack): lower pp (or vpp) so that the first stage holds them")
-            if deepstack and overrides.get("recompute_granularity") == "full":
-                raise ValueError(f"recompute_granularity=full: the {self.name} family's DeepStack layers take this "
-                                 "micro-batch's vision features, which a recomputed layer would not see; use "
-                                 "recompute_granularity=selective or null")
-        kwargs.update(overrides)
-        return (TransformerConfig if self.mla is None else MLATransformerConfig)(**kwargs)
+
+    def _vision_kwargs(self, hf_config, dims: ParallelDims, num_layers: int, overrides: dict) -> dict[str, Any]:
+        """A vision-language family's multimodal RoPE sections, refusing layouts it cannot run (CP; a first stage
+        without the DeepStack layers; full recomputation of them)."""
+        if dims.cp > 1:
+            raise ValueError(f"parallel.cp={dims.cp}: the {self.name} family (multimodal RoPE) runs without "
+                             "context parallelism; set cp=1 and split the model with tp/pp")
+        deepstack = self.vision.deepstack_layers(hf_config)
+        per_chunk = len(dims.chunk_layers(num_layers, 0))
+        if deepstack > per_chunk:
+            raise ValueError(f"parallel.pp={dims.pp}: the first pipeline stage holds {per_chunk} layer(s), and "
+                             f"the {self.name} family adds its vision features to the first {deepstack} "
+                             "(DeepStack): lower pp (or vpp) so that the first stage holds them")
+        if deepstack and overrides.get("recompute_granularity") == "full":
+            raise ValueError(f"recompute_granularity=full: the {self.name} family's DeepStack layers take this "
+                             "micro-batch's vision features, which a recomputed layer would not see; use "
+                             "recompute_granularity=selective or null")
+        return {"mrope_section": self.vision.mrope_section(hf_config)}
 
     def _moe_kwargs(self, hf_config, dims: ParallelDims, *, use_te: bool) -> dict[str, Any]:
         """Megatron's MoE settings for ``hf_config`` (router as HF's: softmax scores, renormalised top-k or not)."""

@@ -173,47 +173,60 @@ def core_attention():
             return _packed_attention(self, base, query, key, value, packed_seq_params, attn_mask_type)
 
         def _attend(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None):
-            """Megatron's local attention (``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out; ``attention_mask``
-            True where masked, else causal) computed by torch's ``scaled_dot_product_attention``: one kernel that
-            stores no ``[b, heads, s, s]`` scores (flash attention on CUDA), the same function. Megatron's own math
-            where SDPA is not the same: a softmax offset, a sliding window, an attention bias, or attention dropout
-            while training (whose randomness Megatron draws from its TP-aware RNG tracker)."""
-            from megatron.core.transformer.enums import AttnMaskType
-
-            softmax = self.scale_mask_softmax
-            if (attention_bias is not None or self.softmax_offset is not None or softmax.window_size is not None
-                    or (self.training and self.attention_dropout.p > 0)):
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
-            groups = q.shape[1] // k.shape[1]
-            if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads, in order
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            # Megatron's mask type is the layer's (the argument is unused there too); causal needs no mask tensor.
-            causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and q.shape[2] > 1
-            keep = None if attention_mask is None else ~attention_mask.to(torch.bool)
-            scale = self.softmax_scale * (softmax.scale or 1.0)  # query-key layer scaling: divided, then multiplied
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal,
-                                                                   scale=scale)
-            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+            return _attend(self, DotProductAttention.forward, query, key, value, attention_mask,
+                           attn_mask_type=attn_mask_type, attention_bias=attention_bias)
 
         def _gather(self, key, value, lengths):
-            """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-            from megarl.parallel.packing import cp_inverse
-
-            inverse = cp_inverse(lengths, self.cp, key.device)
-            return [gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group).index_select(0, inverse)
-                    for t in (key, value)]
+            return _gather_cp(self, key, value, lengths)
 
         def _causal(self, length: int, device: torch.device) -> torch.Tensor:
-            """The mask (True: masked) of this rank's queries of one sequence of ``length`` tokens over all its keys,
-            on ``device``."""
-            from megarl.parallel.packing import zigzag_index
-
-            rank = torch.distributed.get_rank(self.cp_group)
-            mine = zigzag_index([length], self.cp, rank).to(device)
-            return (torch.arange(length, device=device)[None, :] > mine[:, None])[None, None]
+            return _causal_cp(self, length, device)
 
     return CpuCoreAttention
+
+
+def _attend(attention, base_forward, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None):
+    """Megatron's local attention (``[s, b, heads, dim]`` in, ``[s, b, heads·dim]`` out; ``attention_mask``
+    True where masked, else causal) computed by torch's ``scaled_dot_product_attention``: one kernel that
+    stores no ``[b, heads, s, s]`` scores (flash attention on CUDA), the same function. Megatron's own math
+    where SDPA is not the same: a softmax offset, a sliding window, an attention bias, or attention dropout
+    while training (whose randomness Megatron draws from its TP-aware RNG tracker)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    softmax = attention.scale_mask_softmax
+    if (attention_bias is not None or attention.softmax_offset is not None or softmax.window_size is not None
+            or (attention.training and attention.attention_dropout.p > 0)):
+        return base_forward(attention, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads, in order
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # Megatron's mask type is the layer's (the argument is unused there too); causal needs no mask tensor.
+    causal = attention_mask is None and attention.attn_mask_type == AttnMaskType.causal and q.shape[2] > 1
+    keep = None if attention_mask is None else ~attention_mask.to(torch.bool)
+    scale = attention.softmax_scale * (softmax.scale or 1.0)  # query-key layer scaling: divided, then multiplied
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal,
+                                                           scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _gather_cp(attention, key, value, lengths):
+    """The CP group's keys and values in sequence order (sequences of ``lengths`` tokens, end to end)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from megarl.parallel.packing import cp_inverse
+
+    inverse = cp_inverse(lengths, attention.cp, key.device)
+    return [gather_from_sequence_parallel_region(t.contiguous(), group=attention.cp_group).index_select(0, inverse)
+            for t in (key, value)]
+
+
+def _causal_cp(attention, length: int, device: torch.device) -> torch.Tensor:
+    """The mask (True: masked) of this rank's queries of one sequence of ``length`` tokens over all its keys,
+    on ``device``."""
+    from megarl.parallel.packing import zigzag_index
+
+    rank = torch.distributed.get_rank(attention.cp_group)
+    mine = zigzag_index([length], attention.cp, rank).to(device)
+    return (torch.arange(length, device=device)[None, :] > mine[:, None])[None, None]
