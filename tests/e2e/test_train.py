@@ -694,6 +694,52 @@ def test_an_empty_model_directory_fails_before_any_work(assets, tmp_path):
     assert "Ray cluster" not in run.stdout + run.stderr  # refused before Ray
 
 
+def test_an_engine_killed_before_the_weight_sync_ends_the_run_with_its_short_report(assets, tmp_path):
+    """An engine server killed between the actor's update and the weight sync: the sync fails inside the actor's Ray
+    worker, and the error crosses Ray whole (megarl's exceptions pickle) to megarl-train's one-screen report, which
+    names the engine, its URL and the step, with the traceback in error.log."""
+    import signal
+
+    from megarl.cli.train import failure_report, run_failures
+    from megarl.workers.engine_server import EngineServerWorker
+
+    cfg = _config(assets, "sync_killed", "trainer.total_steps=1")
+    trainer = Trainer(cfg, console=lambda *_: None)
+    try:
+        trainer.setup()
+        pid = trainer.roles.rollout.call_all(EngineServerWorker.server_pid)[1]
+        url = trainer.roles.engines[1].url
+        sync = trainer._sync_weights
+
+        def kill_then_sync(*args, **kwargs):
+            from megarl.parallel.reaper import ENDED_STATES
+
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60  # a guard: SIGKILL ends it at once
+            while time.monotonic() < deadline:
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    break
+                if stat[stat.rindex(")") + 2] in ENDED_STATES:
+                    break
+                time.sleep(0.05)
+            return sync(*args, **kwargs)
+
+        trainer._sync_weights = kill_then_sync
+        with pytest.raises(run_failures()) as caught:
+            trainer.train_step()
+    finally:
+        trainer.shutdown()
+    report = failure_report(caught.value, 1, tmp_path)
+    lines = report.splitlines()
+    assert lines[0] == "megarl-train: step 1 failed; workers and Ray stopped.", report
+    assert "engine 1" in report and url in report, report
+    assert len(lines) <= 22 and "Traceback" not in report, report
+    assert lines[-1] == f"(the whole traceback: {tmp_path / 'error.log'})"
+    assert "Traceback" in (tmp_path / "error.log").read_text()
+
+
 def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_the_run(assets):
     """SIGKILL one engine server while its share of the step's generation is inside it (paused in place
     just before the requests leave, so the share waits there, on a machine of any speed; 384 tokens a row): the
