@@ -92,6 +92,7 @@ def _routing_case(hf_dir: str) -> dict:
 CHECKS = [(name, layout) for name, layouts in moe_jobs.EP_CHECKS.items() for layout in layouts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", moe_jobs.MOE_CONFIGS)
 def test_megatron_moe_equals_hf(ep, name):
     """EP=1: parameter count, logits and the streaming export (names and bits) equal HF's, for a dense layer among

@@ -58,6 +58,7 @@ def test_greedy_rollout_equals_transformers_generate(tiny, arch):
         assert batch["responses"][row, :int(batch["response_mask"][row].sum())].tolist() == expected[:stop].tolist()
 
 
+@pytest.mark.slow
 def test_actor_recomputes_the_engines_log_probs_and_learns(tiny):
     root, hf_dir, data = tiny
     batch = vision_jobs.image_rollout(hf_dir, data, str(root / "sampled_logs"), n=4, temperature=TEMPERATURE)

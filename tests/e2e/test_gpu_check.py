@@ -113,6 +113,7 @@ def finite(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
+@pytest.mark.slow
 def test_every_stage_passes_and_is_written_as_it_finishes(check):
     records = check["records"]
     assert list(records) == ["env", *STAGES, "summary"]

@@ -28,6 +28,7 @@ def check(tmp_path_factory):
     return run, records
 
 
+@pytest.mark.slow
 def test_every_stage_passes_in_rehearsal(check):
     run, records = check
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])

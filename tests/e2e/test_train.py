@@ -79,6 +79,7 @@ def _unverifiable(metrics: dict[str, float], engines: int = 2) -> None:
     assert metrics["weight_sync/verified_engines"] == 0 and metrics["weight_sync/verified_tensors"] == 0
 
 
+@pytest.mark.slow
 def test_a_generative_judge_scores_every_row_and_its_failures_are_counted(assets):
     """A GRPO run scored by a generative judge (a model served by a CPU engine server of its own, on a pool
     of its own, behind a router of its own): every row is asked, the verdicts logged with the answers they were read
@@ -195,6 +196,7 @@ def _untimed(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith(TIMED)}
 
 
+@pytest.mark.slow
 def test_grpo_steps_resume_and_crashed_save(assets):
     """GRPO through Ray; a run resumed from step 1's checkpoint repeats steps 2..3 exactly.
 
@@ -557,6 +559,7 @@ def test_hanging_tool_hooks_cost_their_time_limit_and_are_counted(assets, tmp_pa
     assert all(math.isfinite(v) for v in second.values())
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory(assets):
     """Two real megarl-train runs into one checkpoint directory: the second refuses at once, naming the first
     run's PID; the first run is untouched and finishes with its checkpoints."""
@@ -827,6 +830,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_moe_grpo_replays_the_engines_routing(assets):
     """GRPO on a tiny DeepSeek-V3 (multi-latent attention with YaRN; a dense layer, then 8 experts
     in 2 groups, top-2 by sigmoid score plus bias, one shared expert) at EP=2 over the 2 actor ranks, engines in bf16
@@ -958,6 +962,7 @@ def test_a_reward_model_scores_every_response_of_a_grpo_step(assets):
     assert metrics["timing_s/reward_model"] > 0
 
 
+@pytest.mark.slow
 def test_the_tiny_vision_language_recipe_learns_to_count(tmp_path):
     """``recipe=tiny_cpu_vl_grpo`` as a user runs it (its own data: images of coloured squares written to
     data/squares/, its own SFT warm start of a tiny Qwen2.5-VL), 30 GRPO steps through the real path: image prompts
