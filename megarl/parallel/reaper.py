@@ -109,6 +109,11 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process: listed, and not ended (a zombie has: :data:`ENDED_STATES`)."""
+    return _stat(pid) is not None
+
+
 def describe(pid: int) -> str:
     """``name (pid)`` of a process, its name from ``/proc/<pid>/comm`` (``?`` when it is gone)."""
     try:
