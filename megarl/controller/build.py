@@ -13,7 +13,9 @@ roles take ``1/k`` each. Disaggregated engines (``hybrid_engine=false``) own the
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -149,63 +151,36 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
     """Place and start every role of ``cfg`` (Ray must be running): the training workers, one engine server per
     engine (its log in ``log_dir``) and sglang-router in front of them; on failure nothing is left running.
     ``phase`` (a :class:`~megarl.controller.progress.Phases`) announces each part as it starts and ends;
-    ``training`` False: the engines and the router only, each engine with its GPUs to itself (generation only)."""
+    ``training`` False: the engines and the router only, each engine with its GPUs to itself (generation only).
+
+    The engine servers start while the training roles build when nothing of theirs is measured against the
+    training roles' memory (on CPU, or on a pool of their own); on the GPUs the training roles share, the training
+    roles build and offload first, and SGLang then sizes its KV pool beside what stays."""
     plan = placement_for(cfg)
-    trainer = cfg.trainer
-    pools = create_pools(plan, use_gpu=trainer.device != "cpu", cpus_per_bundle=1.0)
+    pools = create_pools(plan, use_gpu=cfg.trainer.device != "cpu", cpus_per_bundle=1.0)
     built: list[WorkerGroup] = []
     routers: list[ServerProcess] = []
-    judge_cfg = cfg.reward_model.judge
     loop = event_loop.hold()  # the driver's one event loop, until Roles.shutdown
+    engines_started = None
     try:
         policy_set = policy_engines(cfg, plan)
-        judge_set = judge_engines(cfg, plan) if judge_cfg.enable else None
+        judge_set = judge_engines(cfg, plan) if cfg.reward_model.judge.enable else None
         probed = None
         if any(s is not None and s.rollout.name == "sglang" for s in (policy_set, judge_set)):
             from megarl.plan.engine_gpus import probe_bundle_gpus
 
             probed = probe_bundle_gpus(pools)
-        gpus = engine_gpus_of(plan.engines, probed) if policy_set.rollout.name == "sglang" else None
         separate = not cfg.actor_rollout_ref.hybrid_engine
-        # actor(+ref), engines, critic, teacher, reward model
-        colocated = (1 if separate else 2) + sum(section.enable for section in (cfg.critic, cfg.teacher,
-                                                                                  cfg.reward_model))
-        actor = critic = teacher = reward_model = None
-        if not training:
-            colocated = 1
-        else:
-            lora = cfg.actor_rollout_ref.model.lora_rank
-            reference = (" with LoRA (its reference: the adapters off)" if lora else " and its reference") \
-                if cfg.needs_ref else (" with LoRA" if lora else "")
-            with phase(f"placing the actor{reference} on {plan.role('actor').world_size} rank(s) and building "
-                       f"the model"):
-                actor = _build_actor(cfg, pools["global"], 1.0 / colocated)
-            built.append(actor)
-        if training and cfg.critic.enable:
-            with phase("placing the critic and building its model"):
-                critic = _build_critic(cfg, pools["global"], 1.0 / colocated)
-            built.append(critic)
-        if training and cfg.teacher.enable:
-            with phase(f"placing the teacher on {plan.role('teacher').world_size} rank(s) and building its model"):
-                teacher = _build_scorer(cfg, TeacherWorker, "teacher", pools["global"], 1.0 / colocated,
-                                        teacher=cfg.teacher)
-            built.append(teacher)
-        if training and cfg.reward_model.enable:
-            with phase(f"placing the reward model on {plan.role('reward_model').world_size} rank(s) and building "
-                       f"its model"):
-                reward_model = _build_scorer(cfg, RewardModelWorker, "reward_model", pools["global"], 1.0 / colocated,
-                                             reward_model=cfg.reward_model)
-            built.append(reward_model)
-        rollout_pool = pools["rollout"] if separate else pools["global"]
-        for role, group in (("actor", actor), ("critic", critic), ("teacher", teacher),
-                            ("reward_model", reward_model)):
-            if group is not None:  # SGLang sizes its KV pool beside what stays on the GPUs (the trainer onloads)
-                role_memory.offload(cfg, group, role)
+        colocated = _colocated_roles(cfg, separate) if training else 1
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
-        with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
-            rollout, addresses = start_engine_servers(cfg, policy_set, rollout_pool,
-                                                      1.0 if separate else 1.0 / colocated, gpus, log_dir,
-                                                      admin_key=admin_key)
+        start_policy_engines = functools.partial(
+            _start_policy_engines, cfg, plan, policy_set, pools["rollout"] if separate else pools["global"],
+            1.0 if separate else 1.0 / colocated, probed, log_dir, admin_key, phase)
+        if training and (separate or cfg.trainer.device == "cpu"):
+            engines_started = _in_background(start_policy_engines)
+        groups = _build_training_roles(cfg, plan, pools, colocated, built, phase) if training else {}
+        rollout, addresses = engines_started.result() if engines_started is not None else start_policy_engines()
+        engines_started = None
         built.append(rollout)
         # Training with adapters synced alone: every request names the run's adapter (loaded at the first sync).
         lora_name = ADAPTER_NAME if training and cfg.lora_syncs_adapters else None
@@ -221,19 +196,12 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         targets, names = [], []
         if training:
             targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
-            names = actor.call_rank(0, ActorWorker.weight_names)
+            names = groups["actor"].call_rank(0, ActorWorker.weight_names)
     except BaseException:
-        for started in routers:
-            started.stop()
-        for group in built:
-            if group.role in ("rollout", "judge"):
-                stop_engine_servers(group)
-            group.shutdown()
-        for pool in pools.values():
-            pool.remove()
-        event_loop.release()
+        _stop_started(engines_started, built, routers, pools)
         raise
-    return Roles(plan=plan, pools=pools, actor=actor, critic=critic, teacher=teacher, reward_model=reward_model,
+    return Roles(plan=plan, pools=pools, actor=groups.get("actor"), critic=groups.get("critic"),
+                 teacher=groups.get("teacher"), reward_model=groups.get("reward_model"),
                  rollout=rollout, engines=engines,
                  router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
                  engine_targets=targets,
@@ -241,6 +209,82 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
                                                     colocated=plan.colocated, device=cfg.trainer.device),
                  weight_names=names, loop=loop,
                  judge=judge)
+
+
+def _colocated_roles(cfg: RunConfig, separate: bool) -> int:
+    """How many roles share each bundle of the training pool: actor(+ref), the engines unless on a pool of their
+    own, the critic, the teacher and the reward model when enabled."""
+    return (1 if separate else 2) + sum(section.enable for section in (cfg.critic, cfg.teacher, cfg.reward_model))
+
+
+def _build_training_roles(cfg: RunConfig, plan: PlacementPlan, pools: dict, colocated: int,
+                          built: list[WorkerGroup], phase) -> dict[str, WorkerGroup]:
+    """Build the actor (with its reference), critic, teacher and reward model that ``cfg`` enables, each appended to
+    ``built`` as it is ready (stopped by the caller on failure), then move their memory to the host by their
+    offload flags."""
+    share = 1.0 / colocated
+    groups: dict[str, WorkerGroup] = {}
+    lora = cfg.actor_rollout_ref.model.lora_rank
+    reference = (" with LoRA (its reference: the adapters off)" if lora else " and its reference") \
+        if cfg.needs_ref else (" with LoRA" if lora else "")
+    with phase(f"placing the actor{reference} on {plan.role('actor').world_size} rank(s) and building the model"):
+        groups["actor"] = _build_actor(cfg, pools["global"], share)
+    built.append(groups["actor"])
+    if cfg.critic.enable:
+        with phase("placing the critic and building its model"):
+            groups["critic"] = _build_critic(cfg, pools["global"], share)
+        built.append(groups["critic"])
+    if cfg.teacher.enable:
+        with phase(f"placing the teacher on {plan.role('teacher').world_size} rank(s) and building its model"):
+            groups["teacher"] = _build_scorer(cfg, TeacherWorker, "teacher", pools["global"], share,
+                                              teacher=cfg.teacher)
+        built.append(groups["teacher"])
+    if cfg.reward_model.enable:
+        with phase(f"placing the reward model on {plan.role('reward_model').world_size} rank(s) and building its "
+                   f"model"):
+            groups["reward_model"] = _build_scorer(cfg, RewardModelWorker, "reward_model", pools["global"], share,
+                                                   reward_model=cfg.reward_model)
+        built.append(groups["reward_model"])
+    for role, group in groups.items():  # SGLang sizes its KV pool beside what stays on the GPUs (the trainer onloads)
+        role_memory.offload(cfg, group, role)
+    return groups
+
+
+def _start_policy_engines(cfg: RunConfig, plan: PlacementPlan, policy_set: EngineSet, pool, share: float,
+                          probed: dict | None, log_dir, admin_key: str, phase) -> tuple[WorkerGroup, list]:
+    """The policy's engine servers, started and healthy (:func:`start_engine_servers`)."""
+    gpus = engine_gpus_of(plan.engines, probed) if policy_set.rollout.name == "sglang" else None
+    with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
+        return start_engine_servers(cfg, policy_set, pool, share, gpus, log_dir, admin_key=admin_key)
+
+
+def _in_background(call: Callable[[], Any]) -> concurrent.futures.Future:
+    """``call()`` on a thread of its own; its result (or its error) in the future."""
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-start")
+    try:
+        return executor.submit(call)
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _stop_started(engines_started: concurrent.futures.Future | None, built: list[WorkerGroup],
+                  routers: list[ServerProcess], pools: dict) -> None:
+    """Stop what a failed :func:`build_roles` started: the engine servers still starting (once their start ends:
+    it cannot be cut short), the routers, every group built, the pools; let go of the driver's event loop."""
+    if engines_started is not None:
+        try:
+            built.append(engines_started.result()[0])
+        except BaseException:  # noqa: BLE001 - a failed start stopped its own servers; the first error is raised
+            pass
+    for started in routers:
+        started.stop()
+    for group in built:
+        if group.role in ("rollout", "judge"):
+            stop_engine_servers(group)
+        group.shutdown()
+    for pool in pools.values():
+        pool.remove()
+    event_loop.release()
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -20,8 +21,14 @@ class Phases:
     """Announce phases on ``console`` as they start and end; ``seconds[name]`` their durations."""
 
     def __init__(self, console: Callable[[str], None] = print) -> None:
-        self.console = console
+        self._console = console
+        self._lock = threading.Lock()  # phases may run on two threads (the engines start while the models build)
         self.seconds: dict[str, float] = {}
+
+    def console(self, text: str) -> None:
+        """One line on the console, whole even when two phases end together."""
+        with self._lock:
+            self._console(text)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
