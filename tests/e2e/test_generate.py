@@ -55,7 +55,7 @@ def _overrides(assets, output: str, *extra: str) -> list[str]:
     return ["recipe=tiny_cpu_grpo", "actor_rollout_ref.model.init=pretrained",
             f"actor_rollout_ref.model.path={assets['model']}", f"data.path={assets['prompts']}",  # verl's names
             f"data.output_path={output}", "data.max_prompt_length=48", "data.max_response_length=12",
-            "trainer.logger=[console]", *extra]
+            "trainer.logger=[console]", "trainer.n_cpu_ranks=1", "actor_rollout_ref.actor.parallel.tp=1", *extra]
 
 
 def test_greedy_responses_equal_transformers_generate_and_rows_come_back(assets):
