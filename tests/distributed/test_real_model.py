@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megarl.parallel.launch import run_ranks
-from tools.gguf_to_hf import gguf_to_hf, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 TP = 3
@@ -38,14 +37,14 @@ def logits_job(mcore_dir, hf_config_dir, input_ids):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_hf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.convert.jobs import hf_to_mcore
 
     root = tmp_path_factory.mktemp("smollm2")
     started = time.monotonic()
-    hf_dir = gguf_to_hf(smollm2_gguf(), root / "hf")
+    hf_dir = smollm2_hf
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     messages = [{"role": "user", "content": "What is 12 + 30? Answer with a number."}]
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

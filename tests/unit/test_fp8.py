@@ -54,15 +54,12 @@ def test_each_block_has_its_own_scale_and_uses_the_whole_range():
     assert expand_scales(scale, (200, 130))[199, 129] == scale[1, 1]
 
 
-def test_a_real_models_weights_quantize_within_the_bound(tmp_path):
+def test_a_real_models_weights_quantize_within_the_bound(smollm2_hf):
     """SmolLM2-135M-Instruct's linear weights (a real distribution: outliers, narrow layers), from its GGUF."""
     from safetensors.torch import load_file
 
-    from tools.gguf_to_hf import gguf_to_hf, smollm2_gguf
-
-    directory = gguf_to_hf(smollm2_gguf(), tmp_path / "hf")
     tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in sorted(smollm2_hf.glob("*.safetensors")):
         tensors.update(load_file(path))
     linear = [name for name in sorted(tensors) if name.endswith("proj.weight")]
     assert len(linear) == 30 * 7  # q, k, v, o, gate, up, down in each of 30 layers
