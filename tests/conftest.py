@@ -17,6 +17,14 @@ TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
 """The folders of tests/, each a tier of the same name (pyproject.toml's markers)."""
 
 
+SERIAL = "serial"
+"""The xdist group of every test but the unit tier's: under ``pytest -n 2 --dist loadgroup`` (the README's test
+command) they run in order on one worker, since they start processes, Ray clusters and servers that use both cores
+and some look for what a run left behind; the unit tests (one process, no server) run on the other worker meanwhile,
+on the core those leave idle."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
     for item in items:
@@ -24,6 +32,8 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test outside the tiers' folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier != "unit" or "smollm2_hf" in getattr(item, "fixturenames", ()):  # the session's conversion, once
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -34,9 +44,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def event_loop_thread():
-    """The process's one event loop (megarl.rollout.event_loop), held for the whole session; a trainer built in a
+    """The process's one event loop (megarl.engines.event_loop), held for the whole session; a trainer built in a
     test holds it too, and the last holder's release stops it."""
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     with event_loop.holding() as loop:
         yield loop

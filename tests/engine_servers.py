@@ -3,11 +3,11 @@
     with engine_servers(model_dir, log_dir, num_engines=2, router=True) as servers:
         manager = RolloutManager(servers.generator, servers.engines, tokenizer, config, ...)
 
-Each engine is ``python -m megarl.rollout.cpu_engine`` on ``model_dir`` with its own
+Each engine is ``python -m megarl.engines.cpu_engine`` on ``model_dir`` with its own
 ``--random-seed`` (engine ``i``: ``seeds[i]``, default ``i``), ``OMP_NUM_THREADS=1`` and its log
 in ``log_dir``; the servers start concurrently (all started, then each waited for), so N
 engines cost about one start-up. With ``router=True`` a real sglang-router
-(:func:`megarl.rollout.router.start_router`, as a run starts it) runs over them and is the generator;
+(:func:`megarl.engines.router.start_router`, as a run starts it) runs over them and is the generator;
 otherwise the generator is engine 0's client. At exit the router stops first, then the engines.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from megarl.rollout.client import EngineClient
-from megarl.rollout.router import start_router
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.client import EngineClient
+from megarl.engines.router import start_router
+from megarl.engines.server_process import ServerProcess, free_port
 
 START_TIMEOUT_S = 180.0
 
@@ -45,7 +45,7 @@ def engine_server(model_dir: str | os.PathLike, log_dir: str | os.PathLike, *, i
     appended to its command line)."""
     port = free_port()
     name = f"engine {index}"
-    return ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
+    return ServerProcess([sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(model_dir), "--port",
                           str(port), "--random-seed", str(seed), "--tp-size", str(tp_size), *extra_args], name=name,
                          url=f"http://127.0.0.1:{port}",
                          log_path=Path(log_dir) / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"})
@@ -155,7 +155,7 @@ def admin_key_of(url: str) -> str | None:
     from pathlib import Path
     from urllib.parse import urlsplit
 
-    from megarl.rollout.http_api import ADMIN_KEY_ENV
+    from megarl.engines.http_api import ADMIN_KEY_ENV
 
     port = str(urlsplit(url).port)
     for proc in Path("/proc").iterdir():
@@ -163,11 +163,11 @@ def admin_key_of(url: str) -> str | None:
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"megarl.rollout.cpu_engine" not in argv or port.encode() not in argv[argv.index(b"--port") + 1:][:1]:
+            if b"megarl.engines.cpu_engine" not in argv or port.encode() not in argv[argv.index(b"--port") + 1:][:1]:
                 continue
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
         prefix = f"{ADMIN_KEY_ENV}=".encode()
         return next((entry[len(prefix):].decode() for entry in environ if entry.startswith(prefix)), None)
-    raise LookupError(f"no megarl.rollout.cpu_engine process serves {url} on this machine")
+    raise LookupError(f"no megarl.engines.cpu_engine process serves {url} on this machine")

@@ -1,6 +1,6 @@
 """A rollout engine that replays scripted assistant turns, for agent-loop tests.
 
-:class:`ScriptedEngine` implements the :class:`~megarl.rollout.engine.RolloutEngine` protocol.
+:class:`ScriptedEngine` implements the :class:`~megarl.engines.engine.RolloutEngine` protocol.
 Each script is a list of :class:`Turn` keyed by a text that identifies the conversation (for
 example the user's question); on every call the engine decodes the prompt ids, picks the
 script whose key appears in it, and answers with the turn whose number is the count of
@@ -18,7 +18,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.engines.engine import FinishReason, GenerateOutput, SamplingParams
 
 
 @functools.lru_cache(maxsize=1)

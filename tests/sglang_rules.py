@@ -285,7 +285,7 @@ HTTP_SERVER = "srt/entrypoints/http_server.py"
 @dataclasses.dataclass(frozen=True)
 class LlamaReadBack:
     """How ``LlamaForCausalLM.get_weights_by_name`` answers, read from its source (megarl's CPU engine:
-    :mod:`megarl.rollout.cpu_engine.read_back`)."""
+    :mod:`megarl.engines.cpu_engine.read_back`)."""
 
     stacked: tuple[tuple, ...]
     """``self.stacked_params_mapping`` as assigned in ``__init__``."""

@@ -47,8 +47,8 @@ def sync_rank_job(hf_dir: str, engine: dict, rank: int, alpha: float, repeats: i
     from megarl.config.lora import LoraSpec
     from megarl.convert import WeightExporter, load_hf_into
     from megarl.convert.lora import attach_lora
+    from megarl.engines.client import EngineAddress
     from megarl.models import build_model_chunks, family_for
-    from megarl.rollout.client import EngineAddress
     from megarl.sync import make_transport, verify_sample
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.device != "cpu":
         raise SystemExit("bench_lora_sync runs the CPU engine server: --device cpu")
     from megarl.config.lora import LoraSpec
+    from megarl.engines.server_process import ServerProcess, free_port
     from megarl.models.tiny import build_tiny_tokenizer
     from megarl.parallel.launch import run_ranks
     from megarl.plan.engine_gpus import lora_flags
-    from megarl.rollout.server_process import ServerProcess, free_port
 
     torch.set_num_threads(1)
     world, tp, pp = args.tp * args.pp, args.tp, args.pp
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"on {world} gloo ranks; one colocated CPU engine server at TP={tp}", flush=True)
         port = free_port()
         flags = lora_flags(LoraSpec(rank=args.rank, alpha=args.alpha))
-        server = ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(hf_dir),
+        server = ServerProcess([sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(hf_dir),
                                 "--port", str(port), "--dtype", "float32", "--tp-size", str(tp), *flags],
                                name="engine 0", url=f"http://127.0.0.1:{port}", log_path=work / "engine.log",
                                env={"OMP_NUM_THREADS": "1"}).start()

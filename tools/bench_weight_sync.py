@@ -206,7 +206,7 @@ def _copy_s(nbytes: int, repeats: int = 3) -> float:
 def _receive_broadcasts(host: str, port: int, members: int, world_size: int, name: str) -> None:
     """``members`` receivers of a gloo group (threads of one process, as the CPU engine server's TP ranks): a
     header ``[rounds, buckets, largest]``, the buckets' sizes, then each bucket, round after round."""
-    from megarl.rollout.weight_group import join_group
+    from megarl.engines.weight_group import join_group
 
     def member(rank: int) -> None:
         group = join_group(host, port, rank, world_size, name)
@@ -235,9 +235,9 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
     from transformers import AutoConfig
 
     from megarl.convert import WeightExporter, load_hf_into
+    from megarl.engines.client import EngineAddress
+    from megarl.engines.weight_group import join_group
     from megarl.models import build_model_chunks, family_for
-    from megarl.rollout.client import EngineAddress
-    from megarl.rollout.weight_group import join_group
     from megarl.sync import make_transport, verify_sample
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -306,13 +306,13 @@ def sync_rank_job(hf_dir: str, engines: dict[str, list[dict]], bucket_bytes: int
 # ------------------------------------------------------------------------------- main
 def start_engines(hf_dir: Path, log_dir: Path, tp: int, count: int = 2) -> list:
     """``count`` CPU engine servers on ``hf_dir`` emulating ``tp`` TP ranks each, started and healthy."""
-    from megarl.rollout.server_process import ServerProcess, free_port
+    from megarl.engines.server_process import ServerProcess, free_port
 
     servers = []
     for index in range(count):
         port = free_port()
         servers.append(ServerProcess(
-            [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(hf_dir), "--port", str(port),
+            [sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(hf_dir), "--port", str(port),
              "--dtype", "float32", "--tp-size", str(tp)], name=f"engine {index}", url=f"http://127.0.0.1:{port}",
             log_path=log_dir / f"engine_{index}.log", env={"OMP_NUM_THREADS": "1"}))
     for server in servers:
@@ -338,9 +338,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parser.parse_args(argv)
     if args.device != "cpu":
         raise SystemExit("bench_weight_sync runs the CPU engine servers: --device cpu")
+    from megarl.engines.server_process import free_port
     from megarl.models.tiny import build_tiny_tokenizer
     from megarl.parallel.launch import run_ranks
-    from megarl.rollout.server_process import free_port
 
     torch.set_num_threads(1)
     world, tp, pp = args.tp * args.pp, args.tp, args.pp

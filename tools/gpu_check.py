@@ -18,7 +18,7 @@ come from the rollout) and megarl places them; the engine is megarl's server pro
           same weights (a random Qwen2.5-shaped model, ``initializer_range`` 0.05 so a wrong position, mask or
           norm shows), packed (THD) and padded micro-batches. Pass: mean |megarl - HF fp32| within 3x of
           mean |HF bf16 - HF fp32| in both modes.
-  engine  ``python -m megarl.rollout.cpu_engine --device cuda:0 --dtype bfloat16`` (``cpu`` without CUDA) generates
+  engine  ``python -m megarl.engines.cpu_engine --device cuda:0 --dtype bfloat16`` (``cpu`` without CUDA) generates
           (T=1, log-probs); the actor recomputes them (``ActorRole.compute_log_prob``): the rollout/train gap on
           identical weights. Pass: tokens generated, gap finite and within 4x parity's HF bf16 error (both
           models are within that of HF fp32) when parity ran.
@@ -329,13 +329,13 @@ class Context:
             self.stop_engine()
         self._server_args = wanted
         if self._server is None:
+            from megarl.engines.client import EngineClient
+            from megarl.engines.server_process import ServerProcess
             from megarl.parallel.net import free_port
-            from megarl.rollout.client import EngineClient
-            from megarl.rollout.server_process import ServerProcess
 
             port = free_port()
             path = model_dir or self.model_dir(self.args.shape)
-            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(path),
+            argv = [sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(path),
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                     "--device", "cuda:0" if self.device.type == "cuda" else "cpu", "--random-seed", "1", *extra_args]
             url = f"http://127.0.0.1:{port}"
@@ -425,8 +425,8 @@ def run_parity(ctx: Context, out: dict) -> None:
 def engine_gap(actor, client, seed: int) -> dict:
     """Generate from the engine (T=1, log-probs) and recompute the log-probs with the actor, as a step does."""
     from megarl.data.batch import Batch
-    from megarl.rollout.client import run_sync
-    from megarl.rollout.engine import SamplingParams
+    from megarl.engines.client import run_sync
+    from megarl.engines.engine import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 500, (32 + 3 * row,), generator=g).tolist() for row in range(ENGINE_ROWS)]
@@ -494,8 +494,8 @@ def read_back(client, expected: dict[str, torch.Tensor], whole: set[str]) -> tup
     """Names whose engine values differ from ``expected`` (the first rows of each, all rows of ``whole``) and the
     number of values compared: read by megarl's engine server's own look at its weights (``inspect_weight``: this
     check's Qwen2 models are ones SGLang cannot read back, so the transport's verification reports them unverified)."""
-    from megarl.rollout.client import run_sync
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
+    from megarl.engines.client import run_sync
+    from megarl.engines.cpu_engine.read_back import inspect_weight
 
     differ, compared = [], 0
     for name, tensor in expected.items():
@@ -521,7 +521,7 @@ def copy_gbps(total_bytes: int, bucket_bytes: int, device: torch.device) -> floa
 def run_sync_stage(ctx: Context, out: dict) -> None:
     """The trained weights into the engine by the ``tensor`` transport, read back (see the module docstring)."""
     from megarl.config.rollout import RolloutConfig
-    from megarl.rollout.client import EngineAddress, run_sync
+    from megarl.engines.client import EngineAddress, run_sync
     from megarl.sync.base import verify_sample
     from megarl.sync.tensor import TensorTransport
 
@@ -576,10 +576,10 @@ def run_lora(ctx: Context, out: dict) -> None:
     from megarl.config.lora import LoraSpec
     from megarl.config.model import OptimConfig
     from megarl.config.parallel import ParallelDims
+    from megarl.engines.client import EngineAddress
+    from megarl.engines.lora_wire import ADAPTER_NAME
     from megarl.models.lora import adapters_disabled, is_lora_parameter
     from megarl.plan.engine_gpus import lora_flags
-    from megarl.rollout.client import EngineAddress
-    from megarl.rollout.lora_wire import ADAPTER_NAME
     from megarl.sync.adapters import AdapterSync
     from megarl.workers.actor import ActorRole
     from megarl.workers.sharded_model import ShardedModel
@@ -629,8 +629,8 @@ def run_fp8(ctx: Context, out: dict) -> None:
     """FP8 rollout on this device (see the module docstring)."""
     from megarl.config.rollout import RolloutConfig
     from megarl.convert.fp8 import fp8_names, write_fp8_checkpoint
+    from megarl.engines.client import EngineAddress
     from megarl.models.fp8 import quantize_block_fp8, scale_name
-    from megarl.rollout.client import EngineAddress
     from megarl.sync.base import verify_sample
     from megarl.sync.tensor import TensorTransport
 
@@ -685,10 +685,10 @@ def run_vl(ctx: Context, out: dict) -> None:
     from megarl.config.rollout import RolloutConfig
     from megarl.data.batch import Batch
     from megarl.data.images import ImageProcessor, image_uri
+    from megarl.engines.client import EngineAddress, run_sync
+    from megarl.engines.engine import SamplingParams
     from megarl.models.hf_config import load_hf_config
     from megarl.models.tiny import save_tiny_vl
-    from megarl.rollout.client import EngineAddress, run_sync
-    from megarl.rollout.engine import SamplingParams
     from megarl.sync.base import verify_sample
     from megarl.sync.tensor import TensorTransport
 
@@ -945,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
     import transformers
 
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     start = time.perf_counter()
     init_process_group()

@@ -212,8 +212,8 @@ def _engine_gap(actor, url: str, sizes: Sizes, seed: int, lora_name: str | None 
     import torch.distributed as dist
 
     from megarl.data.batch import Batch
-    from megarl.rollout.client import EngineClient, run_sync
-    from megarl.rollout.engine import SamplingParams
+    from megarl.engines.client import EngineClient, run_sync
+    from megarl.engines.engine import SamplingParams
 
     payload = [None]
     if dist.get_rank() == 0:
@@ -248,8 +248,8 @@ def colocated_job(model_dir: str, url: str, sizes: Sizes) -> dict:
     """TP=2 actor and a TP=2 engine on the same GPUs: release, resume the weights, sync, resume the rest."""
     import torch.distributed as dist
 
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress, EngineClient, run_sync
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress, EngineClient, run_sync
     from megarl.sync import make_transport
 
     with event_loop.holding():
@@ -286,9 +286,9 @@ def lora_job(model_dir: str, url: str, sizes: Sizes) -> dict:
 
     from megarl.config.lora import LoraSpec
     from megarl.controller.engine_memory import EngineMemory
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress, EngineClient
-    from megarl.rollout.lora_wire import ADAPTER_NAME
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress, EngineClient
+    from megarl.engines.lora_wire import ADAPTER_NAME
     from megarl.sync import make_transport
 
     spec = LoraSpec(rank=8, alpha=16.0, init_b="random")
@@ -325,8 +325,8 @@ def lora_job(model_dir: str, url: str, sizes: Sizes) -> dict:
 def distributed_job(model_dir: str, urls: dict, sizes: Sizes) -> dict:
     """One actor rank; per engine of ``urls`` (``bf16`` / ``fp8``) the ``distributed`` transport's sync of changed
     weights with every tensor verified by the transport."""
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress
     from megarl.sync import make_transport, merge_stats
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -358,8 +358,8 @@ def distributed_job(model_dir: str, urls: dict, sizes: Sizes) -> dict:
 def deepseek_job(model_dir: str, url: str, sizes: Sizes) -> dict:
     """One actor rank, a DeepSeek-V3 engine on its own device: changed weights by the ``distributed`` transport in
     64 KiB buckets, the engine's log-probs against the actor's before and after."""
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress
     from megarl.sync import make_transport
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -403,8 +403,8 @@ class Check:
     def engine(self, model_dir: Path, *, gpus: str, tp: int, name: str, memory_saver: bool = False,
                extra: tuple[str, ...] | list[str] = ()) -> str:
         """Start an engine server on ``gpus`` (SGLang on GPUs; megarl's CPU server rehearsing); its URL."""
+        from megarl.engines.server_process import ServerProcess
         from megarl.parallel.net import free_port
-        from megarl.rollout.server_process import ServerProcess
 
         port = free_port()
         if self.cuda:
@@ -414,7 +414,7 @@ class Check:
                     "--disable-cuda-graph", *(["--enable-memory-saver"] if memory_saver else []), *extra]
             env = {"CUDA_VISIBLE_DEVICES": gpus}
         else:
-            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
+            argv = [sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(model_dir), "--port",
                     str(port), "--dtype", "bfloat16", "--tp-size", str(tp), "--random-seed", "1",
                     "--context-length", "512", *extra]
             env = {"OMP_NUM_THREADS": "1"}
@@ -486,15 +486,15 @@ def stage_te_parity(check: Check, out: dict) -> None:
 
 def _routed_rollout(url: str, hf_config, sizes: Sizes, seed: int) -> dict:
     """Rows sampled from the engine at ``url`` (T=1) with the experts it routed every token to, laid out as a batch."""
-    from megarl.rollout.client import EngineClient, run_sync
-    from megarl.rollout.engine import SamplingParams
+    from megarl.engines.client import EngineClient, run_sync
+    from megarl.engines.engine import SamplingParams
     from megarl.rollout.manager import routed_experts_tensor
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 400, (6 + 2 * row,), generator=g).tolist() for row in range(sizes.engine_rows)]
     shape = (int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok))
     params = SamplingParams(max_new_tokens=sizes.engine_response, temperature=1.0, ignore_eos=True)
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     with event_loop.holding():
         client = EngineClient(url, name="moe engine")

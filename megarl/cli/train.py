@@ -97,9 +97,9 @@ def run_failures() -> tuple[type[BaseException], ...]:
     from megarl.controller.judge import JudgeError
     from megarl.controller.metrics import RolloutFailureError
     from megarl.controller.run_checkpoints import CheckpointSaveError
+    from megarl.engines.client import EngineError
+    from megarl.engines.server_process import ServerStartError
     from megarl.reward.manager import RewardError
-    from megarl.rollout.client import EngineError
-    from megarl.rollout.server_process import ServerStartError
     from megarl.workers.group import WorkerError
 
     return WorkerError, EngineError, RewardError, RolloutFailureError, ServerStartError, CheckpointSaveError, JudgeError

@@ -25,32 +25,36 @@ from typing import Any
 import ray
 
 from megarl.config.checks import data_parallel_size
-from megarl.config.model import ModelSource
-from megarl.config.rollout import EngineConfig
 from megarl.config.schema import RunConfig
 from megarl.controller import role_memory
+from megarl.controller.fleet import (
+    EngineFleet,
+    EngineSet,
+    engine_gpus_of,
+    judge_engines,
+    policy_engines,
+    worker_group,
+)
 from megarl.controller.progress import no_phases
 from megarl.data.dataset import PromptDataset
+from megarl.engines import event_loop
+from megarl.engines.client import EngineAddress, EngineClient
+from megarl.engines.lora_wire import ADAPTER_NAME
+from megarl.engines.server_process import ServerProcess
 from megarl.parallel.net import RAY_LOOPBACK_VARIABLE
 from megarl.parallel.reaper import Reaper, start_reaper
 from megarl.parallel.shared_memory import remove_shared_memory
 from megarl.plan.placement import JUDGE_POOL, PlacementPlan, create_pools, engine_replica, placement_for
 from megarl.reward import RewardManager
 from megarl.reward.manager import OverlongPenalty
-from megarl.rollout import event_loop
-from megarl.rollout.client import EngineAddress, EngineClient
 from megarl.rollout.interaction import BaseInteraction, load_interactions
-from megarl.rollout.lora_wire import ADAPTER_NAME
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.router import start_router
-from megarl.rollout.server_process import ServerProcess
 from megarl.rollout.tools.base import BaseTool
 from megarl.rollout.tools.registry import load_tools
-from megarl.seeds import SEED_STREAM_ENGINE, SEED_STREAM_JUDGE_ENGINE, derive_seed
 from megarl.sync import resolve_transport
-from megarl.workers.engine_server import EngineServerWorker
 from megarl.workers.group import WorkerGroup
-from megarl.workers.megatron_workers import ActorWorker, CriticWorker, RewardModelWorker, TeacherWorker
+from megarl.workers.megatron_workers import ActorWorker
+from megarl.workers.roles import RoleSpec, enabled_roles
 
 
 @dataclasses.dataclass
@@ -61,52 +65,74 @@ class Roles:
     """Where every role sits (``megarl.plan.placement``)."""
     pools: dict
     """Ray placement groups by pool name (``global``, and ``rollout`` when disaggregated)."""
-    actor: WorkerGroup | None
-    """The policy's ranks (the reference lives in the same processes); None when generating only."""
-    critic: WorkerGroup | None
-    """The value model's ranks (PPO with GAE), else None."""
-    teacher: WorkerGroup | None
-    """The teacher's ranks (on-policy distillation), else None."""
-    reward_model: WorkerGroup | None
-    """The reward model's ranks (``reward_model.enable``), else None."""
-    rollout: WorkerGroup
-    """One worker per rollout engine, owning the engine's server process."""
-    engines: list[EngineClient]
-    """A client per engine server (weights, memory, pause calls; naming a failed engine)."""
-    router: ServerProcess
-    """sglang-router over the engines: generation goes through it."""
-    generator: EngineClient
-    """The router's client."""
+    training: dict[str, WorkerGroup]
+    """The Megatron roles' ranks by role name (``megarl.workers.roles``: actor, critic, teacher, reward_model), those
+    the run enables; empty when generating only."""
+    fleet: EngineFleet
+    """The policy's rollout engines: their owners, a client per engine, sglang-router and its client."""
     engine_targets: list[EngineAddress]
     """Every engine with who feeds it weights (its actor DP replica; the actor ranks on its GPUs)."""
     weight_transport: str
     """The weight sync's transport (``tensor`` or ``distributed``: :mod:`megarl.sync`)."""
     weight_names: list[str]
     """Every HF tensor name of the policy, in export order."""
-    judge: JudgeServers | None
+    judge: EngineFleet | None
     """A generative judge's engines and router (``reward_model.judge``), else None."""
     loop: event_loop.EventLoopThread
     """The driver's one event loop (held from :func:`build_roles` to :meth:`shutdown`): the clients' sessions, the
     rollout manager's generation and the producer run on it."""
 
     @property
+    def actor(self) -> WorkerGroup | None:
+        """The policy's ranks (the reference lives in the same processes); None when generating only."""
+        return self.training.get("actor")
+
+    def group(self, role: str) -> WorkerGroup:
+        """The ranks of Megatron role ``role`` (a :data:`~megarl.workers.roles.ROLE_SPECS` name the run enables)."""
+        if role not in self.training:
+            raise KeyError(f"the run has no {role!r} role; it runs {sorted(self.training)}")
+        return self.training[role]
+
+    @property
+    def rollout(self) -> WorkerGroup:
+        """One worker per rollout engine server, owning its process."""
+        return self.fleet.group
+
+    @property
+    def engines(self) -> list[EngineClient]:
+        """A client per rollout engine."""
+        return self.fleet.engines
+
+    @property
+    def router(self) -> ServerProcess:
+        """sglang-router over the rollout engines: generation goes through it."""
+        return self.fleet.router
+
+    @property
+    def generator(self) -> EngineClient:
+        """The router's client."""
+        return self.fleet.generator
+
+    @property
+    def fleets(self) -> list[EngineFleet]:
+        """The policy's engines, then the judge's."""
+        return [self.fleet, *([self.judge] if self.judge is not None else [])]
+
+    @property
     def groups(self) -> list[WorkerGroup]:
         """Every worker group, in the order they were built."""
-        return [g for g in (self.actor, self.critic, self.teacher, self.reward_model, self.rollout,
-                            self.judge.group if self.judge is not None else None) if g is not None]
+        return [*self.training.values(), *(fleet.group for fleet in self.fleets)]
 
     def shutdown(self) -> None:
         """Close the clients' sessions and let go of the driver's event loop (the last holder stops it and joins its
         thread), stop the router and the engine servers, kill every worker and give the pools' resources back; the
         shared-memory bucket buffers the killed workers held are unlinked on every node (this one here, the
         others by a task pinned to each)."""
-        judge = [self.judge.generator, *self.judge.engines] if self.judge is not None else []
-        close_clients([self.generator, *self.engines, *judge])
+        for fleet in self.fleets:
+            fleet.close_clients()
         event_loop.release()
-        self.router.stop()
-        stop_engine_servers(self.rollout)
-        if self.judge is not None:
-            self.judge.stop()
+        for fleet in self.fleets:
+            fleet.stop()
         by_node: dict[str, list[int]] = {}
         for group in self.groups:
             for info in getattr(group, "node_infos", []):
@@ -118,15 +144,6 @@ class Roles:
         here = ray.get_runtime_context().get_node_id()
         remove_shared_memory(by_node.pop(here, []))
         remove_shared_memory_on_nodes(by_node)
-
-
-def close_clients(clients: list[EngineClient]) -> None:
-    """Close the clients' sessions (best effort: shutting down goes on)."""
-    for client in clients:
-        try:
-            client.close_sync()
-        except Exception as error:  # noqa: BLE001 - shutting down goes on
-            logging.getLogger(__name__).warning("closing %r: %s", client, error)
 
 
 def remove_shared_memory_on_nodes(pids_by_node: dict[str, list[int]], timeout_s: float = 60.0) -> int:
@@ -159,9 +176,9 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
     plan = placement_for(cfg)
     pools = create_pools(plan, use_gpu=cfg.trainer.device != "cpu", cpus_per_bundle=1.0)
     built: list[WorkerGroup] = []
-    routers: list[ServerProcess] = []
+    fleets: list[EngineFleet] = []
     loop = event_loop.hold()  # the driver's one event loop, until Roles.shutdown
-    engines_started = None
+    starting = None
     try:
         policy_set = policy_engines(cfg, plan)
         judge_set = judge_engines(cfg, plan) if cfg.reward_model.judge.enable else None
@@ -173,89 +190,75 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         separate = not cfg.actor_rollout_ref.hybrid_engine
         colocated = _colocated_roles(cfg, separate) if training else 1
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
-        start_policy_engines = functools.partial(
-            _start_policy_engines, cfg, plan, policy_set, pools["rollout"] if separate else pools["global"],
-            1.0 if separate else 1.0 / colocated, probed, log_dir, admin_key, phase)
-        if training and (separate or cfg.trainer.device == "cpu"):
-            engines_started = _in_background(start_policy_engines)
-        groups = _build_training_roles(cfg, plan, pools, colocated, built, phase) if training else {}
-        rollout, addresses = engines_started.result() if engines_started is not None else start_policy_engines()
-        engines_started = None
-        built.append(rollout)
         # Training with adapters synced alone: every request names the run's adapter (loaded at the first sync).
         lora_name = ADAPTER_NAME if training and cfg.lora_syncs_adapters else None
-        engines = [EngineClient(a.url, name=a.name, admin_key=a.admin_key, control_timeout_s=a.timeout_s,
-                                lora_name=lora_name) for a in addresses]
-        with phase("starting sglang-router"):
-            router = start_router([a.url for a in addresses], policy=cfg.actor_rollout_ref.rollout.router_policy,
-                                  log_dir=log_dir, control_key=admin_key)
-        routers.append(router)
-        judge = None
+        start_policy = functools.partial(
+            _start_fleet, cfg, policy_set, pools["rollout"] if separate else pools["global"],
+            1.0 if separate else 1.0 / colocated, probed, log_dir, admin_key, phase, lora_name=lora_name)
+        if training and (separate or cfg.trainer.device == "cpu"):
+            starting = _in_background(start_policy)
+        groups = _build_training_roles(cfg, plan, pools, colocated, built, phase) if training else {}
+        fleets.append(starting.result() if starting is not None else start_policy())
+        starting = None
         if judge_set is not None:
-            judge = _start_judge(cfg, judge_set, pools, probed, log_dir, admin_key, built, routers, phase)
+            fleets.append(_start_fleet(cfg, judge_set, pools[JUDGE_POOL], 1.0, probed, log_dir, admin_key, phase))
         targets, names = [], []
         if training:
-            targets = engine_targets(plan, addresses, data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
+            targets = engine_targets(plan, fleets[0].addresses,
+                                     data_parallel_size(cfg, cfg.actor_rollout_ref.actor.parallel))
             names = groups["actor"].call_rank(0, ActorWorker.weight_names)
     except BaseException:
-        _stop_started(engines_started, built, routers, pools)
+        _stop_started(starting, fleets, built, pools)
         raise
-    return Roles(plan=plan, pools=pools, actor=groups.get("actor"), critic=groups.get("critic"),
-                 teacher=groups.get("teacher"), reward_model=groups.get("reward_model"),
-                 rollout=rollout, engines=engines,
-                 router=router, generator=EngineClient(router.url, name="sglang-router", lora_name=lora_name),
-                 engine_targets=targets,
+    return Roles(plan=plan, pools=pools, training=groups, fleet=fleets[0], engine_targets=targets,
                  weight_transport=resolve_transport(cfg.actor_rollout_ref.rollout.weight_transport,
                                                     colocated=plan.colocated, device=cfg.trainer.device),
-                 weight_names=names, loop=loop,
-                 judge=judge)
+                 weight_names=names, loop=loop, judge=fleets[1] if judge_set is not None else None)
 
 
 def _colocated_roles(cfg: RunConfig, separate: bool) -> int:
-    """How many roles share each bundle of the training pool: actor(+ref), the engines unless on a pool of their
-    own, the critic, the teacher and the reward model when enabled."""
-    return (1 if separate else 2) + sum(section.enable for section in (cfg.critic, cfg.teacher, cfg.reward_model))
+    """How many roles share each bundle of the training pool: the Megatron roles the run enables and the engines
+    unless they are on a pool of their own."""
+    return len(enabled_roles(cfg)) + (0 if separate else 1)
 
 
 def _build_training_roles(cfg: RunConfig, plan: PlacementPlan, pools: dict, colocated: int,
                           built: list[WorkerGroup], phase) -> dict[str, WorkerGroup]:
-    """Build the actor (with its reference), critic, teacher and reward model that ``cfg`` enables, each appended to
+    """Build every Megatron role ``cfg`` enables (:func:`~megarl.workers.roles.enabled_roles`), each appended to
     ``built`` as it is ready (stopped by the caller on failure), then move their memory to the host by their
-    offload flags."""
-    share = 1.0 / colocated
+    offload flags (SGLang sizes its KV pool beside what stays on the GPUs; the trainer onloads)."""
     groups: dict[str, WorkerGroup] = {}
-    lora = cfg.actor_rollout_ref.model.lora_rank
-    reference = (" with LoRA (its reference: the adapters off)" if lora else " and its reference") \
-        if cfg.needs_ref else (" with LoRA" if lora else "")
-    with phase(f"placing the actor{reference} on {plan.role('actor').world_size} rank(s) and building the model"):
-        groups["actor"] = _build_actor(cfg, pools["global"], share)
-    built.append(groups["actor"])
-    if cfg.critic.enable:
-        with phase("placing the critic and building its model"):
-            groups["critic"] = _build_critic(cfg, pools["global"], share)
-        built.append(groups["critic"])
-    if cfg.teacher.enable:
-        with phase(f"placing the teacher on {plan.role('teacher').world_size} rank(s) and building its model"):
-            groups["teacher"] = _build_scorer(cfg, TeacherWorker, "teacher", pools["global"], share,
-                                              teacher=cfg.teacher)
-        built.append(groups["teacher"])
-    if cfg.reward_model.enable:
-        with phase(f"placing the reward model on {plan.role('reward_model').world_size} rank(s) and building its "
-                   f"model"):
-            groups["reward_model"] = _build_scorer(cfg, RewardModelWorker, "reward_model", pools["global"], share,
-                                                   reward_model=cfg.reward_model)
-        built.append(groups["reward_model"])
-    for role, group in groups.items():  # SGLang sizes its KV pool beside what stays on the GPUs (the trainer onloads)
+    for spec in enabled_roles(cfg):
+        with phase(spec.title(cfg, plan.role(spec.name).world_size)):
+            groups[spec.name] = build_role(cfg, spec, pools["global"], 1.0 / colocated)
+        built.append(groups[spec.name])
+    for role, group in groups.items():
         role_memory.offload(cfg, group, role)
     return groups
 
 
-def _start_policy_engines(cfg: RunConfig, plan: PlacementPlan, policy_set: EngineSet, pool, share: float,
-                          probed: dict | None, log_dir, admin_key: str, phase) -> tuple[WorkerGroup, list]:
-    """The policy's engine servers, started and healthy (:func:`start_engine_servers`)."""
-    gpus = engine_gpus_of(plan.engines, probed) if policy_set.rollout.name == "sglang" else None
-    with phase(f"starting {len(plan.engines)} {cfg.actor_rollout_ref.rollout.name} engine server(s)"):
-        return start_engine_servers(cfg, policy_set, pool, share, gpus, log_dir, admin_key=admin_key)
+def build_role(cfg: RunConfig, spec: RoleSpec, pool, share: float) -> WorkerGroup:
+    """Role ``spec``'s ranks on ``pool`` (``share`` of each bundle), built by its worker calls (each given the run's
+    seed; the ranks' coordinates read after the first); on failure its workers are killed."""
+    worker_cls = spec.worker_class()
+    group = worker_group(cfg, worker_cls, pool, share, role=spec.name)
+    try:
+        for index, (method, kwargs) in enumerate(spec.calls(cfg)):
+            group.call_all(getattr(worker_cls, method), seed=cfg.trainer.seed, **kwargs)
+            if index == 0:
+                group.refresh_coordinates()
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _start_fleet(cfg: RunConfig, engine_set: EngineSet, pool, share: float, probed: dict | None, log_dir,
+                 admin_key: str, phase, *, lora_name: str | None = None) -> EngineFleet:
+    """``engine_set``'s engines started and healthy behind their router (:meth:`EngineFleet.start`)."""
+    gpus = engine_gpus_of(engine_set.engines, probed) if engine_set.rollout.name == "sglang" else None
+    return EngineFleet.start(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key, lora_name=lora_name,
+                             phase=phase)
 
 
 def _in_background(call: Callable[[], Any]) -> concurrent.futures.Future:
@@ -267,60 +270,25 @@ def _in_background(call: Callable[[], Any]) -> concurrent.futures.Future:
         executor.shutdown(wait=False)
 
 
-def _stop_started(engines_started: concurrent.futures.Future | None, built: list[WorkerGroup],
-                  routers: list[ServerProcess], pools: dict) -> None:
-    """Stop what a failed :func:`build_roles` started: the engine servers still starting (once their start ends:
-    it cannot be cut short), the routers, every group built, the pools; let go of the driver's event loop."""
-    if engines_started is not None:
+def _stop_started(starting: concurrent.futures.Future | None, fleets: list[EngineFleet], built: list[WorkerGroup],
+                  pools: dict) -> None:
+    """Stop what a failed :func:`build_roles` started: the policy's fleet still starting (once its start ends: it
+    cannot be cut short), every fleet started (router, servers), every group built, the pools; let go of the
+    driver's event loop."""
+    if starting is not None:
         try:
-            built.append(engines_started.result()[0])
+            fleets.append(starting.result())
         except BaseException:  # noqa: BLE001 - a failed start stopped its own servers; the first error is raised
             pass
-    for started in routers:
-        started.stop()
+    for fleet in fleets:
+        fleet.close_clients()
+        fleet.stop()
+        built.append(fleet.group)
     for group in built:
-        if group.role in ("rollout", "judge"):
-            stop_engine_servers(group)
         group.shutdown()
     for pool in pools.values():
         pool.remove()
     event_loop.release()
-
-
-@dataclasses.dataclass
-class JudgeServers:
-    """A generative judge's running engines (``reward_model.judge``): their owners, a client per engine and
-    sglang-router in front of them."""
-
-    group: WorkerGroup
-    engines: list[EngineClient]
-    router: ServerProcess
-    generator: EngineClient
-    """The judge router's client: every judge request goes through it."""
-
-    def stop(self) -> None:
-        """Stop the router and the engine servers (the group's workers are killed with the run's)."""
-        self.router.stop()
-        stop_engine_servers(self.group)
-
-
-def _start_judge(cfg: RunConfig, judge_set: EngineSet, pools: dict, probed: dict | None, log_dir, admin_key: str,
-                 built: list, routers: list, phase) -> JudgeServers:
-    """Start the judge's engine servers on its pool and its router; what started is appended to ``built`` and
-    ``routers`` (stopped by the caller on failure)."""
-    rollout = judge_set.rollout
-    gpus = engine_gpus_of(judge_set.engines, probed) if rollout.name == "sglang" else None
-    with phase(f"starting {len(judge_set.engines)} {rollout.name} judge engine server(s)"):
-        group, addresses = start_engine_servers(cfg, judge_set, pools[JUDGE_POOL], 1.0, gpus, log_dir,
-                                                admin_key=admin_key)
-    built.append(group)
-    with phase("starting the judge's sglang-router"):
-        router = start_router([a.url for a in addresses], policy=rollout.router_policy, log_dir=log_dir,
-                              log_name="judge_router.log", control_key=admin_key)
-    routers.append(router)
-    engines = [EngineClient(a.url, name=f"judge {a.name}", admin_key=a.admin_key, control_timeout_s=a.timeout_s)
-               for a in addresses]
-    return JudgeServers(group, engines, router, EngineClient(router.url, name="judge sglang-router"))
 
 
 def engine_targets(plan: PlacementPlan, addresses: list[EngineAddress], dp: int) -> list[EngineAddress]:
@@ -332,209 +300,6 @@ def engine_targets(plan: PlacementPlan, addresses: list[EngineAddress], dp: int)
         hosts = tuple(actor_bundles.index(b) for b in engine.bundles) if plan.colocated else ()
         out.append(dataclasses.replace(address, replica=engine_replica(engine, dp), host_ranks=hosts))
     return out
-
-
-def stop_engine_servers(group: WorkerGroup) -> None:
-    """Stop every engine server of ``group`` (best effort: a dead worker's server died with it)."""
-    try:
-        group.call_all(EngineServerWorker.stop_server)
-    except Exception as error:  # noqa: BLE001 - shutting down: the workers are killed next anyway
-        logging.getLogger(__name__).warning("stopping engine servers: %s", error)
-
-
-def _group(cfg: RunConfig, worker_cls, pool, share: float, **kwargs) -> WorkerGroup:
-    gpu = 0.0 if cfg.trainer.device == "cpu" else share
-    return WorkerGroup(worker_cls, pool, num_cpus=share, num_gpus=gpu, timeout_s=cfg.trainer.worker_timeout_s,
-                       timeout_setting="trainer.worker_timeout_s", **kwargs)
-
-
-def _build_actor(cfg: RunConfig, pool, share: float) -> WorkerGroup:
-    arr, seed = cfg.actor_rollout_ref, cfg.trainer.seed
-    group = _group(cfg, ActorWorker, pool, share, role="actor")
-    try:
-        group.call_all(ActorWorker.init_model, model=arr.model, actor=arr.actor, rollout=arr.rollout, seed=seed)
-        group.refresh_coordinates()
-        if cfg.needs_ref:
-            group.call_all(ActorWorker.init_ref, model=arr.model, ref=arr.ref, seed=seed)
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
-
-
-def _build_critic(cfg: RunConfig, pool, share: float) -> WorkerGroup:
-    arr = cfg.actor_rollout_ref
-    group = _group(cfg, CriticWorker, pool, share, role="critic")
-    try:
-        group.call_all(CriticWorker.init_model, model=arr.model, critic=cfg.critic, rollout_n=arr.rollout.n,
-                       seed=cfg.trainer.seed)
-        group.refresh_coordinates()
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
-
-
-def _build_scorer(cfg: RunConfig, worker_cls, role: str, pool, share: float, **section) -> WorkerGroup:
-    """A scoring model's ranks (the teacher, the reward model): built from its run section, never trained."""
-    group = _group(cfg, worker_cls, pool, share, role=role)
-    try:
-        group.call_all(worker_cls.init_model, seed=cfg.trainer.seed, **section)
-        group.refresh_coordinates()
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
-
-
-def engine_gpus_of(engines, probed: dict) -> list:
-    """Per engine of ``engines``, its GPUs on each of its nodes for ``sglang.launch_server``
-    (:class:`~megarl.plan.engine_gpus.EngineGpus`), from ``probed`` (:func:`~megarl.plan.engine_gpus.probe_bundle_gpus`
-    of the pools, right after ``create_pools``, before any worker holds the bundles' GPUs)."""
-    from megarl.plan.engine_gpus import engine_gpus
-
-    return engine_gpus(engines, probed)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineServerSlot:
-    """One engine server process: engine ``engine``'s part on its node ``node_rank``, owned by a worker on
-    ``bundle`` (the node's first bundle of the engine)."""
-
-    engine: int
-    node_rank: int
-    bundle: int
-
-
-def engine_server_slots(engines, gpus: list | None) -> list[EngineServerSlot]:
-    """A server per engine of ``engines`` (megarl's CPU server: one process whatever its TP), or for SGLang one per
-    node an engine spans (``gpus``: :func:`engine_gpus_of`), node_rank 0 first."""
-    if gpus is None:
-        return [EngineServerSlot(e.index, 0, e.bundles[0]) for e in engines]
-    return [EngineServerSlot(g.engine, n.node_rank, n.bundles[0]) for g in gpus for n in g.nodes]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSet:
-    """A set of engine servers behind one router: the policy's rollout engines, or a generative judge's."""
-
-    role: str
-    """The worker group's role (``rollout``, ``judge``)."""
-    label: str
-    """What each engine is called in errors and logs (``engine``, ``judge engine``)."""
-    engines: tuple
-    """Their :class:`~megarl.plan.placement.EnginePlacement` s."""
-    rollout: EngineConfig
-    model: ModelSource
-    seed_stream: int
-    """Engine ``i`` samples from ``derive_seed(rollout seed, seed_stream, i)``."""
-    routed_experts: bool = False
-    """The engines return every token's routed experts (``actor.router_replay``)."""
-    lora: Any = None
-    """The run's :class:`~megarl.config.lora.LoraSpec` when the engines serve its adapter."""
-    context_length: int | None = None
-    """The longest sequence a request may reach (SGLang's ``--context-length``): SGLang sizes its per-request token
-    tables by it, by the model's whole context (131,072 for Llama-3.1) without it."""
-
-
-def policy_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
-    """The policy's rollout engines (serving FP8, ``rollout.quantization=fp8``: from the run's FP8 checkpoint of the
-    policy, :func:`megarl.convert.fp8.ensure_engine_checkpoint`)."""
-    arr = cfg.actor_rollout_ref
-    model = arr.model
-    if arr.rollout.quantization == "fp8":
-        from megarl.convert.fp8 import engine_checkpoint
-
-        model = dataclasses.replace(model, path=str(engine_checkpoint(model.local_path, cfg.run_dir)))
-    return EngineSet("rollout", "engine", plan.engines, arr.rollout, model, SEED_STREAM_ENGINE,
-                     routed_experts=arr.actor.router_replay.enabled,
-                     lora=arr.model.lora_spec if cfg.lora_syncs_adapters else None,
-                     context_length=context_length(model, arr.rollout.max_model_len or sum(cfg.rollout_widths()),
-                                                   key="actor_rollout_ref.model.path"))
-
-
-def judge_engines(cfg: RunConfig, plan: PlacementPlan) -> EngineSet:
-    """A generative judge's engines (``reward_model.judge``), on its own pool."""
-    judge = cfg.reward_model.judge
-    return EngineSet("judge", "judge engine", plan.judge_engines, judge.rollout, judge.model,
-                     SEED_STREAM_JUDGE_ENGINE,
-                     context_length=context_length(judge.model, judge.rollout.prompt_length
-                                                   + judge.rollout.response_length, key="reward_model.judge.model.path"))
-
-
-def context_length(model: ModelSource, wanted: int, *, key: str) -> int:
-    """An engine's ``--context-length``: ``wanted`` (the longest sequence the run asks for), at most the model's own
-    context (``max_position_embeddings``; SGLang refuses a longer one, and the engine then refuses the requests that
-    would not fit, which the run counts). A model whose config cannot be read here (not yet written, or a hub name
-    megarl does not know) gets ``wanted``: the engine checks it against the model when it loads it."""
-    from megarl.models.known import resolve_hf_config
-    from megarl.models.vision import model_config
-
-    try:
-        hf_config, _ = resolve_hf_config(model.local_path, key=key)
-    except ValueError:
-        return wanted
-    limit = getattr(model_config(hf_config), "max_position_embeddings", None)
-    return min(wanted, int(limit)) if limit else wanted
-
-
-def start_engine_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
-                         log_dir: str | os.PathLike, *, admin_key: str | None = None
-                         ) -> tuple[WorkerGroup, list[EngineAddress]]:
-    """The engine servers' owners (one :class:`EngineServerWorker` per :func:`engine_server_slots` entry, taking
-    ``share`` of its bundle) with every server started (concurrently) and healthy; the engines' addresses (an
-    engine spanning nodes serves on its node_rank 0). On failure nothing is left running."""
-    rollout, model = engine_set.rollout, engine_set.model
-    slots = engine_server_slots(engine_set.engines, gpus)
-    group = _group(cfg, EngineServerWorker, pool, share, role=engine_set.role, bundles=[s.bundle for s in slots])
-    host = "127.0.0.1" if on_this_machine_only() else None  # nothing listens beyond what must reach it
-    try:
-        seeds = [derive_seed(cfg.rollout_seed, engine_set.seed_stream, i) for i in range(len(engine_set.engines))]
-        calls = [{"engine": s.engine, "node_rank": s.node_rank, "tp": engine_set.engines[s.engine].tp} for s in slots]
-        # Routing replay: the engines return every token's routed experts (SGLang's flag; megarl's server's too).
-        from megarl.plan.engine_gpus import ROUTED_EXPERTS_FLAG, lora_flags
-
-        routed = (ROUTED_EXPERTS_FLAG,) if engine_set.routed_experts else ()
-        lora = engine_set.lora  # the engines serve the run's adapter
-        context = ("--context-length", str(engine_set.context_length)) if engine_set.context_length else ()
-        if gpus is None:
-            for call in calls:
-                call["extra_args"] = (*routed, *(lora_flags(lora) if lora else ()), *context)
-        if gpus is not None:
-            from megarl.plan.engine_gpus import sglang_launch_command
-
-            heads = {s.engine: rank for rank, s in enumerate(slots) if s.node_rank == 0}
-            # A multi-node engine's first node also picks its --dist-init-addr port.
-            where = group.call_ranks([((), {"num_ports": 2 if s.node_rank == 0 and gpus[s.engine].nnodes > 1 else 1,
-                                            "host": host})
-                                      for s in slots], EngineServerWorker.address)
-            for slot, call, (serve_on, ports) in zip(slots, calls, where, strict=True):
-                engine = gpus[slot.engine]
-                if engine.nnodes > 1:
-                    engine = engine.with_dist_init_port(where[heads[slot.engine]][1][1])
-                call["launch"] = sglang_launch_command(engine, rollout=rollout, model=model, port=ports[0],
-                                                       seed=seeds[slot.engine], node_rank=slot.node_rank,
-                                                       host=serve_on, return_routed_experts=bool(routed),
-                                                       lora=lora, context_length=engine_set.context_length)
-                call["url"] = f"http://{serve_on}:{ports[0]}"
-        urls = group.call_ranks([((), dict(rollout=rollout, model=model, seed=seeds[s.engine],
-                                          device=cfg.trainer.device, log_dir=str(log_dir), admin_key=admin_key,
-                                          host=host, label=engine_set.label, **call))
-                                 for s, call in zip(slots, calls)], EngineServerWorker.start_server)
-    except BaseException:
-        stop_engine_servers(group)
-        group.shutdown()
-        raise
-    head_url = {s.engine: url for s, url in zip(slots, urls) if s.node_rank == 0}
-    return group, [EngineAddress(index=e.index, url=head_url[e.index], tp=e.tp, admin_key=admin_key,
-                                 timeout_s=rollout.engine_timeout_s) for e in engine_set.engines]
-
-
-def on_this_machine_only() -> bool:
-    """Whether the Ray cluster is this one machine (one live node, the driver's): its engine servers then serve
-    on loopback, where only this machine's processes reach them."""
-    nodes = [node for node in ray.nodes() if node.get("Alive")]
-    return len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id()
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megarl.rollout.client import EngineClient, gather_sync
+from megarl.engines.client import EngineClient, gather_sync
 
 TRAINING_TAGS = ("kv_cache", "cuda_graph")
 """What the engines give up for every training phase (and take back after the weight sync, or after a step

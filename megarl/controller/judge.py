@@ -28,11 +28,11 @@ import torch
 
 from megarl.config.judge import JudgeConfig
 from megarl.data.batch import Batch
+from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.engine import SamplingParams
+from megarl.engines.event_loop import run_sync
 from megarl.reward.manager import RewardManager, last_valid_positions, scored_tokens
 from megarl.reward.verdicts import GarbageVerdict, fill_template, load_parser
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.engine import SamplingParams
-from megarl.rollout.event_loop import run_sync
 from megarl.seeds import SEED_STREAM_JUDGE, derive_seed
 
 logger = logging.getLogger(__name__)

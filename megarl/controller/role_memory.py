@@ -13,19 +13,13 @@ from typing import Any
 
 from megarl.config.schema import RunConfig
 from megarl.workers.megatron_workers import ActorWorker
+from megarl.workers.roles import SPEC_OF
 
 
 def offload_flags(cfg: RunConfig, role: str) -> dict[str, bool]:
-    """What ``role`` keeps on the host between its phases (the keyword arguments of the workers' ``offload``)."""
-    if role in ("teacher", "reward_model"):
-        section = getattr(cfg, role)
-        return {"params": section.enable and section.param_offload}
-    if role == "critic":
-        critic = cfg.critic
-        return {"params": critic.param_offload, "grads": critic.grad_offload, "optimizer": critic.optimizer_offload}
-    arr = cfg.actor_rollout_ref
-    return {"params": arr.actor.param_offload, "grads": arr.actor.grad_offload,
-            "optimizer": arr.actor.optimizer_offload, "ref_params": cfg.needs_ref and arr.ref.param_offload}
+    """What ``role`` keeps on the host between its phases (the keyword arguments of the workers' ``offload``; its
+    :class:`~megarl.workers.roles.RoleSpec`'s ``offload``)."""
+    return SPEC_OF[role].offload(cfg)
 
 
 def offload(cfg: RunConfig, group: Any, role: str, *, params: bool = True, state: bool = True) -> None:

@@ -32,11 +32,11 @@ def score_step(cfg: RunConfig, roles, batch: Batch, timing: dict[str, float], *,
     selected.meta = {"temperature": batch.meta["temperature"]}
     if cfg.teacher.enable:
         with around("teacher"), timer("teacher", timing):
-            batch = batch.union(roles.teacher.call_dp(TeacherWorker.compute_teacher_log_prob, selected,
+            batch = batch.union(roles.group("teacher").call_dp(TeacherWorker.compute_teacher_log_prob, selected,
                                                       temperature=batch.meta["temperature"]))
     if cfg.reward_model.enable:
         with around("reward_model"), timer("reward_model", timing):
-            scores = roles.reward_model.call_dp(RewardModelWorker.compute_rm_score, selected)["rm_scores"]
+            scores = roles.group("reward_model").call_dp(RewardModelWorker.compute_rm_score, selected)["rm_scores"]
         rm = cfg.reward_model
         metrics |= rule_agreement(batch["token_level_scores"].sum(-1), scores)
         batch["token_level_scores"] = combine_model_scores(batch["token_level_scores"], batch["response_mask"], scores,

@@ -232,7 +232,7 @@ class Trainer:
         state = load_trainer_state(path)
         self.roles.actor.call_all(ActorWorker.load_checkpoint, str(path / "actor"))
         if self.use_critic:
-            self.roles.critic.call_all(CriticWorker.load_checkpoint, str(path / "critic"))
+            self.roles.group("critic").call_all(CriticWorker.load_checkpoint, str(path / "critic"))
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -253,7 +253,7 @@ class Trainer:
         try:
             self.roles.actor.call_all(ActorWorker.save_checkpoint, str(tmp / "actor"))
             if self.use_critic:
-                self.roles.critic.call_all(CriticWorker.save_checkpoint, str(tmp / "critic"))
+                self.roles.group("critic").call_all(CriticWorker.save_checkpoint, str(tmp / "critic"))
             if self.cfg.trainer.export_hf:
                 self.roles.actor.call_all(ActorWorker.export_hf, str(tmp / "actor_hf"))
             buffer = self.rollout.state()
@@ -282,8 +282,7 @@ class Trainer:
             self._offload(role)
 
     def _group_of(self, role: str):
-        return {"critic": self.roles.critic, "teacher": self.roles.teacher,
-                "reward_model": self.roles.reward_model}.get(role, self.roles.actor)
+        return self.roles.group(role)
 
     # ================================================================================ the step
     def train_step(self) -> dict[str, float]:
@@ -380,7 +379,7 @@ class Trainer:
             return batch
         self._onload("critic")
         with timer("values", timing):
-            return batch.union(self.roles.critic.call_dp(CriticWorker.compute_values,
+            return batch.union(self.roles.group("critic").call_dp(CriticWorker.compute_values,
                                                          self._select(batch, CRITIC_KEYS)))
 
     def _advantages(self, batch: Batch) -> dict[str, float]:
@@ -402,7 +401,7 @@ class Trainer:
         if not self.use_critic:
             return {}
         with timer("update_critic", timing):
-            outs = self.roles.critic.call_dp(CriticWorker.update_critic, self._select(batch, CRITIC_KEYS), seed=step)
+            outs = self.roles.group("critic").call_dp(CriticWorker.update_critic, self._select(batch, CRITIC_KEYS), seed=step)
         self._offload("critic")
         return mean_dicts(outs)
 

@@ -54,7 +54,7 @@ class ModelFamily:
     config class of the second (:func:`read_hf_config`)."""
     engine_reads_back: bool = False
     """SGLang's model class for these architectures answers ``/get_weights_by_name`` (Llama's and Mistral's, with
-    SGLang's TP semantics: :mod:`megarl.rollout.cpu_engine.read_back`); for every other family SGLang answers an
+    SGLang's TP semantics: :mod:`megarl.engines.cpu_engine.read_back`); for every other family SGLang answers an
     error, the weight sync cannot read its engines' weights back and reports them unverified, and megarl's CPU engine
     refuses as SGLang does."""
     extra_layers_key: str | None = None

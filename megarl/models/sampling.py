@@ -10,7 +10,7 @@ cache (:func:`last_logits`, fp32 logits), temperature or greedy, top-k / top-p
 (:func:`sample_tokens`), stop ids, per-row token budgets and per-token log-probs
 ``log_softmax(logits / T)`` before truncation. Its callers:
 
-- ``megarl.rollout.cpu_engine.hf_engine.HFEngine`` (the CPU rollout engine) runs it for every batch and keeps
+- ``megarl.engines.cpu_engine.hf_engine.HFEngine`` (the CPU rollout engine) runs it for every batch and keeps
   the engine's concerns: batching and locking, weight updates, sessions, row seeds drawn from its
   generator, ``GenerateOutput`` assembly;
 - :func:`generate`, a plain token-ids front for code below the rollout engines: the tiny model's

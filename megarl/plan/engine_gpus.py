@@ -42,7 +42,7 @@ An engine spanning nodes takes the same number of consecutive TP ranks on every 
 splits ``tp_size`` evenly: ``tp_per_node = tp_size / nnodes``), node_rank 0 first; each node's
 server gets its own GPUs as above and ``--nnodes/--node-rank/--dist-init-addr`` (node 0's IP). The
 plan (:func:`~megarl.plan.placement.plan_placement`) lets an engine span whole nodes of equal
-size only; the run starts one server per node (:func:`megarl.controller.build.start_engine_servers`):
+size only; the run starts one server per node (:func:`megarl.controller.fleet.start_engine_servers`):
 node_rank 0 serves SGLang's API, the others their TP ranks and a ``/health`` of their own.
 """
 

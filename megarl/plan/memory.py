@@ -105,11 +105,14 @@ from megarl.plan.activations import (
     moe_layer_activation_bytes,
 )
 from megarl.plan.placement import PlacementPlan, megatron_coordinates
+from megarl.workers.roles import SCORING_ROLES, SPEC_OF
 
-ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state", "teacher_weights",
-        "reward_model_weights", "activations", "logits", "forward", "critic_activations", "critic_forward",
-        "teacher_forward", "reward_model_forward", "engine_weights", "kv_cache", "sync_buffers", "cuda_context")
-"""Memory rows of a GPU, in report order."""
+ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state",
+        *(f"{spec.name}_weights" for spec in SCORING_ROLES), "activations", "logits", "forward", "critic_activations",
+        "critic_forward", *(f"{spec.name}_forward" for spec in SCORING_ROLES), "engine_weights", "kv_cache",
+        "sync_buffers", "cuda_context")
+"""Memory rows of a GPU, in report order (a scoring role's weights and forward: ``<role>_weights``,
+``<role>_forward``)."""
 
 GiB = 1 << 30
 CUDA_CONTEXT_BYTES = GiB // 2
@@ -306,23 +309,20 @@ class MemoryModel:
         return rows | {"_at_start": at_start, "_optimizer_host": state["optimizer_host"]}
 
     def _scorer_rows(self, role: str, bundle: int) -> dict[str, int]:
-        """A scoring model's weights (its ``model.dtype``) and its forward's working memory: the teacher's log-prob
-        forward (its largest layer and, on its last stage, its logits), the reward model's value forward (its largest
-        layer)."""
-        m, section = self.scorers[role], getattr(self.cfg, role)
+        """A scoring model's weights (its ``model.dtype``) and its forward's working memory (its
+        :class:`~megarl.workers.roles.RoleSpec`'s ``forward``): its largest layer and, for a role that computes
+        log-probs (the teacher), its logits on its last stage."""
+        spec = SPEC_OF[role]
+        m, section = self.scorers[role], spec.section_of(self.cfg)
         dims = self.placement.role(role).dims
         _, _, _, pp_rank = megatron_coordinates(bundle, dims)
         counts = m.rank_param_counts(tp=dims.tp, pipeline=dims, pp_rank=pp_rank, ep=dims.ep,
-                                     etp=dims.expert_tp, value_head=role == "reward_model")
+                                     etp=dims.expert_tp, value_head=spec.value_head)
         weights = counts.total * DTYPE_BYTES[section.model.dtype]
-        if role == "teacher":
-            rows, dynamic, budget = (section.log_prob_micro_batch_size_per_gpu, section.log_prob_use_dynamic_bsz,
-                                     section.log_prob_max_token_len_per_gpu)
-        else:
-            rows, dynamic, budget = (section.micro_batch_size_per_gpu, section.use_dynamic_bsz,
-                                     section.forward_max_token_len_per_gpu)
-        forward = self._micro(dims, section.model.use_remove_padding, rows=rows or 16, dynamic=dynamic, budget=budget)
-        logits = self._logits(forward, dims.tp, m) if role == "teacher" and pp_rank == dims.pp - 1 else 0
+        sizing = spec.forward(self.cfg)
+        forward = self._micro(dims, section.model.use_remove_padding, rows=sizing.rows or 16, dynamic=sizing.dynamic,
+                              budget=sizing.budget)
+        logits = self._logits(forward, dims.tp, m) if spec.logits and pp_rank == dims.pp - 1 else 0
         resident = 0 if section.param_offload else weights
         return {f"{role}_weights": weights, f"_{role}_resident": resident,
                 f"{role}_forward": self._forward_layer(m, dims, forward, sequence_parallel=dims.sequence_parallel)
@@ -505,7 +505,7 @@ class MemoryModel:
         phases = {"rollout": base | actor_resident | critic_resident | engine,
                   "log-probs": onloaded | critic_resident | kept | {"forward": rows["forward"]}}
         for role in self.scorers:  # the teacher's log-probs, the reward model's scores: in the step, in turn
-            phases[role.replace("_", " ")] = onloaded | critic_resident | kept | {
+            phases[SPEC_OF[role].serves] = onloaded | critic_resident | kept | {
                 f"{role}_weights": rows[f"{role}_weights"], f"{role}_forward": rows[f"{role}_forward"]}
         if self.critic_model is not None:
             phases["values"] = onloaded | critic_resident | critic_full | kept | {"critic_forward": rows["critic_forward"]}

@@ -59,10 +59,11 @@ from collections.abc import Mapping, Sequence
 from megarl.config.parallel import ParallelDims
 from megarl.config.rollout import ENGINE_LAYOUTS
 from megarl.config.schema import RunConfig
+from megarl.workers.roles import SPEC_OF, enabled_roles
 
-ROLES = ("actor", "ref", "critic", "teacher", "rollout", "reward_model")
-"""Role names known to the plan (``rollout`` is the engines; the others are Megatron workers)."""
-TRAINING_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
+ROLES = (*SPEC_OF, "ref", "rollout")
+"""Role names known to the plan: the Megatron roles (``megarl.workers.roles``), the reference (the actor's ranks) and
+``rollout`` (the engines)."""
 GLOBAL_POOL = "global"
 ROLLOUT_POOL = "rollout"
 JUDGE_POOL = "judge"
@@ -316,21 +317,18 @@ def make_placement(
     *,
     nodes: Sequence[int],
     actor: ParallelDims,
-    ref: ParallelDims | None = None,
-    critic: ParallelDims | None = None,
-    teacher: ParallelDims | None = None,
-    reward_model: ParallelDims | None = None,
     rollout_nodes: Sequence[int] | None = None,
     engine_tp: int | None = None,
     engine_layout: str = "per_tp_group",
     judge_nodes: Sequence[int] | None = None,
     judge_tp: int = 1,
+    **roles: ParallelDims | None,
 ) -> PlacementPlan:
     """The plan from config-like arguments.
 
     ``nodes``: GPUs per node of the training pool (``trainer.n_gpus_per_node`` repeated
-    ``trainer.nnodes`` times). Roles given a layout (``ref``, ``critic``, ``teacher``, ``reward_model``)
-    are placed; the actor always is. Colocated by default: every role and the engines share
+    ``trainer.nnodes`` times). The other roles given a layout (``ref``, ``critic``, ``teacher``, ``reward_model``:
+    :data:`ROLES`) are placed; the actor always is. Colocated by default: every role and the engines share
     pool ``"global"``. With ``rollout_nodes`` the engines get their own pool ``"rollout"``
     (disaggregated). ``engine_tp`` defaults to the actor's TP (TP-matched when colocated). ``judge_nodes``: a
     generative judge's pool ``"judge"``, cut into engines of ``judge_tp``.
@@ -338,7 +336,7 @@ def make_placement(
     pools: dict[str, Sequence[int]] = {GLOBAL_POOL: list(nodes)}
     mapping = {"actor": GLOBAL_POOL, "rollout": GLOBAL_POOL}
     dims = {"actor": actor}
-    for role, role_dims in (("ref", ref), ("critic", critic), ("teacher", teacher), ("reward_model", reward_model)):
+    for role, role_dims in roles.items():
         if role_dims is not None:
             mapping[role] = GLOBAL_POOL
             dims[role] = role_dims
@@ -436,15 +434,12 @@ class ResourcePool:
 
 
 def placement_for(cfg: RunConfig) -> PlacementPlan:
-    """The placement of a run: the training pool (``trainer.*``), the actor (with the reference), critic, teacher and
-    reward model layouts, the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
+    """The placement of a run: the training pool (``trainer.*``), the layouts of the Megatron roles it enables
+    (:func:`~megarl.workers.roles.enabled_roles`: the actor with the reference, critic, teacher, reward model), the engines (``rollout.engine_layout``; their own pool with ``hybrid_engine=false``)."""
     arr, trainer, judge = cfg.actor_rollout_ref, cfg.trainer, cfg.reward_model.judge
     nodes = [trainer.n_cpu_ranks] if trainer.device == "cpu" else [trainer.n_gpus_per_node] * trainer.nnodes
-    return make_placement(nodes=nodes, actor=arr.actor.parallel,
-                          critic=cfg.critic.parallel if cfg.critic.enable else None,
-                          teacher=cfg.teacher.parallel if cfg.teacher.enable else None,
-                          reward_model=cfg.reward_model.parallel if cfg.reward_model.enable else None,
-                          engine_tp=cfg.engine_tp,
+    roles = {spec.name: spec.parallel(cfg) for spec in enabled_roles(cfg)}
+    return make_placement(nodes=nodes, **roles, engine_tp=cfg.engine_tp,
                           engine_layout=arr.rollout.engine_layout,
                           rollout_nodes=None if arr.hybrid_engine else list(arr.rollout.pool_nodes),
                           judge_nodes=list(judge.pool_nodes) if judge.enable else None, judge_tp=judge.engine_tp)

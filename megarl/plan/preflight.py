@@ -24,6 +24,7 @@ from megarl.plan.placement import PlacementPlan, placement_for
 from megarl.plan.report import format_report, plan_problems
 from megarl.plan.run_plan import PlanFigures
 from megarl.plan.weight_sync import plan_weight_sync
+from megarl.workers.roles import SCORING_ROLES
 
 ARR = "actor_rollout_ref"
 
@@ -64,8 +65,8 @@ def plan_run(cfg: RunConfig, *, gpu_memory_gb: float | None = None, check: bool 
     if cfg.critic.enable:
         critic_model = model if cfg.critic.model_path is None else architecture_for(cfg.critic.model_path,
                                                                                key="critic.model_path")
-    scorers = {role: architecture_for(getattr(cfg, role).model.path, key=f"{role}.model.path")
-               for role in ("teacher", "reward_model") if getattr(cfg, role).enable}
+    scorers = {spec.name: architecture_for(spec.section_of(cfg).model.path, key=f"{spec.section}.model.path")
+               for spec in SCORING_ROLES if spec.enabled(cfg)}
     placement = placement_for(cfg)
     _check_model_layouts(cfg, model, critic_model, placement, scorers)
     memory = int((gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb) * GiB)

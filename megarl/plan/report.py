@@ -24,6 +24,7 @@ from megarl.plan.placement import (
     rank_groups,
 )
 from megarl.plan.run_plan import PlanFigures
+from megarl.workers.roles import SCORING_ROLES
 
 if TYPE_CHECKING:
     from megarl.plan.memory import GpuPlan
@@ -130,6 +131,14 @@ def _engine_gpu_lines(plan: PlanFigures) -> list[str]:
     return lines
 
 
+def _scorer_labels(spec, cfg) -> dict[str, str]:
+    """A scoring role's two memory rows as the report names them."""
+    name = spec.label.removeprefix("the ")
+    forward = "layer+logits" if spec.logits else "one layer"
+    return {f"{spec.name}_weights": f"{name} weights ({_DTYPE_NAMES[spec.section_of(cfg).model.dtype]})",
+            f"{spec.name}_forward": f"{name} forward ({forward})"}
+
+
 def _row_names(plan: PlanFigures) -> dict[str, str]:
     cfg = plan.cfg
     arr = cfg.actor_rollout_ref
@@ -154,10 +163,7 @@ def _row_names(plan: PlanFigures) -> dict[str, str]:
         "forward": "log-prob forward (layer+logits)",
         "critic_activations": f"critic activations ({layout[cfg.critic.use_remove_padding]})",
         "critic_forward": "critic forward (one layer)",
-        "teacher_weights": f"teacher weights ({_DTYPE_NAMES[cfg.teacher.model.dtype]})",
-        "teacher_forward": "teacher forward (layer+logits)",
-        "reward_model_weights": f"reward model weights ({_DTYPE_NAMES[cfg.reward_model.model.dtype]})",
-        "reward_model_forward": "reward model forward (one layer)",
+        **{row: text for spec in SCORING_ROLES for row, text in _scorer_labels(spec, cfg).items()},
         "engine_weights": f"engine weights ({'block FP8 linear, ' if rollout.quantization else ''}{engine_dtype}, "
                           f"TP {plan.placement.engines[0].tp}"
                           + (", all experts" if plan.model.is_moe else "") + ")",
@@ -364,18 +370,15 @@ def _advice(plan: PlanFigures, row: str, phase: str) -> str | None:
                            else f"{c}.ppo_micro_batch_size_per_gpu")
     if row == "critic_forward":
         return f"lower {c}.forward_micro_batch_size_per_gpu"
-    for role in ("teacher", "reward_model"):
-        section = getattr(plan.cfg, role)
-        if row == f"{role}_weights":
-            if phase != role.replace("_", " ") and not section.param_offload:
-                return f"set {role}.param_offload=true"
-            return f"raise {role}.parallel.tp or {role}.parallel.pp"
-        if row == f"{role}_forward":
-            if role == "teacher":
-                return "lower teacher.log_prob_" + ("max_token_len_per_gpu" if section.log_prob_use_dynamic_bsz
-                                                    else "micro_batch_size_per_gpu")
-            return "lower reward_model." + ("forward_max_token_len_per_gpu" if section.use_dynamic_bsz
-                                            else "micro_batch_size_per_gpu")
+    for spec in SCORING_ROLES:
+        section = spec.section_of(plan.cfg)
+        if row == f"{spec.name}_weights":
+            if phase != spec.serves and not section.param_offload:
+                return f"set {spec.section}.param_offload=true"
+            return f"raise {spec.section}.parallel.tp or {spec.section}.parallel.pp"
+        if row == f"{spec.name}_forward":
+            sizing = spec.forward(plan.cfg)
+            return f"lower {sizing.keys[1] if sizing.dynamic else sizing.keys[0]}"
     if row in ("engine_weights", "kv_cache"):
         if phase not in ("rollout", "weight sync"):
             return f"set {ARR}.rollout.free_cache_engine=true"

@@ -15,7 +15,7 @@ non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n
   ``last prompt position + 1 .. R`` on the response (padding included);
 - ``response_mask`` ``[N, R]``: the tokens that train, the one loss mask every consumer reads (actor, critic,
   advantages, KL, metrics): here ``attention_mask[:, -R:]``; the multi-turn rollout's is 0 on tool and
-  interaction tokens too (:func:`megarl.rollout.agent_loop.batch_from_requests`);
+  interaction tokens too (:func:`megarl.rollout.request_batch.batch_from_requests`);
 - ``rollout_log_probs`` ``[N, R]`` (fp32, when ``calculate_log_probs``): the engine's
   ``log_softmax(logits / T)`` of each response token, 0 on padding;
 - non-tensor ``finish_reason`` per row (``"stop"``, ``"length"``, ``"abort"``), the input's
@@ -23,7 +23,7 @@ non-tensors, as ``megarl.data.dataset.collate`` makes it) and returns ``N = B·n
   ``rollout_log_probs``: the sampling temperature, 1.0 when greedy), ``do_sample`` and
   ``validate``.
 
-Generation runs on the process's one event loop (:mod:`megarl.rollout.event_loop`): :meth:`RolloutManager.generate`
+Generation runs on the process's one event loop (:mod:`megarl.engines.event_loop`): :meth:`RolloutManager.generate`
 hands it there and waits, :meth:`RolloutManager.agenerate` is the same as a coroutine on that loop (the
 producer's groups). Rows are assembled in prompt order whatever order the engines answer in.
 
@@ -44,7 +44,7 @@ the same sequence. Without the flag SGLang ignores the seed. So SGLang engines g
 own generators (``--random-seed``), and megarl never launches them with that flag.
 
 A generation that fails (an engine died, the router lost it) raises
-:class:`~megarl.rollout.client.EngineError` naming the engines that no longer answer
+:class:`~megarl.engines.client.EngineError` naming the engines that no longer answer
 ``/health``, with their URLs.
 
 Shape legend: ``B`` prompts, ``N = B·n`` trajectories, ``W`` input prompt width, ``P`` prompt
@@ -66,9 +66,9 @@ import torch
 
 from megarl.config.rollout import RolloutConfig
 from megarl.data.batch import Batch
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.engine import GenerateOutput, SamplingParams, sampling_params_for
-from megarl.rollout.event_loop import run_sync
+from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.engine import GenerateOutput, SamplingParams, sampling_params_for
+from megarl.engines.event_loop import run_sync
 from megarl.rollout.hooks import HookRunner
 from megarl.seeds import derive_row_seed
 
@@ -404,9 +404,9 @@ class RolloutManager:
         seed from ``params.seed`` and the request's (row, sample, turn).
         """
         # Imported here: the agent loop (tools, parsers) is only needed for multi-turn rollouts.
-        from megarl.rollout import agent_loop
+        from megarl.rollout import agent_loop, request_batch
 
-        requests = agent_loop.requests_from_batch(batch, n=n)
+        requests = request_batch.requests_from_batch(batch, n=n)
         if self._hooks is None:
             self._hooks = HookRunner(self.config.multi_turn.tool_timeout_s)
         loop = agent_loop.AgentLoop(self.generator, self.tokenizer, self.config, prompt_length=self.prompt_length,
@@ -420,7 +420,7 @@ class RolloutManager:
         if got != expected:
             raise RuntimeError(f"the agent loop returned requests {got[:8]}... for {len(batch)} prompts x n={n}; "
                                f"expected each (batch_data_id, rollout_offset) exactly once")
-        return agent_loop.batch_from_requests(finished, prompt_length=self.prompt_length,
+        return request_batch.batch_from_requests(finished, prompt_length=self.prompt_length,
                                               response_length=self.response_length,
                                               pad_token_id=self.pad_token_id)
 

@@ -1,7 +1,7 @@
 """The rollout producer of asynchronous training: groups generated into a :class:`RolloutBuffer` while the trainer
 trains.
 
-The producer runs on the process's event loop (:mod:`megarl.rollout.event_loop`), as its engine clients and the
+The producer runs on the process's event loop (:mod:`megarl.engines.event_loop`), as its engine clients and the
 rollout manager do. An admission task issues the run's prompt groups as the buffer's staleness bound allows
 (at most ``max_inflight`` generating: the buffer counts them); each group (the ``n`` samples of one prompt) is a
 task that generates it with :meth:`RolloutManager.agenerate`, seeded by its place in the prompt sequence and its
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megarl.data.batch import Batch
-from megarl.rollout import event_loop
+from megarl.engines import event_loop
 from megarl.rollout.buffer import GroupRecord, GroupStatus, RolloutBuffer
 from megarl.rollout.manager import RolloutManager
 from megarl.seeds import derive_seed
@@ -44,7 +44,7 @@ to be continued by new requests, which the producer does not do)."""
 class RolloutProducer:
     """See the module docstring. ``prompts_of(index)``: the one-prompt batch of group ``index`` (with its ``uid``);
     ``score(group)``: the group with its rewards; ``max_inflight``: groups generating at once; ``loop``: the event
-    loop to run on (the process's, :func:`megarl.rollout.event_loop.current`, by default)."""
+    loop to run on (the process's, :func:`megarl.engines.event_loop.current`, by default)."""
 
     def __init__(self, manager: RolloutManager, buffer: RolloutBuffer, *, prompts_of: Callable[[int], Batch],
                  score: Callable[[Batch], Batch], base_seed: int, max_inflight: int, partial_rollout: bool = False,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megarl.config.rollout import resolve_transport
-from megarl.rollout.client import EngineAddress
+from megarl.engines.client import EngineAddress
 from megarl.sync.base import TRANSPORTS, RankLayout, SyncBuffers, WeightTransport, merge_stats, verify_sample
 
 __all__ = ["TRANSPORTS", "RankLayout", "SyncBuffers", "WeightTransport", "make_transport", "merge_stats",

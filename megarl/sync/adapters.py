@@ -31,8 +31,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megarl.convert.export import Bucket
-from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
-from megarl.rollout.lora_wire import ADAPTER_NAME, checksums
+from megarl.engines.client import EngineAddress, EngineClient, EngineError, gather_sync
+from megarl.engines.lora_wire import ADAPTER_NAME, checksums
 from megarl.sync.base import WeightTransport, all_gather_handles, flattened_payload, host_group
 
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from megarl.convert.param_map import Unit, buckets, rank_buckets, stripe_numel
+from megarl.engines import event_loop
+from megarl.engines.client import EngineAddress, EngineClient, EngineError, gather_sync
 from megarl.parallel.cpu_support import plain_torch
-from megarl.rollout import event_loop
-from megarl.rollout.client import EngineAddress, EngineClient, EngineError, gather_sync
 
 TRANSPORTS = ("tensor", "distributed")
 

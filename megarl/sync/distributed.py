@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.engines.client import EngineAddress, gather_sync, submit
+from megarl.engines.http_api import FLATTENED_BUCKET
+from megarl.engines.weight_group import join_group, listening_socket
 from megarl.parallel.net import node_ip
-from megarl.rollout.client import EngineAddress, gather_sync, submit
-from megarl.rollout.http_api import FLATTENED_BUCKET
-from megarl.rollout.weight_group import join_group, listening_socket
 from megarl.sync.base import WeightTransport, close_sessions, expected_copy, verify_and_report
 
 

@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.client import EngineAddress, run_sync, submit
+from megarl.engines.client import EngineAddress, run_sync, submit
 from megarl.sync.base import (
     WeightTransport,
     all_gather_handles,

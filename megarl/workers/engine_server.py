@@ -1,14 +1,14 @@
 """Rollout engines as server processes, each owned by a Ray actor on the engine's node.
 
 An :class:`EngineServerWorker` sits on the first bundle an engine serves (for an SGLang engine spanning
-nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.rollout.cpu_engine``) for
+nodes, one worker on each of its nodes' first bundle) and runs the engine's server process there: megarl's CPU engine server (``python -m megarl.engines.cpu_engine``) for
 ``rollout.name=hf``, ``python -m sglang.launch_server`` for ``sglang`` (with exactly the
 engine's GPUs, :mod:`megarl.plan.engine_gpus`). It starts the server, waits for it to
 answer ``/health`` (an error names the engine, its URL and its log), reports its URL, and
 stops it. The server dies with the actor (``PR_SET_PDEATHSIG``) even when the actor is killed.
 
 Everything else (generation, weights, memory, pause) goes over HTTP with
-:class:`megarl.rollout.client.EngineClient`, from the driver or the actor's ranks.
+:class:`megarl.engines.client.EngineClient`, from the driver or the actor's ranks.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 from megarl.config.model import ModelSource
 from megarl.config.rollout import EngineConfig
+from megarl.engines.http_api import ADMIN_KEY_ENV
+from megarl.engines.server_process import ServerProcess
 from megarl.parallel.net import free_port, free_ports, node_ip
-from megarl.rollout.http_api import ADMIN_KEY_ENV
-from megarl.rollout.server_process import ServerProcess
 from megarl.workers.base import Worker
 
 
@@ -62,7 +62,7 @@ class EngineServerWorker(Worker):
         and the URL it serves on (from :meth:`address`). ``extra_args``: appended to megarl's CPU server's
         command line (SGLang's are in ``launch``). ``admin_key``: the run's engine admin key: the server then
         serves its control routes only to requests carrying it (SGLang: ``--admin-api-key``; megarl's server
-        reads it from :data:`~megarl.rollout.http_api.ADMIN_KEY_ENV`, off its command line). ``host``: the address
+        reads it from :data:`~megarl.engines.http_api.ADMIN_KEY_ENV`, off its command line). ``host``: the address
         megarl's server listens on (None: this node's IP; a run on one machine passes loopback). ``label``: what the
         engine is called in errors and its log's name (``engine``; a generative judge's: ``judge engine``).
         """
@@ -73,7 +73,7 @@ class EngineServerWorker(Worker):
                 raise ValueError(f"{self.name}: megarl's CPU engine server is one process per engine; "
                                  f"it has no node_rank > 0")
             port = free_port(host)
-            argv = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", model.local_path, "--host", host,
+            argv = [sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", model.local_path, "--host", host,
                     "--port", str(port), "--dtype", rollout.dtype, "--random-seed", str(seed), "--device",
                     _hf_device(device, self.local_rank), "--tp-size", str(tp), *extra_args]
             if model.trust_remote_code:

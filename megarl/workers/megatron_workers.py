@@ -31,10 +31,11 @@ from megarl.config.parallel import Coordinates, ParallelDims
 from megarl.config.rollout import RolloutConfig
 from megarl.config.teacher import TeacherConfig
 from megarl.data.batch import Batch
-from megarl.rollout.client import EngineAddress
+from megarl.engines.client import EngineAddress
 from megarl.workers.actor import ActorRole, LogProbRole
 from megarl.workers.base import Worker, busy
 from megarl.workers.critic import CriticRole, RewardModelRole
+from megarl.workers.model_build import ModelBuild
 from megarl.workers.model_checkpoint import export_hf, load_model, save_model
 from megarl.workers.sharded_model import ShardedModel
 
@@ -45,11 +46,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _build_sharded(model: ModelSource, dims: ParallelDims, *, path: str | None = None, optim: OptimConfig | None = None,
-                  seed: int, **kwargs) -> ShardedModel:
-    """A role's :class:`ShardedModel` from the run's model section (``path`` overrides its directory)."""
-    kwargs.setdefault("packed", model.use_remove_padding)
-    return ShardedModel(path or model.local_path, dims, optim=optim, params_dtype=torch_dtype(model.dtype),
-                          seed=seed, trust_remote_code=model.trust_remote_code, **kwargs)
+                  seed: int, groups=None, **fields) -> ShardedModel:
+    """A role's :class:`ShardedModel` from the run's model section (``path`` overrides its directory) and the
+    role's :class:`ModelBuild` ``fields``."""
+    fields.setdefault("packed", model.use_remove_padding)
+    build = ModelBuild(params_dtype=torch_dtype(model.dtype), seed=seed, trust_remote_code=model.trust_remote_code,
+                       **fields)
+    return ShardedModel(path or model.local_path, dims, build, optim=optim, groups=groups)
 
 
 def _log_prob_batches(section: RefConfig | RolloutConfig | TeacherConfig) -> dict[str, int | None]:

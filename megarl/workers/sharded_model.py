@@ -1,7 +1,7 @@
 """A role's sharded model on this rank: Megatron chunks, and for trainable roles DDP, optimizer and schedule.
 
 "Sharded model" is the training side (this rank's TP/PP shard of the actor, reference or critic);
-"engine" always means a rollout engine (``megarl.rollout``). The actor, reference and critic
+"engine" always means a rollout engine (``megarl.engines``). The actor, reference and critic
 workers are small classes around a ``ShardedModel`` (HOUSE_STYLE: no god worker). It knows
 nothing about RL: it computes per-token
 log-probs (or, for a critic built with ``value_head=True``, per-token values) over
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.config.model import OptimConfig
 from megarl.config.parallel import ParallelDims
+from megarl.workers.model_build import ModelBuild, recompute_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,98 +72,81 @@ def to_device(micro_batch: dict, device: torch.device) -> dict:
             for key, value in micro_batch.items()}
 
 
-def _recompute_fields(recompute_granularity: str | None, recompute_num_layers: int) -> dict:
-    """``TransformerConfig`` fields of a role's activation recomputation (``full`` recomputes uniform blocks)."""
-    fields: dict = {}
-    if recompute_granularity:
-        fields["recompute_granularity"] = recompute_granularity
-        if recompute_granularity == "full":
-            fields.update(recompute_method="uniform", recompute_num_layers=recompute_num_layers)
-    return fields
-
-
 class ShardedModel:
-    """Model chunks of one role on this rank (after ``init_parallel``); trainable with ``optim``.
+    """Model chunks of one role on this rank (after ``init_parallel``), built as ``build`` says
+    (:class:`ModelBuild`; its fields may be given by name instead); trainable with ``optim``. A second role in the
+    same process (same layout) passes the first one's ``groups``."""
 
-    ``value_head=True`` builds a critic: the LM head is replaced by a scalar value head
-    (megarl.models.value_head, seeded with ``seed``, untied from the embedding); the body
-    loads from ``hf_dir`` as for the actor; with ``score_head`` (a reward model) the head loads from the
-    checkpoint's sequence-classification ``score`` (:func:`megarl.convert.loader.load_hf_into`). ``dims`` (a role's
-    ``parallel`` section) carries the layout and sequence parallelism; ``params_dtype`` bf16/fp16 turns on Megatron's mixed precision
-    (the family's ``transformer_config``); ``recompute_granularity`` (``full`` / ``selective`` / None) and ``recompute_num_layers`` are the
-    role's activation recomputation. ``packed``: micro-batches reach the model packed (THD), else padded
-    (:func:`megarl.parallel.forward_backward`). ``lora`` (a :class:`~megarl.config.lora.LoraSpec`): adapters on
-    the targeted linear layers, everything else frozen. ``transformer_overrides`` set other ``TransformerConfig``
-    fields directly (tests).
-    """
-
-    def __init__(self, hf_dir, dims: ParallelDims, *, optim: OptimConfig | None = None,
-                 params_dtype: torch.dtype = torch.float32, seed: int = 1234, load_weights: bool = True,
-                 groups=None, value_head: bool = False, recompute_granularity: str | None = None,
-                 recompute_num_layers: int = 1, trust_remote_code: bool = False, packed: bool = True,
-                 router_replay: bool = False, moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
-                 moe_load_balancing_type: str = "aux_loss", megatron_overrides: Mapping[str, Any] | None = None,
-                 lora=None, score_head: bool = False, use_te: bool | None = None, **transformer_overrides):
+    def __init__(self, hf_dir, dims: ParallelDims, build: ModelBuild | None = None, *,
+                 optim: OptimConfig | None = None, groups=None, **fields: Any):
         from megarl.convert import load_hf_into
         from megarl.models import build_model_chunks, family_for
         from megarl.models.hf_config import load_hf_config
         from megarl.parallel import init_parallel
 
+        build = ModelBuild.of(build, **fields)
+        self.build = build
         self.hf_dir = str(hf_dir)
-        self.packed = packed
-        self.hf_config = load_hf_config(self.hf_dir, trust_remote_code=trust_remote_code)
+        self.packed = build.packed
+        self.hf_config = load_hf_config(self.hf_dir, trust_remote_code=build.trust_remote_code)
         self.family = family_for(self.hf_config)
-        # A second role in the same process (same layout) passes the first one's groups.
-        self.groups = init_parallel(dims, seed=seed) if groups is None else groups
+        self.groups = init_parallel(dims, seed=build.seed) if groups is None else groups
         if groups is not None and groups.dims != dims.for_world(groups.dims.world_size):
             raise ValueError(f"ShardedModel: groups were built for {groups.dims}, not {dims}")
-        if router_replay:
+        self.moe_losses = (float(build.moe_aux_loss_coeff), float(build.moe_z_loss_coeff))
+        """The load-balancing and z-loss coefficients (per micro-batch and DP rank's mean; see :meth:`train_step`)."""
+        # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1):
+        # its model and config are the local spec's on any machine.
+        use_te = False if build.lora is not None else build.use_te
+        self.config = self.family.transformer_config(
+            self.hf_config, self.groups.dims, use_te=use_te, params_dtype=build.params_dtype,
+            **recompute_fields(build.recompute_granularity, build.recompute_num_layers),
+            **self._transformer_overrides(build))
+        self.value_head = build.value_head
+        if build.score_head and not build.value_head:
+            raise ValueError("score_head (a reward model's sequence-classification head) needs value_head=True")
+        chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
+                                    value_head=build.value_head, value_head_seed=build.seed, use_te=use_te)
+        self._prepare_routers(chunks, build.router_replay)
+        self.last_routing_counts: torch.Tensor | None = None
+        """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
+        (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
+        if build.load_weights:
+            load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config,
+                         score_head=build.score_head)
+        self.lora = build.lora
+        """The adapters' :class:`~megarl.config.lora.LoraSpec` (None: every weight trains)."""
+        if build.lora is not None:  # after loading: the base weights keep their names; before DDP: only adapters train
+            from megarl.convert.lora import attach_lora
+
+            attach_lora(chunks, build.lora, self.family, self.hf_config, seed=build.seed)
+        self._finish(chunks, optim)
+
+    def _transformer_overrides(self, build: ModelBuild) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields ``build`` sets beyond the family's: routing replay, the MoE losses, the
+        role's ``megatron_overrides`` (last); checked against the model."""
+        overrides = dict(build.transformer_overrides)
+        if build.router_replay:
             if self.family.moe is None:
                 raise ValueError(f"router replay needs a mixture-of-experts model; {self.hf_dir} is a "
                                  f"{self.family.name} model: set actor_rollout_ref.actor.router_replay.mode=off")
-            transformer_overrides["moe_enable_routing_replay"] = True
-        self.moe_losses = (float(moe_aux_loss_coeff), float(moe_z_loss_coeff))
-        """The load-balancing and z-loss coefficients (per micro-batch and DP rank's mean; see :meth:`train_step`)."""
+            overrides["moe_enable_routing_replay"] = True
         if any(self.moe_losses):
             if self.family.moe is None:
                 raise ValueError(f"moe_aux_loss_coeff / moe_z_loss_coeff need a mixture-of-experts model; "
                                  f"{self.hf_dir} is a {self.family.name} model: set them to 0")
-            transformer_overrides.update(
-                moe_router_load_balancing_type=moe_load_balancing_type if moe_aux_loss_coeff else "none",
-                moe_aux_loss_coeff=float(moe_aux_loss_coeff), moe_z_loss_coeff=float(moe_z_loss_coeff) or None)
+            aux, z = self.moe_losses
+            overrides.update(moe_router_load_balancing_type=build.moe_load_balancing_type if aux else "none",
+                             moe_aux_loss_coeff=aux, moe_z_loss_coeff=z or None)
         from megarl.config.megatron import typed_transformer_overrides
 
         # as the fields hold them: an enum's member by name (a string would match none of Megatron's comparisons)
-        self.megatron_overrides = typed_transformer_overrides(megatron_overrides or {})
+        self.megatron_overrides = typed_transformer_overrides(build.megatron_overrides or {})
         """The role's ``megatron.override_transformer_config`` (checked by the config), set last."""
-        transformer_overrides |= self.megatron_overrides
-        # LoRA adapts Megatron's local linear layers (the TE spec fuses the input norm into linear_qkv / linear_fc1):
-        # its model and config are the local spec's on any machine.
-        # ``use_te``: None builds TE's spec where TE and a GPU are (False: the local spec, a check's reference).
-        use_te = False if lora is not None else use_te
-        self.config = self.family.transformer_config(
-            self.hf_config, self.groups.dims, use_te=use_te, params_dtype=params_dtype,
-            **_recompute_fields(recompute_granularity, recompute_num_layers),
-            **transformer_overrides,
-        )
-        self.value_head = value_head
-        if score_head and not value_head:
-            raise ValueError("score_head (a reward model's sequence-classification head) needs value_head=True")
-        chunks = build_model_chunks(self.family, self.hf_config, self.groups.dims, config=self.config,
-                                    value_head=value_head, value_head_seed=seed, use_te=use_te)
-        self._prepare_routers(chunks, router_replay)
-        self.last_routing_counts: torch.Tensor | None = None
-        """Per row of the last :meth:`forward_logprobs` with ``measure_routing``: ``[N, 3]`` routing counts
-        (:data:`megarl.parallel.routing.COUNTS`), summed over this replica's TP, CP and PP ranks."""
-        if load_weights:
-            load_hf_into(chunks, self.hf_dir, self.family, self.groups, hf_config=self.hf_config,
-                         score_head=score_head)
-        self.lora = lora
-        """The adapters' :class:`~megarl.config.lora.LoraSpec` (None: every weight trains)."""
-        if lora is not None:  # after loading: the base weights keep their names; before DDP: only adapters train
-            from megarl.convert.lora import attach_lora
+        return overrides | self.megatron_overrides
 
-            attach_lora(chunks, lora, self.family, self.hf_config, seed=seed)
+    def _finish(self, chunks, optim: OptimConfig | None) -> None:
+        """Frozen chunks without ``optim``; else wrapped in DDP with their optimizer and scheduler."""
         self.module_chunks = chunks
         self.optim = optim
         self.optimizer = self.scheduler = None

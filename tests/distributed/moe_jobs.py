@@ -475,11 +475,11 @@ def _sync(hf_dir: str, cases: list) -> dict:
     import torch.distributed as dist
 
     from megarl.convert import WeightExporter, load_hf_into
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress, gather_sync
+    from megarl.engines.cpu_engine.read_back import inspect_weight
     from megarl.models import build_model_chunks, family_for
     from megarl.parallel import ParallelDims, init_parallel
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress, gather_sync
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
     from tests.distributed.sync_jobs import perturb
 
@@ -524,7 +524,7 @@ def forced_routing_logprobs(model, ids: list[int], routed) -> torch.Tensor:
     """HF log-probs of each next token of ``ids`` with every sparse layer's router forced to ``routed``
     ``[len(ids), layers, top_k]`` (weights: the router's own softmax at those experts, renormalised as the family
     does): what Megatron with routing replay must compute."""
-    from megarl.rollout.cpu_engine.hf_engine import _routers
+    from megarl.engines.cpu_engine.model_facts import routers as _routers
 
     originals = []
     for layer, gate in _routers(model):

@@ -27,7 +27,7 @@ def transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     them with every tensor verified (as far as the engines answer ``/get_weights_by_name``), and read them whole from
     every engine (``/megarl/inspect_weight``) to compare with an independent full
     export. Returns per case this rank's statistics and (on rank 0) the read-back result."""
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     with event_loop.holding():  # the rank's event loop, for the transports and the read-back alike
         return _transports(hf_dir, cases)
@@ -53,8 +53,8 @@ def _actor(hf_dir: str):
 def _transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     import torch.distributed as dist
 
-    from megarl.rollout.client import EngineAddress, gather_sync
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
+    from megarl.engines.client import EngineAddress, gather_sync
+    from megarl.engines.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     _, _, groups, chunks, exporter = _actor(hf_dir)
@@ -136,7 +136,7 @@ def fp8_transports_job(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict
     quantized (``quantization=fp8``), every tensor and scale verified by the transport (as far as the engines
     answer); rank 0 then reads every quantized weight and scale whole from every engine (``/megarl/inspect_weight``)
     against the full export quantized here."""
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     with event_loop.holding():
         return _fp8_transports(hf_dir, cases)
@@ -146,9 +146,9 @@ def _fp8_transports(hf_dir: str, cases: list[tuple[str, list[dict]]]) -> dict:
     import torch.distributed as dist
 
     from megarl.convert.fp8 import fp8_names
+    from megarl.engines.client import EngineAddress, gather_sync
+    from megarl.engines.cpu_engine.read_back import inspect_weight
     from megarl.models.fp8 import quantize_block_fp8, scale_name
-    from megarl.rollout.client import EngineAddress, gather_sync
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     family, cfg, groups, chunks, exporter = _actor(hf_dir)
@@ -192,9 +192,9 @@ def adapter_payloads_job() -> dict:
     import torch.distributed as dist
     from sglang.srt.utils import MultiprocessingSerializer
 
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress
     from megarl.parallel import ParallelDims, init_parallel
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress
     from megarl.sync.adapters import AdapterSync
 
     groups = init_parallel(ParallelDims(tp=2))

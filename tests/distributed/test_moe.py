@@ -50,8 +50,8 @@ def _routing_case(hf_dir: str) -> dict:
     experts for every token and sparse layer), and HF's log-probs under each (:func:`moe_jobs.forced_routing_logprobs`)."""
     from transformers import AutoModelForCausalLM
 
+    from megarl.engines.engine import FinishReason, GenerateOutput
     from megarl.parallel.routing import routed_mask
-    from megarl.rollout.engine import FinishReason, GenerateOutput
     from megarl.rollout.manager import routed_experts_tensor
     from tests.integration.test_routed_experts import teacher_forced_routing
 

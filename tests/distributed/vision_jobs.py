@@ -236,9 +236,9 @@ def actor_job(hf_dir: str, batch, temperature: float, sync_cases: list) -> dict:
     steps = actor.update(batch, temperature=temperature)
     out = {"steps": [(s.applied, s.loss, s.grad_norm) for s in steps], "output_rank": before is not None,
            "sync": []}
-    from megarl.rollout import event_loop
-    from megarl.rollout.client import EngineAddress, gather_sync
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
+    from megarl.engines import event_loop
+    from megarl.engines.client import EngineAddress, gather_sync
+    from megarl.engines.cpu_engine.read_back import inspect_weight
     from megarl.sync import make_transport
 
     exporter = sharded.exporter(torch.float32)

@@ -227,7 +227,7 @@ def test_a_stage_past_its_time_limit_is_stopped_and_the_next_one_runs(check):
 def test_blocked_packages_stay_out_and_sglang_is_the_carried_pieces(check):
     starts = [line for line in check["imports"] if " start " in line]
     # The tool, its server, the lora stage's server serving LoRA, the fp8 stage's serving FP8, the vl stage's.
-    assert len(starts) == 5 and sum("megarl.rollout.cpu_engine" in line for line in starts) == 4, starts
+    assert len(starts) == 5 and sum("megarl.engines.cpu_engine" in line for line in starts) == 4, starts
     imported = [line.split(maxsplit=4)[2:] for line in check["imports"] if " sglang " in line]
     assert all(origin.startswith(str(check["sglang_min"])) for _, origin, _ in imported), imported
     names = {name for name, _, _ in imported}

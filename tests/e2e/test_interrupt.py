@@ -135,7 +135,7 @@ def test_sigterm_during_training_stops_engine_servers_router_and_ray(tmp_path):
     generated before the pause arrived): the message names the last step the run printed."""
     import asyncio
 
-    from megarl.rollout.client import EngineClient
+    from megarl.engines.client import EngineClient
     from tests.engine_servers import admin_key_of, load, wait_for
 
     tag = uuid.uuid4().hex

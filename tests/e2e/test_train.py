@@ -396,8 +396,8 @@ def test_nan_loss_is_skipped_and_a_killed_worker_ends_the_run(assets):
         _unverifiable(metrics)
         from safetensors.torch import load_file
 
-        from megarl.rollout.client import run_sync
-        from megarl.rollout.cpu_engine.read_back import inspect_weight
+        from megarl.engines.client import run_sync
+        from megarl.engines.cpu_engine.read_back import inspect_weight
 
         initial = load_file(str(Path(assets["model"]) / "model.safetensors"))
         for name in trainer.roles.weight_names:
@@ -745,7 +745,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
     import os
     import signal
 
-    from megarl.rollout.client import EngineError, run_sync
+    from megarl.engines.client import EngineError, run_sync
     from megarl.workers.engine_server import EngineServerWorker
     from tests.engine_servers import load, wait_for
 
@@ -796,7 +796,7 @@ def test_a_killed_engine_server_ends_the_step_naming_it_and_no_server_outlives_t
         assert error.value.engine == "engine 1" and error.value.url == url
     finally:
         trainer.shutdown()
-    from megarl.rollout import event_loop
+    from megarl.engines import event_loop
 
     assert event_loop._holders == 1  # the run let go of the driver's event loop: only the test session holds it
     alive = _alive_after(pids, timeout_s=60)

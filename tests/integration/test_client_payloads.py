@@ -19,8 +19,8 @@ import textwrap
 
 import pytest
 
-from megarl.rollout.client import generate_output, sampling_params_dict
-from megarl.rollout.engine import FinishReason, SamplingParams
+from megarl.engines.client import generate_output, sampling_params_dict
+from megarl.engines.engine import FinishReason, SamplingParams
 
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                                   reason="needs sglang==0.5.23 (pip install --no-deps) and its utility imports")
@@ -62,7 +62,7 @@ RECEIVER = BUCKET + textwrap.dedent("""
     import json, sys
     from sglang.srt.utils import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
-    from megarl.rollout.cpu_engine.weights import Payload
+    from megarl.engines.cpu_engine.weights import Payload
 
     def sglang_open(payload):
         # As SGLang's tokenizer manager normalizes the base64 strings and its scheduler rebuilds a
@@ -142,7 +142,7 @@ def test_sampling_params_dict():
 
 def test_rollout_ignore_eos_reaches_training_requests_only():
     from megarl.config.rollout import RolloutConfig
-    from megarl.rollout.engine import sampling_params_for
+    from megarl.engines.engine import sampling_params_for
 
     config = RolloutConfig(ignore_eos=True)
     assert sampling_params_for(config, max_new_tokens=8).ignore_eos
@@ -215,7 +215,7 @@ def _flaky_server(drops: int):
 def test_reads_are_retried_when_the_connection_fails_and_other_calls_are_not():
     """``/model_info`` (a read) survives two dropped connections (the engine named if all three
     tries fail); ``/pause_generation`` (a control call) is never repeated: the first failure is the error."""
-    from megarl.rollout.client import EngineClient, EngineError, run_sync
+    from megarl.engines.client import EngineClient, EngineError, run_sync
 
     url, served = _flaky_server(2)
     assert run_sync(EngineClient(url, name="engine 3").model_info())["model_path"] == "m" and served[-1] == 2

@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.controller.build import (
+from megarl.controller.fleet import (
     engine_gpus_of,
     engine_server_slots,
     policy_engines,
     start_engine_servers,
     stop_engine_servers,
 )
+from megarl.engines.client import EngineAddress
 from megarl.plan import engine_gpus as engine_gpus_module
 from megarl.plan.engine_gpus import probe_bundle_gpus
 from megarl.plan.placement import create_pools, placement_for
-from megarl.rollout.client import EngineAddress
 from megarl.workers.base import Worker
 from megarl.workers.engine_server import EngineServerWorker
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from megarl.convert.export import Bucket
-from megarl.rollout.client import EngineClient, EngineError
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.server import EngineServer
-from megarl.rollout.engine import SamplingParams
-from megarl.rollout.lora_wire import checksums
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.client import EngineClient, EngineError
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.cpu_engine.server import EngineServer
+from megarl.engines.engine import SamplingParams
+from megarl.engines.lora_wire import checksums
+from megarl.engines.server_process import ServerProcess, free_port
 from megarl.sync.base import flattened_payload
 from tests import sglang_source
 
@@ -91,7 +91,7 @@ def _exchange(server: EngineServer, work):
 def _process(model_dir, log_dir, *flags: str):
     """A CPU engine server process with ``flags``; yields its URL."""
     port = free_port()
-    process = ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir),
+    process = ServerProcess([sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(model_dir),
                              "--port", str(port), *flags], name="engine 0", url=f"http://127.0.0.1:{port}",
                             log_path=log_dir / "engine.log", env={"OMP_NUM_THREADS": "1"}).start()
     try:

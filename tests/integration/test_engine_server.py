@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from megarl.convert.export import Bucket
-from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.engine import FinishReason, SamplingParams
-from megarl.rollout.server_process import ServerProcess, ServerStartError, free_port
+from megarl.engines.client import EngineClient, EngineError, gather_sync, run_sync
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.engine import FinishReason, SamplingParams
+from megarl.engines.server_process import ServerProcess, ServerStartError, free_port
 from megarl.sync.base import flattened_payload
 from tests.engine_servers import get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
@@ -44,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 def _server(model_dir, log_dir, name="engine 0") -> ServerProcess:
     port = free_port()
-    return ServerProcess([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_dir), "--port",
+    return ServerProcess([sys.executable, "-m", "megarl.engines.cpu_engine", "--model-path", str(model_dir), "--port",
                           str(port), "--random-seed", "3", "--tp-size", "2", "--enable-step-gate"], name=name, url=f"http://127.0.0.1:{port}",
                          log_path=log_dir / f"{name.replace(' ', '_')}.log", env={"OMP_NUM_THREADS": "1"})
 
@@ -161,11 +161,11 @@ def test_a_reused_bucket_buffer_is_held_only_for_the_session(client, local):
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_weights_by_broadcast_from_the_trainer_rank(client, local, load_format):
     """/init_weights_update_group + /update_weights_from_distributed: this process is rank 0 of a gloo group
-    (megarl.rollout.weight_group.join_group, whose keys meet SGLang's init_custom_process_group) and broadcasts while the
+    (megarl.engines.weight_group.join_group, whose keys meet SGLang's init_custom_process_group) and broadcasts while the
     server's two TP ranks (group ranks 1 and 2) receive."""
     import concurrent.futures
 
-    from megarl.rollout.weight_group import join_group
+    from megarl.engines.weight_group import join_group
 
     names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
     new = [torch.randn(local._params[name].shape, generator=torch.Generator().manual_seed(i))
@@ -264,7 +264,7 @@ def test_requests_sent_together_share_one_batch(model_dir):
     producer sends its groups, runs in the same batch; a request sent while a batch runs waits for the next one."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megarl.rollout.cpu_engine.server import EngineServer
+    from megarl.engines.cpu_engine.server import EngineServer
 
     engine = HFEngine(model_dir, seed=3)
     batches: list[int] = []
@@ -466,7 +466,7 @@ def test_a_server_dies_with_the_process_that_started_it(model_dir, tmp_path):
     import subprocess
 
     code = (f"import sys, time; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})\n"
-            "from megarl.rollout.server_process import ServerProcess, free_port\n"
+            "from megarl.engines.server_process import ServerProcess, free_port\n"
             "p = ServerProcess([sys.executable, '-c', 'import time; time.sleep(600)'], name='x', "
             "url='http://127.0.0.1:1', log_path=sys.argv[1]).start()\n"
             "print(p.pid, flush=True); time.sleep(600)\n")
@@ -542,7 +542,7 @@ from torch.multiprocessing import reductions
 reductions.rebuild_cuda_tensor = lambda cls, size, stride, offset, storage, dtype, device, handle, *rest: (
     torch.frombuffer(bytearray(handle), dtype=dtype))
 assert not hasattr(reductions, "_rebuild_cuda_tensor_original")
-from megarl.rollout.cpu_engine.weights import Payload
+from megarl.engines.cpu_engine.weights import Payload
 named = Payload(sys.argv[1], "flattened_bucket").named()
 print(json.dumps({name: tensor.tolist() for name, tensor in named}))
 """

@@ -1,4 +1,4 @@
-"""The process's one event loop (megarl.rollout.event_loop): calls from synchronous code, interrupts, ownership and
+"""The process's one event loop (megarl.engines.event_loop): calls from synchronous code, interrupts, ownership and
 shutdown, and the engine client's one HTTP session on it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from megarl.rollout import event_loop
-from megarl.rollout.client import EngineClient
-from megarl.rollout.event_loop import EventLoopThread
+from megarl.engines import event_loop
+from megarl.engines.client import EngineClient
+from megarl.engines.event_loop import EventLoopThread
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ def test_a_quantized_bucket_reaches_an_fp8_cpu_engine_server_bit_exact(tmp_path)
 
     from megarl.convert.export import Bucket
     from megarl.convert.fp8 import fp8_names, quantize_bucket, write_fp8_checkpoint
+    from megarl.engines.cpu_engine.read_back import inspect_weight
+    from megarl.engines.event_loop import run_sync
     from megarl.models import family_for
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.cpu_engine.read_back import inspect_weight
-    from megarl.rollout.event_loop import run_sync
     from megarl.sync.base import flattened_payload
     from tests.engine_servers import engine_servers
 

@@ -1,6 +1,6 @@
 """The wire format pinned to the installed sglang.
 
-megarl's table of what it sends and reads (:data:`megarl.rollout.http_api.ROUTES`) is checked
+megarl's table of what it sends and reads (:data:`megarl.engines.http_api.ROUTES`) is checked
 against sglang's own sources, read with ``ast`` by :mod:`tests.sglang_source`: every
 route is served with the method megarl uses, every field sent is a field of the route's request
 type, every field read is one sglang returns. The CPU engine server is held to the same lists:
@@ -13,10 +13,10 @@ import asyncio
 
 import pytest
 
-from megarl.rollout.client import sampling_params_dict
-from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE
-from megarl.rollout.engine import SamplingParams
-from megarl.rollout.http_api import GENERATE_META_READS, MEMORY_TAGS, PAUSE_MODES, ROUTES, request_body
+from megarl.engines.client import sampling_params_dict
+from megarl.engines.cpu_engine.read_back import INSPECT_ROUTE
+from megarl.engines.engine import SamplingParams
+from megarl.engines.http_api import GENERATE_META_READS, MEMORY_TAGS, PAUSE_MODES, ROUTES, request_body
 from tests import sglang_source
 
 
@@ -68,9 +68,9 @@ def test_a_field_outside_the_table_never_reaches_the_wire():
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory):
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.cpu_engine.server import EngineServer
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.cpu_engine.server import EngineServer
 
     model = save_tiny(tmp_path_factory.mktemp("contract") / "model", num_layers=1)
     return EngineServer(HFEngine(model), model_path=str(model), enable_lora=True, max_lora_rank=8)  # every route
@@ -141,7 +141,7 @@ def test_the_load_and_step_gate_routes(engine_server, tmp_path):
     only on a server started with ``--enable-step-gate`` and refuses a bad ``hold_at``."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from megarl.rollout.cpu_engine.server import EngineServer
+    from megarl.engines.cpu_engine.server import EngineServer
 
     async def exchange(server):
         client = TestClient(TestServer(server.app()))
@@ -182,10 +182,10 @@ def test_an_engine_with_the_runs_key_serves_control_routes_only_to_the_trainer(t
     embedding, or pause a run for minutes); with it the trainer's client works; generation needs no key."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    from megarl.engines.client import EngineClient, EngineError
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.cpu_engine.server import EngineServer
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.client import EngineClient, EngineError
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.cpu_engine.server import EngineServer
 
     model = save_tiny(tmp_path / "model", num_layers=1)
     server = EngineServer(HFEngine(model), model_path=str(model), admin_key="run-key", enable_step_gate=True)

@@ -14,6 +14,7 @@ from megarl.config import load_config
 from megarl.config.judge import JudgeConfig, JudgeModelSource, JudgeRolloutConfig
 from megarl.controller.judge import FAILURES, Judge, JudgedReward, JudgeError, JudgeRow, judge_rows, judge_step_metrics
 from megarl.data.batch import Batch
+from megarl.engines.event_loop import run_sync
 from megarl.reward import RewardManager
 from megarl.reward.manager import last_valid_positions
 from megarl.reward.verdicts import (
@@ -27,7 +28,6 @@ from megarl.reward.verdicts import (
     score_tag,
     yes_no,
 )
-from megarl.rollout.event_loop import run_sync
 from tests.engine_servers import engine_servers, get_json, load, set_step_gate, wait_for, wait_held_at_gate
 
 R = "recipe=tiny_cpu_grpo"

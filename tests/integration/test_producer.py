@@ -12,9 +12,9 @@ import torch
 from megarl.config import RolloutConfig
 from megarl.convert.export import Bucket
 from megarl.data.dataset import collate
+from megarl.engines.client import run_sync
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from megarl.rollout.buffer import RolloutBuffer
-from megarl.rollout.client import run_sync
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
 from megarl.seeds import derive_seed

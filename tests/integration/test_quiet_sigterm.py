@@ -11,7 +11,7 @@ import time
 
 SCRIPT = r"""
 import os, signal, sys
-from megarl.rollout.server_process import ServerProcess
+from megarl.engines.server_process import ServerProcess
 from megarl.workers.engine_server import EngineServerWorker
 
 worker = EngineServerWorker.__new__(EngineServerWorker)

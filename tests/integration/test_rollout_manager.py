@@ -26,12 +26,12 @@ import torch
 from megarl.config import MultiTurnConfig, RolloutConfig, ValKwargs
 from megarl.data.batch import Batch
 from megarl.data.dataset import collate
+from megarl.engines.client import EngineClient, EngineError, gather_sync, run_sync
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.engine import FinishReason, SamplingParams
+from megarl.engines.server_process import ServerProcess, free_port
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from megarl.rollout.client import EngineClient, EngineError, gather_sync, run_sync
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.engine import FinishReason, SamplingParams
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.server_process import ServerProcess, free_port
 from megarl.seeds import derive_row_seed
 from tests.engine_servers import close_clients, engine_servers
 from tests.unit.test_hf_engine import eos_prone
@@ -407,7 +407,7 @@ def test_engines_paused_past_the_routers_health_checks_still_get_requests(server
     the router megarl starts must not drop them. Beside it runs the same router with health checks on (every second,
     a worker dropped after one failure and taken back after five successes): the engines stay paused until that one
     has dropped them (its ``/workers``), and megarl's still lists them all healthy and serves the rollout after."""
-    from megarl.rollout.router import router_command, workers_registered
+    from megarl.engines.router import router_command, workers_registered
     from tests.engine_servers import get_json, wait_for
 
     urls = [e.url for e in servers.engines]
@@ -454,7 +454,7 @@ def test_a_frozen_engine_is_named_and_one_that_comes_back_goes_on(servers, token
     less than that, it goes on and the rollout completes."""
     import concurrent.futures
 
-    from megarl.rollout.client import run_sync
+    from megarl.engines.client import run_sync
     from tests.engine_servers import set_step_gate, wait_held_at_gate
 
     victim, pid = servers.engines[1], servers.processes[1].pid
@@ -513,7 +513,7 @@ def test_a_killed_engine_server_is_named_by_its_health(servers, tokenizer, batch
 
 
 def test_assembled_rows_carry_the_weight_version_of_each_token(tokenizer):
-    from megarl.rollout.engine import GenerateOutput
+    from megarl.engines.engine import GenerateOutput
 
     client = EngineClient("http://127.0.0.1:9", name="engine 0")  # never contacted: assembling is local
     manager = RolloutManager(client, [client], tokenizer, RolloutConfig(calculate_log_probs=False), prompt_length=P,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from megarl.engines.client import run_sync
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.engine import SamplingParams
 from megarl.models.tiny import build_tiny_tokenizer
-from megarl.rollout.client import run_sync
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.engine import SamplingParams
 from tests.distributed import moe_jobs
 from tests.engine_servers import engine_servers
 
@@ -27,7 +27,7 @@ PARAMS = SamplingParams(max_new_tokens=7, temperature=1.0, seed=11)
 def teacher_forced_routing(model, ids: list[int]) -> np.ndarray:
     """``[len(ids), num_layers, top_k]``: the experts of each token in one forward over ``ids`` (zeros on dense
     layers)."""
-    from megarl.rollout.cpu_engine.hf_engine import _routers
+    from megarl.engines.cpu_engine.model_facts import routers as _routers
 
     routers, captured = _routers(model), {}
     handles = [router.register_forward_hook(lambda m, a, out, layer=layer: captured.__setitem__(layer, out[2]))

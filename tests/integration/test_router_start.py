@@ -9,8 +9,8 @@ import json
 import threading
 import urllib.request
 
-from megarl.rollout.router import start_router, workers_registered
-from megarl.rollout.server_process import free_port
+from megarl.engines.router import start_router, workers_registered
+from megarl.engines.server_process import free_port
 
 
 class _SlowWorker(http.server.BaseHTTPRequestHandler):

@@ -22,7 +22,7 @@ def _run(code: str) -> dict:
 
 def test_an_engine_servers_owner_imports_no_torch():
     """The Ray actor that owns an engine server (one per engine) starts a process and waits on it: it imports the
-    engine's and the model's settings, not torch (``megarl.config`` and ``megarl.rollout`` load names on first use;
+    engine's and the model's settings, not torch (``megarl.config``, ``megarl.engines`` and ``megarl.rollout`` load names on first use;
     their ``actor`` / ``algorithm`` and agent-loop modules import torch)."""
     seen = _run("import json, sys\n"
                 "from megarl.workers.engine_server import EngineServerWorker\n"
@@ -36,14 +36,15 @@ def test_an_engine_servers_owner_imports_no_torch():
 
 
 def test_the_packages_names_still_load_on_first_use():
-    seen = _run("import json, sys, megarl.config as c, megarl.rollout as r\n"
+    seen = _run("import json, sys, megarl.config as c, megarl.engines as e, megarl.rollout as r\n"
                 "before = 'megarl.config.actor' in sys.modules\n"
                 "names = [getattr(c, n).__module__ for n in ('ActorConfig', 'RunConfig', 'load_config')]\n"
-                "names += [getattr(r, n).__module__ for n in ('EngineClient', 'AgentLoop', 'RolloutManager')]\n"
-                "every = all(sorted(m.__all__) == sorted(m.__getattr__.names) for m in (c, r))\n"
+                "names += [getattr(e, 'EngineClient').__module__]\n"
+                "names += [getattr(r, n).__module__ for n in ('AgentLoop', 'RolloutManager')]\n"
+                "every = all(sorted(m.__all__) == sorted(m.__getattr__.names) for m in (c, e, r))\n"
                 "print(json.dumps({'before': before, 'names': names, 'all': every}))")
     assert seen == {"before": False, "all": True, "names": [
-        "megarl.config.actor", "megarl.config.schema", "megarl.config.loading", "megarl.rollout.client",
+        "megarl.config.actor", "megarl.config.schema", "megarl.config.loading", "megarl.engines.client",
         "megarl.rollout.agent_loop", "megarl.rollout.manager"]}
 
 
@@ -67,7 +68,7 @@ def test_no_name_a_package_loads_on_first_use_is_one_of_its_submodules():
     import importlib
     from pathlib import Path
 
-    for package in ("megarl.config", "megarl.rollout", "megarl.parallel", "megarl.controller"):
+    for package in ("megarl.config", "megarl.engines", "megarl.rollout", "megarl.parallel", "megarl.controller"):
         module = importlib.import_module(package)
         submodules = {p.stem for p in Path(module.__file__).parent.iterdir() if p.suffix == ".py" or p.is_dir()}
         assert not set(module.__all__) & submodules, package

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from megarl.rollout.event_loop import run_sync
-from megarl.rollout.weight_group import join_group, listening_socket
+from megarl.engines.event_loop import run_sync
+from megarl.engines.weight_group import join_group, listening_socket
 
 
 def _sglang_member(port: int, rank: int, world_size: int, queue) -> None:
@@ -71,7 +71,7 @@ def test_join_group_refuses_an_unknown_backend():
 
 class _TpSlicingEngine:
     """An engine client answering ``/get_weights_by_name`` as SGLang's Llama at TP=2 does (megarl's strict engine's
-    :func:`~megarl.rollout.cpu_engine.read_back.answer`, for a Llama of hidden size 4 and 2 heads): its TP rank 0's
+    :func:`~megarl.engines.cpu_engine.read_back.answer`, for a Llama of hidden size 4 and 2 heads): its TP rank 0's
     slice (the first half of the rows) of column-parallel tensors, the whole of the others."""
 
     name, url = "engine 0", "http://engine-0"
@@ -82,13 +82,13 @@ class _TpSlicingEngine:
         self.held, self.tp = held, tp
 
     async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
-        from megarl.rollout.cpu_engine.read_back import answer
+        from megarl.engines.cpu_engine.read_back import answer
 
         return answer(name, self.held, self.config, tp=self.tp, truncate=truncate_size)
 
 
 def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers():
-    from megarl.rollout.client import EngineAddress, gather_sync
+    from megarl.engines.client import EngineAddress, gather_sync
     from megarl.sync.base import merge_stats, verify_and_report, verify_engine
 
     generator = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def test_verification_counts_a_tp_slice_as_unverified_and_compares_whole_answers
 def test_verification_of_a_large_tensor_reads_its_leading_rows_only(monkeypatch):
     """A tensor over ``VERIFY_MAX_VALUES`` is kept, asked for and compared by its leading rows (JSON answers of a
     whole ``lm_head`` would take minutes); a difference there still fails the sync; small tensors stay whole."""
-    from megarl.rollout.client import gather_sync
+    from megarl.engines.client import gather_sync
     from megarl.sync import base
 
     monkeypatch.setattr(base, "VERIFY_MAX_VALUES", 12)

@@ -20,10 +20,11 @@ import torch
 
 from megarl.config import MultiTurnConfig, RolloutConfig
 from megarl.data.batch import Batch
-from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
-from megarl.rollout.engine import sampling_params_for
+from megarl.engines.engine import sampling_params_for
+from megarl.rollout.agent_loop import AgentLoop
 from megarl.rollout.interaction import Gsm8kInteraction
 from megarl.rollout.request import AsyncRolloutRequest, FinishReasonType, Message, RequestState
+from megarl.rollout.request_batch import batch_from_requests, requests_from_batch
 from megarl.rollout.tools import BaseTool, load_tools
 from tests.scripted_engine import ScriptedEngine, Together, Turn, fake_logprobs, tiny_tokenizer
 
@@ -661,7 +662,7 @@ def test_config_validation(overrides, message):
 
 
 def test_sampling_override_and_max_model_len(tok):
-    from megarl.rollout.engine import SamplingParams
+    from megarl.engines.engine import SamplingParams
 
     loop, engine = make_loop(tok, {Q1: [T_FINAL]}, prompt_length=80, max_model_len=81, seed=3)
     [req] = run(loop, [request(tools_kwargs={}, system=False)],

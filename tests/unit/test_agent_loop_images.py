@@ -14,8 +14,9 @@ import torch
 
 from megarl.config import MultiTurnConfig, RolloutConfig
 from megarl.data.batch import Batch
-from megarl.rollout.agent_loop import AgentLoop, batch_from_requests, requests_from_batch
+from megarl.rollout.agent_loop import AgentLoop
 from megarl.rollout.request import RequestState
+from megarl.rollout.request_batch import batch_from_requests, requests_from_batch
 from megarl.rollout.tools import BaseTool
 from megarl.rollout.tools.base import ToolResponse
 from tests.scripted_engine import ScriptedEngine

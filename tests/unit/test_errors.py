@@ -24,7 +24,7 @@ def _exception_classes() -> list[type[BaseException]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for module in pkgutil.walk_packages(megarl.__path__, "megarl."):
-            if module.name.startswith("megarl.rollout.cpu_engine.__main__"):
+            if module.name.startswith("megarl.engines.cpu_engine.__main__"):
                 continue
             for obj in vars(importlib.import_module(module.name)).values():
                 if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__.startswith("megarl")):

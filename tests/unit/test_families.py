@@ -331,10 +331,10 @@ def test_kimi_k2s_model_type_is_read_as_deepseek_v3_and_its_config_kept(tmp_path
     from transformers import AutoModelForCausalLM
 
     from megarl.convert.hf_io import set_config_dtype
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.engine import SamplingParams
     from megarl.models.hf_config import load_hf_config
     from megarl.models.tiny import build_tiny_tokenizer
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.engine import SamplingParams
     from tests.distributed.moe_jobs import kimi_config
 
     cfg = _deepseek(vocab_size=64, n_group=1, topk_group=1, routed_scaling_factor=2.827, num_hidden_layers=2)

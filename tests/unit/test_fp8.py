@@ -176,9 +176,9 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
     from safetensors import safe_open
 
     from megarl.convert.fp8 import write_fp8_checkpoint
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.engine import SamplingParams
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.engine import SamplingParams
 
     source = save_tiny(tmp_path / "bf16", num_layers=1, hidden_size=256, intermediate_size=512)
     write_fp8_checkpoint(source, tmp_path / "fp8")
@@ -212,8 +212,8 @@ def test_the_cpu_engine_serves_an_fp8_checkpoint_as_sglang_holds_it(tmp_path):
 def test_the_engines_fp8_weights_live_on_their_parameters_device():
     """A CUDA engine keeps its FP8 weights and scales on the GPU, beside the parameters they make: an update is
     stored there and dequantized there (``meta`` stands for the GPU here; the checkpoint is read on the host)."""
+    from megarl.engines.cpu_engine.fp8 import Fp8Weights
     from megarl.models.fp8 import quantize_block_fp8
-    from megarl.rollout.cpu_engine.fp8 import Fp8Weights
 
     weight, scale = quantize_block_fp8(torch.randn(256, 128))
     param = torch.nn.Parameter(torch.empty(256, 128, device="meta"))

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.engine import FinishReason, RolloutEngine, SamplingParams, update_weights, weight_update_session
 from megarl.models.sampling import truncate_probs
 from megarl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.engine import FinishReason, RolloutEngine, SamplingParams, update_weights, weight_update_session
 from megarl.seeds import derive_row_seed
 
 TEXTS = ["What is 3 + 4?", "Hi", "The quick brown fox jumps over the lazy dog.", "#### 12"]

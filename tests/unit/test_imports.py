@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workers",),
     ("sync",),
     ("rollout", "convert"),
+    ("engines",),
     ("warmstart",),
     ("models",),
     ("parallel",),

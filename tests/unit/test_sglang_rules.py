@@ -33,7 +33,7 @@ def test_released_weights_are_freed_unless_sglang_keeps_a_cpu_backup():
 def test_the_strict_engine_drops_released_weights_by_default():
     import inspect
 
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
 
     assert inspect.signature(HFEngine).parameters["weights_cpu_backup"].default is False
 
@@ -79,9 +79,9 @@ def test_sglang_reads_a_llama_back_as_its_tp_rank_0_holds_it():
     parameter narrowed in heads of ``hidden_size // num_attention_heads`` (counts divided by ``tp_size``) or in
     ``intermediate_size // tp_size`` rows; ``o_proj``/``down_proj`` are all-gathered along dim 1; a tied
     ``lm_head.weight`` answers the embedding; every answer is ``float32`` rows cut at ``truncate_size``; nothing
-    answered: "Get parameter by name failed". megarl's CPU engine (:mod:`megarl.rollout.cpu_engine.read_back`)
+    answered: "Get parameter by name failed". megarl's CPU engine (:mod:`megarl.engines.cpu_engine.read_back`)
     follows each of these."""
-    from megarl.rollout.cpu_engine import read_back
+    from megarl.engines.cpu_engine import read_back
 
     llama = rules.llama_read_back()
     assert llama.stacked == read_back.STACKED
@@ -100,9 +100,9 @@ def test_megarls_engine_reads_back_a_llama_at_tp_2_and_refuses_the_rest(tmp_path
     down_proj and norms, the embedding's first shard of its padded vocabulary (446 -> 448 rows -> 224; a stacked
     name's FP8 scale: ``test_strict_engine``); a Qwen2 refuses every read (its weights are seen only by megarl's own
     ``inspect_weight``, which tests and tools use and the weight sync never does)."""
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.cpu_engine.read_back import ReadBackRefused
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.cpu_engine.read_back import ReadBackRefused
 
     engine = HFEngine(save_tiny(tmp_path / "llama", arch="llama", num_layers=1))
     held = {name: p.detach() for name, p in engine._params.items()}

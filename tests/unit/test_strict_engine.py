@@ -12,13 +12,13 @@ import torch
 
 from megarl.config import load_config
 from megarl.convert.param_map import buckets
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.engine import SamplingParams, update_weights
 from megarl.models import family_for
 from megarl.models.mla import FUSED_A_PROJ
 from megarl.models.tiny import build_tiny_tokenizer
 from megarl.plan.preflight import plan_run
 from megarl.plan.weight_sync import _units
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.engine import SamplingParams, update_weights
 from tests.distributed import moe_jobs
 
 
@@ -181,7 +181,7 @@ def test_the_engines_start_with_the_runs_context_length(tmp_path):
     131,072 tokens for Llama-3.1); the engines get ``rollout.max_model_len``, else ``P + R``, and a judge's its
     prompt and answer lengths. megarl's CPU engine takes the flag as SGLang does: a longer request is refused, and
     so is a context longer than the model's."""
-    from megarl.controller.build import judge_engines, policy_engines
+    from megarl.controller.fleet import judge_engines, policy_engines
     from megarl.models.tiny import save_tiny
     from megarl.plan.engine_gpus import engine_gpus, planned_bundle_gpus, sglang_launch_command
 
@@ -241,8 +241,8 @@ class _ReadBack:
         self.engine = engine
 
     async def get_weights_by_name(self, name, truncate_size):
-        from megarl.rollout.client import EngineError
-        from megarl.rollout.cpu_engine.read_back import ReadBackRefused
+        from megarl.engines.client import EngineError
+        from megarl.engines.cpu_engine.read_back import ReadBackRefused
 
         try:
             return self.engine.read_weight(name, truncate_size)
@@ -258,9 +258,9 @@ def test_fp8_weights_are_verified_by_the_values_they_stand_for(tmp_path):
     back) answers ``down_proj``'s scale but not ``up_proj``'s (stacked into ``gate_up_proj``, narrowed by weight
     rows): that pair is left unverified, the engine's other tensors still checked."""
     from megarl.convert.fp8 import write_fp8_checkpoint
+    from megarl.engines.event_loop import run_sync
     from megarl.models.fp8 import quantize_block_fp8, scale_name
     from megarl.models.tiny import save_tiny
-    from megarl.rollout.event_loop import run_sync
     from megarl.sync.base import expected_copy, verify_engine
 
     source = save_tiny(tmp_path / "bf16", arch="llama", num_layers=1, hidden_size=256, intermediate_size=512)
@@ -370,5 +370,5 @@ def test_no_production_module_reads_an_engine_by_megarls_own_route():
     root = Path(megarl.__file__).parent
     users = [str(path.relative_to(root)) for path in root.rglob("*.py")
              if ("inspect_weight" in path.read_text() or "INSPECT_ROUTE" in path.read_text())
-             and path.parent != root / "rollout" / "cpu_engine"]
+             and path.parent != root / "engines" / "cpu_engine"]
     assert users == []

@@ -269,8 +269,8 @@ def test_warm_start_samples_what_the_hf_engine_samples(data, tokenizer, temperat
     tokens bit for bit: both run models.sampling.sample_continuations, and this checks that generate feeds
     it the engine's row seeds, padding and stop ids. The SFT stop check, and with it the cached model,
     depends on it."""
-    from megarl.rollout.cpu_engine.hf_engine import HFEngine
-    from megarl.rollout.engine import SamplingParams
+    from megarl.engines.cpu_engine.hf_engine import HFEngine
+    from megarl.engines.engine import SamplingParams
 
     model = build_tiny_model(tokenizer, seed=0, **SMALL)
     rows = tiny_sft.read_sft_rows([data[0]])

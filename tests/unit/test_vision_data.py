@@ -180,7 +180,7 @@ def test_oversized_images_and_bombs_skip_their_rows_before_decoding(tmp_path, pr
 def test_the_engine_takes_no_file_paths_in_image_data(tmp_path):
     """The engine's /generate reads data URIs and base64 only: a path is refused the same way whether the file
     exists, is unreadable or is missing (an open route must not read, or tell apart, the machine's files)."""
-    from megarl.rollout.cpu_engine.requests import RequestError, row_images
+    from megarl.engines.cpu_engine.requests import RequestError, row_images
 
     (tmp_path / "real.png").write_bytes(_png(20, 20, 1))
     messages = []

@@ -15,7 +15,7 @@ Engines generate from token ids and receive new weights in place between trainin
 
 ``HFEngine`` (transformers; the engine inside megarl's CPU engine server) implements it; the
 rollout manager and the weight sync reach engines over SGLang's HTTP API
-(:class:`megarl.rollout.client.EngineClient`), not through this protocol.
+(:class:`megarl.engines.client.EngineClient`), not through this protocol.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
 class AsyncGenerator(Protocol):
-    """What the agent loop needs: one continuation per call (an :class:`~megarl.rollout.client.EngineClient`
+    """What the agent loop needs: one continuation per call (an :class:`~megarl.engines.client.EngineClient`
     of the router or of an engine; a scripted engine in tests). A conversation with images also passes
     ``image_data=`` (its images as base64 data URIs, in order)."""
 

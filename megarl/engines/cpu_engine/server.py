@@ -1,17 +1,17 @@
 """megarl's CPU engine server: the HF engine behind SGLang's HTTP API.
 
-    python -m megarl.rollout.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
+    python -m megarl.engines.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32]
                                     [--random-seed 0] [--device cpu] [--tp-size 1] [--trust-remote-code]
                                     [--enable-weights-cpu-backup]
                                     [--enable-return-routed-experts] [--enable-step-gate]
                                     [--enable-lora --max-lora-rank R --lora-target-modules M ...]
 
-It serves the routes of :data:`megarl.rollout.http_api.ROUTES` with SGLang's JSON, so the
+It serves the routes of :data:`megarl.engines.http_api.ROUTES` with SGLang's JSON, so the
 client, the router and the weight sync run on CPU exactly as against ``sglang.launch_server``
 on GPUs. It accepts (and ignores) body fields it does not use: sglang-router adds several.
 
 The state it keeps (requests, pause, memory tags, weights, TP ranks, routed experts, load, step gate, admin
-key) is described in :mod:`megarl.rollout.cpu_engine`.
+key) is described in :mod:`megarl.engines.cpu_engine`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megarl.models.sampling import ABORT, REBUILD
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.lora import LoraRoutes
-from megarl.rollout.cpu_engine.read_back import INSPECT_ROUTE, ReadBackRefused
-from megarl.rollout.cpu_engine.requests import (
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.cpu_engine.lora import LoraRoutes
+from megarl.engines.cpu_engine.read_back import INSPECT_ROUTE
+from megarl.engines.cpu_engine.requests import (
     RequestError,
     errors,
     generate_answer,
@@ -41,15 +40,15 @@ from megarl.rollout.cpu_engine.requests import (
     json_body,
     memory_tags,
     per_row,
-    result,
     row_images,
     sampling_params,
     while_connected,
 )
-from megarl.rollout.cpu_engine.weights import Payload, ReceiveBuffer, receive
-from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
-from megarl.rollout.http_api import PAUSE_MODES
-from megarl.rollout.weight_group import join_group
+from megarl.engines.cpu_engine.weight_routes import WeightRoutes
+from megarl.engines.cpu_engine.weights import ReceiveBuffer
+from megarl.engines.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.engines.http_api import PAUSE_MODES
+from megarl.models.sampling import ABORT, REBUILD
 
 logger = logging.getLogger("megarl.engine_server")
 
@@ -73,12 +72,12 @@ class _Row:
     version_events: list = dataclasses.field(default_factory=list)
     """SGLang's ``WeightVersionEvent``s: the version that ended and the tokens this row had then."""
     adapter: Any = None
-    """The LoRA adapter it runs with (``lora_path``; :mod:`megarl.rollout.cpu_engine.lora`), None: the base."""
+    """The LoRA adapter it runs with (``lora_path``; :mod:`megarl.engines.cpu_engine.lora`), None: the base."""
     images: list | None = None
     """Its images (``image_data``, decoded), None: none."""
 
 
-class EngineServer:
+class EngineServer(WeightRoutes):
     """The server's state and routes over one :class:`HFEngine` (see the module docstring)."""
 
     def __init__(self, engine: HFEngine, *, model_path: str, seed: int = 0, tp_size: int = 1,
@@ -423,168 +422,6 @@ class EngineServer:
             await asyncio.sleep(0.005)
         with self._cond:
             self._abort_running = False
-
-    # ------------------------------------------------------------------------ weights
-
-    def _set_weight_version(self, version: Any) -> None:
-        """A new version: each running row records the version that ended and its tokens then (SGLang's
-        ``record_weight_version_change``); queued rows have no output yet and record nothing."""
-        if version is None or str(version) == self.weight_version:
-            return
-        from sglang.srt.utils.weight_versions import WeightVersionEvent
-
-        with self._cond:
-            for row in self._running:
-                if not row.future.done():
-                    row.version_events.append(WeightVersionEvent(self.weight_version, self._steps))
-            self.weight_version = str(version)
-
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await json_body(request)
-        if "weights" in self.released:
-            return result(False, "begin_weight_update: weights are released; /resume_memory_occupation "
-                                  "with tags ['weights'] first")
-        # No new batch from here; a running one that is not paused finishes first (SGLang's update takes the
-        # writer lock, which waits for running requests), so every token has exactly one weight version.
-        self._in_session = True
-        try:
-            while self._running and not self._holding:
-                await asyncio.sleep(0.005)
-            await self._off_loop(self.engine.begin_weight_update)
-        except BaseException:
-            self._in_session = False
-            self._wake.set()
-            raise
-        return result(True, "Weight update session opened.")
-
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        await json_body(request)
-        await self._off_loop(self.engine.end_weight_update)
-        self._in_session = False
-        self._opened.clear()
-        self._wake.set()  # batches held back by the session
-        return result(True, "Weight update session closed.")
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        if "weights" in self.released:
-            return result(False, "update_weights_from_tensor: weights are released; /resume_memory_occupation "
-                                  "with tags ['weights'] first (updating released weights writes into freed memory "
-                                  "on GPUs)")
-        if not self._in_session:
-            return result(False, "update_weights_from_tensor must run between begin_weight_update() and "
-                                  "end_weight_update()")
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != self.tp_size:
-            raise RequestError(f"/update_weights_from_tensor: serialized_named_tensors must hold one payload per "
-                               f"engine TP rank ({self.tp_size}), got "
-                               f"{len(payloads) if isinstance(payloads, list) else type(payloads).__name__}")
-        # Every payload is opened (each holds a reference its sender counted) and its layout checked; this one
-        # process loads rank 0's tensors (SGLang's ranks load theirs in parallel, one process each).
-        ranks = [Payload(payload, body.get("load_format")) for payload in payloads]
-        for rank, other in enumerate(ranks[1:], 1):
-            if other.layout() != ranks[0].layout():
-                raise RequestError(f"/update_weights_from_tensor: TP rank {rank}'s payload names other tensors than "
-                                   f"rank 0's (every rank takes the full bucket)")
-        for rank in ranks:
-            rank.keep_open(self._opened, limit=4 * self.tp_size)
-        named = ranks[0].named()
-        await self._off_loop(self.engine.update_weights_from_tensor, named)
-        self._set_weight_version(body.get("weight_version"))
-        if body.get("flush_cache", True) and self._flush_refusal() is None:  # SGLang skips a refused flush
-            self.engine.flush_cache()
-        return result(True, f"Succeeded to update {len(named)} tensors.")
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Join the trainer's broadcast group as rank ``rank_offset`` (this engine is one TP rank), as SGLang
-        does: ``rendezvous(tcp://master_address:master_port)``, a store prefixed by ``group_name``."""
-        body = await json_body(request)
-        name = body.get("group_name", "weight_update_group")
-        if body.get("backend", "nccl") != "gloo":
-            return result(False, f"init_weights_update_group: backend {body.get('backend', 'nccl')!r}; this engine "
-                                  f"runs on CPU, use backend 'gloo'")
-        if name in self._groups:
-            return result(False, f"init_weights_update_group: group {name!r} exists; destroy it first")
-        try:
-            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
-            if rank_offset < 1 or rank_offset + self.tp_size > world_size:
-                raise ValueError(f"ranks {rank_offset}..{rank_offset + self.tp_size - 1} (this engine's "
-                                 f"{self.tp_size} TP ranks) do not fit a group of {world_size} whose rank 0 sends")
-            self._receive_buffers[name] = [ReceiveBuffer() for _ in range(self.tp_size)]
-            self._groups[name] = list(await asyncio.gather(*[
-                self._off_loop(join_group, str(body["master_address"]), int(body["master_port"]), rank_offset + r,
-                               world_size, name) for r in range(self.tp_size)]))
-        except (KeyError, RuntimeError, ValueError) as error:
-            return result(False, f"Failed to initialize custom process group: {error}.")
-        return result(True, "Succeeded to initialize custom process group.")
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive one broadcast from rank 0 of the group (per tensor, or one ``flattened_bucket``) and load it."""
-        body = await json_body(request)
-        name = body.get("group_name", "weight_update_group")
-        if name not in self._groups:
-            return result(False, f"Group {name} not in {sorted(self._groups)}. Please call "
-                                  f"`init_weights_update_group` first.")
-        if "weights" in self.released:
-            return result(False, "update_weights_from_distributed: weights are released; /resume_memory_occupation "
-                                  "with tags ['weights'] first")
-        if not self._in_session:
-            return result(False, "update_weights_from_distributed must run between begin_weight_update() and "
-                                  "end_weight_update()")
-        ranks = await asyncio.gather(*[
-            self._off_loop(receive, member, body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
-                           buffer)
-            for member, buffer in zip(self._groups[name], self._receive_buffers[name], strict=True)])
-        named = ranks[0]
-        await self._off_loop(self.engine.update_weights_from_tensor, named)
-        self._set_weight_version(body.get("weight_version"))
-        return result(True, f"Succeeded to update {len(named)} tensors.")
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = (await json_body(request)).get("group_name", "weight_update_group")
-        self._receive_buffers.pop(name, None)
-        if self._groups.pop(name, None) is None:
-            return result(False, "The group to be destroyed does not exist.")
-        return result(True, "Succeeded to destroy custom process group.")
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        """SGLang's route: aborts every request first unless ``abort_all_requests`` is false."""
-        body = await json_body(request)
-        if body.get("abort_all_requests", True):
-            await self._abort_all()
-        self._set_weight_version(body["new_version"])
-        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
-                                  "new_version": body["new_version"]})
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        name, truncate = body.get("name"), int(body.get("truncate_size", 100))
-        try:
-            values = await self._off_loop(self.engine.read_weight, name, truncate, self.tp_size)
-        except ReadBackRefused as refused:
-            raise RequestError(str(refused)) from None
-        return web.json_response(values)
-
-    async def inspect_weight(self, request: web.Request) -> web.Response:
-        """``/megarl/inspect_weight``: weight ``name`` whole (or its first ``rows``) as this engine holds it (an FP8
-        engine's quantized values), ``{"dtype", "shape", "values"}``, for any model. SGLang has no such route:
-        megarl's tests and tools look into this engine with it, the weight sync never does (it asks ``/get_weights_by_name``, answered as
-        SGLang answers it; ``tests/unit/test_strict_engine.py`` checks that no production module calls it)."""
-        body = await json_body(request)
-        name, rows = body.get("name"), body.get("rows")
-        try:
-            tensor = await self._off_loop(self.engine.inspect_weight, name)
-        except KeyError:
-            raise RequestError(f"{INSPECT_ROUTE}: no weight named {name!r}") from None
-        if rows is not None:
-            tensor = tensor[:int(rows)]
-        return web.json_response({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                                  "values": tensor.float().cpu().flatten().tolist()})
-
-    async def _off_loop(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Run a blocking call (one that takes the engine lock, which a running batch holds between its steps, or
-        a collective) in a thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
     # ------------------------------------------------------------------------ memory
 

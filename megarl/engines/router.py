@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megarl.config.rollout import ROUTER_POLICIES
-from megarl.rollout.server_process import ServerProcess, free_port
+from megarl.engines.server_process import ServerProcess, free_port
 
 ROUTER_KEY_ENV = "MEGARL_ROUTER_CONTROL_KEY"
 """The run's key for the router's control plane, handed over in the environment (never on a command line, which

@@ -1,6 +1,6 @@
 """LoRA adapters on SGLang's wire (``/load_lora_adapter_from_tensors``): PEFT's names, its ``adapter_config.json``
 and the checksums every engine rank checks. The trainer's side is :mod:`megarl.sync.adapters`; megarl's CPU engine
-server's is :mod:`megarl.rollout.cpu_engine.lora`.
+server's is :mod:`megarl.engines.cpu_engine.lora`.
 
 Tensors travel whole, PEFT-named (``base_model.model.<HF module>.lora_A.weight`` ``[rank, in]`` and
 ``.lora_B.weight`` ``[out, rank]``): every engine TP rank takes the whole adapter and slices its part itself

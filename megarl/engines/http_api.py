@@ -1,9 +1,9 @@
 """SGLang's HTTP API as megarl uses it (pinned to sglang 0.5.23): routes, request fields, response fields.
 
-One table, :data:`ROUTES`, is the wire format: the client (:mod:`megarl.rollout.client`) builds
+One table, :data:`ROUTES`, is the wire format: the client (:mod:`megarl.engines.client`) builds
 every request body with :func:`request_body`, which refuses a field the route's entry does not
 list, and reads only the response fields listed; the CPU engine server
-(:mod:`megarl.rollout.cpu_engine`) serves exactly these routes. The contract test
+(:mod:`megarl.engines.cpu_engine`) serves exactly these routes. The contract test
 (``tests/integration/test_http_contract.py``) checks the table against the installed sglang's own
 sources: every route is served with that method, every field sent is a field of the route's
 request dataclass in ``sglang/srt/managers/io_struct.py``, every field read is one SGLang returns.
@@ -136,6 +136,6 @@ def request_body(path: str, **fields: Any) -> dict[str, Any]:
     unknown = sorted(set(fields) - set(route.sends))
     if unknown:
         raise ValueError(f"{path}: fields {unknown} are not in megarl's wire format for this route "
-                         f"(sends {list(route.sends)}); add them to megarl.rollout.http_api.ROUTES, where the "
+                         f"(sends {list(route.sends)}); add them to megarl.engines.http_api.ROUTES, where the "
                          f"contract test checks them against SGLang's {route.request}")
     return {key: value for key, value in fields.items() if value is not None}

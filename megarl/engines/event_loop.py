@@ -64,7 +64,7 @@ class EventLoopThread:
         ``.cancel()`` cancels the task)."""
         if self._stopping or self.loop.is_closed():
             coroutine.close()
-            raise RuntimeError(f"{self!r} is stopped: hold the event loop (megarl.rollout.event_loop.hold) for as "
+            raise RuntimeError(f"{self!r} is stopped: hold the event loop (megarl.engines.event_loop.hold) for as "
                                f"long as its clients are used")
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
@@ -179,7 +179,7 @@ def current() -> EventLoopThread:
     loop = _current
     if loop is None:
         raise RuntimeError("no event loop is running in this process: whoever builds the engine clients holds it "
-                           "(megarl.rollout.event_loop.hold / holding)")
+                           "(megarl.engines.event_loop.hold / holding)")
     return loop
 
 

@@ -2,7 +2,7 @@
 for ``sglang.launch_server`` where SGLang cannot run (CPU, CI). Production rollout code talks to it only over
 HTTP, as to SGLang, and knows nothing of it.
 
-    python -m megarl.rollout.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32] ...
+    python -m megarl.engines.cpu_engine --model-path DIR --port 30000 [--host 127.0.0.1] [--dtype float32] ...
 
 State, as SGLang's scheduler keeps it, at this engine's granularity (decoding steps):
 

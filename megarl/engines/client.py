@@ -1,13 +1,13 @@
 """The one client of SGLang's HTTP API: generation, weight updates, memory and pause calls.
 
 :class:`EngineClient` talks to one server (an engine, or sglang-router for generation) with
-the wire format of :mod:`megarl.rollout.http_api`; the same code drives ``sglang.launch_server``
-on GPUs and megarl's CPU engine server (:mod:`megarl.rollout.cpu_engine`) in CI.
+the wire format of :mod:`megarl.engines.http_api`; the same code drives ``sglang.launch_server``
+on GPUs and megarl's CPU engine server (:mod:`megarl.engines.cpu_engine`) in CI.
 
 - Async methods reuse one ``aiohttp`` session (keep-alive connections), opened on the event loop of the client's
-  first call (in megarl the process's one loop, :mod:`megarl.rollout.event_loop`) and closed there.
+  first call (in megarl the process's one loop, :mod:`megarl.engines.event_loop`) and closed there.
 - :func:`run_sync` / :func:`gather_sync` / :func:`submit` run calls from synchronous code (the trainer, the actor's
-  weight sync) on that loop (:mod:`megarl.rollout.event_loop`; re-exported here).
+  weight sync) on that loop (:mod:`megarl.engines.event_loop`; re-exported here).
 - Failures raise :class:`EngineError` naming the engine, its URL, the route and what the
   server said (or that it cannot be reached).
 """
@@ -23,10 +23,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from megarl.engines.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.engines.event_loop import gather_sync, run_sync, submit
+from megarl.engines.http_api import FLATTENED_BUCKET, ROUTES, Route, request_body
 from megarl.errors import FieldsError
-from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
-from megarl.rollout.event_loop import gather_sync, run_sync, submit
-from megarl.rollout.http_api import FLATTENED_BUCKET, ROUTES, Route, request_body
 
 __all__ = ["CONTROL_TIMEOUT_S", "RETRY_DELAYS_S", "EngineAddress", "EngineClient", "EngineError", "gather_sync",
            "generate_output", "run_sync", "sampling_params_dict", "submit"]
@@ -172,7 +172,7 @@ class EngineClient:
         if self._http is not None and not self._http.closed and self._http_loop is not loop:
             if not self._http_loop.is_closed():
                 raise RuntimeError(f"{self!r} has its HTTP session open on another event loop; call it there "
-                                   f"(megarl.rollout.event_loop.run_sync), or close it first")
+                                   f"(megarl.engines.event_loop.run_sync), or close it first")
             self._http = None  # its loop is gone, and its connections with it
         if self._http is None or self._http.closed:
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -181,7 +181,7 @@ class EngineClient:
 
     async def call(self, path: str, *, timeout_s: float | None = None, **fields: Any) -> Any:
         """The JSON answer of ``path`` (``None`` for an empty one); ``fields`` go through
-        :func:`~megarl.rollout.http_api.request_body`. A read (``Route.idempotent``) whose connection fails is
+        :func:`~megarl.engines.http_api.request_body`. A read (``Route.idempotent``) whose connection fails is
         tried again after each of :data:`RETRY_DELAYS_S`; the error then says how many tries failed."""
         route = ROUTES[path]
         for delay in RETRY_DELAYS_S if route.idempotent else ():
@@ -339,7 +339,7 @@ class EngineClient:
                                              checksums: dict[str, str] | None = None,
                                              load_format: str | None = FLATTENED_BUCKET) -> None:
         """Load adapter ``name`` (PEFT's ``config``) from ``payloads``, one per engine TP rank, each the adapter's
-        whole PEFT-named tensors (:mod:`megarl.rollout.lora_wire`); ``checksums``: each tensor's sha256, which
+        whole PEFT-named tensors (:mod:`megarl.engines.lora_wire`); ``checksums``: each tensor's sha256, which
         every engine rank checks (a mismatch fails the load)."""
         await self.call("/load_lora_adapter_from_tensors", lora_name=name, config_dict=config,
                         serialized_named_tensors=[base64.b64encode(p).decode("ascii") for p in payloads],

@@ -1,6 +1,6 @@
 """A rollout engine on Hugging Face transformers: the CPU stand-in for SGLang.
 
-:class:`HFEngine` implements :class:`~megarl.rollout.engine.RolloutEngine` over megarl's one
+:class:`HFEngine` implements :class:`~megarl.engines.engine.RolloutEngine` over megarl's one
 sampling loop, :func:`megarl.models.sampling.sample_continuations` (left-padded batch, attention
 mask, position ids from the mask, a KV cache, fp32 logits, top-k / top-p, stop ids), so each
 returned log-prob comes from the very logits that sampled the token: ``log_softmax(logits / T)``
@@ -30,23 +30,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from megarl.data.images import ImageProcessor
+from megarl.engines.cpu_engine.batcher import RequestBatcher
+from megarl.engines.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
+from megarl.engines.cpu_engine.lora import applied as lora_applied
+from megarl.engines.cpu_engine.model_facts import (
+    StoredWeights,
+    coload_partners,
+    expert_biases,
+    hub_views,
+    reads_back,
+    routers,
+    vision_spec,
+)
+from megarl.engines.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 from megarl.models.hf_config import read_hf_config
 from megarl.models.sampling import RoutingCapture, VisionPrompts, eos_token_ids, sample_continuations
 from megarl.models.vision import hub_name, is_multimodal, model_config
-from megarl.rollout.cpu_engine.fp8 import Fp8Weights, is_fp8_checkpoint
-from megarl.rollout.cpu_engine.lora import applied as lora_applied
-from megarl.rollout.engine import FinishReason, GenerateOutput, NamedTensors, SamplingParams
 from megarl.seeds import MAX_SEED, derive_row_seed
 
 logger = logging.getLogger("megarl.engine_server")
@@ -73,7 +82,7 @@ class HFEngine:
             the model's ``max_position_embeddings``. A larger one is refused, as SGLang refuses to start with a
             context longer than the model's.
         fp8_scale_ue8m0: an FP8 engine requantizes every weight it loads to power-of-two scales, as SGLang on
-            Blackwell does (:func:`megarl.rollout.cpu_engine.fp8.requantize_ue8m0`).
+            Blackwell does (:func:`megarl.engines.cpu_engine.fp8.requantize_ue8m0`).
 
     Weight updates take full HF-named tensors (the names of ``model.named_parameters()``, and
     for a mixture-of-experts model the checkpoint's one-tensor-per-expert names, which SGLang
@@ -120,7 +129,7 @@ class HFEngine:
                                  f"(the model's max_position_embeddings; SGLang refuses a longer --context-length "
                                  f"too): lower actor_rollout_ref.rollout.max_model_len or the prompt/response lengths")
             self.max_model_len = context_length
-        self.vision = _vision_spec(self.hf_config)
+        self.vision = vision_spec(self.hf_config)
         """A vision-language model's :class:`~megarl.models.vision.VisionSpec` (None: a text model)."""
         self.image_processor = image_processor
         if self.vision is not None and image_processor is None:
@@ -128,18 +137,18 @@ class HFEngine:
         self._pad_id = self.eos_token_ids[0]
         self._params = self._weights()
         self.fp8: Fp8Weights | None = None
-        """An FP8 checkpoint's weights and scales (:mod:`megarl.rollout.cpu_engine.fp8`); None: not FP8."""
+        """An FP8 checkpoint's weights and scales (:mod:`megarl.engines.cpu_engine.fp8`); None: not FP8."""
         if isinstance(model_path_or_model, (str, os.PathLike)) and is_fp8_checkpoint(model_path_or_model):
             self.fp8 = Fp8Weights.from_checkpoint(model_path_or_model, self._params, scale_ue8m0=fp8_scale_ue8m0)
             self.fp8.refresh_all()
-        self.reads_back = _reads_back(self.model)
+        self.reads_back = reads_back(self.model)
         """Whether ``/get_weights_by_name`` answers (SGLang's class for the model has the method: Llama's)."""
-        self.coload = _coload_partners(self.model, self.fp8)
+        self.coload = coload_partners(self.model, self.fp8)
         """HF name -> the names SGLang's loader takes only with it in one request (:meth:`ModelFamily.coload_groups`;
         an FP8 engine's scales too): an update that brings a name without them leaves its weight as it was."""
         self.dropped_alone = 0
         """Tensors left out of updates because a request brought them without their co-load partners."""
-        self.routers = _routers(self.model)
+        self.routers = routers(self.model)
         """``(layer, router module)`` of every mixture-of-experts layer (empty for a dense model)."""
         self._seed_generator = torch.Generator().manual_seed(seed)
         # Held while generating and while changing state (sessions, release).
@@ -155,7 +164,7 @@ class HFEngine:
         self._session_buckets = 0
         self._session_tensors = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
-        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _RequestBatcher] = (
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RequestBatcher] = (
             weakref.WeakKeyDictionary())
 
     # ----------------------------------------------------------------------------- generate
@@ -188,7 +197,7 @@ class HFEngine:
         with self._seed_lock:
             batcher = self._batchers.get(loop)
             if batcher is None:
-                batcher = self._batchers[loop] = _RequestBatcher(self, loop)
+                batcher = self._batchers[loop] = RequestBatcher(self, loop)
         return await batcher.submit(prompt, sampling_params, return_logprob, row_seed)
 
     def _draw_row_seeds(self, num_rows: int) -> list[int]:
@@ -197,7 +206,7 @@ class HFEngine:
 
     def _check_prompts(self, input_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"HFEngine.generate needs megarl.rollout.engine.SamplingParams, got "
+            raise TypeError(f"HFEngine.generate needs megarl.engines.engine.SamplingParams, got "
                             f"{type(params).__name__}")
         if len(input_ids) == 0:
             raise ValueError("HFEngine.generate needs at least one input sequence")
@@ -248,7 +257,7 @@ class HFEngine:
         a paused batch lets weight updates and memory calls through; aborted rows finish with
         :attr:`FinishReason.ABORT`. ``return_routed_experts`` (mixture-of-experts models): each output carries
         the experts every token was routed to (:attr:`GenerateOutput.routed_experts`). ``adapter``: a LoRA adapter
-        (:class:`megarl.rollout.cpu_engine.lora.Adapter`) every row runs with. ``images``: each row's images (RGB
+        (:class:`megarl.engines.cpu_engine.lora.Adapter`) every row runs with. ``images``: each row's images (RGB
         images, None for none; a vision-language model's), placed at the row's image placeholders (one per image,
         or already one per merged patch).
         """
@@ -331,7 +340,7 @@ class HFEngine:
         with self._lock:
             if not self._in_session:
                 raise RuntimeError("HFEngine.update_weights_from_tensor must run inside a weight-update session: "
-                                   "call begin_weight_update() first (or use megarl.rollout.engine.update_weights)")
+                                   "call begin_weight_update() first (or use megarl.engines.engine.update_weights)")
             targets = self._check_bucket(named_tensors)
             with torch.no_grad():
                 for param, tensor in targets:
@@ -395,23 +404,23 @@ class HFEngine:
 
     def read_weight(self, name: str, truncate: int, tp: int = 1) -> list:
         """What ``/get_weights_by_name`` answers for weight ``name`` from an engine of ``tp`` TP ranks, as SGLang
-        answers it (:mod:`megarl.rollout.cpu_engine.read_back`: Llama-class models only, TP rank 0's slices): the
+        answers it (:mod:`megarl.engines.cpu_engine.read_back`: Llama-class models only, TP rank 0's slices): the
         first ``truncate`` rows as floats, an FP8 engine's quantized weights and scales as it stores them.
-        :class:`~megarl.rollout.cpu_engine.read_back.ReadBackRefused` where SGLang answers an error."""
-        from megarl.rollout.cpu_engine.read_back import FAILED, ReadBackRefused, answer
+        :class:`~megarl.engines.cpu_engine.read_back.ReadBackRefused` where SGLang answers an error."""
+        from megarl.engines.cpu_engine.read_back import FAILED, ReadBackRefused, answer
 
         if not self.reads_back:
             arch = (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0]
             raise ReadBackRefused(f"{FAILED}: SGLang's {arch} has no get_weights_by_name (only Llama-class models "
                                   f"read weights back); the weight sync cannot verify this engine")
         with self._lock:
-            return answer(name, _StoredWeights(self._params, self.fp8), self.hf_config, tp=tp, truncate=truncate)
+            return answer(name, StoredWeights(self._params, self.fp8), self.hf_config, tp=tp, truncate=truncate)
 
     def inspect_weight(self, name: str) -> torch.Tensor:
         """A copy of weight ``name`` as this engine holds it (whole; an FP8 engine's quantized values), whatever the
         model: megarl's tests look into the engine with it (SGLang has no such read)."""
         with self._lock:
-            return _StoredWeights(self._params, self.fp8)[name].detach().clone()
+            return StoredWeights(self._params, self.fp8)[name].detach().clone()
 
     def end_weight_update(self) -> None:
         """Close the session (and flush the cache, which this engine does not keep)."""
@@ -465,7 +474,7 @@ class HFEngine:
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         """The model's own weights by name, each once: its parameters and a router's expert bias (a buffer in
         transformers, a parameter in SGLang's models)."""
-        return dict(self.model.named_parameters()) | _expert_biases(self.model)
+        return dict(self.model.named_parameters()) | expert_biases(self.model)
 
     def resume_memory_occupation(self) -> None:
         """Take the memory back (weights back on the device; garbage unless kept by ``weights_cpu_backup``);
@@ -486,147 +495,8 @@ class HFEngine:
     def _weights(self) -> dict[str, torch.Tensor]:
         """The tensors weight updates write, by name: the model's parameters and, for a mixture-of-experts model,
         the checkpoint-named views into its fused experts (views of the parameters' current storage)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False)) | _expert_biases(self.model)
-        params.update(_hub_views(self.model, params))
+        params = dict(self.model.named_parameters(remove_duplicate=False)) | expert_biases(self.model)
+        params.update(hub_views(self.model, params))
         if self.vision is not None:  # the checkpoint's names (SGLang's), which the trainer sends
             params.update({hub_name(name, self.vision): param for name, param in list(params.items())})
         return params
-
-
-class _StoredWeights(Mapping):
-    """An engine's weights by checkpoint name as it stores them: an FP8 engine's quantized weights and scales, the
-    model's parameters for the rest."""
-
-    def __init__(self, params: dict[str, torch.Tensor], fp8) -> None:
-        self.params, self.fp8 = params, fp8
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if self.fp8 is not None and self.fp8.owns(name):
-            return self.fp8.read(name)
-        return self.params[name].detach()
-
-    def __contains__(self, name) -> bool:
-        return (self.fp8 is not None and self.fp8.owns(name)) or name in self.params
-
-    def __iter__(self):
-        return iter(self.params)
-
-    def __len__(self) -> int:
-        return len(self.params)
-
-
-def _reads_back(model) -> bool:
-    """Whether SGLang's model class for ``model`` answers ``/get_weights_by_name`` (its family's
-    :attr:`~megarl.models.family.ModelFamily.engine_reads_back`; a family megarl does not map: no)."""
-    from megarl.models import family_for
-
-    try:
-        return family_for(model.config).engine_reads_back
-    except ValueError:
-        return False
-
-
-def _coload_partners(model, fp8) -> dict[str, tuple[str, ...]]:
-    """HF name -> its co-load group (:meth:`megarl.models.family.ModelFamily.coload_groups`) for a model of a family
-    megarl maps, an FP8 engine's scales grouped as their weights; empty for others."""
-    from megarl.models import family_for
-    from megarl.models.fp8 import scale_name
-
-    try:
-        groups = family_for(model.config).coload_groups(model_config(model.config))
-    except ValueError:
-        return {}
-    if fp8 is not None:
-        groups += [tuple(scale_name(n) for n in group) for group in groups if all(n in fp8.weights for n in group)]
-    return {name: group for group in groups for name in group}
-
-
-def _expert_biases(model) -> dict[str, torch.Tensor]:
-    """A router's expert bias (aux-loss-free balancing) by name: a buffer in transformers, which weight updates write
-    all the same (SGLang holds it as a parameter)."""
-    return {n: b for n, b in model.named_buffers() if n.endswith("gate.e_score_correction_bias")}
-
-
-def _vision_spec(hf_config):
-    """The vision spec of a vision-language model of a family megarl maps, else None."""
-    from megarl.models import family_for
-
-    if not is_multimodal(hf_config):
-        return None
-    return family_for(hf_config).vision
-
-
-def _moe_spec(model):
-    """The :class:`~megarl.models.moe.MoESpec` of a transformers model of a family megarl maps, else ``None``
-    (a dense model, or a family megarl does not map: its own names only)."""
-    from megarl.models import family_for
-
-    try:
-        return family_for(model.config).moe
-    except ValueError:
-        return None
-
-
-def _routers(model) -> list[tuple[int, torch.nn.Module]]:
-    """The MoE routers of a transformers model of a known family (``model.layers.{i}.mlp.gate`` on its sparse
-    layers, :class:`~megarl.models.moe.MoESpec`), by layer."""
-    spec = _moe_spec(model)
-    if spec is None:
-        return []
-    modules = dict(model.named_modules())
-    return [(layer, modules[f"model.layers.{layer}.mlp.gate"])
-            for layer, sparse in enumerate(spec.sparse_layers(model.config)) if sparse]
-
-
-def _hub_views(model, params: dict) -> dict:
-    """A mixture-of-experts model's router and experts under the checkpoint's (and SGLang's) names: transformers
-    holds them fused in memory (see :meth:`megarl.models.moe.MoESpec.hub_views`)."""
-    spec = _moe_spec(model)
-    return spec.hub_views(params, model.config) if spec is not None else {}
-
-
-class _RequestBatcher:
-    """Collects single requests made on one event loop and runs them as batches on the engine thread."""
-
-    def __init__(self, engine: HFEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self._engine = engine
-        self._loop = loop
-        # (prompt, params, return_logprob, row seed, future) per waiting request.
-        self._pending: list[tuple[list[int], SamplingParams, bool, int, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-
-    async def submit(self, prompt: list[int], params: SamplingParams, return_logprob: bool,
-                     row_seed: int) -> GenerateOutput:
-        future = self._loop.create_future()
-        self._pending.append((prompt, params, return_logprob, row_seed, future))
-        if self._worker is None or self._worker.done():
-            # The task's first step runs after the coroutines already scheduled in this
-            # iteration, so requests started together (asyncio.gather) form one batch.
-            self._worker = self._loop.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        while self._pending:
-            pending, self._pending = self._pending, []
-            # Requests that differ only in seed and max_new_tokens share a batch (both are per row).
-            groups: dict[tuple[SamplingParams, bool], list] = {}
-            for item in pending:
-                key = dataclasses.replace(item[1], seed=None, max_new_tokens=1)
-                groups.setdefault((key, item[2]), []).append(item)
-            for (params, return_logprob), items in groups.items():
-                live = [item for item in items if not item[4].done()]
-                if not live:
-                    continue
-                # An error of the batch (e.g. generating inside a weight-update session) is handed to
-                # every request of it, which re-raises it in its caller.
-                (outcome,) = await asyncio.gather(self._loop.run_in_executor(
-                    self._engine._executor, self._engine.generate_rows, [item[0] for item in live], params,
-                    return_logprob, [item[3] for item in live], [item[1].max_new_tokens for item in live]),
-                    return_exceptions=True)
-                for k, item in enumerate(live):
-                    if item[4].done():
-                        continue
-                    if isinstance(outcome, BaseException):
-                        item[4].set_exception(outcome)
-                    else:
-                        item[4].set_result(outcome[k])

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megarl.rollout.cpu_engine.requests import RequestError, json_body
-from megarl.rollout.cpu_engine.weights import Payload
-from megarl.rollout.lora_wire import check_checksums, module_of
+from megarl.engines.cpu_engine.requests import RequestError, json_body
+from megarl.engines.cpu_engine.weights import Payload
+from megarl.engines.lora_wire import check_checksums, module_of
 
 ALL_MODULES = "all"
 

@@ -1,4 +1,4 @@
-"""``python -m megarl.rollout.cpu_engine``: start megarl's CPU engine server (:mod:`megarl.rollout.cpu_engine`)."""
+"""``python -m megarl.engines.cpu_engine``: start megarl's CPU engine server (:mod:`megarl.engines.cpu_engine`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import torch
 from aiohttp import web
 
-from megarl.rollout.cpu_engine.hf_engine import HFEngine
-from megarl.rollout.cpu_engine.server import EngineServer, logger
-from megarl.rollout.http_api import ADMIN_KEY_ENV
+from megarl.engines.cpu_engine.hf_engine import HFEngine
+from megarl.engines.cpu_engine.server import EngineServer, logger
+from megarl.engines.http_api import ADMIN_KEY_ENV
 
 
 class _HTTP2ProbeFilter(logging.Filter):
@@ -33,7 +33,7 @@ class _HTTP2ProbeFilter(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.cpu_engine", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megarl.engines.cpu_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)

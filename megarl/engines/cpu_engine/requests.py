@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megarl.rollout.engine import FinishReason, GenerateOutput, SamplingParams
-from megarl.rollout.http_api import MEMORY_TAGS, ROUTES
+from megarl.engines.engine import FinishReason, GenerateOutput, SamplingParams
+from megarl.engines.http_api import MEMORY_TAGS, ROUTES
 from megarl.seeds import MAX_SEED, derive_row_seed
 
 logger = logging.getLogger("megarl.engine_server")

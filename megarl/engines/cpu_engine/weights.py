@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.cpu_engine.requests import RequestError
-from megarl.rollout.http_api import FLATTENED_BUCKET
+from megarl.engines.cpu_engine.requests import RequestError
+from megarl.engines.http_api import FLATTENED_BUCKET
 
 
 class Payload:
