@@ -18,13 +18,32 @@ TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
 
 
 SERIAL = "serial"
-"""The xdist group of every test but the unit tier's: under ``pytest -n 2 --dist loadgroup`` (the README's test
-command) they run in order on one worker, since they start processes, Ray clusters and servers that use both cores
-and some look for what a run left behind; the unit tests (one process, no server) run on the other worker meanwhile,
-on the core those leave idle."""
+"""Under ``pytest -n 2`` (the README's test command) every test outside the unit tier is one work unit, run in order
+on one worker: they start processes, Ray clusters and servers that use both cores, and some look for what a run
+left behind. The unit tests (one process, no server) run module by module on the other worker meanwhile, on the
+core those leave idle."""
+SERIAL_UNIT_MODULES = ("tests/unit/test_fp8.py",)
+"""Unit modules run with the serial unit: they share a session fixture with it (``smollm2_hf``, converted once)."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of the test ``nodeid``: its module for the unit tier, :data:`SERIAL` for the rest."""
+    module = nodeid.split("::")[0]
+    return module if module.startswith("tests/unit/") and module not in SERIAL_UNIT_MODULES else SERIAL
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with :func:`work_unit` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return TierScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
     for item in items:
@@ -32,8 +51,6 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test outside the tiers' folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
-        if tier != "unit" or "smollm2_hf" in getattr(item, "fixturenames", ()):  # the session's conversion, once
-            item.add_marker(pytest.mark.xdist_group(SERIAL))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -33,6 +33,8 @@ from megarl.controller.fleet import (
     engine_gpus_of,
     judge_engines,
     policy_engines,
+    start_fleet_servers,
+    stop_engine_servers,
     worker_group,
 )
 from megarl.controller.progress import no_phases
@@ -192,16 +194,19 @@ def build_roles(cfg: RunConfig, log_dir: str | os.PathLike, *, phase=no_phases, 
         admin_key = secrets.token_urlsafe(32)  # the run's engine admin key: only the trainer drives the engines
         # Training with adapters synced alone: every request names the run's adapter (loaded at the first sync).
         lora_name = ADAPTER_NAME if training and cfg.lora_syncs_adapters else None
-        start_policy = functools.partial(
-            _start_fleet, cfg, policy_set, pools["rollout"] if separate else pools["global"],
-            1.0 if separate else 1.0 / colocated, probed, log_dir, admin_key, phase, lora_name=lora_name)
+        start_servers = functools.partial(
+            _start_servers, cfg, policy_set, pools["rollout"] if separate else pools["global"],
+            1.0 if separate else 1.0 / colocated, probed, log_dir, admin_key, phase)
         if training and (separate or cfg.trainer.device == "cpu"):
-            starting = _in_background(start_policy)
+            starting = _in_background(start_servers)
         groups = _build_training_roles(cfg, plan, pools, colocated, built, phase) if training else {}
-        fleets.append(starting.result() if starting is not None else start_policy())
+        servers = starting.result() if starting is not None else start_servers()
         starting = None
+        fleets.append(EngineFleet.around(policy_set, *servers, log_dir, admin_key=admin_key, lora_name=lora_name,
+                                         phase=phase))
         if judge_set is not None:
-            fleets.append(_start_fleet(cfg, judge_set, pools[JUDGE_POOL], 1.0, probed, log_dir, admin_key, phase))
+            judge = _start_servers(cfg, judge_set, pools[JUDGE_POOL], 1.0, probed, log_dir, admin_key, phase)
+            fleets.append(EngineFleet.around(judge_set, *judge, log_dir, admin_key=admin_key, phase=phase))
         targets, names = [], []
         if training:
             targets = engine_targets(plan, fleets[0].addresses,
@@ -253,12 +258,11 @@ def build_role(cfg: RunConfig, spec: RoleSpec, pool, share: float) -> WorkerGrou
     return group
 
 
-def _start_fleet(cfg: RunConfig, engine_set: EngineSet, pool, share: float, probed: dict | None, log_dir,
-                 admin_key: str, phase, *, lora_name: str | None = None) -> EngineFleet:
-    """``engine_set``'s engines started and healthy behind their router (:meth:`EngineFleet.start`)."""
+def _start_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, probed: dict | None, log_dir,
+                   admin_key: str, phase) -> tuple[WorkerGroup, list[EngineAddress]]:
+    """``engine_set``'s engine servers started and healthy (any thread: their processes belong to Ray workers)."""
     gpus = engine_gpus_of(engine_set.engines, probed) if engine_set.rollout.name == "sglang" else None
-    return EngineFleet.start(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key, lora_name=lora_name,
-                             phase=phase)
+    return start_fleet_servers(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key, phase=phase)
 
 
 def _in_background(call: Callable[[], Any]) -> concurrent.futures.Future:
@@ -272,14 +276,17 @@ def _in_background(call: Callable[[], Any]) -> concurrent.futures.Future:
 
 def _stop_started(starting: concurrent.futures.Future | None, fleets: list[EngineFleet], built: list[WorkerGroup],
                   pools: dict) -> None:
-    """Stop what a failed :func:`build_roles` started: the policy's fleet still starting (once its start ends: it
-    cannot be cut short), every fleet started (router, servers), every group built, the pools; let go of the
+    """Stop what a failed :func:`build_roles` started: the policy's servers still starting (once their start ends:
+    it cannot be cut short), every fleet started (router, servers), every group built, the pools; let go of the
     driver's event loop."""
     if starting is not None:
         try:
-            fleets.append(starting.result())
+            group, _ = starting.result()
         except BaseException:  # noqa: BLE001 - a failed start stopped its own servers; the first error is raised
             pass
+        else:
+            stop_engine_servers(group)
+            built.append(group)
     for fleet in fleets:
         fleet.close_clients()
         fleet.stop()

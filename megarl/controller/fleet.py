@@ -51,16 +51,28 @@ class EngineFleet:
     def start(cls, cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
               log_dir: str | os.PathLike, *, admin_key: str, lora_name: str | None = None, phase=no_phases
               ) -> EngineFleet:
-        """Start ``engine_set``'s servers on ``pool`` (:func:`start_engine_servers`) and the router in front of them;
-        on failure nothing of it is left running."""
-        rollout, policy = engine_set.rollout, engine_set.role == "rollout"
+        """Start ``engine_set``'s servers on ``pool`` (:func:`start_fleet_servers`) and the router in front of them
+        (:meth:`around`); on failure nothing of it is left running."""
+        group, addresses = start_fleet_servers(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key,
+                                               phase=phase)
+        return cls.around(engine_set, group, addresses, log_dir, admin_key=admin_key, lora_name=lora_name,
+                          phase=phase)
+
+    @classmethod
+    def around(cls, engine_set: EngineSet, group: WorkerGroup, addresses: list[EngineAddress],
+               log_dir: str | os.PathLike, *, admin_key: str, lora_name: str | None = None, phase=no_phases
+               ) -> EngineFleet:
+        """The fleet of servers already started (``group``, ``addresses``): sglang-router in front of them and a
+        client per engine and for the router. The router is started here, on the calling thread: it is killed when
+        the thread that started it ends (``PR_SET_PDEATHSIG``), so that must be the driver's main thread. On
+        failure the servers are stopped."""
+        policy = engine_set.role == "rollout"
         owner = "" if policy else f"{engine_set.role} "  # the judge's: "judge engine 0", "judge sglang-router"
-        with phase(f"starting {len(engine_set.engines)} {rollout.name} {engine_set.label} server(s)"):
-            group, addresses = start_engine_servers(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key)
         try:
             with phase("starting sglang-router" if policy else f"starting the {engine_set.role}'s sglang-router"):
-                router = start_router([a.url for a in addresses], policy=rollout.router_policy, log_dir=log_dir,
-                                      log_name=f"{owner.replace(' ', '_')}router.log", control_key=admin_key)
+                router = start_router([a.url for a in addresses], policy=engine_set.rollout.router_policy,
+                                      log_dir=log_dir, log_name=f"{owner.replace(' ', '_')}router.log",
+                                      control_key=admin_key)
         except BaseException:
             stop_engine_servers(group)
             group.shutdown()
@@ -78,6 +90,15 @@ class EngineFleet:
         """Stop the router and the engine servers (the group's workers are killed with the run's)."""
         self.router.stop()
         stop_engine_servers(self.group)
+
+
+def start_fleet_servers(cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
+                        log_dir: str | os.PathLike, *, admin_key: str, phase=no_phases
+                        ) -> tuple[WorkerGroup, list[EngineAddress]]:
+    """``engine_set``'s engine servers started and healthy (:func:`start_engine_servers`), announced as a phase. Their
+    processes belong to Ray workers, so this may run on any thread of the driver."""
+    with phase(f"starting {len(engine_set.engines)} {engine_set.rollout.name} {engine_set.label} server(s)"):
+        return start_engine_servers(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key)
 
 
 def close_clients(clients: list[EngineClient]) -> None:
