@@ -52,8 +52,8 @@ def test_a_config_runs_the_roles_it_enables_in_building_order(extra, names):
 
 
 def test_offload_flags_are_the_sections():
-    cfg = _cfg(*CRITIC, "trainer.device=cuda", "critic.grad_offload=true", "actor_rollout_ref.actor.optimizer_offload=true", *TEACHER,
-               "teacher.param_offload=true")
+    cfg = _cfg(*CRITIC, *TEACHER, "trainer.device=cuda", "critic.grad_offload=true",
+               "actor_rollout_ref.actor.optimizer_offload=true", "teacher.param_offload=true")
     assert SPEC_OF["actor"].offload(cfg) == {"params": False, "grads": False, "optimizer": True, "ref_params": False}
     assert SPEC_OF["critic"].offload(cfg) == {"params": False, "grads": True, "optimizer": False}
     assert SPEC_OF["teacher"].offload(cfg) == {"params": True}
