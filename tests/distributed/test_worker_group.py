@@ -86,7 +86,7 @@ def ping(self) -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RAY_AUTH_MODE": "disabled"}})
     pool = ResourcePool("global", [4], cpus_per_bundle=2).create(timeout_s=30)
     yield pool

@@ -45,7 +45,7 @@ def assets(tmp_path_factory):
         for parameter in hf.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.5)
     hf.save_pretrained(model)
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}})
     yield {"root": root, "prompts": f"[{chats},{texts}]", "chats": str(chats), "model": str(model)}
     ray.shutdown()

@@ -46,7 +46,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     train, test = ensure_addition_data(root / "data", num_train=64, num_test=8, seed=0)
     model = save_tiny(root / "model", num_layers=2)
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}})
     yield {"root": root, "train": str(train), "test": str(test), "model": str(model)}
     ray.shutdown()

@@ -306,7 +306,7 @@ def test_sglang_parses_the_commands_into_the_intended_server_args():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, num_gpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
     yield ray
     ray.shutdown()
