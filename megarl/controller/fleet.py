@@ -48,17 +48,6 @@ class EngineFleet:
     """The router's client."""
 
     @classmethod
-    def start(cls, cfg: RunConfig, engine_set: EngineSet, pool, share: float, gpus: list | None,
-              log_dir: str | os.PathLike, *, admin_key: str, lora_name: str | None = None, phase=no_phases
-              ) -> EngineFleet:
-        """Start ``engine_set``'s servers on ``pool`` (:func:`start_fleet_servers`) and the router in front of them
-        (:meth:`around`); on failure nothing of it is left running."""
-        group, addresses = start_fleet_servers(cfg, engine_set, pool, share, gpus, log_dir, admin_key=admin_key,
-                                               phase=phase)
-        return cls.around(engine_set, group, addresses, log_dir, admin_key=admin_key, lora_name=lora_name,
-                          phase=phase)
-
-    @classmethod
     def around(cls, engine_set: EngineSet, group: WorkerGroup, addresses: list[EngineAddress],
                log_dir: str | os.PathLike, *, admin_key: str, lora_name: str | None = None, phase=no_phases
                ) -> EngineFleet:
