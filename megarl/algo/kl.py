@@ -150,20 +150,26 @@ def build_kl_controller(type: str = "fixed", kl_coef: float = 0.001, target_kl: 
     raise ValueError(f"unknown algorithm.kl_ctrl.type {type!r}; use 'fixed' or 'adaptive'")
 
 
-def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl") -> dict[str, float]:
-    """Set ``batch["token_level_rewards"] = token_level_scores - beta * kl * mask`` and step the controller.
+def in_reward_kl(batch, kl_ctrl: KLController, kind: str = "kl") -> tuple[torch.Tensor, float, dict[str, float]]:
+    """The in-reward KL penalty's per-token KL ``[B, T]`` (0 outside ``response_mask``), the coefficient beta it is
+    weighted by this step, and the metrics ``critic/kl`` and ``critic/kl_coeff``; the controller is stepped with the
+    batch KL, the mean over rows of each row's masked mean.
 
-    ``batch`` is any mapping-like batch (a :class:`megarl.data.Batch`) holding
-    ``token_level_scores``, ``old_log_probs``, ``ref_log_prob`` and ``response_mask`` (the tokens that train:
-    tool tokens of multi-turn rollouts stay out of the KL), all [B, T].
-    The controller is updated with the batch KL, the mean over rows of each row's masked mean.
-    Returns the metrics ``critic/kl`` and ``critic/kl_coeff`` (the beta used for this batch).
+    ``batch`` is any mapping-like batch (a :class:`megarl.data.Batch`) holding ``old_log_probs``, ``ref_log_prob`` and
+    ``response_mask`` (the tokens that train: tool tokens of multi-turn rollouts stay out of the KL), all [B, T].
     """
     mask_BT = batch["response_mask"]
     kl_BT = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kind)
     kl_BT = torch.where(mask_BT.bool(), kl_BT, torch.zeros_like(kl_BT))
     beta = kl_ctrl.value
-    batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl_BT
     current_kl = float(masked_mean(kl_BT, mask_BT, dim=-1).mean()) if len(kl_BT) else 0.0
     kl_ctrl.update(current_kl=current_kl, n_steps=len(kl_BT))
-    return {"critic/kl": current_kl, "critic/kl_coeff": beta}
+    return kl_BT, beta, {"critic/kl": current_kl, "critic/kl_coeff": beta}
+
+
+def apply_kl_penalty(batch, kl_ctrl: KLController, kind: str = "kl") -> dict[str, float]:
+    """Set ``batch["token_level_rewards"] = token_level_scores - beta * kl * mask`` and step the controller
+    (:func:`in_reward_kl`; ``batch`` also holds ``token_level_scores``); its metrics."""
+    kl_BT, beta, metrics = in_reward_kl(batch, kl_ctrl, kind)
+    batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl_BT
+    return metrics

@@ -9,8 +9,8 @@ A row that cannot be judged gets no score: its ``judge_error`` names why (``time
 ``error``) and the trainer leaves it out of the update; each kind is counted per step (``judge/*``) and a step in
 which more than ``max_failure_share`` of the rows failed stops the run (:func:`judge_step_metrics`).
 
-:class:`JudgedReward` is the reward function of a run with a judge: the judge's score replaces the rule reward or
-is added to it (``combine``), on each response's last token as the rule reward is.
+:class:`JudgeSource` is the judge in a run's reward stage (:mod:`megarl.controller.reward_stage`): its score replaces
+the rule reward or is added to it (``combine``), on each response's last token as the rule reward is.
 
 Shape legend: ``B`` rows, ``T`` response tokens.
 """
@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from megarl.config.judge import JudgeConfig
+from megarl.controller.reward_sources import Signal
 from megarl.data.batch import Batch
 from megarl.engines.client import EngineClient, EngineError
 from megarl.engines.engine import SamplingParams
 from megarl.engines.event_loop import run_sync
-from megarl.reward.manager import RewardManager, last_valid_positions, scored_tokens
+from megarl.reward.manager import last_valid_positions, scored_tokens
 from megarl.reward.verdicts import GarbageVerdict, fill_template, load_parser
 from megarl.seeds import SEED_STREAM_JUDGE, derive_seed
 
@@ -180,37 +181,39 @@ def _prompt_text(raw: Any) -> str:
     return str(users[-1]) if users else str(raw)
 
 
-class JudgedReward:
-    """The reward function of a run with a judge: ``(token_level_scores [B, T], extras)`` as the rule manager's,
-    the judge's score on each response's last token replacing the rule score or added to it (``combine``), the
-    judge's extras beside the rule function's: ``judge_verdict``, ``judge_score``, ``judge_answer`` and
-    ``judge_error`` (None, or ``"<kind>: <why>"``)."""
+class JudgeSource:
+    """The judge as a source of the reward stage (:mod:`megarl.controller.reward_stage`): its score of each row on
+    the response's last token, replacing the scores before it or added to them (``combine``, ``coef``); its columns
+    ``judge_verdict``, ``judge_score``, ``judge_error`` (None, or ``"<kind>: <why>"``: the row could not be judged)
+    and ``judge_answer`` (and ``score``, the judge's, where it replaces the rule function)."""
 
-    def __init__(self, judge: Judge, rules: RewardManager, tokenizer: Any) -> None:
-        self.judge, self.rules, self.tokenizer = judge, rules, tokenizer
-        self.config = judge.config
+    name, when, into = "judge", "rollout", "score"
+    unscored_key = "judge_error"
+    unscored_note = "by the judge and are left out of the update"
 
-    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, list]]:
+    def __init__(self, judge: Judge, tokenizer: Any) -> None:
+        self.judge, self.tokenizer, self.config = judge, tokenizer, judge.config
+        self.combine = self.config.combine
+        self.coef = self.config.coef if self.combine == "add" else 1.0
+
+    def score(self, batch: Batch, step: Any = None) -> Signal:
         responses_BT = batch["responses"]
         last_B = last_valid_positions(scored_tokens(batch, responses_BT.shape[1]))
-        if self.config.combine == "add":
-            scores_BT, extra = self.rules(batch)
-        else:
-            scores_BT, extra = torch.zeros(responses_BT.shape, dtype=torch.float32, device=responses_BT.device), {}
         verdicts = self.judge.judge(judge_rows(batch, self.tokenizer, last_B))
-        last_B = last_B.clamp(min=0)
-        judged_B = torch.tensor([v.score if v.score is not None else 0.0 for v in verdicts], dtype=scores_BT.dtype,
-                                device=scores_BT.device)
-        rows = torch.arange(len(verdicts), device=scores_BT.device)
-        coef = self.config.coef if self.config.combine == "add" else 1.0
-        scores_BT[rows, last_B] += coef * judged_B
-        if self.config.combine == "replace":
-            extra["score"] = [v.score for v in verdicts]
+        values = torch.zeros(responses_BT.shape, dtype=torch.float32, device=responses_BT.device)
+        values[torch.arange(len(verdicts), device=values.device), last_B.clamp(min=0)] = torch.tensor(
+            [v.score if v.score is not None else 0.0 for v in verdicts], dtype=values.dtype, device=values.device)
+        extra = {"score": [v.score for v in verdicts]} if self.combine == "replace" else {}
         extra["judge_verdict"] = [v.verdict for v in verdicts]
         extra["judge_score"] = [v.score for v in verdicts]
         extra["judge_error"] = [f"{v.failure}: {v.message}" if v.failure else None for v in verdicts]
         extra["judge_answer"] = [v.answer for v in verdicts]
-        return scores_BT, extra
+        return Signal(values, coef=self.coef, extra=extra)
+
+    def failure_metrics(self, extra: Mapping[str, list], where: str, validation: bool) -> dict[str, float]:
+        """The judge's counts (``judge/*``; ``val-judge/*`` in validation); too many failures stop the run."""
+        return judge_step_metrics(extra, self.config.max_failure_share, where,
+                                  prefix="val-judge" if validation else "judge")
 
 
 def judge_step_metrics(extra: Mapping[str, list], max_failure_share: float, where: str,
@@ -239,32 +242,12 @@ def judge_step_metrics(extra: Mapping[str, list], max_failure_share: float, wher
     return metrics
 
 
-class JudgedRows:
-    """The judge's extras of a validation's rounds, counted together (:meth:`metrics`: ``val-judge/*``)."""
-
-    def __init__(self, config: JudgeConfig, where: str) -> None:
-        self.config, self.where = config, where
-        self.columns: dict[str, list] = {"judge_error": [], "judge_score": []}
-
-    def add(self, extra: Mapping[str, list]) -> None:
-        if self.config.enable:
-            for key, column in self.columns.items():
-                column.extend(extra[key])
-
-    def metrics(self) -> dict[str, float]:
-        if not self.config.enable or not self.columns["judge_error"]:
-            return {}
-        return judge_step_metrics(self.columns, self.config.max_failure_share, self.where, prefix="val-judge")
-
-
-def judged_rewards(cfg, client: EngineClient, tokenizer: Any, train: RewardManager,
-                   val: RewardManager) -> tuple[JudgedReward, JudgedReward]:
-    """The training and validation reward functions of a run with a judge (``reward_model.judge``), the judge asked
-    through ``client`` (its router's), its tokenizer loaded from ``reward_model.judge.model``."""
+def build_judge(cfg, client: EngineClient) -> Judge:
+    """The run's judge (``reward_model.judge``), asked through ``client`` (its router's), its tokenizer loaded from
+    ``reward_model.judge.model``."""
     from transformers import AutoTokenizer
 
     config = cfg.reward_model.judge
     judge_tokenizer = AutoTokenizer.from_pretrained(config.model.local_tokenizer_path,
                                                     trust_remote_code=config.model.trust_remote_code)
-    judge = Judge(config, client, judge_tokenizer, seed=cfg.rollout_seed)
-    return JudgedReward(judge, train, tokenizer), JudgedReward(judge, val, tokenizer)
+    return Judge(config, client, judge_tokenizer, seed=cfg.rollout_seed)

@@ -258,9 +258,11 @@ UNSCORED_KEYS = ("reward_error", "judge_error", "judge_answer")
 class ValidationRows:
     """A validation's scored rows, round by round: each row's data source, prompt group (the rollout manager repeats
     each prompt ``n`` times, interleaved) and per-row columns (``reward`` and the reward function's scalars); rows the
-    reward function (``reward_model.on_error=skip``) or the judge could not score are counted and left out."""
+    reward function (``reward_model.on_error=skip``) or the judge could not score are counted and left out
+    (``unscored_keys``: the reward stage's columns naming such rows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unscored_keys: list[str]) -> None:
+        self.unscored_keys = list(unscored_keys)
         self.sources: list[str] = []
         self.groups: list[int] = []
         self.infos: dict[str, list] = {}
@@ -268,7 +270,7 @@ class ValidationRows:
 
     def add(self, data_sources, scores: list[float], extra: dict[str, list], *, first_group: int, n: int) -> None:
         none = [None] * len(scores)
-        errors = [a or b for a, b in zip(extra.get("reward_error", none), extra.get("judge_error", none), strict=True)]
+        errors = [any(extra.get(key, none)[row] for key in self.unscored_keys) for row in range(len(scores))]
         for row, (source, score, error) in enumerate(zip(data_sources, scores, errors, strict=True)):
             if error:
                 self.num_errors += 1

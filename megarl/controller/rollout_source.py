@@ -14,11 +14,10 @@ and for checkpoints ``rollout.state()`` (the groups generated ahead; None in syn
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from megarl.algo.dapo import REWARD_EXTRA, DynamicSamplingBuffer
+from megarl.algo.dapo import DynamicSamplingBuffer
 from megarl.config.schema import RunConfig
 from megarl.controller.metrics import sample_staleness, staleness_metrics, timer
 from megarl.data.batch import Batch
@@ -28,21 +27,9 @@ from megarl.rollout.manager import RolloutManager
 from megarl.rollout.producer import RolloutProducer
 from megarl.seeds import SEED_STREAM_ASYNC_ROLLOUT, SEED_STREAM_ROLLOUT, derive_seed
 
-
-class Scorer:
-    """``token_level_scores`` and the reward function's per-row extras (:data:`REWARD_EXTRA`) of a batch; one call
-    at a time (the asynchronous producer scores its groups on a scoring thread of its own)."""
-
-    def __init__(self, reward_fn: Callable[[Batch], tuple[Any, dict[str, list]]]) -> None:
-        self.reward_fn = reward_fn
-        self._lock = threading.Lock()
-
-    def __call__(self, batch: Batch) -> Batch:
-        with self._lock:
-            scores, extra = self.reward_fn(batch)
-        batch["token_level_scores"] = scores
-        batch[REWARD_EXTRA] = [{key: values[i] for key, values in extra.items()} for i in range(len(batch))]
-        return batch
+Score = Callable[[Batch], Batch]
+"""A rollout batch scored in place (:meth:`megarl.controller.reward_stage.RewardStage.score_rollout`):
+``token_level_scores``, the per-row columns (:data:`~megarl.algo.dapo.REWARD_EXTRA`), unscored rows out of ``response_mask``."""
 
 
 class RolloutSource(Protocol):
@@ -67,7 +54,7 @@ class SyncRollout:
     more batches, seeded by their number within the step, until ``data.train_batch_size`` groups with signal
     are kept."""
 
-    def __init__(self, cfg: RunConfig, loader: PromptLoader, manager: RolloutManager, score: Scorer) -> None:
+    def __init__(self, cfg: RunConfig, loader: PromptLoader, manager: RolloutManager, score: Score) -> None:
         self.cfg, self.loader, self.manager, self.score = cfg, loader, manager, score
         self.histograms: dict[str, Any] = {}
 
@@ -115,7 +102,7 @@ class AsyncRollout:
     are restored and those that were generating are issued again with the seeds they had, so its steps train
     the prompts an uninterrupted run trains."""
 
-    def __init__(self, cfg: RunConfig, loader: PromptLoader, train_set, manager: RolloutManager, score: Scorer, *,
+    def __init__(self, cfg: RunConfig, loader: PromptLoader, train_set, manager: RolloutManager, score: Score, *,
                  global_step: int, buffer_state: Any = None, console=print) -> None:
         self.cfg, self.loader, self.global_step = cfg, loader, global_step
         settings, B = cfg.async_training, cfg.data.train_batch_size

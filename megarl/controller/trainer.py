@@ -25,8 +25,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megarl.algo import advantages
-from megarl.algo.dapo import REWARD_EXTRA
-from megarl.algo.kl import apply_kl_penalty, build_kl_controller
+from megarl.algo.kl import build_kl_controller
 from megarl.algo.mismatch import mismatch_metrics, routing_metrics
 from megarl.config.schema import RunConfig
 from megarl.controller import role_memory
@@ -44,7 +43,7 @@ from megarl.controller.correction import correct_rollouts
 from megarl.controller.engine_memory import TRAINING_TAGS, EngineMemory
 from megarl.controller.generate import decode_responses
 from megarl.controller.interrupts import interrupts_deferred
-from megarl.controller.judge import JudgedRows, judged_rewards
+from megarl.controller.judge import build_judge
 from megarl.controller.metrics import (
     ValidationRows,
     check_failed_rollouts,
@@ -57,7 +56,8 @@ from megarl.controller.metrics import (
     timing_metrics,
 )
 from megarl.controller.progress import Phases, run_summary
-from megarl.controller.rollout_source import AsyncRollout, RolloutSource, Scorer, SyncRollout
+from megarl.controller.reward_stage import RewardStage, StageInputs, add_advantage_terms, extend_columns
+from megarl.controller.rollout_source import AsyncRollout, RolloutSource, SyncRollout
 from megarl.controller.run_checkpoints import CheckpointManager, RunLock, load_trainer_state, resolve_resume
 from megarl.controller.run_inputs import (
     check_policy_support,
@@ -66,14 +66,12 @@ from megarl.controller.run_inputs import (
     prepare_policy,
     routing_shape,
 )
-from megarl.controller.scoring import TeacherSignal, leave_out_unscored, score_step
 from megarl.controller.tracking import Tracking, dump_generations, run_log_dir
 from megarl.data.balance import balance_stats, balanced_partitions
 from megarl.data.batch import Batch
 from megarl.data.loader import PromptLoader
 from megarl.parallel.shared_memory import SHARED_MEMORY_DIR, remove_shared_memory
 from megarl.plan.preflight import preflight
-from megarl.reward.manager import reward_columns
 from megarl.rollout.buffer import load_state, save_state
 from megarl.rollout.manager import RolloutManager
 from megarl.seeds import SEED_STREAM_VALIDATION, SEED_STREAM_VALIDATION_BOOTSTRAP, derive_seed
@@ -172,8 +170,7 @@ class Trainer:
                                                        trust_remote_code=model.trust_remote_code)
         try:  # the data's rows and the reward functions that score them, before Ray
             self.train_set, self.val_set = build_datasets(cfg, self.tokenizer, self.plugins, console=self.console)
-            self.reward_fn, self.val_reward_fn = build_reward_managers(cfg, self.tokenizer, self.train_set,
-                                                                       self.val_set)
+            self.rules, self.val_rules = build_reward_managers(cfg, self.tokenizer, self.train_set, self.val_set)
         except (ValueError, FileNotFoundError) as error:
             raise RunInputError(str(error)) from error
         self.loader = PromptLoader(self.train_set, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
@@ -205,10 +202,11 @@ class Trainer:
         with self.phases("first weight sync"):  # the roles' state left the GPU before the engines started
             self._onload("actor")
             self._sync_weights(self.global_step, contextlib.nullcontext(True))
-        if self.roles.judge is not None:  # the judge's engines are up: it scores every row from here on
-            self.reward_fn, self.val_reward_fn = judged_rewards(cfg, self.roles.judge.generator, self.tokenizer,
-                                                                self.reward_fn, self.val_reward_fn)
-        scorer = Scorer(self.reward_fn)
+        judge = build_judge(cfg, self.roles.judge.generator) if self.roles.judge is not None else None
+        self.reward = RewardStage.for_run(cfg, StageInputs(self.tokenizer, self.rules, judge, kl_ctrl=self.kl_ctrl),
+                                          console=self.console)
+        self.val_reward = RewardStage.for_run(cfg, StageInputs(self.tokenizer, self.val_rules, judge), validation=True)
+        scorer = self.reward.score_rollout
         if cfg.trainer.mode == "sync":
             self.rollout = SyncRollout(cfg, self.loader, self.rollout_manager, scorer)
         else:  # its producer generates with the weights just synced
@@ -297,15 +295,14 @@ class Trainer:
             metrics |= self._check_rollouts(batch, step)
             self._onload("actor")
             batch = self._balance(batch, metrics)
-            extra = reward_columns(list(batch.pop(REWARD_EXTRA)[REWARD_EXTRA]))
-            metrics |= leave_out_unscored(self.cfg, batch, extra, f"step {step}", self.console)
             batch = self._old_log_probs(batch, metrics, timing)
             batch = self._reference(batch, timing)
-            batch, scored = score_step(self.cfg, self.roles, batch, timing, around=self._onloaded)
-            metrics |= scored
+            batch, extra, rewarded = self.reward.score_step(batch, f"step {step}", timing, roles=self.roles,
+                                                            around=self._onloaded)
+            metrics |= rewarded
             batch = self._values(batch, timing)
             with timer("adv", timing):
-                metrics |= self._advantages(batch)
+                self._advantages(batch)
             metrics |= self._update_critic(batch, step, timing)
             if syncs:
                 metrics |= self._update_actor(batch, step, timing)
@@ -382,19 +379,13 @@ class Trainer:
             return batch.union(self.roles.group("critic").call_dp(CriticWorker.compute_values,
                                                          self._select(batch, CRITIC_KEYS)))
 
-    def _advantages(self, batch: Batch) -> dict[str, float]:
-        """``token_level_rewards`` (the scores, less the in-reward KL), then ``advantages`` and ``returns``."""
-        algo, metrics = self.cfg.algorithm, {}
-        if algo.use_kl_in_reward:
-            metrics = apply_kl_penalty(batch, self.kl_ctrl, algo.kl_penalty)
-        else:
-            batch["token_level_rewards"] = batch["token_level_scores"]
-        teacher = TeacherSignal(self.cfg, batch)  # on-policy distillation (megarl.controller.scoring)
-        metrics |= teacher.before(batch)
+    def _advantages(self, batch: Batch) -> None:
+        """``advantages`` and ``returns`` of the reward stage's ``token_level_rewards``, with its ``advantage``
+        sources' terms (the teacher's ``teacher.signal=advantage``) added."""
+        algo = self.cfg.algorithm
         advantages.compute(algo.adv_estimator, batch, gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten,
                            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
-        teacher.after(batch)
-        return metrics
+        add_advantage_terms(batch)
 
     def _update_critic(self, batch: Batch, step: int, timing: dict[str, float]) -> dict[str, float]:
         """The critic's PPO epochs toward the returns; its memory goes to the host after (``critic.*_offload``)."""
@@ -485,8 +476,8 @@ class Trainer:
         size = self.cfg.data.val_batch_size or len(self.val_set)
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         wanted = self.cfg.trainer.log_val_generations
-        rows = ValidationRows()
-        judged = JudgedRows(self.cfg.reward_model.judge, f"validation at step {self.global_step}")
+        rows = ValidationRows(self.val_reward.unscored_keys)
+        columns: dict[str, list] = {}
         samples: list[dict[str, Any]] = []
         for round_, start in enumerate(range(0, len(self.val_set), size)):
             prompts = self.val_set.collate([self.val_set[i] for i in range(start, min(start + size, len(self.val_set)))])
@@ -495,8 +486,8 @@ class Trainer:
                 seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION, self.global_step, round_))
             check_failed_rollouts(out, self.cfg.actor_rollout_ref.rollout.max_failed_frac,
                                   f"validation at step {self.global_step}, round {round_}")
-            token_scores, extra = self.val_reward_fn(out)
-            judged.add(extra)
+            token_scores, extra = self.val_reward.rollout_scores(out)
+            extend_columns(columns, extra, len(out))
             rows.add(out["data_source"], token_scores.sum(-1).tolist(), extra, first_group=start, n=n)
             if len(samples) < wanted:
                 out["token_level_scores"] = token_scores
@@ -504,10 +495,9 @@ class Trainer:
                 samples += [{"input": p, "output": r, "score": s} for p, r, s in texts]
         if samples:
             self.tracker.log_generations(samples, self.global_step)
-        return judged.metrics() | rows.metrics(seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP,
-                                                      self.global_step),
-                                     count_errors=self.cfg.reward_model.on_error == "skip"
-                                     or self.cfg.reward_model.judge.enable)
+        counts = self.val_reward.failure_metrics(columns, f"validation at step {self.global_step}", validation=True)
+        return counts | rows.metrics(seed=derive_seed(self.cfg.rollout_seed, SEED_STREAM_VALIDATION_BOOTSTRAP,
+                                                      self.global_step), count_errors=bool(rows.unscored_keys))
 
     # ================================================================================ the loop
     def fit(self) -> dict[str, float]:

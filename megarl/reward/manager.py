@@ -94,22 +94,6 @@ def scored_tokens(batch: Batch, num_tokens: int) -> torch.Tensor:
                      f"to find each response's last token; the batch has {batch.keys()}")
 
 
-def combine_model_scores(token_level_scores: torch.Tensor, response_mask: torch.Tensor, rm_scores: torch.Tensor, *,
-                         combine: str, coef: float = 1.0) -> torch.Tensor:
-    """The token-level scores [B, T] with a reward model's score of each response [B] on its last token (where the
-    rule score sits): ``replace`` (the reward model's score is the score) or ``add`` (the rule score plus ``coef``
-    times it)."""
-    rows = torch.arange(len(rm_scores))
-    last = last_valid_positions(response_mask).clamp(min=0)
-    model = torch.zeros_like(token_level_scores)
-    model[rows, last] = rm_scores.to(token_level_scores.dtype)
-    if combine == "replace":
-        return model
-    if combine == "add":
-        return token_level_scores + coef * model
-    raise ValueError(f"reward_model.combine={combine!r}: use replace or add")
-
-
 @dataclasses.dataclass(frozen=True)
 class OverlongPenalty:
     """DAPO's soft overlong punishment (``reward_model.overlong_buffer``): a response longer than

@@ -12,7 +12,9 @@ import torch
 
 from megarl.config import load_config
 from megarl.config.judge import JudgeConfig, JudgeModelSource, JudgeRolloutConfig
-from megarl.controller.judge import FAILURES, Judge, JudgedReward, JudgeError, JudgeRow, judge_rows, judge_step_metrics
+from megarl.controller.judge import FAILURES, Judge, JudgeError, JudgeRow, JudgeSource, judge_rows, judge_step_metrics
+from megarl.controller.reward_sources import RuleSource
+from megarl.controller.reward_stage import RewardStage
 from megarl.data.batch import Batch
 from megarl.engines.event_loop import run_sync
 from megarl.reward import RewardManager
@@ -130,18 +132,16 @@ def test_step_metrics_count_each_failure_and_stop_past_the_share():
         **{f"val-judge/num_{kind}": 0.0 for kind in FAILURES}}
 
 
-def test_failed_rows_leave_the_update_and_are_counted(tmp_path):
-    from megarl.controller.scoring import leave_out_unscored
-
+def test_failed_rows_are_counted_in_the_step(tmp_path):
     cfg = load_config([R, f"{J}.enable=true", f"{J}.model.path=/m", f"{J}.pool_nodes=[1]"])
-    batch = Batch({"response_mask": torch.ones(4, 3)})
     said = []
-    metrics = leave_out_unscored(cfg, batch, _extra([None, "timeout: t", None, "garbage: g"], [1.0, None, 0.0, None]),
-                                 "step 1", said.append)
-    assert batch["response_mask"].sum(1).tolist() == [3, 0, 3, 0]
+    stage = RewardStage([JudgeSource(Judge(cfg.reward_model.judge, None, None, seed=0), None)],
+                        console=said.append)
+    metrics = stage.failure_metrics(_extra([None, "timeout: t", None, "garbage: g"], [1.0, None, 0.0, None]), "step 1")
     assert metrics["judge/num_timeout"] == metrics["judge/num_garbage"] == 1.0 and metrics["judge/failure_share"] == 0.5
     assert said == ["step 1: 2 of 4 rows could not be scored by the judge and are left out of the update; the first: "
                     "timeout: t"]
+    assert stage.unscored_keys == ["judge_error"]
 
 
 # ---------------------------------------------------------------------------------------------- a real judge engine
@@ -276,17 +276,19 @@ def test_the_judged_reward_replaces_or_adds_to_the_rule_score(servers, tokenizer
     assert [r.prompt for r in asked] == [f"What is {i} + 1?" for i in range(rows)]
     assert [r.response for r in asked] == [str(i + 1) for i in range(rows)]
     assert [r.key for r in asked] == ["1-0/0", "1-0/1", "1-1/2", "1-1/3"]
-    rules = RewardManager(tokenizer)
+    rules = RuleSource(RewardManager(tokenizer))
     judge = Judge(_config(tmp_path), servers.generator, tokenizer, seed=3)
-    replaced, extra = JudgedReward(judge, rules, tokenizer)(batch)
+    stage = RewardStage([rules, JudgeSource(judge, tokenizer)])
+    assert [s.name for s in stage.sources] == ["judge"]  # the rule function, replaced, is not called
+    replaced, extra = stage.rollout_scores(batch)
     judged = extra["judge_score"]
     last = mask.sum(1) - 1
     assert replaced[torch.arange(rows), last].tolist() == pytest.approx(judged)
     assert replaced.sum().item() == pytest.approx(sum(judged))
     assert extra["score"] == judged and extra["judge_error"] == [None] * rows
     assert [len(a) % 11 for a in extra["judge_answer"]] == extra["judge_verdict"]
-    added, extra = JudgedReward(Judge(_config(tmp_path, combine="add", coef=0.5), servers.generator, tokenizer, seed=3),
-                                rules, tokenizer)(batch)
+    added, extra = RewardStage([rules, JudgeSource(Judge(_config(tmp_path, combine="add", coef=0.5), servers.generator,
+                                                         tokenizer, seed=3), tokenizer)]).rollout_scores(batch)
     rule = [1.0 if i == 0 else 0.0 for i in range(rows)]  # only row 0 answers the ground truth "1"
     assert added[torch.arange(rows), last].tolist() == pytest.approx([r + 0.5 * j for r, j in zip(rule, judged)])
     assert extra["acc"] == rule  # the rule function's own extras stay

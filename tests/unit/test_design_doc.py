@@ -10,9 +10,9 @@ from pathlib import Path
 from megarl.controller.trainer import Trainer
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
-PHASE_FUNCTIONS = {"take", "release", "resume", "leave_out_unscored", "score_step"}
+PHASE_FUNCTIONS = {"take", "release", "resume", "score_step"}
 """Calls of ``train_step`` that are phases without being the trainer's own ``_`` methods (on ``self.rollout``,
-``self.engine_memory``, or functions of ``controller``)."""
+``self.engine_memory``, ``self.reward``, or functions of ``controller``)."""
 NOT_PHASES = {"_offload"}
 """The trainer's own calls that are part of a phase (the actor's state leaving around the sync)."""
 
@@ -55,4 +55,4 @@ def test_the_step_table_names_train_steps_phases_in_order():
 def test_the_checker_sees_every_phase():
     calls = phase_calls()
     assert calls[0] == "rollout.take" and calls[-1] == "_step_metrics"
-    assert {"_old_log_probs", "score_step", "_sync_weights", "engine_memory.resume"} <= set(calls)
+    assert {"_old_log_probs", "reward.score_step", "_sync_weights", "engine_memory.resume"} <= set(calls)

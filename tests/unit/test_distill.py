@@ -80,14 +80,15 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tmp_path):
 def test_a_reward_models_scores_enter_on_each_responses_last_token():
     """``replace``: the reward model's score is the reward (verl's); ``add``: the rule reward plus ``rm_coef`` times it;
     either way on the response's last token (an empty response: the first position), as the rule score sits."""
-    from megarl.reward.manager import combine_model_scores
+    from megarl.controller.reward_sources import Signal, on_last_token
+    from megarl.controller.reward_stage import combined
 
     rule = T([[0.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 0.0, 0.0]])
     mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    rm = T([2.0, -1.0, 3.0])
-    torch.testing.assert_close(combine_model_scores(rule, mask, rm, combine="replace"),
+    model = on_last_token(T([2.0, -1.0, 3.0]), mask, rule)
+    torch.testing.assert_close(combined(rule, Signal(model), "replace"),
                                T([[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [3.0, 0.0, 0.0]]))
-    torch.testing.assert_close(combine_model_scores(rule, mask, rm, combine="add", coef=0.5),
+    torch.testing.assert_close(combined(rule, Signal(model, coef=0.5), "add"),
                                T([[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [1.5, 0.0, 0.0]]))
 
 

@@ -1,5 +1,5 @@
 """The tiny reward-model recipe's reward model (megarl.warmstart.reward_model, ``reward_model.model.init=tiny_rm``)
-and how a step's reward-model scores are compared with the rule rewards (megarl.controller.scoring).
+and how a step's reward-model scores are compared with the rule rewards (megarl.controller.reward_sources).
 
 A model much smaller than the recipe's keeps each build here to seconds; the recipe's own figures (held-out accuracy
 0.90, AUC 0.93) are in the module's docstring.
@@ -107,7 +107,7 @@ def test_labels_are_the_rule_rewards_of_samples_ground_truths_and_near_misses(da
 
 
 def test_auc_and_the_rule_agreement_metrics():
-    from megarl.controller.scoring import rule_agreement
+    from megarl.controller.reward_sources import rule_agreement
 
     assert tiny_rm.auc(torch.tensor([3.0, 2.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])) == 1.0
     assert tiny_rm.auc(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])) == 0.0
