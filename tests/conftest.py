@@ -18,18 +18,22 @@ TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
 
 
 SERIAL = "serial"
-"""Under ``pytest -n 2`` (the README's test command) every test outside the unit tier is one work unit, run in order
-on one worker: they start processes, Ray clusters and servers that use both cores, and some look for what a run
-left behind. The unit tests (one process, no server) run module by module on the other worker meanwhile, on the
-core those leave idle."""
+"""Under ``pytest -n 2`` (the README's test command) the tests that start Ray clusters, rank jobs and whole runs
+(the distributed, e2e and slurm tiers) are one work unit, run in order on one worker: they use both cores, and two of
+them side by side run each several times slower. The other worker takes, module by module, what needs about one core:
+the unit tier (one process, no server) and the integration tier (one engine server or router and its client), on
+the core the serial tests leave idle."""
 SERIAL_UNIT_MODULES = ("tests/unit/test_fp8.py",)
 """Unit modules run with the serial unit: they share a session fixture with it (``smollm2_hf``, converted once)."""
 
 
 def work_unit(nodeid: str) -> str:
-    """The xdist work unit of the test ``nodeid``: its module for the unit tier, :data:`SERIAL` for the rest."""
+    """The xdist work unit of the test ``nodeid``: its module for the unit and integration tiers, :data:`SERIAL`
+    for the rest."""
     module = nodeid.split("::")[0]
-    return module if module.startswith("tests/unit/") and module not in SERIAL_UNIT_MODULES else SERIAL
+    if module in SERIAL_UNIT_MODULES:
+        return SERIAL
+    return module if module.startswith(("tests/unit/", "tests/integration/")) else SERIAL
 
 
 @pytest.hookimpl(optionalhook=True)

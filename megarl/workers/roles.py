@@ -123,21 +123,26 @@ def _teacher_forward(cfg: RunConfig) -> Forward:
                    ("teacher.log_prob_micro_batch_size_per_gpu", "teacher.log_prob_max_token_len_per_gpu"))
 
 
-def _reward_model_forward(cfg: RunConfig) -> Forward:
-    rm = cfg.reward_model
-    return Forward(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu,
-                   ("reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu"))
+def _reward_model_forward(name: str) -> Callable[[RunConfig], Forward]:
+    """The forward sizing of the reward model whose section is ``name``."""
+
+    def forward(cfg: RunConfig) -> Forward:
+        rm = getattr(cfg, name)
+        return Forward(rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu,
+                       (f"{name}.micro_batch_size_per_gpu", f"{name}.forward_max_token_len_per_gpu"))
+
+    return forward
 
 
-def _scorer(name: str, label: str, worker: str, serves: str, *, value_head: bool, forward, logits: bool = False
-            ) -> RoleSpec:
-    """A scoring role: built from its own section (``<name>.enable``, ``.parallel``, ``.param_offload``), never
-    trained."""
+def _scorer(name: str, label: str, worker: str, serves: str, *, value_head: bool, forward, logits: bool = False,
+            keyword: str | None = None) -> RoleSpec:
+    """A scoring role: built from its own section (``<name>.enable``, ``.parallel``, ``.param_offload``), passed to its
+    worker's ``init_model`` as ``keyword`` (default: the name), never trained."""
     return RoleSpec(name=name, section=name, label=label, worker=f"{_WORKERS}:{worker}", serves=serves,
                     trains=False, value_head=value_head,
                     enabled=lambda cfg: getattr(cfg, name).enable,
                     parallel=lambda cfg: getattr(cfg, name).parallel,
-                    calls=lambda cfg: [("init_model", {name: getattr(cfg, name)})],
+                    calls=lambda cfg: [("init_model", {keyword or name: getattr(cfg, name)})],
                     offload=lambda cfg: {"params": getattr(cfg, name).enable and getattr(cfg, name).param_offload},
                     forward=forward, logits=logits)
 
@@ -154,7 +159,7 @@ CRITIC = RoleSpec(name="critic", section="critic", label="the critic", worker=f"
 TEACHER = _scorer("teacher", "the teacher", "TeacherWorker", "teacher", value_head=False, forward=_teacher_forward,
                   logits=True)
 REWARD_MODEL = _scorer("reward_model", "the reward model", "RewardModelWorker", "reward model", value_head=True,
-                       forward=_reward_model_forward)
+                       forward=_reward_model_forward("reward_model"))
 
 ROLE_SPECS: tuple[RoleSpec, ...] = (ACTOR, CRITIC, TEACHER, REWARD_MODEL)
 """Every Megatron role, in building order."""
