@@ -2,8 +2,9 @@
 
 ``Trainer(cfg).fit()`` on the driver. :meth:`Trainer.train_step` is the step, one named phase per line:
 generate (or take from the asynchronous producer) and score, release the engines' memory, check the
-rollouts, balance, old log-probs, reference, values, advantages, critic update, actor update, weight sync,
-memory moves; then validation, checkpoint and metrics (:meth:`Trainer.fit`).
+rollouts, balance, old log-probs, reference, the reward stage (:mod:`megarl.controller.reward_stage`), values,
+advantages, critic update, actor update, weight sync, memory moves; then validation, checkpoint and metrics
+(:meth:`Trainer.fit`).
 
 Everything that touches model weights runs in Ray workers; the driver holds the data, the
 rewards, the advantages and the bookkeeping. Sampling is seeded by the step (training) or by
@@ -119,6 +120,10 @@ class Trainer:
         """The placed workers, engines and router (:func:`megarl.controller.build.build_roles`)."""
         self.rollout_manager: RolloutManager | None = None
         """Generation for validation (and for the synchronous rollout)."""
+        self.reward: RewardStage | None = None
+        """A row's reward (:mod:`megarl.controller.reward_stage`); ``val_reward``: validation's (its rollout-time
+        sources)."""
+        self.val_reward: RewardStage | None = None
         self.rollout: RolloutSource | None = None
         """Where each step's scored trajectories come from (:mod:`megarl.controller.rollout_source`)."""
         self.engine_memory: EngineMemory | None = None
