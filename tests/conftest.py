@@ -2,7 +2,9 @@
 without a GPU, the process's event loop held for the session (the engine clients' sessions and their synchronous
 callers run on it)."""
 
+import compileall
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -46,6 +48,17 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
     return TierScheduling(config, log)
+
+
+def pytest_sessionstart(session):
+    """megarl's and the tests' modules byte-compiled once, before any test, where Python is told not to write
+    ``.pyc`` files (``PYTHONDONTWRITEBYTECODE``, set on this project's machines and CI's): each of the suite's several
+    hundred processes (ranks, engine servers, Ray workers, commands) would otherwise compile every megarl module it
+    imports again, about a second of CPU each. The installed packages were compiled by pip."""
+    if sys.flags.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:
+        root = Path(__file__).resolve().parents[1]
+        for package in ("megarl", "tests"):
+            compileall.compile_dir(root / package, quiet=1)
 
 
 def pytest_collection_modifyitems(config, items):
