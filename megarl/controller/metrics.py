@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -255,6 +255,12 @@ UNSCORED_KEYS = ("reward_error", "judge_error", "judge_answer")
 """Per-row extras that are not validation metrics: why a row has no score, the judge's answer text."""
 
 
+def unscored_rows(extra: Mapping[str, list], keys: list[str], rows: int) -> list[bool]:
+    """Per row: whether a source could not score it (a reason in any of ``keys``, the reward stage's columns)."""
+    columns = [extra[key] for key in keys if key in extra]
+    return [any(column[row] for column in columns) for row in range(rows)]
+
+
 class ValidationRows:
     """A validation's scored rows, round by round: each row's data source, prompt group (the rollout manager repeats
     each prompt ``n`` times, interleaved) and per-row columns (``reward`` and the reward function's scalars); rows the
@@ -269,8 +275,7 @@ class ValidationRows:
         self.num_errors = 0
 
     def add(self, data_sources, scores: list[float], extra: dict[str, list], *, first_group: int, n: int) -> None:
-        none = [None] * len(scores)
-        errors = [any(extra.get(key, none)[row] for key in self.unscored_keys) for row in range(len(scores))]
+        errors = unscored_rows(extra, self.unscored_keys, len(scores))
         for row, (source, score, error) in enumerate(zip(data_sources, scores, errors, strict=True)):
             if error:
                 self.num_errors += 1

@@ -52,6 +52,7 @@ from megarl.algo.dapo import REWARD_EXTRA
 from megarl.algo.kl import KLController
 from megarl.config.schema import RunConfig
 from megarl.controller.judge import Judge, JudgeSource
+from megarl.controller.metrics import unscored_rows
 from megarl.controller.reward_sources import KLInReward, ModelScore, RuleSource, Signal, StepContext, TeacherKL
 from megarl.data.batch import Batch
 from megarl.reward.manager import RewardManager, reward_columns
@@ -70,10 +71,7 @@ class StageInputs:
     rules: RewardManager
     """The rule function (the training or the validation manager)."""
     judge: Judge | None = None
-    roles: Any = None
     kl_ctrl: KLController | None = None
-    around: Callable[[str], AbstractContextManager] | None = None
-    """The trainer's onload/offload context of a role."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +160,7 @@ class RewardStage:
             scores, extra = self.rollout_scores(batch)
         batch["token_level_scores"] = scores
         batch[REWARD_EXTRA] = [{key: values[i] for key, values in extra.items()} for i in range(len(batch))]
-        unscored = [i for i in range(len(batch)) if any(extra.get(key, [None] * len(batch))[i]
-                                                        for key in self.unscored_keys)]
+        unscored = [i for i, flag in enumerate(unscored_rows(extra, self.unscored_keys, len(batch))) if flag]
         if unscored:
             batch["response_mask"][unscored] = 0
         return batch
