@@ -5,6 +5,7 @@ callers run on it)."""
 import compileall
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,45 +21,59 @@ TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
 
 
 SERIAL = "serial"
-"""Under ``pytest -n 2`` (the README's test command) the tests that start Ray clusters, rank jobs and whole runs
-(the distributed, e2e and slurm tiers) are one work unit, run in order on one worker: they use both cores, and two of
-them side by side run each several times slower. The other worker takes, module by module, what needs about one core:
-the unit tier (one process, no server) and the integration tier (one engine server or router and its client), on
-the core the serial tests leave idle."""
-SERIAL_UNIT_MODULES = ("tests/unit/test_fp8.py",)
-"""Unit modules run with the serial unit: they share a session fixture with it (``smollm2_hf``, converted once)."""
+"""Under ``pytest -n 2`` (the README's test command) the tests that start whole runs (the e2e and slurm tiers: a Ray
+cluster, ranks and engine servers each, using both cores) are one work unit, run in order on one worker, and they
+start first: they are the longest. Two of them side by side would each run several times slower."""
+RANK_JOBS = "rank jobs"
+"""The distributed tier (a spawned rank job per module, most of them on two ranks): one work unit, started second,
+so the other worker runs at most one rank job beside a whole run. The unit tier (one process, no server) and the
+integration tier (one engine server or router and its client) are a unit per module, taken by whichever worker is
+free: first the worker without whole runs, then both."""
+RANK_JOB_UNIT_MODULES = ("tests/unit/test_fp8.py",)
+"""Unit modules run with the rank jobs: they share a session fixture with them (``smollm2_hf``, converted once)."""
 
 
 def work_unit(nodeid: str) -> str:
-    """The xdist work unit of the test ``nodeid``: its module for the unit and integration tiers, :data:`SERIAL`
-    for the rest."""
+    """The xdist work unit of the test ``nodeid``: :data:`SERIAL`, :data:`RANK_JOBS` or its module."""
     module = nodeid.split("::")[0]
-    if module in SERIAL_UNIT_MODULES:
+    if module.startswith(("tests/e2e/", "tests/slurm/")):
         return SERIAL
-    return module if module.startswith(("tests/unit/", "tests/integration/")) else SERIAL
+    if module.startswith("tests/distributed/") or module in RANK_JOB_UNIT_MODULES:
+        return RANK_JOBS
+    return module
+
+
+def _start_order(nodeid: str) -> int:
+    """Where the test's work unit starts: the whole runs first, the rank jobs second, the rest after them."""
+    return {SERIAL: 0, RANK_JOBS: 1}.get(work_unit(nodeid), 2)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with :func:`work_unit` as the scope."""
+    """xdist's scope scheduling with :func:`work_unit` as the scope, the units in :func:`_start_order` (the order
+    of the collection, which ``pytest_collection_modifyitems`` sorts), not xdist's largest-first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
+    config.option.loadscopereorder = False
     return TierScheduling(config, log)
 
 
 def pytest_sessionstart(session):
-    """megarl's and the tests' modules byte-compiled once, before any test, where Python is told not to write
-    ``.pyc`` files (``PYTHONDONTWRITEBYTECODE``, set on this project's machines and CI's): each of the suite's several
-    hundred processes (ranks, engine servers, Ray workers, commands) would otherwise compile every megarl module it
-    imports again, about a second of CPU each. The installed packages were compiled by pip."""
+    """megarl, the tests and the installed packages byte-compiled once, before any test, on every core, where Python
+    is told not to write ``.pyc`` files (``PYTHONDONTWRITEBYTECODE``, set on this project's machines and CI's): each
+    of the suite's several hundred processes (ranks, engine servers, Ray workers, commands) would otherwise compile
+    every module it imports again, seconds of CPU each. The README's test command installs with ``--no-compile``:
+    pip compiles one file at a time, this on every core (files already compiled are skipped)."""
     if sys.flags.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:
         root = Path(__file__).resolve().parents[1]
-        for package in ("megarl", "tests"):
-            compileall.compile_dir(root / package, quiet=1)
+        paths = sysconfig.get_paths()
+        workers = os.cpu_count() or 1
+        for directory in dict.fromkeys([root / "megarl", root / "tests", Path(paths["purelib"]), Path(paths["platlib"])]):
+            compileall.compile_dir(directory, quiet=2, workers=workers)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,6 +83,7 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: a test outside the tiers' folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
+    items.sort(key=lambda item: _start_order(item.nodeid))  # stable: modules stay whole, in their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
