@@ -21,14 +21,15 @@ TIERS = ("unit", "integration", "distributed", "e2e", "slurm")
 
 
 SERIAL = "serial"
-"""Under ``pytest -n 2`` (the README's test command) the tests that start whole runs (the e2e and slurm tiers: a Ray
-cluster, ranks and engine servers each, using both cores) are one work unit, run in order on one worker, and they
-start first: they are the longest. Two of them side by side would each run several times slower."""
+"""Under ``pytest -n 2`` (the README's test command) the runs of ``tests/e2e/test_train.py`` (a Ray cluster of the
+module's, ranks and engine servers in each test: the longest module by far) are one work unit, started first on
+one worker and run in order there."""
 RANK_JOBS = "rank jobs"
 """The distributed tier (a spawned rank job per module, most of them on two ranks): one work unit, started second,
-so the other worker runs at most one rank job beside a whole run. The unit tier (one process, no server) and the
-integration tier (one engine server or router and its client) are a unit per module, taken by whichever worker is
-free: first the worker without whole runs, then both."""
+on the other worker, so that at most one rank job runs beside a training run. Every other module is a unit of its
+own, taken by whichever worker is free: the other e2e modules and the slurm tier (a whole run or a tool's rehearsal
+each) first, then the integration tier (an engine server or router and its client) and the unit tier (one
+process, no server)."""
 RANK_JOB_UNIT_MODULES = ("tests/unit/test_fp8.py",)
 """Unit modules run with the rank jobs: they share a session fixture with them (``smollm2_hf``, converted once)."""
 
@@ -36,7 +37,7 @@ RANK_JOB_UNIT_MODULES = ("tests/unit/test_fp8.py",)
 def work_unit(nodeid: str) -> str:
     """The xdist work unit of the test ``nodeid``: :data:`SERIAL`, :data:`RANK_JOBS` or its module."""
     module = nodeid.split("::")[0]
-    if module.startswith(("tests/e2e/", "tests/slurm/")):
+    if module == "tests/e2e/test_train.py":
         return SERIAL
     if module.startswith("tests/distributed/") or module in RANK_JOB_UNIT_MODULES:
         return RANK_JOBS
@@ -44,8 +45,11 @@ def work_unit(nodeid: str) -> str:
 
 
 def _start_order(nodeid: str) -> int:
-    """Where the test's work unit starts: the whole runs first, the rank jobs second, the rest after them."""
-    return {SERIAL: 0, RANK_JOBS: 1}.get(work_unit(nodeid), 2)
+    """Where the test's work unit starts: the training runs, the rank jobs, the other whole runs, the rest."""
+    unit = work_unit(nodeid)
+    if unit in (SERIAL, RANK_JOBS):
+        return 0 if unit == SERIAL else 1
+    return 2 if unit.startswith(("tests/e2e/", "tests/slurm/")) else 3
 
 
 @pytest.hookimpl(optionalhook=True)
