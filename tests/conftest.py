@@ -47,9 +47,7 @@ def work_unit(nodeid: str) -> str:
 def _start_order(nodeid: str) -> int:
     """Where the test's work unit starts: the training runs, the rank jobs, the other whole runs, the rest."""
     unit = work_unit(nodeid)
-    if unit in (SERIAL, RANK_JOBS):
-        return 0 if unit == SERIAL else 1
-    return 2 if unit.startswith(("tests/e2e/", "tests/slurm/")) else 3
+    return {SERIAL: 0, RANK_JOBS: 1}.get(unit, 2 if unit.startswith(("tests/e2e/", "tests/slurm/")) else 3)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -77,7 +77,7 @@ def _start(tmp_path, tag: str, *extra: str) -> subprocess.Popen:
                "actor_rollout_ref.model.init=pretrained",
                f"actor_rollout_ref.model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{test}]",
                f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'runs'}",
-               # the recipe's layout (TP=2, two engines) at a quarter of its batch: the subject is the processes
+               # the recipe's layout (TP=2, two engines), an eighth of its rollouts: the subject is the processes
                "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "data.max_response_length=8",
                "actor_rollout_ref.actor.ppo_mini_batch_size=4", *extra]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
