@@ -4,6 +4,7 @@ from megarl.models import (  # noqa: F401  (register the families)
     deepseek_v3,
     glm4_moe,
     llama,
+    minimax_m2,
     mixtral,
     qwen2,
     qwen2_5_vl,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.config.parallel import ParallelDims
+from megarl.models.attention import AttentionSpec
 from megarl.models.mla import MLASpec, rope_parameters
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
@@ -48,6 +49,8 @@ class ModelFamily:
     """The vision tower of a vision-language family (None: a text model; :mod:`megarl.models.vision`)."""
     mla: MLASpec | None = None
     """Multi-latent attention (DeepSeek-V3, Kimi-K2; :mod:`megarl.models.mla`); None: grouped-query attention."""
+    attention: AttentionSpec = AttentionSpec()
+    """Grouped-query attention's variants (:mod:`megarl.models.attention`: q/k norms over all heads)."""
     config_aliases: tuple[tuple[str, str], ...] = ()
     """``(model_type, transformers model_type)``: checkpoints of this family whose ``model_type`` transformers has no
     config class for (Kimi-K2's ``kimi_k2``, whose hub repository ships DeepSeek-V3's config code), read with the
@@ -57,6 +60,11 @@ class ModelFamily:
     SGLang's TP semantics: :mod:`megarl.engines.cpu_engine.read_back`); for every other family SGLang answers an
     error, the weight sync cannot read its engines' weights back and reports them unverified, and megarl's CPU engine
     refuses as SGLang does."""
+    engine_settings: tuple[tuple[str, Any, str], ...] = ()
+    """``(key, value, what SGLang does otherwise)``: HF config keys that SGLang's model class for these architectures
+    reads and transformers does not (MiniMax-M2's ``use_qk_norm``: transformers always applies the norms, SGLang only
+    under it). A config must hold each at its value (a callable: computed from the config), or the engines would
+    serve another model than the one trained; :meth:`transformer_config` refuses it, naming the key."""
     extra_layers_key: str | None = None
     """HF config key of how many layers the checkpoint holds after the model's (DeepSeek-V3's multi-token-prediction
     layer, ``num_nextn_predict_layers``): skipped on load (:meth:`skipped_tensors`), never trained or exported."""
@@ -160,7 +168,9 @@ class ModelFamily:
             activation_func=F.silu,
             add_bias_linear=False,
             add_qkv_bias=self.qkv_bias(hf_config),
-            qk_layernorm=self.qk_norm(hf_config),
+            # Megatron's qk_layernorm is the per-head norm, whose replicated weight's gradient it sums over TP by
+            # name; norms over all heads (split by head) are the attention spec's own (megarl.models.attention)
+            qk_layernorm=self.qk_norm(hf_config) and not self.attention.qk_norm_all_heads,
             init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
             hidden_dropout=0.0,
             attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
@@ -297,6 +307,12 @@ class ModelFamily:
                      if a.endswith("ForCausalLM"))
 
     def _check_supported(self, hf_config) -> None:
+        for key, value, otherwise in self.engine_settings:
+            wanted = value(hf_config) if callable(value) else value
+            if getattr(hf_config, key, None) != wanted:
+                raise ValueError(f"{key}={getattr(hf_config, key, None)!r} in the HF config (want {wanted!r}): "
+                                 f"SGLang's {self.name} model reads it and {otherwise}; set {key}: {wanted!r} in "
+                                 "config.json (the published checkpoints' value)")
         arch = (getattr(hf_config, "architectures", None) or [None])[0]
         if arch is not None and arch not in self.architectures + self.classifier_architectures:
             raise ValueError(f"the {self.name} family does not serve architecture {arch!r}")
@@ -377,19 +393,24 @@ class ModelFamily:
 
         use_te = self.uses_te(use_te)
         if use_te and self.moe is not None:  # dense and sparse layers, this stage's slice
-            return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+            spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                                               normalization="RMSNorm", vp_stage=vp_stage)
-        if use_te:
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        elif use_te:
+            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
                 qk_layernorm=config.qk_layernorm, multi_latent_attention=self.mla is not None)
-        from megarl.models.local_spec import local_block_spec
+        else:
+            from megarl.models.local_spec import local_block_spec
 
-        if self.moe is not None:
-            layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
-                                                                 normalization="RMSNorm")
-            return local_block_spec(layers, config, vp_stage=vp_stage)
-        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-        return local_block_spec(layer, config, vp_stage=vp_stage)
+            if self.moe is not None:
+                layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
+                                                                     normalization="RMSNorm")
+            else:
+                layers = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                                                  normalization="RMSNorm")
+            spec = local_block_spec(layers, config, vp_stage=vp_stage)
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            self.attention.adapt_layer(layer)
+        return spec
 
 
 def sglang_padded_vocab(vocab_size: int, tp: int, padding: int = 64) -> int:

@@ -111,6 +111,18 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}, rope_theta=50000.0,
     ),
+    # MiniMaxAI/MiniMax-M2's config.json on the hub (model card: 230 B total parameters, 10 B activated): 62 layers,
+    # each a mixture of 256 experts (8 per token, sigmoid scores with a routing bias), 48 query / 8 KV heads of 128
+    # with q/k norms over all heads, rotary on 64 of each head's 128 dimensions; three multi-token-prediction modules
+    # (not trained). The keys SGLang reads (use_qk_norm, use_routing_bias, scoring_func, rotary_dim) as published.
+    "MiniMax-M2": dict(
+        model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], hidden_size=3072, num_hidden_layers=62,
+        num_attention_heads=48, num_key_value_heads=8, head_dim=128, intermediate_size=1536, num_local_experts=256,
+        num_experts_per_tok=8, vocab_size=200064, tie_word_embeddings=False, max_position_embeddings=196608,
+        rms_norm_eps=1e-6, rope_theta=5000000, rotary_dim=64, use_qk_norm=True, qk_norm_type="per_layer",
+        use_routing_bias=True, scoring_func="sigmoid", num_mtp_modules=3, mtp_transformer_layers=1,
+        shared_intermediate_size=0,
+    ),
     # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the hub: Qwen2's 7B language model (q/k/v biases, untied) with
     # multimodal RoPE (sections 16, 24, 24 of the 128-wide heads), and a 32-block vision tower (1280 wide, windowed
     # attention but in blocks 7, 15, 23, 31; 2 x 2 patch merging into the 3584-wide language model).

@@ -58,6 +58,9 @@ class MoESpec:
     expert_bias: bool = False
     """The router adds a per-expert bias to the scores it picks the top-k by, not to the weights (aux-loss-free
     balancing: HF's ``gate.e_score_correction_bias``, Megatron's ``router.expert_bias`` buffer)."""
+    expert_bias_tensor: str = "gate.e_score_correction_bias"
+    """Where a sparse layer's MLP keeps that bias (GLM-4.5's router's ``gate.e_score_correction_bias``; MiniMax-M2's
+    MLP block its own ``e_score_correction_bias``), in the checkpoint and in transformers' memory alike."""
     scaling_key: str | None = None
     """HF config key of the factor the routed experts' weights are multiplied by (``routed_scaling_factor``)."""
     first_dense_key: str | None = None
@@ -119,7 +122,7 @@ class MoESpec:
                     out[f"{block}experts.{e}.{gate}.weight"] = out[f"{block}experts.{e}.{up}.weight"] = (ffn, hidden)
                     out[f"{block}experts.{e}.{down}.weight"] = (hidden, ffn)
                 if self.expert_bias:
-                    out[block + "gate.e_score_correction_bias"] = (experts,)
+                    out[block + self.expert_bias_tensor] = (experts,)
                 shared, module = self.shared_ffn_size(hf_config), f"{block}{self.shared_expert_module}."
                 if shared:
                     out[f"{module}gate_proj.weight"] = (shared, hidden)
@@ -142,8 +145,9 @@ class MoESpec:
             fused_up, fused_down = params.get(memory + "experts.gate_up_proj"), params.get(memory + "experts.down_proj")
             if not sparse or fused_up is None or fused_down is None:
                 continue
-            if block + "gate.weight" not in params and memory + "gate.weight" in params:
-                out[block + "gate.weight"] = params[memory + "gate.weight"].data
+            for tensor in ("gate.weight", self.expert_bias_tensor):  # under the checkpoint's block name
+                if block + tensor not in params and memory + tensor in params:
+                    out[block + tensor] = params[memory + tensor].data
             for e in range(fused_up.shape[0]):
                 out[f"{block}experts.{e}.{gate}.weight"] = fused_up.data[e, :ffn]
                 out[f"{block}experts.{e}.{up}.weight"] = fused_up.data[e, ffn:]

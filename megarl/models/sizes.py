@@ -122,6 +122,8 @@ class Architecture:
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "self_attn.o_proj.weight": (h, q),
             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         }
+        if self.family.attention.qk_norm_all_heads:  # one norm over all heads (megarl.models.attention)
+            shapes.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
         if self.family.mla is not None:  # multi-latent attention's projections (layer 0's: every layer has them)
             shapes.update({name.split(".0.", 1)[1]: shape
                            for name, shape in self.family.mla.hub_shapes(self.hf_config, 0).items()})

@@ -67,6 +67,9 @@ class WeightRule:
     """Kept in fp32 whatever the model's dtype, and exported and synced in fp32 (a router's expert bias: Megatron
     keeps the buffer in fp32, the hub's checkpoints and SGLang hold it in fp32; bf16's 8 bits would move the
     top-k choices it decides and swallow its updates)."""
+    norm: bool = False
+    """A norm's weight split over tensor-parallel ranks by head (MiniMax-M2's q/k norms over all heads:
+    :mod:`megarl.models.attention`): never quantized, whatever its split."""
     coload: str | None = None
     """The tensors of a layer's rules with the same key reach SGLang in one weight-update request, or not at all:
     its loader fuses them into one parameter only when a single ``load_weights`` call brings them all (DeepSeek's
@@ -89,7 +92,8 @@ class WeightRule:
         """True for the linear layers' weights (column- and row-parallel ``weight`` tensors: attention and MLP
         projections, experts), which FP8 rollout quantizes (:mod:`megarl.models.fp8`); embeddings, norms, routers,
         biases and the output layer stay in the model's dtype. A replicated linear layer (:attr:`linear`) too."""
-        return (self.split in (Split.COLUMN, Split.ROW) or self.linear) and self.megatron.endswith(".weight")
+        return ((self.split in (Split.COLUMN, Split.ROW) or self.linear) and self.megatron.endswith(".weight")
+                and not self.norm)
 
     @property
     def per_expert(self) -> bool:
@@ -135,12 +139,15 @@ def coload_key(at) -> tuple | None:
 
 
 def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, prefix: str = "model.",
-                    attention: list[WeightRule] | None = None) -> tuple[WeightRule, ...]:
+                    attention: list[WeightRule] | None = None, qk_norm_all_heads: bool = False
+                    ) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
     checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
     :class:`~megarl.models.moe.MoESpec`) the sparse layers' router and experts too (Megatron's SequentialMLP names;
     TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``); ``attention``: the attention's rules instead of
-    the q/k/v and output projections' (multi-latent attention: :func:`megarl.models.mla.mla_weights`)."""
+    the q/k/v and output projections' (multi-latent attention: :func:`megarl.models.mla.mla_weights`);
+    ``qk_norm_all_heads``: the q/k norms normalise all heads at once, their weights split by head
+    (:mod:`megarl.models.attention`)."""
     layer, attn, mlp = f"{prefix}layers.{{i}}.", f"{prefix}layers.{{i}}.self_attn.", f"{prefix}layers.{{i}}.mlp."
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
     rules = [
@@ -150,7 +157,8 @@ def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, pref
             te_megatron=m_attn + "linear_qkv.layer_norm_weight" if attention is None else None,
         ),
     ]
-    rules += attention if attention is not None else _qkv_attention(attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm)
+    rules += attention if attention is not None else _qkv_attention(attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                                                    all_heads=qk_norm_all_heads)
     dense = "dense" if moe is not None else "all"
     rules += [
         WeightRule(
@@ -179,7 +187,7 @@ def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, pref
                        te_megatron=m_mlp + "experts.linear_fc2.weight{e}", layers="moe"),
         ]
         if moe.expert_bias:  # a buffer in both: not trained, routing's aux-loss-free balance
-            rules.append(WeightRule(m_mlp + "router.expert_bias", (block + "gate.e_score_correction_bias",),
+            rules.append(WeightRule(m_mlp + "router.expert_bias", (block + moe.expert_bias_tensor,),
                                     Split.REPLICATED, layers="moe", keep_fp32=True))
         if moe.shared_expert_key is not None or moe.shared_experts_count_key is not None:
             # Megatron's SharedExpertMLP, split by tensor parallelism
@@ -199,7 +207,8 @@ def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, pref
     return tuple(rules)
 
 
-def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: bool | str) -> list[WeightRule]:
+def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: bool | str,
+                   all_heads: bool = False) -> list[WeightRule]:
     """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output (a string
     for ``qkv_bias`` or ``qk_norm``: the HF config flag they exist under)."""
     rules = [WeightRule(m_attn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN,
@@ -210,10 +219,10 @@ def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: boo
                        Fuse.QKV, when=qkv_bias if isinstance(qkv_bias, str) else None)
         )
     if qk_norm:  # a string: the config flag they exist under
-        when = qk_norm if isinstance(qk_norm, str) else None
+        when, split = qk_norm if isinstance(qk_norm, str) else None, Split.COLUMN if all_heads else Split.REPLICATED
         rules += [
-            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), Split.REPLICATED, when=when),
-            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), Split.REPLICATED, when=when),
+            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), split, when=when, norm=all_heads),
+            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), split, when=when, norm=all_heads),
         ]
     rules.append(WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW))
     return rules

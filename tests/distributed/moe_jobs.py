@@ -11,7 +11,14 @@ VOCAB = 250
 
 def tiny_moe_config(name: str):
     """Tiny MoE configs with the features each family must get right (random weights, saved with save_pretrained)."""
-    from transformers import DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
@@ -53,17 +60,24 @@ def tiny_moe_config(name: str):
                                                  "original_max_position_embeddings": 8, "beta_fast": 1.0,
                                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
                                 num_nextn_predict_layers=0, architectures=["DeepseekV3ForCausalLM"])
+    if name == "minimax_m2":  # q/k norms over all heads, partial rotary, sigmoid routing with the block's bias; the
+        # published config's keys that SGLang reads (use_qk_norm, use_routing_bias, scoring_func, rotary_dim)
+        return MiniMaxM2Config(**common, head_dim=12, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                               rotary_dim=6, use_qk_norm=True, qk_norm_type="per_layer", use_routing_bias=True,
+                               scoring_func="sigmoid", bos_token_id=1, eos_token_id=2, num_mtp_modules=1,
+                               architectures=["MiniMaxM2ForCausalLM"])
     if name == "mixtral":
         return MixtralConfig(**common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                              architectures=["MixtralForCausalLM"])
     raise ValueError(name)
 
 
-MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2")
+MOE_CONFIGS = ("qwen3_moe", "qwen3_moe_softmax", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2",
+               "minimax_m2")
 FAMILY = {"qwen3_moe": "qwen3_moe", "qwen3_moe_softmax": "qwen3_moe", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
-          "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+          "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "minimax_m2": "minimax_m2"}
 SPARSE_LAYERS = {"qwen3_moe": 3, "qwen3_moe_softmax": 4, "mixtral": 4, "qwen2_moe": 3, "glm4_moe": 3, "deepseek_v3": 3,
-                 "kimi_k2": 3}
+                 "kimi_k2": 3, "minimax_m2": 4}
 """Each config's family and sparse layers (of 4)."""
 
 
@@ -84,7 +98,8 @@ def save_tiny_moe(name: str, directory, seed: int = 0):
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.5)
     model.save_pretrained(directory, safe_serialization=True)
-    if getattr(model.config, "num_nextn_predict_layers", 0):  # the hub's DeepSeek-V3 holds an MTP layer after the model
+    if getattr(model.config, "num_nextn_predict_layers", 0) or getattr(model.config, "num_mtp_modules", 0):
+        # the hub's DeepSeek-V3 (MiniMax-M2) holds MTP layers after the model's
         from safetensors.torch import load_file, save_file
 
         path = f"{directory}/model.safetensors"
@@ -248,7 +263,7 @@ def _hf_shapes(family, cfg):
 
 EP_CHECKS = {"qwen3_moe": ["ep2", "ep2_pp2", "tp2_ep2_sp", "tp2_ep2_etp1_sp"], "mixtral": ["ep2", "tp2_ep2_sp"],
              "qwen2_moe": ["ep2", "tp2_ep2_sp"], "glm4_moe": ["ep2", "tp2_ep2_sp"],
-             "deepseek_v3": ["ep2", "tp2_ep2_sp"]}
+             "deepseek_v3": ["ep2", "tp2_ep2_sp"], "minimax_m2": ["tp2_ep2_sp"]}
 """The layouts each config is checked at (Qwen3-MoE, with a dense layer among sparse ones, at all but EP4: the same
 code as EP2 with a larger group, measured equal; left out for the suite's time)."""
 
@@ -445,6 +460,7 @@ def _ep_checks(hf_dir: str, input_ids, expected, name: str, layouts: dict) -> di
         grads, weights, ok, grad_norm, held = run(kwargs)
         out[layout] = {**held,
             "grad_diff": max((t - where.apply(full_grads[n])).abs().max().item() for n, where, t in grads),
+            "grad_worst": max(((t - where.apply(full_grads[n])).abs().max().item(), n) for n, where, t in grads)[1],
             "step_diff": max((t - where.apply(full_weights[n])).abs().max().item() for n, where, t in weights),
             "pieces": len(grads), "step_ok": ok, "grad_norm": grad_norm, "ref_grad_norm": ref_norm}
     return out

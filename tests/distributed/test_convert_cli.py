@@ -294,11 +294,12 @@ def test_moe_round_trip_through_cli_at_tp2_ep2(tmp_path):
     _assert_same_tensors(hf, out)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2"])
 def test_every_moe_family_round_trips_through_cli_at_tp2_ep2(name, tmp_path, capsys):
     """Each MoE family's tiny model (Qwen3-MoE's is above) HF -> Megatron at TP=2 × EP=2 -> HF is bit-exact:
     Mixtral, Qwen2-MoE (gated shared expert), GLM-4.5 (q/k norms, sigmoid router's bias), DeepSeek-V3 (MLA, its
-    multi-token-prediction layer skipped and said so), Kimi-K2 (``model_type: kimi_k2``). The checkpoint's own
+    multi-token-prediction layer skipped and said so), Kimi-K2 (``model_type: kimi_k2``), MiniMax-M2 (q/k norms over
+    all heads, split by head; its MTP layer skipped). The checkpoint's own
     config.json comes back."""
     from tests.distributed import moe_jobs
 

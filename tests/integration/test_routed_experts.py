@@ -47,16 +47,16 @@ def teacher_forced_routing(model, ids: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    """Tiny Qwen3-MoE and Mixtral checkpoints with a tokenizer, by name."""
+    """Tiny Qwen3-MoE, Mixtral and MiniMax-M2 (a sigmoid router with a bias) checkpoints with a tokenizer, by name."""
     out = {}
-    for name in ("qwen3_moe", "mixtral"):
+    for name in ("qwen3_moe", "mixtral", "minimax_m2"):
         out[name] = tmp_path_factory.mktemp(name)
         moe_jobs.save_tiny_moe(name, out[name], seed=2)
         build_tiny_tokenizer(moe_jobs.VOCAB).save_pretrained(out[name])
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "minimax_m2"])
 def test_the_engine_returns_the_experts_of_every_computed_token(moe_dirs, name):
     """Batched, left-padded decoding with a KV cache routes each token as one forward over the whole sequence does
     (exactly, fp32); Qwen3-MoE's dense layer 1 holds zeros; the last sampled token has no routing."""

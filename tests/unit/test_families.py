@@ -23,7 +23,7 @@ def test_registry_is_keyed_by_architecture():
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-        "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+        "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3", "MiniMaxM2ForCausalLM": "minimax_m2",
     }
     # Each causal LM's body also serves its sequence-classification model (a reward model's score head).
     classifiers = {a.replace("ForCausalLM", "ForSequenceClassification"): f for a, f in causal.items()}
@@ -376,3 +376,65 @@ def test_glm4_moe_reads_its_attention_bias_from_the_config(attention_bias):
     attention = {n for n in hf.state_dict() if ".self_attn." in n and not family.skipped_tensors(cfg, [n])}
     assert {n for n in names if ".self_attn." in n} == attention  # (transformers 5 fuses its experts' tensors)
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == attention_bias
+
+
+def _minimax(**kw):
+    from tests.distributed.moe_jobs import tiny_moe_config
+
+    cfg = tiny_moe_config("minimax_m2")
+    for key, value in kw.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def test_minimax_m2_maps_its_all_heads_qk_norms_sigmoid_router_and_partial_rotary():
+    """MiniMax-M2: q/k norms over all heads split by head like the heads (not Megatron's per-head qk_layernorm,
+    whose gradient Megatron would sum over TP), never quantized; the MLP block's own routing bias; Mixtral's expert
+    names; rotary over half of each head."""
+    from megarl.models.attention import AllHeadsRMSNorm
+    from megarl.models.weights import Split
+
+    cfg = _minimax()
+    family = family_for(cfg)
+    assert family.name == "minimax_m2"
+    config = family.transformer_config(cfg, ParallelDims(tp=2, ep=2, sequence_parallel=True))
+    assert not config.qk_layernorm
+    assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert not config.moe_router_pre_softmax and config.moe_layer_freq == 1
+    assert family.gpt_model_kwargs(cfg, ParallelDims(tp=1))["rotary_percent"] == 0.5
+    rules = {at.megatron_name: at for at in family.weight_instances(cfg)}
+    q_norm = rules["decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert q_norm.hf_names == ("model.layers.0.self_attn.q_norm.weight",)
+    assert q_norm.rule.split is Split.COLUMN and not q_norm.rule.block_fp8
+    assert rules["decoder.layers.2.mlp.router.expert_bias"].hf_names == (
+        "model.layers.2.block_sparse_moe.e_score_correction_bias",)
+    assert rules["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"].hf_names == (
+        "model.layers.2.block_sparse_moe.experts.3.w1.weight", "model.layers.2.block_sparse_moe.experts.3.w3.weight")
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    family.attention.adapt_layer(spec)  # as block_spec does, after the layer spec's own choices
+    attention = spec.submodules.self_attention.submodules
+    assert attention.q_layernorm.module is AllHeadsRMSNorm and attention.k_layernorm.params == {"part": "key"}
+    from megarl.convert.hf_io import expected_shapes
+    from megarl.models.sizes import Architecture
+
+    shapes = Architecture.from_hf(cfg, name="tiny", source="test").hf_shapes()  # the planner's
+    assert shapes == {n: expected_shapes(cfg)[n] for n in shapes}  # transformers' own
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 12,)
+    assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2 * 12,)
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(use_qk_norm=False), "use_qk_norm=False in the HF config (want True): SGLang's minimax_m2 model reads it and "
+                              "builds the attention without its q/k norms"),
+    (dict(use_routing_bias=None), "use_routing_bias=None"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    (dict(rotary_dim=12), "rotary_dim=12 in the HF config (want 6)"),
+])
+def test_minimax_m2_refuses_a_config_sglang_would_serve_as_another_model(kw, key):
+    """SGLang's MiniMax-M2 reads use_qk_norm, use_routing_bias, scoring_func and rotary_dim, which transformers does
+    not (it always applies the norms and the bias, and derives the rotary width from partial_rotary_factor)."""
+    cfg = _minimax(**kw)
+    with pytest.raises(ValueError, match=re.escape(key)):
+        family_for(cfg).transformer_config(cfg, ParallelDims())

@@ -417,7 +417,7 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
             == one + 151936 * 896)
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
                                         "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3",
-                                        "Kimi-K2", "Qwen3-235B-A22B", "GLM-4.5"}
+                                        "Kimi-K2", "Qwen3-235B-A22B", "GLM-4.5", "MiniMax-M2"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -700,6 +700,24 @@ def test_glm_4_5_and_qwen3_235b_counts_match_their_model_cards():
     total = 2 * V * h + h + L * layer
     assert qwen.num_params == total == 235_093_634_560
     assert qwen.num_active_params == total - L * (E - k) * expert == 22_190_763_520
+
+
+def test_minimax_m2_counts_match_its_model_card():
+    """MiniMax-M2: 230 B parameters, 10 B activated (the card's rounding). By hand from its config's sizes: per layer
+    q/k/v/o, q/k norms over all heads (48·128 and 8·128 wide), two layer norms, the router and its bias, 256 experts
+    of three 1536 × 3072 projections; untied embeddings and a final norm."""
+    arch = Architecture.from_hf(known_config("MiniMax-M2"), name="m", source="t")
+    h, L, A, G, D, V, E, k, f = 3072, 62, 48, 8, 128, 200064, 256, 8, 1536
+    assert (A + 2 * G) * D * h + A * D * h == 44_040_192 and E * 3 * f * h == 3_623_878_656
+    layer = 44_040_192 + (A + G) * D + 2 * h + E * h + E + 3_623_878_656
+    assert layer == 3_668_718_848
+    total = 2 * V * h + h + L * layer
+    assert arch.num_params == total == 228_689_764_864
+    assert arch.num_active_params == total - L * (E - k) * 3 * f * h == 11_030_553_088
+    assert round(arch.num_params / 1e9) == 229 and round((arch.num_active_params - 2 * V * h) / 1e9) == 10
+    shapes = arch.hf_shapes()
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (A * D,)
+    assert shapes["model.layers.61.block_sparse_moe.e_score_correction_bias"] == (E,)
 
 
 FRONTIER = {  # recipe -> (GPUs, GB per GPU, layers per pipeline stage, experts per GPU and sparse layer)

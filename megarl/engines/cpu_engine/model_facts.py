@@ -62,7 +62,7 @@ def coload_partners(model, fp8) -> dict[str, tuple[str, ...]]:
 def expert_biases(model) -> dict[str, torch.Tensor]:
     """A router's expert bias (aux-loss-free balancing) by name: a buffer in transformers, which weight updates write
     all the same (SGLang holds it as a parameter)."""
-    return {n: b for n, b in model.named_buffers() if n.endswith("gate.e_score_correction_bias")}
+    return {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
 def vision_spec(hf_config):
