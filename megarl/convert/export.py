@@ -296,6 +296,7 @@ class WeightExporter:
         """Row blocks in rank order that are the HF tensor itself (an unpadded vocabulary, exported in the
         parameters' dtype): all-gathered straight into the bucket."""
         return (hf_split_dim(unit.rule) == 0 and unit.rule.fuse is Fuse.NONE and len(unit.hf_shapes) == 1
+                and not unit.rule.rows
                 and unit.hf_shapes[0][0] == self._split(unit)[1] * shard.shape[0] and self.dtype == shard.dtype)
 
     def _gather_many(self, units: list[tuple[Unit, list[torch.Tensor]]]) -> None:

@@ -31,6 +31,9 @@ class ModelSizes:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    named: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Row counts by the names the rules' :class:`~megarl.models.weights.Rows` use (the family's
+    :meth:`~megarl.models.family.ModelFamily.named_sizes`)."""
 
     @classmethod
     def from_config(cls, family, hf_config, tp: int) -> "ModelSizes":
@@ -42,7 +45,25 @@ class ModelSizes:
             head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
             vocab_size=int(hf_config.vocab_size),
             padded_vocab_size=family.padded_vocab_size(hf_config, tp),
+            named=family.named_sizes(hf_config),
         )
+
+    def rank_ranges(self, rows, tp_rank: int, tp: int) -> tuple[tuple[int, int], ...]:
+        """The row ranges of a :class:`~megarl.models.weights.Rows` tensor that ``tp_rank`` holds, in the order its
+        shard holds them (piece after piece; within a piece, group after group)."""
+        sizes = [self.named[p] for p in rows.pieces]
+        groups = self.named[rows.groups] if rows.groups else 1
+        group_rows, mine = sum(sizes), groups // tp
+        out = []
+        for index, size in enumerate(sizes):
+            offset = sum(sizes[:index])
+            if rows.groups:
+                out += [(g * group_rows + offset, g * group_rows + offset + size)
+                        for g in range(tp_rank * mine, (tp_rank + 1) * mine)]
+            else:
+                share = size // tp
+                out.append((offset + tp_rank * share, offset + (tp_rank + 1) * share))
+        return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +73,48 @@ class Slice:
     dim: int | None
     start: int = 0
     stop: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    """Several ranges of ``dim`` end to end (a tensor of :class:`~megarl.models.weights.Rows`); ``start`` and
+    ``stop`` are then the first range's start and the last one's stop."""
 
-    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This slice of ``tensor`` (a view)."""
+    @classmethod
+    def of_ranges(cls, dim: int, ranges: tuple[tuple[int, int], ...]) -> "Slice":
+        if len(ranges) == 1:
+            return cls(dim, *ranges[0])
+        return cls(dim, ranges[0][0], ranges[-1][1], ranges=tuple(ranges))
+
+    @property
+    def length(self) -> int:
+        """How many elements of ``dim`` it takes."""
+        return sum(b - a for a, b in self.ranges) if self.ranges else self.stop - self.start
+
+    def apply(self, tensor: torch.Tensor):
+        """This slice of ``tensor``: a view, or for several ranges a :class:`Scattered` (views written together)."""
         if self.dim is None:
             return tensor
+        if self.ranges:
+            return Scattered(self.dim, [tensor.narrow(self.dim, a, b - a) for a, b in self.ranges])
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+    def read(self, read_range) -> torch.Tensor:
+        """The slice read by ``read_range(Slice)`` for each of its ranges, end to end."""
+        if not self.ranges:
+            return read_range(self)
+        return torch.cat([read_range(Slice(self.dim, a, b)) for a, b in self.ranges], dim=self.dim)
+
+
+@dataclasses.dataclass
+class Scattered:
+    """Views of several ranges of one tensor along ``dim``, written as one tensor of their lengths end to end."""
+
+    dim: int
+    views: list[torch.Tensor]
+
+    def copy_(self, source: torch.Tensor) -> "Scattered":
+        for view, part in zip(self.views, source.split([v.shape[self.dim] for v in self.views], dim=self.dim),
+                              strict=True):
+            view.copy_(part)
+        return self
 
 
 def hf_split_dim(rule: WeightRule) -> int | None:
@@ -74,12 +131,16 @@ def hf_slices(rule: WeightRule, hf_shapes: list[tuple[int, ...]], sizes: ModelSi
         start = min(tp_rank * per_rank, sizes.vocab_size)
         return [Slice(0, start, min(start + per_rank, sizes.vocab_size)) for _ in hf_shapes]
     dim = hf_split_dim(rule)
-    if rule.fuse is Fuse.QKV:
-        q_rows = sizes.num_heads * sizes.head_dim // tp
+    if rule.fuse in (Fuse.QKV, Fuse.GATED_QKV):
+        q_rows = sizes.num_heads * sizes.head_dim // tp * (2 if rule.fuse is Fuse.GATED_QKV else 1)
         kv_rows = sizes.num_groups * sizes.head_dim // tp
         return [Slice(0, tp_rank * n, (tp_rank + 1) * n) for n in (q_rows, kv_rows, kv_rows)]
     out = []
-    for shape in hf_shapes:
+    for index, shape in enumerate(hf_shapes):
+        rows = rule.rows[index] if rule.rows else None
+        if rows is not None:
+            out.append(Slice.of_ranges(dim, sizes.rank_ranges(rows, tp_rank, tp)))
+            continue
         per_rank = shape[dim] // tp
         out.append(Slice(dim, tp_rank * per_rank, (tp_rank + 1) * per_rank))
     return out
@@ -91,7 +152,13 @@ def fuse(rule: WeightRule, hf_parts: list[torch.Tensor], sizes: ModelSizes, tp: 
         groups = sizes.num_groups // tp
         q, k, v = (t.reshape(groups, -1, sizes.head_dim, *t.shape[1:]) for t in hf_parts)
         return torch.cat([q, k, v], dim=1).reshape(-1, *hf_parts[0].shape[1:])
-    if rule.fuse is Fuse.GATE_UP:
+    if rule.fuse is Fuse.GATED_QKV:  # q_proj: per head [query ‖ gate] -> per group [queries ‖ gates ‖ k ‖ v]
+        groups = sizes.num_groups // tp
+        q, k, v = hf_parts
+        heads = q.reshape(groups, -1, 2, sizes.head_dim, *q.shape[1:])
+        k, v = (t.reshape(groups, 1, sizes.head_dim, *t.shape[1:]) for t in (k, v))
+        return torch.cat([heads[:, :, 0], heads[:, :, 1], k, v], dim=1).reshape(-1, *q.shape[1:])
+    if rule.fuse is Fuse.GATE_UP or len(hf_parts) > 1:  # pieces end to end (Rows: already in the shard's order)
         return torch.cat(hf_parts, dim=0)
     (part,) = hf_parts
     if rule.split is Split.VOCAB:
@@ -111,8 +178,18 @@ def unfuse(rule: WeightRule, shard: torch.Tensor, sizes: ModelSizes, tp_rank: in
         k = grouped[:, per_group].reshape(-1, *shard.shape[1:])
         v = grouped[:, per_group + 1].reshape(-1, *shard.shape[1:])
         return [q, k, v]
+    if rule.fuse is Fuse.GATED_QKV:
+        groups = sizes.num_groups // tp
+        per_group = sizes.num_heads // sizes.num_groups
+        grouped = shard.reshape(groups, 2 * per_group + 2, sizes.head_dim, *shard.shape[1:])
+        q = torch.stack([grouped[:, :per_group], grouped[:, per_group:2 * per_group]], dim=2)
+        return [q.reshape(-1, *shard.shape[1:]), grouped[:, 2 * per_group].reshape(-1, *shard.shape[1:]),
+                grouped[:, 2 * per_group + 1].reshape(-1, *shard.shape[1:])]
     if rule.fuse is Fuse.GATE_UP:
         return list(shard.chunk(2, dim=0))
+    if rule.rows and len(rule.hf) > 1:  # pieces end to end: each HF tensor's share of rows, in order
+        counts = [sum(b - a for a, b in sizes.rank_ranges(rows, tp_rank, tp)) for rows in rule.rows]
+        return list(shard.split(counts, dim=0))
     if rule.split is Split.VOCAB:
         rows = sizes.padded_vocab_size // tp
         real = max(0, min(rows, sizes.vocab_size - tp_rank * rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -60,7 +61,8 @@ def load_hf_into(model_chunks, hf_dir: str | os.PathLike, family, groups, *, hf_
         shapes = [checkpoint.shape(n) for n in hf_names]
         # Experts split over expert-tensor parallelism, everything else over tensor parallelism.
         rank, size = (groups.etp_rank, dims.expert_tp) if rule.per_expert else (groups.tp_rank, dims.tp)
-        parts = [checkpoint.read(n, where) for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, rank, size))]
+        parts = [where.read(functools.partial(checkpoint.read, n))
+                 for n, where in zip(hf_names, hf_slices(rule, shapes, sizes, rank, size))]
         bytes_read += sum(p.numel() * p.element_size() for p in parts)
         for hf_name, part in zip(hf_names, parts):
             if not torch.isfinite(part).all():

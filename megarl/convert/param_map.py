@@ -53,7 +53,7 @@ class Unit:
             if where.dim is None:
                 out.append(shape)
             else:
-                out.append(tuple(where.stop - where.start if d == where.dim else n for d, n in enumerate(shape)))
+                out.append(tuple(where.length if d == where.dim else n for d, n in enumerate(shape)))
         return tuple(out)
 
 

@@ -67,7 +67,7 @@ def check_mcore_files(model_dir: str | os.PathLike, flag: str = "--mcore") -> No
 def _megatron_shape(rule, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tuple[int, ...]:
     """The full (TP-gathered) Megatron shape of one layer's tensor of ``rule``."""
     first = hf_shapes[0]
-    if rule.fuse in (Fuse.QKV, Fuse.GATE_UP):
+    if rule.fuse in (Fuse.QKV, Fuse.GATED_QKV, Fuse.GATE_UP) or len(hf_shapes) > 1:
         return (sum(s[0] for s in hf_shapes), *first[1:])
     if rule.split is Split.VOCAB:
         return (padded_vocab, *first[1:])
@@ -88,13 +88,15 @@ def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[i
 
     hf_shapes = expected_shapes(hf_config)
     sparse = family.sparse_layers(hf_config)
-    stacked = len(set(sparse)) == 1
+    kinds = family.layer_attention(hf_config)
+    stacked = len(set(zip(sparse, kinds))) == 1  # Megatron stacks the layers of a homogeneous model only
     num_layers = len(sparse)
     experts = family.moe.num_experts(hf_config) if family.moe is not None else 0
     padded_vocab = family.padded_vocab_size(hf_config, tp)
     out = {}
     for rule in family.weight_rules(hf_config):
-        layers = [layer for layer in range(num_layers) if rule.applies_to(sparse[layer])] if rule.per_layer else [None]
+        layers = ([layer for layer in range(num_layers) if rule.applies_to(sparse[layer], kinds[layer])]
+                  if rule.per_layer else [None])
         for layer in layers[:1] if stacked else layers:
             names = rule.hf_names(layer, 0 if rule.per_expert else None)
             if any(n not in hf_shapes for n in names):

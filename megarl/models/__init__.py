@@ -10,6 +10,7 @@ from megarl.models import (  # noqa: F401  (register the families)
     qwen2_5_vl,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_vl,
 )

@@ -31,6 +31,9 @@ class AttentionSpec:
     qk_norm: str = QK_NORM_PER_HEAD
     """Where the family's q/k norms (if it has them) normalise: ``per_head`` (Qwen3, GLM-4.5), or ``all_heads``
     (MiniMax-M2: one norm over the whole projection, :class:`AllHeadsRMSNorm`)."""
+    output_gate: bool = False
+    """The attention's output is multiplied by ``sigmoid`` of a gate the query projection also makes (Qwen3.5,
+    Qwen3-Next: ``q_proj`` holds per head its query then its gate; Megatron's ``attention_output_gate``)."""
 
     @property
     def qk_norm_all_heads(self) -> bool:

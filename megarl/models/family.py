@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from megarl.config.parallel import ParallelDims
 from megarl.models.attention import AttentionSpec
+from megarl.models.linear_attention import FULL, LinearAttentionSpec, linear_mixer
 from megarl.models.mla import MLASpec, rope_parameters
 from megarl.models.moe import MoESpec
 from megarl.models.vision import VisionSpec
@@ -50,7 +51,14 @@ class ModelFamily:
     mla: MLASpec | None = None
     """Multi-latent attention (DeepSeek-V3, Kimi-K2; :mod:`megarl.models.mla`); None: grouped-query attention."""
     attention: AttentionSpec = AttentionSpec()
-    """Grouped-query attention's variants (:mod:`megarl.models.attention`: q/k norms over all heads)."""
+    """Grouped-query attention's variants (:mod:`megarl.models.attention`: q/k norms over all heads, an output
+    gate)."""
+    linear_attention: LinearAttentionSpec | None = None
+    """Gated DeltaNet layers among the full-attention ones (:mod:`megarl.models.linear_attention`: Qwen3.5,
+    Qwen3-Next); None: every layer full attention."""
+    zero_centered_norms: bool = False
+    """The RMSNorms hold ``gamma - 1`` and scale by ``1 + weight`` (Qwen3.5, Qwen3-Next: Megatron's
+    ``layernorm_zero_centered_gamma``); the checkpoint's values map unchanged."""
     config_aliases: tuple[tuple[str, str], ...] = ()
     """``(model_type, transformers model_type)``: checkpoints of this family whose ``model_type`` transformers has no
     config class for (Kimi-K2's ``kimi_k2``, whose hub repository ships DeepSeek-V3's config code), read with the
@@ -101,6 +109,18 @@ class ModelFamily:
             return (False,) * int(hf_config.num_hidden_layers)
         return self.moe.sparse_layers(hf_config)
 
+    def layer_attention(self, hf_config) -> tuple[str, ...]:
+        """Per layer: its attention, ``full_attention`` or ``linear_attention`` (:mod:`megarl.models.linear_attention`)."""
+        if self.linear_attention is None:
+            return (FULL,) * int(hf_config.num_hidden_layers)
+        from megarl.models.linear_attention import LINEAR
+
+        return tuple(LINEAR if linear else FULL for linear in self.linear_attention.linear_layers(hf_config))
+
+    def named_sizes(self, hf_config) -> dict[str, int]:
+        """The row counts the weight rules' :class:`~megarl.models.weights.Rows` name (empty without any)."""
+        return self.linear_attention.named_sizes(hf_config) if self.linear_attention is not None else {}
+
     def weight_instances(self, hf_config) -> list[RuleAt]:
         """Every Megatron tensor of the model, in HF order (embedding and a vision tower, layers in order, final norm,
         output layer):
@@ -108,8 +128,9 @@ class ModelFamily:
         rules = self.weight_rules(hf_config)
         experts = self.moe.num_experts(hf_config) if self.moe is not None else 0
         out = [RuleAt(r) for r in rules if not r.per_layer and r.on_first_stage]
+        kinds = self.layer_attention(hf_config)
         for layer, sparse in enumerate(self.sparse_layers(hf_config)):
-            layer_rules = [r for r in rules if r.per_layer and r.applies_to(sparse)]
+            layer_rules = [r for r in rules if r.per_layer and r.applies_to(sparse, kinds[layer])]
             expert_rules = [r for r in layer_rules if r.per_expert]
             for rule in layer_rules:
                 if not rule.per_expert:
@@ -171,6 +192,8 @@ class ModelFamily:
             # Megatron's qk_layernorm is the per-head norm, whose replicated weight's gradient it sums over TP by
             # name; norms over all heads (split by head) are the attention spec's own (megarl.models.attention)
             qk_layernorm=self.qk_norm(hf_config) and not self.attention.qk_norm_all_heads,
+            attention_output_gate=self.attention.output_gate,
+            layernorm_zero_centered_gamma=self.zero_centered_norms,
             init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
             hidden_dropout=0.0,
             attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
@@ -205,6 +228,9 @@ class ModelFamily:
         if self.mla is not None:
             self.mla.check(hf_config)
             kwargs.update(self.mla.config_kwargs(hf_config))
+        if self.linear_attention is not None:
+            self.linear_attention.check(hf_config, dims)
+            kwargs.update(self.linear_attention.config_kwargs(hf_config))
         if self.vision is not None:
             kwargs.update(self._vision_kwargs(hf_config, dims, sizes["num_layers"], overrides))
         kwargs.update(overrides)
@@ -293,7 +319,8 @@ class ModelFamily:
         return dict(
             num_layers=int(hf_config.num_hidden_layers),
             hidden_size=int(hf_config.hidden_size),
-            ffn_hidden_size=int(hf_config.intermediate_size),
+            # (a model whose every layer is sparse may name no dense size: Megatron's then goes unused)
+            ffn_hidden_size=int(getattr(hf_config, "intermediate_size", None) or self.moe.ffn_size(hf_config)),
             num_attention_heads=heads,
             num_query_groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
             kv_channels=int(head_dim),
@@ -408,8 +435,26 @@ class ModelFamily:
                 layers = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
                                                                   normalization="RMSNorm")
             spec = local_block_spec(layers, config, vp_stage=vp_stage)
+        if self.linear_attention is not None:
+            spec = self._with_linear_attention(spec, config, vp_stage, use_te)
         for layer in getattr(spec, "layer_specs", None) or [spec]:
-            self.attention.adapt_layer(layer)
+            if not linear_mixer(layer):
+                self.attention.adapt_layer(layer)  # (the full-attention layers of a hybrid model)
+        return spec
+
+    def _with_linear_attention(self, spec, config, vp_stage: int | None, use_te: bool):
+        """``spec`` (this stage's block, or TransformerEngine's one layer spec for every layer) with the Gated DeltaNet
+        mixer in its linear-attention layers (:meth:`LinearAttentionSpec.adapt_layers`)."""
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        if not isinstance(spec, TransformerBlockSubmodules):  # TE's dense layer spec: a block of this stage's layers
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                              layer_norm=TENorm)
+        self.linear_attention.adapt_layers(spec.layer_specs, config.linear_attention_freq,
+                                           get_transformer_layer_offset(config, vp_stage=vp_stage), use_te=use_te)
         return spec
 
 

@@ -66,7 +66,8 @@ def local_spec(spec):
 class CpuRMSNorm(torch.nn.RMSNorm):
     """7. Megatron's torch norm (``WrappedTorchNorm``) refuses sequence parallelism; this RMSNorm marks its weight
     ``sequence_parallel`` as TransformerEngine's norms do, so Megatron all-reduces its gradient over the TP
-    group (each TP rank normalises its own slice of the sequence). Same arguments as ``WrappedTorchNorm``."""
+    group (each TP rank normalises its own slice of the sequence). Same arguments as ``WrappedTorchNorm``; zero-centred
+    (``1 + weight``, fp32 statistics) under the config's ``layernorm_zero_centered_gamma`` as TE's norms are."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
@@ -77,6 +78,16 @@ class CpuRMSNorm(torch.nn.RMSNorm):
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(normalized_shape=hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        if self.zero_centered:  # the weight holds gamma - 1 (Megatron's layernorm_zero_centered_gamma)
+            with torch.no_grad():
+                self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        normed = torch.nn.functional.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def _packed_attention(attention, base, query, key, value, packed_seq_params, attn_mask_type):

@@ -74,7 +74,8 @@ class Architecture:
                    num_layers=int(hf_config.num_hidden_layers), hidden=int(hf_config.hidden_size), heads=heads,
                    kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
-                   ffn=int(hf_config.intermediate_size), vocab=int(hf_config.vocab_size),
+                   ffn=int(getattr(hf_config, "intermediate_size", None) or moe.get("moe_ffn", 0)),
+                   vocab=int(hf_config.vocab_size),
                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
     @property
@@ -220,9 +221,10 @@ class Architecture:
         sparse = self.sparse or (False,) * self.num_layers
         dense = experts = 0
         pp = pipeline.pp if pipeline is not None else 1
+        kinds = self.family.layer_attention(self.hf_config)
         for layer in self.stage_layers(pipeline, pp_rank):
             for rule in [r for r in rules if r.per_layer]:
-                if not rule.applies_to(sparse[layer]):
+                if not rule.applies_to(sparse[layer], kinds[layer]):
                     continue
                 if rule.per_expert:
                     experts += self._rank_numel(rule, etp, vocab) * (self.num_experts // ep)
@@ -248,9 +250,10 @@ class Architecture:
         vocab = self.family.padded_vocab_size(self.hf_config, tp)
         sparse = self.sparse or (False,) * self.num_layers
         total = 0
+        kinds = self.family.layer_attention(self.hf_config)
         for layer in range(self.num_layers):
             for rule in self.family.weight_rules(self.hf_config):
-                if rule.per_layer and rule.block_fp8 and rule.applies_to(sparse[layer]):
+                if rule.per_layer and rule.block_fp8 and rule.applies_to(sparse[layer], kinds[layer]):
                     total += self._rank_numel(rule, tp, vocab) * (self.num_experts if rule.per_expert else 1)
         return total
 

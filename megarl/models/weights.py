@@ -37,6 +37,9 @@ class Fuse(enum.Enum):
     """q, k, v interleaved per query group: [q heads of group g, k_g, v_g] for each g."""
     GATE_UP = "gate_up"
     """SwiGLU gate and up projections; each TP shard holds its gate slice, then its up slice."""
+    GATED_QKV = "gated_qkv"
+    """Attention with an output gate (Qwen3.5): HF's ``q_proj`` holds per head its query then its gate; Megatron's
+    ``linear_qkv`` per query group its queries, their gates, k, v (``attention_output_gate``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,15 @@ class WeightRule:
     """Kept in fp32 whatever the model's dtype, and exported and synced in fp32 (a router's expert bias: Megatron
     keeps the buffer in fp32, the hub's checkpoints and SGLang hold it in fp32; bf16's 8 bits would move the
     top-k choices it decides and swallow its updates)."""
-    norm: bool = False
-    """A norm's weight split over tensor-parallel ranks by head (MiniMax-M2's q/k norms over all heads:
-    :mod:`megarl.models.attention`): never quantized, whatever its split."""
+    unquantized: bool = False
+    """Never quantized by FP8 rollout, though split like a linear layer's weight: a norm's weight split by head
+    (MiniMax-M2's q/k norms over all heads, :mod:`megarl.models.attention`), a convolution's (Gated DeltaNet's)."""
+    rows: tuple["Rows | None", ...] = ()
+    """Per HF tensor (empty: none): its rows as pieces that tensor parallelism splits each by itself
+    (:class:`Rows`); a rank's slice is its share of every piece, piece after piece."""
+    attention: str = "all"
+    """The layers that have this tensor by their attention: ``all``, ``full_attention`` or ``linear_attention``
+    (a hybrid model's Gated DeltaNet layers: :mod:`megarl.models.linear_attention`)."""
     coload: str | None = None
     """The tensors of a layer's rules with the same key reach SGLang in one weight-update request, or not at all:
     its loader fuses them into one parameter only when a single ``load_weights`` call brings them all (DeepSeek's
@@ -93,16 +102,18 @@ class WeightRule:
         projections, experts), which FP8 rollout quantizes (:mod:`megarl.models.fp8`); embeddings, norms, routers,
         biases and the output layer stay in the model's dtype. A replicated linear layer (:attr:`linear`) too."""
         return ((self.split in (Split.COLUMN, Split.ROW) or self.linear) and self.megatron.endswith(".weight")
-                and not self.norm)
+                and not self.unquantized)
 
     @property
     def per_expert(self) -> bool:
         """True for tensors repeated for every expert of a sparse layer (split by expert-tensor parallelism)."""
         return "{e}" in self.megatron
 
-    def applies_to(self, sparse: bool) -> bool:
-        """Whether a layer whose MLP is sparse (``sparse``) or dense has this tensor."""
-        return self.layers == "all" or self.layers == ("moe" if sparse else "dense")
+    def applies_to(self, sparse: bool, attention: str = "full_attention") -> bool:
+        """Whether a layer whose MLP is sparse (``sparse``) or dense, with ``attention`` (full or linear), has this
+        tensor."""
+        return ((self.layers == "all" or self.layers == ("moe" if sparse else "dense"))
+                and self.attention in ("all", attention))
 
     def megatron_name(self, layer: int | None = None, *, expert: int | None = None, te: bool = False) -> str:
         """The Megatron name for ``layer`` and ``expert`` (global indices), in the local or TE spec."""
@@ -112,6 +123,18 @@ class WeightRule:
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
         """The HF names for ``layer`` and ``expert``."""
         return tuple(n.format(i=layer, e=expert) for n in self.hf) if self.per_layer else self.hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """An HF tensor whose rows are pieces that tensor parallelism splits each by itself: ``pieces`` name their row
+    counts (sizes the family gives by name, :attr:`megarl.convert.layout.ModelSizes.named`); with ``groups`` (a
+    named count) the tensor repeats the pieces once per group (Qwen3-Next's projections, grouped per key head), and a
+    rank holds its share of the groups. A rank's slice is, piece after piece, its rows of that piece (of each of its
+    groups in order): what Megatron's fused layers hold (Gated DeltaNet's ``in_proj``: its queries, keys, values...)."""
+
+    pieces: tuple[str, ...]
+    groups: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +162,8 @@ def coload_key(at) -> tuple | None:
 
 
 def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, prefix: str = "model.",
-                    attention: list[WeightRule] | None = None, qk_norm_all_heads: bool = False
+                    attention: list[WeightRule] | None = None, qk_norm_all_heads: bool = False,
+                    output_gate: bool = False, linear_attention: list[WeightRule] | None = None
                     ) -> tuple[WeightRule, ...]:
     """Rules for Llama-style HF decoders (``model.layers.{i}.self_attn.q_proj`` naming; ``prefix``: where the
     checkpoint keeps the decoder, e.g. ``model.language_model.`` in a vision-language model's); with ``moe`` (a
@@ -147,18 +171,28 @@ def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, pref
     TransformerEngine's grouped GEMM names ``linear_fc1.weight<e>``); ``attention``: the attention's rules instead of
     the q/k/v and output projections' (multi-latent attention: :func:`megarl.models.mla.mla_weights`);
     ``qk_norm_all_heads``: the q/k norms normalise all heads at once, their weights split by head
-    (:mod:`megarl.models.attention`)."""
+    (:mod:`megarl.models.attention`); ``output_gate``: ``q_proj`` also makes the attention's output gate
+    (:attr:`Fuse.GATED_QKV`); ``linear_attention``: the Gated DeltaNet mixer's rules of a hybrid model's
+    linear-attention layers (:meth:`megarl.models.linear_attention.LinearAttentionSpec.weight_rules`), the attention
+    rules then those of its full-attention layers."""
     layer, attn, mlp = f"{prefix}layers.{{i}}.", f"{prefix}layers.{{i}}.self_attn.", f"{prefix}layers.{{i}}.mlp."
     m_layer, m_attn, m_mlp = "decoder.layers.{i}.", "decoder.layers.{i}.self_attention.", "decoder.layers.{i}.mlp."
+    full = "all" if linear_attention is None else "full_attention"
     rules = [
         WeightRule("embedding.word_embeddings.weight", (f"{prefix}embed_tokens.weight",), Split.VOCAB),
         WeightRule(  # TE fuses it into linear_qkv; MLA's down projections are plain TELinear, its TENorm stays
             m_layer + "input_layernorm.weight", (layer + "input_layernorm.weight",), Split.REPLICATED,
-            te_megatron=m_attn + "linear_qkv.layer_norm_weight" if attention is None else None,
+            te_megatron=m_attn + "linear_qkv.layer_norm_weight" if attention is None else None, attention=full,
         ),
     ]
-    rules += attention if attention is not None else _qkv_attention(attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                                                                    all_heads=qk_norm_all_heads)
+    full_rules = attention if attention is not None else _qkv_attention(
+        attn, m_attn, qkv_bias=qkv_bias, qk_norm=qk_norm, all_heads=qk_norm_all_heads, output_gate=output_gate)
+    rules += [dataclasses.replace(rule, attention=full) for rule in full_rules]
+    if linear_attention is not None:  # TE fuses the input norm into the Gated DeltaNet's in_proj
+        rules.append(WeightRule(m_layer + "input_layernorm.weight", (layer + "input_layernorm.weight",),
+                                Split.REPLICATED, te_megatron=m_attn + "in_proj.layer_norm_weight",
+                                attention="linear_attention"))
+        rules += linear_attention
     dense = "dense" if moe is not None else "all"
     rules += [
         WeightRule(
@@ -208,11 +242,11 @@ def decoder_weights(*, qkv_bias: bool | str, qk_norm: bool | str, moe=None, pref
 
 
 def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: bool | str,
-                   all_heads: bool = False) -> list[WeightRule]:
+                   all_heads: bool = False, output_gate: bool = False) -> list[WeightRule]:
     """Llama-style attention: q/k/v fused per query group, optional biases and per-head norms, the output (a string
     for ``qkv_bias`` or ``qk_norm``: the HF config flag they exist under)."""
     rules = [WeightRule(m_attn + "linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv"), Split.COLUMN,
-                        Fuse.QKV)]
+                        Fuse.GATED_QKV if output_gate else Fuse.QKV)]
     if qkv_bias:
         rules.append(
             WeightRule(m_attn + "linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv"), Split.COLUMN,
@@ -221,8 +255,8 @@ def _qkv_attention(attn: str, m_attn: str, *, qkv_bias: bool | str, qk_norm: boo
     if qk_norm:  # a string: the config flag they exist under
         when, split = qk_norm if isinstance(qk_norm, str) else None, Split.COLUMN if all_heads else Split.REPLICATED
         rules += [
-            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), split, when=when, norm=all_heads),
-            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), split, when=when, norm=all_heads),
+            WeightRule(m_attn + "q_layernorm.weight", (attn + "q_norm.weight",), split, when=when, unquantized=all_heads),
+            WeightRule(m_attn + "k_layernorm.weight", (attn + "k_norm.weight",), split, when=when, unquantized=all_heads),
         ]
     rules.append(WeightRule(m_attn + "linear_proj.weight", (attn + "o_proj.weight",), Split.ROW))
     return rules

@@ -33,6 +33,12 @@ Numbered as the points of the CPU mode (1-8, 11) they sit beside:
    takes MLA's ``k_channels`` / ``v_channels``, ``kv_layernorm`` is a :class:`CpuRMSNorm` like the others, and the
    down projections are replicated over TP (:func:`replicated_linear`: the local spec's column-parallel ones lose
    part of the shared rotary key's gradient).
+15. Gated DeltaNet (linear attention) without flash-linear-attention (:func:`_patch_gated_delta_net_without_fla`,
+   every machine without it): Megatron's ``GatedDeltaNet`` refuses to build unless FLA imports, though it carries
+   a pure-torch chunked delta rule (``torch_chunk_gated_delta_rule``, its deterministic path). Without FLA, the
+   module's ``chunk_gated_delta_rule`` is that torch function and its ``l2norm`` a torch one (transformers' formula,
+   ``x · rsqrt(Σx² + 1e-6)``): the layer builds and computes what transformers' own torch fallback computes. FLA's
+   Triton kernels stay in use wherever FLA is installed.
 
 """
 
@@ -57,7 +63,7 @@ _APPLIED = False
 
 
 def apply() -> None:
-    """Put points 9, 10 and 12-14 in place in this process (idempotent)."""
+    """Put points 9, 10 and 12-15 in place in this process (idempotent)."""
     global _APPLIED
     if _APPLIED:
         return
@@ -66,6 +72,7 @@ def apply() -> None:
     _patch_te_general_gemm()
     _patch_mla_without_te()
     _patch_gloo_device()
+    _patch_gated_delta_net_without_fla()
     _APPLIED = True
 
 
@@ -164,6 +171,22 @@ def _patch_mla_without_te() -> None:
     multi_latent_attention.Linear = replicated_linear()
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+
+
+def _patch_gated_delta_net_without_fla() -> None:
+    """15. (A no-op where flash-linear-attention imports: Megatron took its kernels.)"""
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA:
+        return
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.l2norm = torch_l2norm
+    gated_delta_net.HAVE_FLA = True
+
+
+def torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """``x`` scaled to unit L2 norm along ``dim`` (transformers' torch l2norm for gated delta rules)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
 @functools.cache
