@@ -93,6 +93,7 @@ def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[i
     num_layers = len(sparse)
     experts = family.moe.num_experts(hf_config) if family.moe is not None else 0
     padded_vocab = family.padded_vocab_size(hf_config, tp)
+    named = family.named_sizes(hf_config)
     out = {}
     for rule in family.weight_rules(hf_config):
         layers = ([layer for layer in range(num_layers) if rule.applies_to(sparse[layer], kinds[layer])]
@@ -106,10 +107,16 @@ def expected_mcore_shapes(family, hf_config, tp: int) -> dict[str, tuple[tuple[i
                 shape = (experts, *shape)
             if rule.per_layer and stacked:
                 shape = (num_layers, *shape)
+            parts = [("", shape)]
+            if rule.checkpoint_parts:  # Megatron saves it piece by piece: [layers?, piece rows, rest]
+                rest = hf_shapes[names[0]][1:]
+                lead = shape[:len(shape) - 1 - len(rest)]
+                parts = [(f".{suffix}", (*lead, named[size], *rest)) for suffix, size in rule.checkpoint_parts]
             for spelling in {rule.megatron, rule.te_megatron or rule.megatron}:
                 key = spelling.replace("local_experts.{e}.", "experts.").replace(".weight{e}", ".weight")
                 key = key.replace(".{i}.", ".") if stacked else key.format(i=layer)
-                out[key] = (shape, rule.hf)
+                for suffix, part_shape in parts:
+                    out[key + suffix] = (part_shape, rule.hf)
     return out
 
 

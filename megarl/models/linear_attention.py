@@ -120,10 +120,15 @@ class LinearAttentionSpec:
                                  Split.COLUMN, rows=(Rows(("linear_k", "linear_k", "linear_v")), Rows(("linear_v",)),
                                                      Rows(("linear_heads",)), Rows(("linear_heads",))),
                                  attention=LINEAR)
+        # Megatron's checkpoint splits both by piece (GatedDeltaNet.sharded_state_dict)
+        qkv_parts = (("query", "linear_k"), ("key", "linear_k"), ("value", "linear_v"))
+        in_proj = dataclasses.replace(in_proj, checkpoint_parts=qkv_parts + (("z", "linear_v"), ("beta", "linear_heads"),
+                                                                             ("alpha", "linear_heads")))
         return [
             in_proj,
             WeightRule(m_attn + "conv1d.weight", (attn + "conv1d.weight",), Split.COLUMN,
-                       rows=(Rows(("linear_k", "linear_k", "linear_v")),), attention=LINEAR, unquantized=True),
+                       rows=(Rows(("linear_k", "linear_k", "linear_v")),), attention=LINEAR, unquantized=True,
+                       checkpoint_parts=qkv_parts),
             WeightRule(m_attn + "dt_bias", (attn + "dt_bias",), Split.COLUMN, attention=LINEAR),
             WeightRule(m_attn + "A_log", (attn + "A_log",), Split.COLUMN, attention=LINEAR),
             WeightRule(m_attn + "out_norm.weight", (attn + "norm.weight",), Split.REPLICATED, attention=LINEAR),
@@ -180,7 +185,10 @@ class LinearAttentionSpec:
         for index, spec in enumerate(layer_specs):
             if linear[offset + index]:
                 mixer = self.layer_attention_spec(use_te=use_te)
-                submodules = dataclasses.replace(spec.submodules, self_attention=mixer)
+                # the input norm is TE's in_proj's in a checkpoint of either spec (as the attention's is linear_qkv's)
+                keys = {k: ("self_attention.in_proj.layer_norm_" if k == "input_layernorm." else v)
+                        for k, v in spec.submodules.sharded_state_dict_keys_map.items()}
+                submodules = dataclasses.replace(spec.submodules, self_attention=mixer, sharded_state_dict_keys_map=keys)
                 if mixer.metainfo["fuse_input_layernorm"]:
                     submodules = dataclasses.replace(submodules, input_layernorm=IdentityOp)
                 layer_specs[index] = dataclasses.replace(spec, submodules=submodules)

@@ -76,6 +76,9 @@ class WeightRule:
     rows: tuple["Rows | None", ...] = ()
     """Per HF tensor (empty: none): its rows as pieces that tensor parallelism splits each by itself
     (:class:`Rows`); a rank's slice is its share of every piece, piece after piece."""
+    checkpoint_parts: tuple[tuple[str, str], ...] = ()
+    """``(key suffix, named row count)``: Megatron's distributed checkpoint saves the tensor as these parts (Gated
+    DeltaNet's ``in_proj.weight.query``, ``.key``, ...), each the whole model's rows of one piece (empty: whole)."""
     attention: str = "all"
     """The layers that have this tensor by their attention: ``all``, ``full_attention`` or ``linear_attention``
     (a hybrid model's Gated DeltaNet layers: :mod:`megarl.models.linear_attention`)."""

@@ -320,6 +320,25 @@ def test_every_moe_family_round_trips_through_cli_at_tp2_ep2(name, tmp_path, cap
     assert config == {**json.loads((hf / "config.json").read_text()), "dtype": config["dtype"]}
 
 
+@pytest.mark.parametrize("name, layout", [("qwen3_5", ["--tp", "2", "--pp", "2"]),
+                                          ("qwen3_5_moe", ["--tp", "2", "--ep", "2"])])
+def test_hybrid_linear_attention_families_round_trip_through_cli(name, layout, tmp_path):
+    """Qwen3.5 dense at TP=2 × PP=2 and Qwen3.5-MoE at TP=2 × EP=2: HF -> Megatron -> HF (at TP=1) is bit-exact,
+    the Gated DeltaNet's fused projection and convolution (each rank its heads of every piece) included; the
+    checkpoint keeps one key per layer (linear and full attention alternate)."""
+    from megarl.convert.dist_checkpoint import read_dist_metadata
+    from tests.distributed import family_jobs
+
+    hf, mcore, out = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    family_jobs.save_tiny(name, hf)
+    assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(mcore), *layout]) == 0
+    keys = set(read_dist_metadata(mcore / "model").state_dict_metadata)
+    assert any(k.startswith("decoder.layers.0.self_attention.in_proj.weight") for k in keys)
+    assert any(k.startswith("decoder.layers.2.self_attention.linear_qkv.weight") for k in keys)
+    assert main(["mcore-to-hf", "--mcore", str(mcore), "--out", str(out), "--tp", "1", "--pp", "1"]) == 0
+    _assert_same_tensors(hf, out)
+
+
 def test_kimi_k2_round_trip_through_cli_on_an_uneven_pipeline(tmp_path):
     """Kimi-K2 (DeepSeek-V3's architecture, ``model_type: kimi_k2``) HF -> Megatron at PP=2 with a first
     stage of 1 layer of 4 (``--first-stage-layers``, as DeepSeek-V3's 61 layers need) × EP=2 -> HF (as saved) is
