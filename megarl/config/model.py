@@ -14,7 +14,7 @@ from megarl.config.common import DTYPES, check_choice, check_positive
 
 MODEL_INITS = ("pretrained", "tiny_sft")
 REWARD_MODEL_INITS = ("pretrained", "tiny_rm")
-TINY_ARCHS = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "qwen2_5_vl")
+TINY_ARCHS = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe", "qwen2_5_vl")
 """``model.tiny_arch`` values (megarl.models.tiny.TINY_ARCHS; config sits below models, so the names are listed here
 and a test checks they agree)."""
 DECAY_STYLES = ("constant", "linear", "cosine")

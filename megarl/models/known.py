@@ -176,7 +176,8 @@ def check_sizes(fields: dict[str, Any], *, source: str, key: str) -> None:
     with attention heads that key/value heads do not divide; the error names ``key``, the file and the field."""
     for name, limit in SIZE_LIMITS.items():
         if name not in fields or fields[name] is None:
-            if name in REQUIRED_SIZES:
+            # (a mixture of experts in every layer may name only its experts' size: Qwen3.5-MoE, Qwen3-Next)
+            if name in REQUIRED_SIZES and not (name == "intermediate_size" and fields.get("moe_intermediate_size")):
                 raise ValueError(f"{key}: {source} has no {name}; an HF causal-LM config needs it")
             continue
         value = fields[name]

@@ -125,6 +125,11 @@ class Architecture:
         }
         if self.family.attention.qk_norm_all_heads:  # one norm over all heads (megarl.models.attention)
             shapes.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,)})
+        if self.family.attention.output_gate:  # q_proj makes each head's query and output gate
+            shapes["self_attn.q_proj.weight"] = (2 * q, h)
+        if self.family.linear_attention is not None:  # the Gated DeltaNet mixer (layer 0's names: each has them)
+            shapes.update({name.split(".0.", 1)[1]: shape for name, shape in
+                           self.family.linear_attention.hub_shapes(self.hf_config, 0, h).items()})
         if self.family.mla is not None:  # multi-latent attention's projections (layer 0's: every layer has them)
             shapes.update({name.split(".0.", 1)[1]: shape
                            for name, shape in self.family.mla.hub_shapes(self.hf_config, 0).items()})

@@ -193,6 +193,29 @@ def tiny_deepseek_v3_config(tokenizer, *, hidden_size: int = 64, num_layers: int
     )
 
 
+def tiny_qwen3_5_moe_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4,
+                            num_kv_heads: int = 2, head_dim: int = 16, moe_intermediate_size: int = 32,
+                            num_experts: int = 8, num_experts_per_tok: int = 2, max_position_embeddings: int = 512):
+    """A Qwen3.5-MoE text config for ``tokenizer`` (Qwen3.5-35B-A3B's shape, scaled down): Gated DeltaNet linear
+    attention in three of every four layers and gated full attention in the fourth, ``num_experts`` experts
+    (top-``num_experts_per_tok``, softmax, renormalised) beside a gated shared expert in every layer, zero-centred
+    norms, rotary on a quarter of each head; untied embeddings."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        linear_conv_kernel_dim=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_num_key_heads=num_kv_heads, linear_num_value_heads=2 * num_kv_heads,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3_5MoeForCausalLM"],
+    )
+
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 """Qwen2.5-VL's vision special tokens: an image is ``<|vision_start|>``, one ``<|image_pad|>`` per merged patch,
 ``<|vision_end|>``."""
@@ -309,7 +332,8 @@ def tiny_qwen3_vl_config(tokenizer, *, hidden_size: int = 64, num_layers: int = 
 
 
 TINY_ARCHS = {"qwen2": tiny_qwen2_config, "llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config,
-              "deepseek_v3": tiny_deepseek_v3_config, "qwen2_5_vl": tiny_qwen2_5_vl_config}
+              "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config,
+              "qwen2_5_vl": tiny_qwen2_5_vl_config}
 """The tiny models megarl builds, by ``actor_rollout_ref.model.tiny_arch`` name: their config functions."""
 
 
