@@ -283,8 +283,11 @@ class WeightExporter:
             out = where[id(units[0])]
             group, tp, rank = self._split(units[0])
             if kind == "copy":
-                if out is not None:
-                    unfuse_into(units[0].rule, self._shard(units[0].megatron_name), self.sizes, rank, tp, out)
+                if out is not None:  # (a whole tensor, but one whose rows the shard holds in another order)
+                    unit = units[0]
+                    targets = [where.apply(full) for where, full in
+                               zip(hf_slices(unit.rule, unit.hf_shapes, self.sizes, rank, tp), out, strict=True)]
+                    unfuse_into(unit.rule, self._shard(unit.megatron_name), self.sizes, rank, tp, targets)
             elif kind == "in_place":
                 shard = self._shard(units[0].megatron_name)
                 target = out[0] if out is not None else self._scratch(tp * shard.numel(), shard).view(tp, -1)

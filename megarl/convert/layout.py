@@ -124,7 +124,8 @@ def hf_split_dim(rule: WeightRule) -> int | None:
 
 def hf_slices(rule: WeightRule, hf_shapes: list[tuple[int, ...]], sizes: ModelSizes, tp_rank: int, tp: int) -> list[Slice]:
     """For each HF tensor of ``rule``, the slice held by tensor-parallel rank ``tp_rank``."""
-    if rule.split is Split.REPLICATED or tp == 1 and rule.split is not Split.VOCAB:
+    grouped = any(rows is not None and rows.groups for rows in rule.rows)  # reordered even whole (Qwen3-Next)
+    if rule.split is Split.REPLICATED or tp == 1 and rule.split is not Split.VOCAB and not grouped:
         return [Slice(None) for _ in hf_shapes]
     if rule.split is Split.VOCAB:
         per_rank = sizes.padded_vocab_size // tp

@@ -12,6 +12,7 @@ from megarl.models import (  # noqa: F401  (register the families)
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_next,
     qwen3_vl,
 )
 from megarl.models.build import build_gpt_model, build_model_chunks, layer_offset

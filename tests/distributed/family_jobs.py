@@ -13,7 +13,7 @@ HYBRID = ["linear_attention", "linear_attention", "full_attention", "linear_atte
 
 def tiny_config(name: str):
     """Tiny configs with what each family must get right (random weights, saved with ``save_pretrained``)."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
@@ -25,10 +25,14 @@ def tiny_config(name: str):
     if name == "qwen3_5_moe":  # the same with 4 experts (2 per token) and a gated shared expert in every layer
         return Qwen3_5MoeTextConfig(**common, **hybrid, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                     num_experts=4, num_experts_per_tok=2, architectures=["Qwen3_5MoeForCausalLM"])
+    if name == "qwen3_next":  # the hybrid with projections fused per key head, a dense layer among sparse ones
+        return Qwen3NextConfig(**common, **hybrid, intermediate_size=40, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                               norm_topk_prob=True, mlp_only_layers=[1], architectures=["Qwen3NextForCausalLM"])
     raise ValueError(name)
 
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def save_tiny(name: str, directory, seed: int = 0):
@@ -65,6 +69,7 @@ LAYOUTS = {  # (tp, pp, ep, sequence_parallel, packed) on 4 ranks; dp = 4 / (tpÂ
                 (2, 1, 1, True, False)],
     "qwen3_5_moe": [(1, 1, 1, False, False), (1, 1, 1, False, True), (1, 1, 2, False, True), (2, 1, 2, True, True),
                     (1, 2, 2, False, True)],
+    "qwen3_next": [(1, 1, 1, False, False), (1, 1, 1, False, True), (2, 1, 2, True, True)],
 }
 """Per family, the reference (DP=4, padded) first."""
 

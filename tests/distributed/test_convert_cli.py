@@ -321,9 +321,11 @@ def test_every_moe_family_round_trips_through_cli_at_tp2_ep2(name, tmp_path, cap
 
 
 @pytest.mark.parametrize("name, layout", [("qwen3_5", ["--tp", "2", "--pp", "2"]),
-                                          ("qwen3_5_moe", ["--tp", "2", "--ep", "2"])])
+                                          ("qwen3_5_moe", ["--tp", "2", "--ep", "2"]),
+                                          ("qwen3_next", ["--tp", "2", "--ep", "2"])])
 def test_hybrid_linear_attention_families_round_trip_through_cli(name, layout, tmp_path):
-    """Qwen3.5 dense at TP=2 × PP=2 and Qwen3.5-MoE at TP=2 × EP=2: HF -> Megatron -> HF (at TP=1) is bit-exact,
+    """Qwen3.5 dense at TP=2 × PP=2, Qwen3.5-MoE and Qwen3-Next (projections fused per key head) at TP=2 × EP=2:
+    HF -> Megatron -> HF (at TP=1) is bit-exact,
     the Gated DeltaNet's fused projection and convolution (each rank its heads of every piece) included; the
     checkpoint keeps one key per layer (linear and full attention alternate)."""
     from megarl.convert.dist_checkpoint import read_dist_metadata

@@ -2,7 +2,8 @@
 log-probs equal HF transformers' within 1e-5 at every layout, and one PPO step (loss, gradient norm, every weight
 after the step) equals the DP=4 padded reference at TP2 with sequence parallelism, PP2 and, for the mixtures of
 experts, EP2 and TP2×EP2; packed (THD) equal to padded. Qwen3.5 dense and MoE: Gated DeltaNet layers among gated
-full-attention ones (packed: each segment's recurrence from a zero state)."""
+full-attention ones (packed: each segment's recurrence from a zero state); Qwen3-Next: the same with its projections
+fused per key head (reordered into Megatron's piece-major rows even at TP=1) and a dense layer among sparse ones."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_the_step_trains_every_tensor_of_the_linear_attention(results, name):
     before = load_file(f"{cases[name][0]}/model.safetensors")
     after = ranks[(name, family_jobs.LAYOUTS[name][0])]["weights"]
     linear = [n for n in before if ".linear_attn." in n]
-    assert {n.split(".linear_attn.")[1] for n in linear} >= {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                                                             "in_proj_a.weight", "conv1d.weight", "dt_bias", "A_log",
-                                                             "norm.weight", "out_proj.weight"}
+    projections = ({"in_proj_qkvz.weight", "in_proj_ba.weight"} if name == "qwen3_next" else
+                   {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"})
+    assert {n.split(".linear_attn.")[1] for n in linear} == projections | {"conv1d.weight", "dt_bias", "A_log",
+                                                                          "norm.weight", "out_proj.weight"}
     assert all(not torch.equal(before[n], after[n]) for n in linear)

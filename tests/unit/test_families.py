@@ -24,7 +24,7 @@ def test_registry_is_keyed_by_architecture():
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
         "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3", "MiniMaxM2ForCausalLM": "minimax_m2",
-        "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+        "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe", "Qwen3NextForCausalLM": "qwen3_next",
     }
     # Each causal LM's body also serves its sequence-classification model (a reward model's score head).
     classifiers = {a.replace("ForCausalLM", "ForSequenceClassification"): f for a, f in causal.items()}

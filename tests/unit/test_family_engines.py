@@ -13,7 +13,7 @@ from megarl.engines.engine import SamplingParams, update_weights
 from megarl.models.tiny import build_tiny_tokenizer
 from tests.distributed import family_jobs, moe_jobs
 
-FAMILIES = ["minimax_m2", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["minimax_m2", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 def _save(name: str, directory, seed: int):
