@@ -343,6 +343,10 @@ class WeightExporter:
         if any(u.expert is not None for u in self.units):
             raise ValueError("iter_shards: TP-matched shards of a mixture-of-experts model are not exported (experts "
                              "travel whole, by iter_buckets); use rollout.weight_transport with full buckets")
+        if any(u.rule.rows for u in self.units):
+            raise ValueError("iter_shards: a rank's slice of a tensor whose rows are pieces (Gated DeltaNet's) is not "
+                             "one HF slice an engine rank could load by name; use rollout.weight_transport with full "
+                             "buckets")
         groups = buckets(self.units, self._shard_bytes, bucket_bytes)
         for bucket, buffer in zip(groups, self._buffers(groups, self._shard_bytes, reuse_buffer)):
             views, memory = self._unit_views(buffer, bucket, lambda u: u.shard_shapes(self.sizes, tp_rank, tp))

@@ -15,6 +15,7 @@ import torch
 from megarl.config.lora import LoraSpec
 from megarl.convert.layout import ModelSizes, fuse, hf_slices, unfuse
 from megarl.models.lora import adapted_layers, add_adapter, freeze_for_lora
+from megarl.models.weights import Fuse
 
 
 def _draw(key: str, shape: tuple[int, ...], bound: float) -> torch.Tensor:
@@ -57,6 +58,11 @@ def attach_lora(chunks: Sequence[Any], spec: LoraSpec, family: Any, hf_config: A
         freeze_for_lora(chunk)
         for global_name, layer, column in adapted_layers(chunk, spec.targets):
             at = index[f"{global_name}.weight"]
+            if at.rule.rows or at.rule.fuse not in (Fuse.NONE, Fuse.QKV, Fuse.GATE_UP):
+                raise ValueError(f"actor_rollout_ref.model.target_modules: LoRA on {global_name} (the {family.name} "
+                                 f"family's {', '.join(at.hf_names)}) is not mapped: its rows are pieces laid out "
+                                 "otherwise than PEFT's; leave it out of target_modules (e.g. the MLPs': "
+                                 "[gate_proj, up_proj, down_proj])")
             out_sizes = [_hf_out(at.rule, sizes, layer, part, len(at.hf_names)) for part in range(len(at.hf_names))]
             hf_shapes = [(rows, layer.input_size) for rows in out_sizes]
             a, bs = initial_factors(global_name, at.hf_names, hf_shapes, spec, seed)
