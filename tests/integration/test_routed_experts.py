@@ -17,7 +17,7 @@ from megarl.engines.client import run_sync
 from megarl.engines.cpu_engine.hf_engine import HFEngine
 from megarl.engines.engine import SamplingParams
 from megarl.models.tiny import build_tiny_tokenizer
-from tests.distributed import moe_jobs
+from tests.distributed import family_jobs, moe_jobs
 from tests.engine_servers import engine_servers
 
 PROMPTS = [[5, 9, 31, 4, 17, 2], [8, 3], [40, 41, 42, 43]]
@@ -47,16 +47,19 @@ def teacher_forced_routing(model, ids: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    """Tiny Qwen3-MoE, Mixtral and MiniMax-M2 (a sigmoid router with a bias) checkpoints with a tokenizer, by name."""
+    """Tiny Qwen3-MoE, Mixtral, MiniMax-M2 (a sigmoid router with a bias) and Qwen3.5-MoE (linear attention between
+    the routers) checkpoints with a tokenizer, by name."""
     out = {}
     for name in ("qwen3_moe", "mixtral", "minimax_m2"):
         out[name] = tmp_path_factory.mktemp(name)
         moe_jobs.save_tiny_moe(name, out[name], seed=2)
         build_tiny_tokenizer(moe_jobs.VOCAB).save_pretrained(out[name])
+    out["qwen3_5_moe"] = tmp_path_factory.mktemp("qwen3_5_moe")
+    family_jobs.save_tiny("qwen3_5_moe", out["qwen3_5_moe"], seed=2)
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "minimax_m2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "minimax_m2", "qwen3_5_moe"])
 def test_the_engine_returns_the_experts_of_every_computed_token(moe_dirs, name):
     """Batched, left-padded decoding with a KV cache routes each token as one forward over the whole sequence does
     (exactly, fp32); Qwen3-MoE's dense layer 1 holds zeros; the last sampled token has no routing."""
