@@ -123,6 +123,30 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
         use_routing_bias=True, scoring_func="sigmoid", num_mtp_modules=3, mtp_transformer_layers=1,
         shared_intermediate_size=0,
     ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json on the hub (model card: 80 B parameters, 3 B activated; 48
+    # layers in a 3:1 pattern of Gated DeltaNet and gated attention, 512 experts of which 10 per token and one
+    # shared, 16 query / 2 KV heads of 256, linear attention 16 key / 32 value heads of 128): the values
+    # transformers 5.24's Qwen3NextConfig gives as that checkpoint's.
+    "Qwen3-Next-80B-A3B": dict(
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=5120,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        full_attention_interval=4, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, rope_theta=10000000, partial_rotary_factor=0.25,
+    ),
+    # Qwen/Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers in the same 3:1 pattern, 256
+    # experts of which 8 per token and one shared, 16 query / 2 KV heads of 256, a 248,320-token vocabulary: the
+    # values transformers 5.24's Qwen3_5MoeTextConfig gives as that checkpoint's.
+    "Qwen3.5-35B-A3B": dict(
+        model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], hidden_size=2048,
+        num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        full_attention_interval=4, vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+    ),
     # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the hub: Qwen2's 7B language model (q/k/v biases, untied) with
     # multimodal RoPE (sections 16, 24, 24 of the 128-wide heads), and a 32-block vision tower (1280 wide, windowed
     # attention but in blocks 7, 15, 23, 31; 2 x 2 patch merging into the 3584-wide language model).

@@ -268,7 +268,27 @@ class Architecture:
         if self.family.mla is not None:
             d = self.family.mla.dims(self.hf_config)
             return self.num_layers * (d["kv_lora"] + d["rope"]) * dtype_bytes
-        return 2 * self.num_layers * max(self.kv_heads // tp, 1) * self.head_dim * dtype_bytes
+        return 2 * self.kv_layers * max(self.kv_heads // tp, 1) * self.head_dim * dtype_bytes
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers that cache keys and values (a hybrid's linear-attention layers keep a recurrent state per
+        sequence instead: :meth:`recurrent_bytes_per_sequence`)."""
+        from megarl.models.linear_attention import FULL
+
+        return sum(kind == FULL for kind in self.family.layer_attention(self.hf_config))
+
+    def recurrent_bytes_per_sequence(self, tp: int, dtype_bytes: int) -> int:
+        """A hybrid's linear-attention state of one sequence on one GPU of an engine with TP ``tp``: per Gated
+        DeltaNet layer, its value heads' ``key_dim × value_dim`` delta-rule state (fp32, as SGLang keeps it) and the
+        convolution's last ``kernel - 1`` inputs of q, k and v (in ``dtype_bytes``); 0 without linear attention."""
+        spec = self.family.linear_attention
+        if spec is None:
+            return 0
+        h, n = spec.heads(self.hf_config), spec.named_sizes(self.hf_config)
+        state = h["value_heads"] // tp * h["key_dim"] * h["value_dim"] * 4
+        conv = (2 * n["linear_k"] + n["linear_v"]) // tp * (h["kernel"] - 1) * dtype_bytes
+        return (self.num_layers - self.kv_layers) * (state + conv)
 
 
 def architecture_for(path: str, *, key: str) -> Architecture:

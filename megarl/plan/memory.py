@@ -110,7 +110,7 @@ from megarl.workers.roles import SCORING_ROLES, SPEC_OF
 ROWS = ("actor_weights", "actor_grads", "actor_optimizer", "ref_weights", "critic_state",
         *(f"{spec.name}_weights" for spec in SCORING_ROLES), "activations", "logits", "forward", "critic_activations",
         "critic_forward", *(f"{spec.name}_forward" for spec in SCORING_ROLES), "engine_weights", "kv_cache",
-        "sync_buffers", "cuda_context")
+        "recurrent_state", "sync_buffers", "cuda_context")
 """Memory rows of a GPU, in report order (a scoring role's weights and forward: ``<role>_weights``,
 ``<role>_forward``)."""
 
@@ -379,6 +379,12 @@ class MemoryModel:
             return (n - fp8) * self.engine_bytes + fp8 + 4 * math.ceil(fp8 / (128 * 128))
         return n * self.engine_bytes
 
+    def _recurrent_state(self) -> int:
+        """Bytes per engine GPU of its share of the batch's linear-attention states (0 without linear attention)."""
+        rows = math.ceil(self.cfg.data.train_batch_size * self.arr.rollout.n / len(self.placement.engines))
+        tp = self.engine_tp if self.arr.rollout.name == "sglang" else 1
+        return rows * self.model.recurrent_bytes_per_sequence(tp, self.engine_bytes)
+
     def _hf_engine_kv(self) -> int:
         rows = math.ceil(self.cfg.data.train_batch_size * self.arr.rollout.n / len(self.placement.engines))
         return rows * self.seq * self.model.kv_bytes_per_token(1, self.engine_bytes)
@@ -400,7 +406,11 @@ class MemoryModel:
             tokens = None
             if index is not None:
                 rows["engine_weights"] = engine_weights
-                rows["kv_cache"] = max(kv[index], 0)
+                # a hybrid's linear-attention state: one per sequence of the engine's share of the batch, carved out
+                # of SGLang's pool (its mamba cache) before the KV cache, beside the hf engine's batch share
+                rows["recurrent_state"] = self._recurrent_state()
+                rows["kv_cache"] = max(kv[index] - (rows["recurrent_state"] if self.arr.rollout.name == "sglang"
+                                                    else 0), 0)
                 rows["cuda_context"] += CUDA_CONTEXT_BYTES
                 per_token = kv_bytes_per_token if self.arr.rollout.name == "sglang" else \
                     self.model.kv_bytes_per_token(1, self.engine_bytes)
@@ -476,7 +486,8 @@ class MemoryModel:
 
     def _phases(self, rows: dict[str, int], training: bool) -> dict[str, dict[str, int]]:
         """Phase -> the rows it holds (bytes each); a phase's total is their sum."""
-        engine = {"engine_weights": rows["engine_weights"], "kv_cache": rows["kv_cache"]}
+        engine = {"engine_weights": rows["engine_weights"], "kv_cache": rows["kv_cache"],
+                  "recurrent_state": rows["recurrent_state"]}
         base = {"cuda_context": rows["cuda_context"]}
         # The hf engine's cache lives only while it generates; SGLang's pool comes back with the weights.
         resumed = engine if self.arr.rollout.name == "sglang" else {"engine_weights": rows["engine_weights"]}

@@ -168,6 +168,7 @@ def _row_names(plan: PlanFigures) -> dict[str, str]:
                           f"TP {plan.placement.engines[0].tp}"
                           + (", all experts" if plan.model.is_moe else "") + ")",
         "kv_cache": "KV cache" + (" (set at engine start)" if rollout.name == "sglang" else " (batch share)"),
+        "recurrent_state": "linear-attention state (per sequence of the batch share)",
         "sync_buffers": "weight-sync buffers",
         "cuda_context": "CUDA contexts",
     }
@@ -379,7 +380,7 @@ def _advice(plan: PlanFigures, row: str, phase: str) -> str | None:
         if row == f"{spec.name}_forward":
             sizing = spec.forward(plan.cfg)
             return f"lower {sizing.keys[1] if sizing.dynamic else sizing.keys[0]}"
-    if row in ("engine_weights", "kv_cache"):
+    if row in ("engine_weights", "kv_cache", "recurrent_state"):
         if phase not in ("rollout", "weight sync"):
             return f"set {ARR}.rollout.free_cache_engine=true"
         if rollout.name == "sglang":

@@ -417,7 +417,8 @@ def test_critic_counts_a_value_head_instead_of_the_lm_head():
             == one + 151936 * 896)
     assert set(KNOWN_ARCHITECTURES) == {"Qwen2.5-0.5B", "Qwen2.5-7B", "Llama-3.1-8B", "Skywork-Reward-Llama-3.1-8B-v0.2",
                                         "Llama-3.1-70B", "Qwen3-30B-A3B", "Qwen2.5-VL-7B", "DeepSeek-V3",
-                                        "Kimi-K2", "Qwen3-235B-A22B", "GLM-4.5", "MiniMax-M2"}
+                                        "Kimi-K2", "Qwen3-235B-A22B", "GLM-4.5", "MiniMax-M2", "Qwen3-Next-80B-A3B",
+                                        "Qwen3.5-35B-A3B"}
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -718,6 +719,53 @@ def test_minimax_m2_counts_match_its_model_card():
     shapes = arch.hf_shapes()
     assert shapes["model.layers.0.self_attn.q_norm.weight"] == (A * D,)
     assert shapes["model.layers.61.block_sparse_moe.e_score_correction_bias"] == (E,)
+
+
+@pytest.mark.parametrize("name, vocab, layers, experts, topk, grouped", [
+    ("Qwen3-Next-80B-A3B", 151936, 48, 512, 10, True), ("Qwen3.5-35B-A3B", 248320, 40, 256, 8, False)])
+def test_hybrid_linear_attention_counts_match_their_model_cards(name, vocab, layers, experts, topk, grouped):
+    """Qwen3-Next-80B-A3B: 79.7 B parameters, 3.9 B activated (3.3 B besides the embeddings: "A3B"); Qwen3.5-35B-A3B:
+    34.7 B, 3.5 B activated. By hand from the configs' sizes: three of four layers Gated DeltaNet (fused input
+    projections 2·K + 2·V + 2·Hv rows, the q/k/v convolution, dt_bias and A_log per value head, a norm of the value
+    head's width, the output projection), every fourth gated attention (q_proj twice the heads' width), every layer
+    the experts, the shared expert and its gate, two norms. The engines cache keys and values of the attention
+    layers only; each sequence's recurrent state is the linear layers'."""
+    arch = Architecture.from_hf(known_config(name), name=name, source="t")
+    h, A, G, D, f = 2048, 16, 2, 256, 512
+    K, V, Hv = 16 * 128, 32 * 128, 32
+    linear = (2 * K + 2 * V + 2 * Hv) * h + (2 * K + V) * 4 + 2 * Hv + 128 + V * h
+    assert linear == 33_718_464
+    full = 2 * A * D * h + 2 * G * D * h + A * D * h + 2 * D
+    assert full == 27_263_488
+    moe = experts * h + experts * 3 * f * h + 3 * f * h + h
+    total = 2 * vocab * h + h + layers // 4 * 3 * linear + layers // 4 * full + layers * (moe + 2 * h)
+    active = total - layers * (experts - topk) * 3 * f * h
+    assert arch.num_params == total and arch.num_active_params == active
+    assert (total, active) == {"Qwen3-Next-80B-A3B": (79_674_391_296, 3_874_929_408),
+                               "Qwen3.5-35B-A3B": (34_660_610_688, 3_454_988_928)}[name]
+    assert arch.family.linear_attention.grouped == grouped
+    assert arch.kv_bytes_per_token(tp=1, dtype_bytes=2) == 2 * (layers // 4) * G * D * 2
+    # per linear layer: 32 heads x 128 x 128 fp32 state, and 3 inputs of q, k, v kept for the convolution
+    assert arch.recurrent_bytes_per_sequence(tp=1, dtype_bytes=2) == layers // 4 * 3 * (Hv * 128 * 128 * 4
+                                                                                        + (2 * K + V) * 3 * 2)
+
+
+@pytest.mark.parametrize("recipe, gpus, engines, engine_tp, linear_layers", [
+    ("qwen3_5_35b_a3b_grpo", 16, 4, 4, 30), ("qwen3_next_80b_a3b_grpo", 32, 4, 8, 36)])
+def test_the_hybrid_linear_attention_recipes_fit_and_hold_each_sequences_state(recipe, gpus, engines, engine_tp,
+                                                                               linear_layers):
+    """Qwen3.5-35B-A3B (2 x 8 H100) and Qwen3-Next-80B-A3B (4 x 8 H100) are planned as fitting; each engine GPU
+    holds its share of the batch's linear-attention states (per sequence and linear layer: 32 value heads of 128 x
+    128 fp32 over the engine's TP, and 3 inputs of the q/k/v convolution), taken from SGLang's pool before the KV
+    cache, which keeps keys and values of the attention layers only."""
+    plan = plan_run(load_config([f"recipe={recipe}"]))
+    assert plan.fits, plan.problems()
+    assert plan.placement.role("actor").dims.world_size == gpus and len(plan.placement.engines) == engines
+    rows = 256 * 8 // engines  # train_batch_size x n over the engines
+    per_sequence = linear_layers * (32 // engine_tp * 128 * 128 * 4 + (2 * 2048 + 4096) // engine_tp * 3 * 2)
+    engine_gpus = [g for g in plan.gpus if g.engine]
+    assert engine_gpus and all(g.rows["recurrent_state"] == rows * per_sequence for g in engine_gpus)
+    assert all(g.kv_tokens >= 1_000_000 for g in engine_gpus)
 
 
 FRONTIER = {  # recipe -> (GPUs, GB per GPU, layers per pipeline stage, experts per GPU and sparse layer)
