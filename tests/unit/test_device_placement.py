@@ -159,13 +159,22 @@ def test_the_local_specs_norms_are_built_on_the_models_device_in_its_dtype(monke
     from megarl.models.local_spec import CpuRMSNorm
 
     config = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, use_cpu_initialization=False,
-                             params_dtype=torch.bfloat16)
+                             params_dtype=torch.bfloat16, layernorm_zero_centered_gamma=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")  # where Megatron builds the GPU parameters
     norm = CpuRMSNorm(config, 16, eps=1e-6)
     assert (norm.weight.device.type, norm.weight.dtype, tuple(norm.weight.shape)) == ("meta", torch.bfloat16, (16,))
     assert norm.weight.sequence_parallel is True
     on_host = CpuRMSNorm(SimpleNamespace(**{**vars(config), "use_cpu_initialization": True}), 16)
     assert (on_host.weight.device.type, on_host.weight.dtype) == ("cpu", torch.bfloat16)
+    # Zero-centred (Qwen3.5's norms, Megatron's layernorm_zero_centered_gamma): the weight holds gamma - 1
+    centred = CpuRMSNorm(SimpleNamespace(**{**vars(config), "use_cpu_initialization": True, "params_dtype": torch.float32,
+                                            "layernorm_zero_centered_gamma": True}), 16, eps=1e-6)
+    assert torch.equal(centred.weight, torch.zeros(16))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        centred.weight.copy_(torch.randn(16))
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + centred.weight)
+        assert (centred(x) - expected).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("te", [False, True])
