@@ -518,8 +518,32 @@ def family_for(hf_config) -> ModelFamily:
     for family in FAMILIES.values():
         if family.name == model_type or model_type in {a.removesuffix("ForCausalLM").lower() for a in family.architectures}:
             return family
+    for key in (*archs, model_type):
+        if key in UNMAPPED:
+            raise ValueError(UNMAPPED[key](hf_config))
     supported = ", ".join(sorted(FAMILIES))
     raise ValueError(
         f"no megarl model family serves architectures={archs} (model_type={model_type!r}); "
         f"supported architectures: {supported}"
     )
+
+
+def _no_megatron_layer(name: str, key: str, kinds: dict[str, str]):
+    """The refusal of a model whose ``key`` (per-layer kinds) names layers Megatron-Core has none of."""
+
+    def refuse(hf_config) -> str:
+        used = sorted(set(getattr(hf_config, key, None) or []) & set(kinds)) or sorted(kinds)
+        return (f"{name} is not supported: its {key} use {', '.join(f'{k} ({kinds[k]})' for k in used)}, for which "
+                "Megatron-Core 0.16 has no layer, so megarl cannot build, shard or train it")
+
+    return refuse
+
+
+UNMAPPED = {
+    arch: _no_megatron_layer("DeepSeek-V4 (" + arch + ")", "layer_types", {
+        "compressed_sparse_attention": "keys and values compressed 4:1 with a sparse indexer",
+        "heavily_compressed_attention": "keys and values compressed 128:1",
+        "sliding_attention": "a local window beside the compressed branches"})
+    for arch in ("DeepseekV4ForCausalLM", "deepseek_v4")
+}
+"""HF architectures (and model types) megarl knows it cannot map, with the reason :func:`family_for` gives."""

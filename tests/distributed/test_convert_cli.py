@@ -99,6 +99,15 @@ def test_unsupported_architecture(hf_dir, tmp_path, capsys):
     assert "no megarl model family serves architectures=['GPT2LMHeadModel']" in err
 
 
+def test_deepseek_v4_is_refused_naming_its_attention_kinds(tmp_path, capsys, no_ranks):
+    from transformers import DeepseekV4Config
+
+    DeepseekV4Config(num_hidden_layers=4, architectures=["DeepseekV4ForCausalLM"]).save_pretrained(tmp_path / "v4")
+    err = _fails(["hf-to-mcore", "--hf", str(tmp_path / "v4"), "--out", str(tmp_path / "o")], capsys)
+    assert "DeepSeek-V4 (DeepseekV4ForCausalLM) is not supported: its layer_types use compressed_sparse_attention" in err
+    assert "heavily_compressed_attention" in err and not (tmp_path / "o").exists()
+
+
 def test_inconsistent_heads_and_groups(hf_dir, tmp_path, capsys):
     src = _copy_model(hf_dir, tmp_path / "heads", config={"num_key_value_heads": 3})
     err = _fails(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "o")], capsys)

@@ -439,3 +439,15 @@ def test_minimax_m2_refuses_a_config_sglang_would_serve_as_another_model(kw, key
     cfg = _minimax(**kw)
     with pytest.raises(ValueError, match=re.escape(key)):
         family_for(cfg).transformer_config(cfg, ParallelDims())
+
+
+def test_deepseek_v4_is_refused_naming_its_attention_kinds():
+    """DeepSeek-V4's compressed attention has no Megatron-Core layer: refused where the family is looked up (the
+    run's and megarl-convert's checks, before any rank starts), naming the layer types its config uses."""
+    from transformers import DeepseekV4Config
+
+    for cfg in (DeepseekV4Config(num_hidden_layers=4, architectures=["DeepseekV4ForCausalLM"]),
+                DeepseekV4Config(num_hidden_layers=4)):
+        with pytest.raises(ValueError, match=r"DeepSeek-V4 .* layer_types use compressed_sparse_attention \(keys and "
+                                             r"values compressed 4:1.*heavily_compressed_attention.*no layer"):
+            family_for(cfg)
