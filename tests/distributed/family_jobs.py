@@ -107,6 +107,14 @@ def _step(hf_dir: str, batch: dict, layout) -> dict:
 
     old = full + batch["old_logp_shift"]
     step = sharded.train_step([{**_rows(batch, slice(i, i + 1)), "old_logp": old[i : i + 1]} for i in mine], loss_fn)
-    weights = {n: t.clone() for b in sharded.exporter().iter_full(1 << 22) for n, t in b}
+    exporter = sharded.exporter()
+    weights = {n: t.clone() for b in exporter.iter_full(1 << 22) for n, t in b}
+    # What the broadcast transport asks (TP rank 0 of each stage, its stage's tensors; small buckets): the same bits
+    stage = {n: t.clone() for bucket in exporter.iter_buckets(1 << 14, to_pp_ranks=(), tp_ranks=(0,))
+             for n, t in bucket.named()}
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, (sorted(stage), all(torch.equal(t, weights[n]) for n, t in stage.items())))
     return {"logp": full, "loss": step.loss, "grad_norm": step.grad_norm, "applied": step.applied,
-            "weights": weights if groups.rank == 0 else None}
+            "weights": weights if groups.rank == 0 else None,
+            "stage_names": sorted({n for names, _ in held for n in names}),
+            "stage_export_exact": all(exact for _, exact in held)}

@@ -52,6 +52,17 @@ def test_logprobs_equal_hf_and_one_step_equals_the_reference(results, check):
         assert (tensor - got["weights"][tensor_name]).abs().max() <= 1e-5, tensor_name
 
 
+@pytest.mark.parametrize("check", CHECKS, ids=[_id(c) for c in CHECKS])
+def test_the_stage_export_the_broadcast_transport_asks_is_bit_exact(results, check):
+    """The buckets the broadcast transport takes (TP rank 0 of each stage, small buckets: the Gated DeltaNet's pieced
+    tensors gathered over TP into several ranges each) hold the full export's bits, and the stages together every
+    tensor."""
+    ranks, _, _ = results
+    got = ranks[check]
+    assert got["stage_export_exact"]
+    assert set(got["stage_names"]) == set(got["weights"])
+
+
 @pytest.mark.parametrize("name", family_jobs.FAMILIES)
 def test_the_step_trains_every_tensor_of_the_linear_attention(results, name):
     """Gradients reach every Gated DeltaNet tensor (projections, convolution, decay, norm): the step moved each from
