@@ -36,6 +36,7 @@ from megarl.convert.hf_io import (
     copy_side_files,
     set_config_dtype,
 )
+from megarl.convert.layout import Slice
 from megarl.convert.preflight import check_mcore_files, check_mcore_shapes, check_output
 
 FORMAT = "megarl-mcore"
@@ -52,14 +53,21 @@ class ConversionReport:
     num_tensors: int
     num_bytes: int
     skipped: tuple[str, ...] = ()
-    """Tensors of the input the output leaves out, by name (a DeepSeek-V3 / GLM-4.5 checkpoint's multi-token-prediction
-    layer: not part of the model RL trains)."""
+    """Tensors of the input the Megatron model leaves out, by name (a DeepSeek-V3 / GLM-4.5 / MiniMax-M2 checkpoint's
+    multi-token-prediction layers: not part of the model RL trains), kept beside the checkpoint as they were
+    (:data:`KEPT_DIR`) and written back by :func:`mcore_to_hf`."""
 
     def skipped_line(self) -> str | None:
-        """What was left out, by layer, for the user (None: nothing)."""
+        """What the Megatron model leaves out and the output keeps, by layer, for the user (None: nothing)."""
         from megarl.convert.loader import skipped_summary
 
         return skipped_summary(self.skipped) if self.skipped else None
+
+
+KEPT_DIR = "kept"
+"""Where an hf-to-mcore output keeps the checkpoint's tensors the Megatron model leaves out (its multi-token-prediction
+layers), as HF safetensors shards, bit for bit: mcore-to-hf writes them back, so an exported model still serves
+speculative decoding."""
 
 
 def _load_hf_config(directory: Path, flag: str = "--hf"):
@@ -159,6 +167,7 @@ def hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int | None = None
         )
         (tmp / "hf_config").mkdir()
         copy_side_files(hf_dir, tmp / "hf_config")
+        _keep(checkpoint, family.skipped_tensors(hf_config, checkpoint.names()), tmp / KEPT_DIR)
         meta = {
             "format": FORMAT,
             "version": 1,
@@ -330,6 +339,7 @@ def mcore_to_hf(mcore, out, *, hf_config_dir=None, tp: int | None = None, pp: in
             _mcore_to_hf_rank, _world(dims), str(source.model_dir), str(config_dir), str(tmp), dims,
             source.dtype, dtype, max_shard_bytes, bucket_bytes, timeout_s=timeout_s, lora=source.lora, peft=peft,
             base_dir=None if base is None else str(base),
+            kept_dir=str(source.directory / KEPT_DIR) if (source.directory / KEPT_DIR).is_dir() else None,
         )
         if peft:
             num_tensors, num_bytes = _write_peft(tmp, results, source.lora, hf_config, dtype)
@@ -354,8 +364,20 @@ def _write_peft(out: Path, results: list, lora, hf_config, dtype: str) -> tuple[
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _keep(checkpoint: HFCheckpoint, names: list[str], directory: Path) -> None:
+    """The checkpoint's tensors ``names`` (those the Megatron model leaves out) written under ``directory`` as they
+    are, one at a time (a shard per 5 GiB)."""
+    if not names:
+        return
+    directory.mkdir()
+    writer = ShardedWriter(directory)
+    for name in names:
+        writer.add(name, checkpoint.read(name, Slice(None)))
+    writer.close()
+
+
 def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, max_shard_bytes, bucket_bytes,
-                      lora=None, peft=False, base_dir=None):
+                      lora=None, peft=False, base_dir=None, kept_dir=None):
     from tqdm import tqdm
 
     from megarl.convert.dist_checkpoint import load_dist_checkpoint
@@ -391,7 +413,15 @@ def _mcore_to_hf_rank(model_dir, config_dir, out_dir, dims, saved_dtype, dtype, 
                     writer.add(name, tensor)
                 num_tensors += 1
             bar.update(sum(t.numel() * t.element_size() for _, t in bucket))
+    kept_bytes = 0
+    if writer is not None and kept_dir is not None:  # the layers the model left out, back as they were
+        kept = HFCheckpoint(kept_dir)
+        for name in kept.names():
+            tensor = kept.read(name, Slice(None))
+            writer.add(name, tensor)
+            kept_bytes += tensor.numel() * tensor.element_size()
+            num_tensors += 1
     if writer is not None:
         writer.close()
     destroy_parallel()
-    return num_tensors, exporter.total_bytes
+    return num_tensors, exporter.total_bytes + kept_bytes

@@ -113,4 +113,5 @@ def _load_score_head(model_chunks, checkpoint: HFCheckpoint, hf_dir) -> int:
 def skipped_summary(skipped) -> str:
     """The tensors a family skips on load (its multi-token-prediction layers), by layer, for the user."""
     layers = sorted({".".join(name.split(".")[:3]) for name in skipped})
-    return f"skipped {len(skipped)} tensors of {', '.join(layers)} (multi-token prediction: not part of the model RL trains)"
+    return (f"skipped {len(skipped)} tensors of {', '.join(layers)} (multi-token prediction: not part of the model RL "
+            "trains; megarl-convert keeps them beside the checkpoint and writes them back)")
