@@ -73,18 +73,21 @@ class ModelFamily:
     reads and transformers does not (MiniMax-M2's ``use_qk_norm``: transformers always applies the norms, SGLang only
     under it). A config must hold each at its value (a callable: computed from the config), or the engines would
     serve another model than the one trained; :meth:`transformer_config` refuses it, naming the key."""
+    extra_prefix: str | None = None
+    """Where the checkpoint keeps its multi-token-prediction module outside the model's layers (Qwen3.5's and
+    Qwen3-Next's ``mtp.``): skipped on load like :attr:`extra_layers_key`'s layers, kept by ``megarl-convert``."""
     extra_layers_key: str | None = None
     """HF config key of how many layers the checkpoint holds after the model's (DeepSeek-V3's multi-token-prediction
     layer, ``num_nextn_predict_layers``): skipped on load (:meth:`skipped_tensors`), never trained or exported."""
 
     def skipped_tensors(self, hf_config, names) -> list[str]:
         """Of a checkpoint's tensor ``names``, those of layers past the model's that the family skips (its
-        multi-token-prediction layers, ``model.layers.<num_hidden_layers + k>.*``)."""
-        if self.extra_layers_key is None:
-            return []
-        first = int(hf_config.num_hidden_layers)
-        extra = int(getattr(hf_config, self.extra_layers_key, 0) or 0)
-        prefixes = tuple(f"model.layers.{first + k}." for k in range(extra))
+        multi-token-prediction layers, ``model.layers.<num_hidden_layers + k>.*``, or under :attr:`extra_prefix`)."""
+        prefixes = (self.extra_prefix,) if self.extra_prefix else ()
+        if self.extra_layers_key is not None:
+            first = int(hf_config.num_hidden_layers)
+            extra = int(getattr(hf_config, self.extra_layers_key, 0) or 0)
+            prefixes += tuple(f"model.layers.{first + k}." for k in range(extra))
         return [name for name in names if prefixes and name.startswith(prefixes)]
 
     def qkv_bias(self, hf_config) -> bool:

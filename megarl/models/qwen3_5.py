@@ -28,6 +28,7 @@ QWEN3_5 = register(
         attention=QWEN3_5_ATTENTION,
         linear_attention=QWEN3_5_LINEAR,
         zero_centered_norms=True,
+        extra_prefix="mtp.",  # the checkpoints' multi-token-prediction module
     )
 )
 
@@ -42,5 +43,6 @@ QWEN3_5_MOE = register(
         attention=QWEN3_5_ATTENTION,
         linear_attention=QWEN3_5_LINEAR,
         zero_centered_norms=True,
+        extra_prefix="mtp.",  # the checkpoints' multi-token-prediction module
     )
 )

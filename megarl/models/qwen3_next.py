@@ -27,5 +27,6 @@ QWEN3_NEXT = register(
         attention=QWEN3_5_ATTENTION,
         linear_attention=QWEN3_NEXT_LINEAR,
         zero_centered_norms=True,
+        extra_prefix="mtp.",  # the checkpoints' multi-token-prediction module
     )
 )

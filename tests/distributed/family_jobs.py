@@ -53,6 +53,14 @@ def save_tiny(name: str, directory, seed: int = 0):
             elif param_name.endswith("gate.weight"):
                 param.copy_(torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
+    if name == "qwen3_next":  # as the hub's: a multi-token-prediction module under mtp.* (not part of the model)
+        from safetensors.torch import load_file, save_file
+
+        path, hidden = f"{directory}/model.safetensors", model.config.hidden_size
+        tensors = load_file(path)
+        tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
+                        "mtp.layers.0.input_layernorm.weight": torch.randn(hidden)})
+        save_file(tensors, path, metadata={"format": "pt"})
     build_tiny_tokenizer(VOCAB).save_pretrained(directory)
     return model
 
