@@ -283,10 +283,11 @@ class WeightExporter:
             out = where[id(units[0])]
             group, tp, rank = self._split(units[0])
             if kind == "copy":
-                if out is not None:  # (a whole tensor, but one whose rows the shard holds in another order)
-                    unit = units[0]
-                    targets = [where.apply(full) for where, full in
-                               zip(hf_slices(unit.rule, unit.hf_shapes, self.sizes, rank, tp), out, strict=True)]
+                if out is not None:
+                    unit, targets = units[0], out
+                    if unit.rule.rows:  # a whole tensor, but one whose rows the shard holds in another order
+                        targets = [where.apply(full) for where, full in
+                                   zip(hf_slices(unit.rule, unit.hf_shapes, self.sizes, rank, tp), out, strict=True)]
                     unfuse_into(unit.rule, self._shard(unit.megatron_name), self.sizes, rank, tp, targets)
             elif kind == "in_place":
                 shard = self._shard(units[0].megatron_name)

@@ -181,10 +181,9 @@ class LinearAttentionSpec:
         full-attention layers keep theirs."""
         from megatron.core.transformer.identity_op import IdentityOp
 
-        linear = [bool(x) for x in pattern]
+        mixer = self.layer_attention_spec(use_te=use_te)
         for index, spec in enumerate(layer_specs):
-            if linear[offset + index]:
-                mixer = self.layer_attention_spec(use_te=use_te)
+            if pattern[offset + index]:
                 # the input norm is TE's in_proj's in a checkpoint of either spec (as the attention's is linear_qkv's)
                 keys = {k: ("self_attention.in_proj.layer_norm_" if k == "input_layernorm." else v)
                         for k, v in spec.submodules.sharded_state_dict_keys_map.items()}

@@ -29,6 +29,14 @@ def make_batch(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def scored_positions(batch) -> torch.Tensor:
+    """``[N, S]`` bool: the positions whose next token is real (where a log-prob is compared)."""
+    valid = batch["attention_mask"].bool().clone()
+    valid[:, :-1] &= batch["attention_mask"][:, 1:].bool()
+    valid[:, -1] = False
+    return valid
+
+
 def hf_logprobs(model, batch) -> torch.Tensor:
     """log p(token t+1 | ≤ t) from HF transformers with positions from the attention mask."""
     mask = batch["attention_mask"]

@@ -12,7 +12,7 @@ import torch
 
 from megarl.parallel.launch import run_ranks
 from tests.distributed import family_jobs
-from tests.distributed.sharded_model_jobs import NUM_ROWS
+from tests.distributed.sharded_model_jobs import NUM_ROWS, scored_positions
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,7 @@ def test_logprobs_equal_hf_and_one_step_equals_the_reference(results, check):
     name, layout = check
     got, reference = ranks[(name, layout)], ranks[(name, family_jobs.LAYOUTS[name][0])]
     batch = cases[name][1]
-    valid = batch["attention_mask"].bool().clone()
-    valid[:, :-1] &= batch["attention_mask"][:, 1:].bool()
-    valid[:, -1] = False
+    valid = scored_positions(batch)
     assert valid.sum() > 2 * NUM_ROWS
     assert (got["logp"] - expected[name])[valid].abs().max() <= 1e-5
     assert got["applied"] and reference["applied"]

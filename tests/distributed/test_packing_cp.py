@@ -27,13 +27,6 @@ def results(tmp_path_factory):
     return ranks, batch, expected, critic_batch, values
 
 
-def _valid(batch):
-    valid = batch["attention_mask"].bool().clone()
-    valid[:, :-1] &= batch["attention_mask"][:, 1:].bool()
-    valid[:, -1] = False
-    return valid
-
-
 def _name(layout):
     tp, pp, cp, sp, packed = layout
     return "tp%d-pp%d-cp%d%s-%s" % (tp, pp, cp, "-sp" if sp else "", "packed" if packed else "padded")
@@ -51,7 +44,7 @@ def _same_step(got, reference):
 @pytest.mark.parametrize("layout", packing_cp_jobs.LAYOUTS, ids=_name)
 def test_logprobs_and_one_ppo_step_equal_the_reference(results, layout):
     ranks, batch, expected, _, _ = results
-    valid = _valid(batch)
+    valid = sharded_model_jobs.scored_positions(batch)
     reference = ranks[0][packing_cp_jobs.REFERENCE]
     got = ranks[0][layout]
     tp, pp, cp, sp, packed = layout
@@ -71,7 +64,7 @@ def test_logprobs_and_one_ppo_step_equal_the_reference(results, layout):
 def test_sequence_parallel_equals_tp2_without(results):
     ranks = results[0]
     plain, sp = ranks[0][(2, 1, 1, False, True)], ranks[0][(2, 1, 1, True, True)]
-    assert (plain["logp"] - sp["logp"])[_valid(results[1])].abs().max() <= 1e-5
+    assert (plain["logp"] - sp["logp"])[sharded_model_jobs.scored_positions(results[1])].abs().max() <= 1e-5
     _same_step(sp, plain)
     # every norm (2 per layer and the final one) is marked for the TP all-reduce of its gradient
     assert sp["sequence_parallel_params"] == ["decoder.final_layernorm.weight"] + [
